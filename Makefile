@@ -1,0 +1,28 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+# torch is pinned to 2.13.0: on our machines that version installs the CPU build from local disk, while a plain
+# `pip install torch` would download a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: install demo test doctest docs bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[test,docs]" "torch==$(TORCH_VERSION)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build dist docs/_build src/*.egg-info

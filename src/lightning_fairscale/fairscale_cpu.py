@@ -1,0 +1,265 @@
+"""CPU compatibility layer for FairScale 0.4.13's ``FullyShardedDataParallel``.
+
+FairScale's FSDP was written for CUDA and NCCL. It runs unchanged on GPUs, but on a CPU process group (gloo) it
+fails in several places. FairScale is frozen, so the fixes live here, in one place, and each one is bounded:
+nothing in this module changes what happens on a CUDA device, and no installed file is edited.
+
+The workarounds, and why each is needed:
+
+1. **CUDA streams.** FSDP overlaps communication with computation on ``torch.cuda.Stream`` objects and calls
+   ``torch.cuda.current_stream()``, ``torch.cuda.stream(...)`` and ``torch.cuda.synchronize()`` unconditionally,
+   which raise on a machine without CUDA. CPU work is executed in program order, so streams have nothing to do
+   there. :func:`install` gives FairScale's FSDP module (and only that module) a view of ``torch`` whose ``cuda``
+   attribute answers these calls with a single no-op CPU stream. It is installed only when
+   ``torch.cuda.is_available()`` is ``False``; with CUDA present FairScale keeps the real ``torch``.
+2. **``Tensor.record_stream`` on CPU tensors.** FSDP records its CUDA streams on gradient and parameter buffers so
+   the caching allocator does not reuse them early. PyTorch has no CPU kernel for ``aten::record_stream`` (it raises
+   ``NotImplementedError``). CPU memory is not stream-ordered, so recording is meaningless there: :func:`install`
+   registers a no-op CPU kernel. CUDA tensors keep PyTorch's own kernel.
+3. **Reduce-scatter buckets on gloo.** FairScale's ``ReduceScatterBucketer`` hands a 2-D ``(world_size, n)`` tensor
+   to ``_reduce_scatter_base``. NCCL accepts that; gloo checks ``output.numel() * world_size == input.shape[0]`` and
+   aborts. :class:`GlooReduceScatterBucketer` passes the same memory as a 1-D view, which is the layout gloo
+   expects and gives the identical result. It is used only when the reduce-scatter group's backend is gloo.
+4. **``clip_grad_norm_`` calls ``.cuda()``** on the local norm. :class:`FullyShardedDataParallel` computes the global
+   norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA.
+5. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
+   CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
+   :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
+
+Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from fairscale.internal import reduce_scatter_bucketer as _rs_bucketer
+from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_module
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from torch import Tensor
+
+__all__ = ["FullyShardedDataParallel", "GlooReduceScatterBucketer", "install", "is_installed"]
+
+
+class _CpuStream(torch.Stream):
+    """A stream that orders nothing: CPU work already runs in program order."""
+
+    def __new__(cls) -> _CpuStream:
+        return super().__new__(cls, device="cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for on the CPU."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for on the CPU."""
+
+    def synchronize(self) -> None:
+        """Nothing to synchronize on the CPU."""
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _cpu_current_stream(device: Any = None) -> _CpuStream:
+    return _CPU_STREAM
+
+
+def _cpu_stream_context(stream: Any) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    return None
+
+
+def _cpu_new_stream(*args: Any, **kwargs: Any) -> _CpuStream:
+    return _CPU_STREAM
+
+
+class _CudaWithoutCuda(types.ModuleType):
+    """``torch.cuda`` as FairScale's FSDP sees it on a host without CUDA (workaround 1).
+
+    Stream calls become no-ops on one CPU stream; every other attribute is the real ``torch.cuda`` one.
+    """
+
+    current_stream = staticmethod(_cpu_current_stream)
+    stream = staticmethod(_cpu_stream_context)
+    synchronize = staticmethod(_cpu_synchronize)
+    Stream = staticmethod(_cpu_new_stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchWithoutCuda(types.ModuleType):
+    """``torch`` as FairScale's FSDP sees it on a host without CUDA: only ``cuda`` differs."""
+
+    cuda = _CudaWithoutCuda("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_install_lock = threading.Lock()
+_record_stream_library: Optional[torch.library.Library] = None
+
+
+def is_installed() -> bool:
+    """Whether the CPU workarounds are active in this process."""
+    return isinstance(getattr(_fsdp_module, "torch", None), _TorchWithoutCuda)
+
+
+def install() -> None:
+    """Activate the workarounds 1 and 2 for this process. Idempotent; does nothing when CUDA is available.
+
+    The strategy calls this before wrapping a module for a CPU run. Calling it yourself is only needed when you
+    use :class:`FullyShardedDataParallel` directly on CPU, outside the Trainer.
+
+    Example:
+        >>> from lightning_fairscale import fairscale_cpu
+        >>> fairscale_cpu.install()
+        >>> fairscale_cpu.is_installed() or torch.cuda.is_available()
+        True
+    """
+    global _record_stream_library
+    if torch.cuda.is_available():
+        return
+    with _install_lock:
+        if _record_stream_library is None:
+            library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - registering a missing kernel
+            library.impl("record_stream", _record_stream_on_cpu, "CPU")
+            _record_stream_library = library
+        if not is_installed():
+            _fsdp_module.torch = _TorchWithoutCuda("torch")  # type: ignore[attr-defined]
+
+
+def _record_stream_on_cpu(tensor: Tensor, stream: Any) -> None:
+    """CPU memory is not stream-ordered: there is nothing to record (workaround 2)."""
+    return None
+
+
+class GlooReduceScatterBucketer(_rs_bucketer.ReduceScatterBucketer):
+    """FairScale's reduce-scatter bucketer with gloo-compatible input shapes (workaround 3)."""
+
+    def _get_bucket(self, tensor: Tensor, group: Any) -> _rs_bucketer.Bucket:
+        key = (tensor.dtype, tensor.device, group)
+        if key not in self.buckets:
+            world_size = group.size()
+            shard_size = self._get_shard_size(tensor.element_size(), world_size)
+            data = tensor.new_zeros((world_size, shard_size))
+            self.buckets[key] = _GlooBucket(data, group)
+        self.buckets[key].setup()
+        return self.buckets[key]
+
+
+class _GlooBucket(_rs_bucketer.Bucket):
+    """A bucket whose flush hands gloo a 1-D input of ``world_size * n`` elements."""
+
+    def flush(self) -> None:
+        if self.offset == 0:
+            return
+        # Row r of ``data`` holds the chunk destined for rank r, so the row-major 1-D view is exactly the
+        # concatenation of chunks that ``_reduce_scatter_base`` expects.
+        flat_input = self.data[:, : self.offset].contiguous().view(-1)
+        dist.reduce_scatter_tensor(self.output_shard[: self.offset], flat_input, group=self.group)
+        for callback_fn in self.callbacks:
+            callback_fn()
+        self.data[:, : self.offset].zero_()
+        self.offset = 0
+        self.callbacks.clear()
+        self.output_shard = torch.zeros_like(self.data[0])
+
+
+def _is_gloo(group: Any) -> bool:
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+
+
+class FullyShardedDataParallel(_FairScaleFSDP):
+    """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo.
+
+    On CUDA it behaves exactly like FairScale's class. On CPU it uses no-op streams (after :func:`install`), a
+    gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
+    """
+
+    def _setup_streams(self) -> None:
+        if len(self._streams) > 0 or not self._is_root:
+            return
+        super()._setup_streams()
+        if self.compute_device.type == "cpu" and not self._streams:
+            # No CUDA: FairScale created no streams, but indexes ``self._streams`` on every forward and backward.
+            for name in ("fp32_to_fp16", "all_gather", "post_backward"):
+                self._streams[name] = _CPU_STREAM
+        if _is_gloo(self.process_group_reduce_scatter):
+            reducer = GlooReduceScatterBucketer(self.bucket_cap_mb)
+            self._reducer = reducer
+            for module in self.modules():
+                if isinstance(module, _FairScaleFSDP):
+                    module._streams = self._streams
+                    module._reducer = reducer
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> Tensor:
+        """Clip the gradients of all shards by their global norm, like :func:`torch.nn.utils.clip_grad_norm_`.
+
+        Must be called on the root instance, on all ranks. On CUDA this is FairScale's own implementation.
+        """
+        if self.compute_device.type == "cuda":
+            return super().clip_grad_norm_(max_norm, norm_type)
+        self._lazy_init()
+        assert self._is_root, "clip_grad_norm_ must be called on the root FullyShardedDataParallel instance"
+        return clip_grad_norm_(
+            [p for p in self.parameters() if p.grad is not None], max_norm, norm_type, group=self.process_group
+        )
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: Any = None) -> Tensor:
+    """The norm of all ranks' gradient shards together, as if they were one vector. A collective call.
+
+    Shards are disjoint (padding gradients are zero), so the p-norm of the whole is the p-th root of the sum of
+    the shards' p-th powers, and the infinity norm is the maximum of the shards' maxima.
+    """
+    device = params[0].grad.device if params else torch.device("cpu")
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if norm_type == math.inf:
+        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    if grads:
+        local = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        local = (local**norm_type).sum()
+    else:
+        local = torch.zeros((), device=device)
+    dist.all_reduce(local, group=group)
+    return local ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, norm_type: float, group: Any = None) -> Tensor:
+    """Scale every shard's gradients by ``max_norm / global_norm`` when the global norm exceeds ``max_norm``.
+
+    Uses the same coefficient as :func:`torch.nn.utils.clip_grad_norm_`: ``max_norm / (norm + 1e-6)``, clamped to 1.
+    """
+    norm_type = float(norm_type)
+    total_norm = global_grad_norm(params, norm_type, group)
+    clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(clip_coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    return total_norm
+
+
+def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:
+    """Every FairScale FSDP instance in ``module``, outermost first."""
+    return (m for m in module.modules() if isinstance(m, _FairScaleFSDP))
+

@@ -1,0 +1,284 @@
+"""Optimizers over FSDP-managed parameters: re-pointing them, and their state in a standard layout.
+
+FSDP replaces a unit's parameters by one flat, sharded parameter per unit (or shards each parameter in place with
+``flatten_parameters=False``). This module keeps the user's optimizer faithful to that:
+
+* :class:`ParameterLayout` records which slice of which FSDP-managed parameter holds each original parameter.
+* :func:`repoint_optimizer` changes an optimizer created over the original parameters (``self.parameters()``) to
+  hold the FSDP-managed ones instead, in place, so its class, hyperparameters, param groups and LR schedulers stay
+  as the user made them.
+* :func:`consolidate_state` gathers the sharded optimizer state on rank 0 into the state dict a plain optimizer over
+  the unwrapped module would have (one entry per original parameter, in the user's order), and
+  :func:`shard_state` turns such a state dict back into this rank's shard, for any number of ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_fairscale.wrapping import clean_path
+
+__all__ = ["ParameterLayout", "Piece", "consolidate_state", "repoint_optimizer", "shard_state"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One original parameter inside an FSDP-managed parameter: ``managed.full[offset:offset+numel].view(shape)``."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class _Managed:
+    unit: _FairScaleFSDP
+    pieces: list[Piece]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.pieces)
+
+
+@dataclass
+class ParameterLayout:
+    """Where each original parameter lives after wrapping.
+
+    Build it with :meth:`before_wrapping` on the unwrapped module, then :meth:`after_wrapping` on the root unit.
+    """
+
+    _owners: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
+    managed: dict[nn.Parameter, _Managed] = field(default_factory=dict)
+    _original: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
+
+    @classmethod
+    def before_wrapping(cls, module: nn.Module) -> ParameterLayout:
+        layout = cls()
+        for owner in module.modules():
+            for name, param in owner._parameters.items():
+                if param is not None and not hasattr(param, "_is_sharded"):
+                    layout._owners[(id(owner), name)] = param
+        return layout
+
+    def after_wrapping(self, root: nn.Module) -> ParameterLayout:
+        for path, unit in root.named_modules():
+            if not isinstance(unit, _FairScaleFSDP):
+                continue
+            prefix = clean_path(path + ".") if path else ""
+            flat_count = unit._num_flatten_params
+            for managed in unit.params[:flat_count]:
+                pieces, offset = [], 0
+                for (module_name, owner, name), numel, shape in zip(
+                    managed._param_infos, managed._param_numels, managed._param_shapes
+                ):
+                    key = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
+                    pieces.append(Piece(key, offset, numel, torch.Size(shape)))
+                    original = self._owners.get((id(owner), name))
+                    if original is not None:
+                        self._original[id(original)] = (managed, len(pieces) - 1)
+                    offset += numel
+                self.managed[managed] = _Managed(unit, pieces)
+            for managed, names in zip(unit.params[flat_count:], unit._param_name_groups[flat_count:]):
+                shape = torch.Size(managed._orig_size)
+                self.managed[managed] = _Managed(unit, [Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape)])
+                self._original[id(managed)] = (managed, 0)
+        return self
+
+    def locate(self, param: nn.Parameter) -> list[tuple[nn.Parameter, int]]:
+        """The (managed parameter, piece index) pairs that ``param`` stands for; empty when FSDP does not manage it."""
+        if param in self.managed:
+            return [(param, k) for k in range(len(self.managed[param].pieces))]
+        found = self._original.get(id(param))
+        return [found] if found is not None else []
+
+
+#: For each param group, the pieces in the order the user listed the original parameters.
+GroupOrder = list[list[tuple[nn.Parameter, int]]]
+
+
+def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:
+    """Make ``optimizer`` hold the FSDP-managed parameters instead of the original ones, in place.
+
+    Raises:
+        ValueError: the optimizer holds a parameter FSDP does not manage, or splits one flat parameter between param
+            groups or leaves part of it out (its slices cannot get different hyperparameters).
+    """
+    orders: GroupOrder = []
+    group_of: dict[nn.Parameter, int] = {}
+    covered: dict[nn.Parameter, set[int]] = defaultdict(set)
+    for index, group in enumerate(optimizer.param_groups):
+        order: list[tuple[nn.Parameter, int]] = []
+        new_params: list[nn.Parameter] = []
+        for param in group["params"]:
+            located = layout.locate(param)
+            if not located:
+                raise ValueError(
+                    f"The optimizer {type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is"
+                    " not part of the LightningModule, so FSDP does not shard or update it. Create the optimizer in"
+                    " `configure_optimizers` from `self.parameters()` (or `self.trainer.model.parameters()`), and keep"
+                    " every trained module an attribute of the LightningModule."
+                )
+            for managed, piece in located:
+                if group_of.setdefault(managed, index) != index:
+                    raise ValueError(_split_message(layout, managed, "is split between param groups"))
+                if not any(managed is p for p in new_params):
+                    new_params.append(managed)
+                covered[managed].add(piece)
+                order.append((managed, piece))
+        group["params"] = new_params
+        orders.append(order)
+    for managed, pieces in covered.items():
+        if len(pieces) != len(layout.managed[managed].pieces):
+            raise ValueError(_split_message(layout, managed, "is only partly in the optimizer"))
+    optimizer.state = defaultdict(dict)
+    return orders
+
+
+def _split_message(layout: ParameterLayout, managed: nn.Parameter, problem: str) -> str:
+    names = ", ".join(p.name for p in layout.managed[managed].pieces)
+    return (
+        f"The flattened FSDP parameter holding [{names}] {problem}. With `flatten_parameters=True` all parameters"
+        " of one FSDP unit are a single tensor and must share one param group. Put them in the same group, make"
+        " the layers that need other hyperparameters their own units (`auto_wrap_policy`), or pass"
+        " `DDPFullyShardedStrategy(flatten_parameters=False)`."
+    )
+
+
+def _is_elementwise(value: Any, like: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.shape == like.shape and value.dim() > 0
+
+
+def _gather_full(shard: Tensor, numel: int, rank: int, world_size: int, group: Any) -> Tensor | None:
+    """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks."""
+    gathered = [torch.empty_like(shard) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(shard.contiguous(), gathered, dst=0, group=group)
+    if gathered is None:
+        return None
+    return torch.cat([t.reshape(-1).cpu() for t in gathered])[:numel]
+
+
+def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder) -> dict[str, Any]:
+    """The optimizer state of all ranks as one standard state dict on rank 0 (``{}`` elsewhere). A collective call.
+
+    The result is what ``optimizer.state_dict()`` of a plain optimizer over the unwrapped module returns: entry ``i``
+    belongs to the ``i``-th original parameter as the user listed them in ``configure_optimizers``.
+    """
+    saved = optimizer.state_dict()
+    managed_params = [p for group in optimizer.param_groups for p in group["params"]]
+    units = {id(layout.managed[p].unit.process_group): layout.managed[p].unit for p in managed_params}
+    unit = next(iter(units.values()))
+    rank, world_size, group = unit.rank, unit.world_size, unit.process_group
+    _check_same_state_keys(optimizer, managed_params, group)
+
+    full_state: dict[nn.Parameter, dict[str, Any]] = {}
+    for param in managed_params:
+        state = optimizer.state.get(param, {})
+        full: dict[str, Any] = {}
+        for key in sorted(state):
+            value = state[key]
+            if _is_elementwise(value, param):
+                full[key] = _gather_full(value, layout.managed[param].numel, rank, world_size, group)
+            else:
+                full[key] = value
+        full_state[param] = full
+    if rank != 0:
+        return {}
+
+    out_state: dict[int, dict[str, Any]] = {}
+    out_groups: list[dict[str, Any]] = []
+    index = 0
+    for group_saved, order in zip(saved["param_groups"], orders):
+        indices = []
+        for managed, piece_index in order:
+            piece = layout.managed[managed].pieces[piece_index]
+            state = full_state[managed]
+            if state:
+                out_state[index] = {
+                    key: (
+                        value[piece.offset : piece.offset + piece.numel].view(piece.shape).clone()
+                        if isinstance(value, Tensor) and _is_elementwise(optimizer.state[managed][key], managed)
+                        else copy.deepcopy(value)
+                    )
+                    for key, value in state.items()
+                }
+            indices.append(index)
+            index += 1
+        out_groups.append({**{k: v for k, v in group_saved.items() if k != "params"}, "params": indices})
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def _check_same_state_keys(optimizer: Optimizer, params: list[nn.Parameter], group: Any) -> None:
+    signature = [sorted(optimizer.state.get(p, {})) for p in params]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, signature, group=group)
+    if any(other != signature for other in everyone):
+        raise RuntimeError(
+            "The ranks hold different optimizer state entries, so the state cannot be consolidated. This happens when"
+            " ranks step different parameters; make every rank run the same optimizer steps."
+        )
+
+
+def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder) -> dict:
+    """This rank's part of a standard optimizer state dict, ready for ``optimizer.load_state_dict``.
+
+    ``full`` may come from :func:`consolidate_state` on any number of ranks, or from a plain optimizer over the
+    unwrapped module built the same way.
+
+    Raises:
+        ValueError: ``full`` was saved for other parameters or param groups.
+    """
+    saved_groups = full.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer state has {len(saved_groups)} param groups but the optimizer has"
+            f" {len(optimizer.param_groups)}. Resume with the optimizer configuration the checkpoint was saved with."
+        )
+    saved_state = full.get("state", {})
+    out_state: dict[int, dict[str, Any]] = {}
+    out_groups: list[dict[str, Any]] = []
+    index = 0
+    for group, saved_group, order in zip(optimizer.param_groups, saved_groups, orders):
+        if len(saved_group["params"]) != len(order):
+            raise ValueError(
+                f"A param group of the checkpoint's optimizer state holds {len(saved_group['params'])} parameters,"
+                f" the optimizer's holds {len(order)}. The checkpoint was saved for a different model or optimizer."
+            )
+        by_piece = {located: saved_state.get(i) for located, i in zip(order, saved_group["params"])}
+        first = index
+        for managed in group["params"]:
+            info = layout.managed[managed]
+            states = [by_piece.get((managed, k)) for k in range(len(info.pieces))]
+            if any(s for s in states):
+                out_state[index] = _merge_pieces(managed, info, states)
+            index += 1
+        out_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(first, index))})
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
+    present = [s for s in states if s]
+    if len(present) != len(states):
+        missing = [p.name for p, s in zip(info.pieces, states) if not s]
+        raise ValueError(f"The checkpoint's optimizer state has no entry for {missing}, but has for their FSDP unit.")
+    merged: dict[str, Any] = {}
+    for key, value in present[0].items():
+        if isinstance(value, Tensor) and all(value.shape == p.shape for p in info.pieces[:1]) and value.dim() > 0:
+            flat = torch.cat([s[key].reshape(-1) for s in present])
+            if flat.numel() != info.numel:
+                raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
+            if managed._is_sharded:  # type: ignore[attr-defined]
+                flat, _ = info.unit._get_shard(flat)
+            merged[key] = flat.view(managed.shape).clone()
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged

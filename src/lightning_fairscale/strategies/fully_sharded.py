@@ -1,0 +1,331 @@
+"""``DDPFullyShardedStrategy``: FairScale's Fully Sharded Data Parallel under Lightning 2.x's Trainer."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Generator, Mapping
+from datetime import timedelta
+from typing import Any, Literal, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed.fsdp.wrap as torch_wrap
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.wrap import enable_wrap
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.strategies import _StrategyRegistry
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.optim import GroupOrder, ParameterLayout, consolidate_state, repoint_optimizer, shard_state
+from lightning_fairscale.wrapping import (
+    AutoWrapPolicy,
+    auto_wrap_policy,
+    unwrap_module,
+    validate_auto_wrap_policy,
+    wrap_module,
+)
+
+log = logging.getLogger(__name__)
+
+#: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
+_MANAGED_FSDP_ARGUMENTS = {
+    "module": "the strategy wraps the LightningModule itself",
+    "process_group": "the strategy uses the Trainer's process group",
+    "compute_device": "the Trainer's `accelerator`/`devices` choose it",
+    "mixed_precision": "the Trainer's `precision` flag sets it",
+    "move_params_to_cpu": "use `cpu_offload`",
+    "state_dict_device": "use `state_dict_to_cpu`",
+}
+_FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {"self"}
+
+
+class DDPFullyShardedStrategy(DDPStrategy):
+    """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
+
+    Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
+    Lightning 1.x's ``DDPFullyShardedStrategy``, plus ``auto_wrap_policy``; any other keyword goes to FairScale's
+    ``FullyShardedDataParallel``. Runs on GPUs (NCCL) and on CPUs (gloo).
+
+    Args:
+        accelerator: the accelerator; the Trainer sets it.
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs).
+        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
+        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+        move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision.
+        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``).
+        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
+        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
+        parallel_devices: the devices of this node; the Trainer sets them.
+        cluster_environment: the cluster environment; the Trainer sets it.
+        checkpoint_io: the checkpoint IO plugin.
+        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
+            (each instance its own unit), or a callable with FairScale's policy signature
+            ``(module, recurse, unwrapped_params, module_is_root) -> bool``. Default: by size (``min_num_params``).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
+
+    Example:
+        >>> from lightning_fairscale.strategies import DDPFullyShardedStrategy
+        >>> strategy = DDPFullyShardedStrategy(min_num_params=1_000_000, bucket_cap_mb=50)
+        >>> strategy.min_num_params
+        1000000
+    """
+
+    strategy_name = "fsdp_fairscale"
+
+    def __init__(
+        self,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        cpu_offload: bool = False,
+        flatten_parameters: bool = True,
+        reshard_after_forward: bool = True,
+        move_grads_to_cpu: Optional[bool] = None,
+        fp32_reduce_scatter: Optional[bool] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        bucket_cap_mb: int = 25,
+        min_num_params: int = int(1e8),
+        state_dict_to_cpu: bool = True,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        _validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.cpu_offload = cpu_offload
+        self.move_grads_to_cpu = move_grads_to_cpu
+        self.flatten_parameters = flatten_parameters
+        self.reshard_after_forward = reshard_after_forward
+        self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.compute_dtype = compute_dtype
+        self.bucket_cap_mb = bucket_cap_mb
+        self.min_num_params = int(min_num_params)
+        self.state_dict_to_cpu = state_dict_to_cpu
+        self.auto_wrap_policy = auto_wrap_policy
+        self._fsdp_kwargs = kwargs
+        self._layout: Optional[ParameterLayout] = None
+        self._group_orders: list[GroupOrder] = []
+
+    # ------------------------------------------------------------------------------------------------------------
+    # FSDP configuration
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the precision plugin asks FairScale for mixed precision."""
+        return self.precision_plugin.precision in ("16-mixed", "bf16-mixed")
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FSDP unit of this strategy is built with."""
+        device = self.root_device
+        offload = self.cpu_offload and device.type == "cuda"
+        kwargs: dict[str, Any] = {
+            "process_group": None,
+            "compute_device": device,
+            "reshard_after_forward": self.reshard_after_forward,
+            "flatten_parameters": self.flatten_parameters,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "mixed_precision": self.mixed_precision,
+            "fp32_reduce_scatter": bool(self.fp32_reduce_scatter) and self.mixed_precision,
+            "cpu_offload": offload,
+            "move_grads_to_cpu": (self.move_grads_to_cpu if device.type == "cuda" else False),
+            "state_dict_device": torch.device("cpu") if self.state_dict_to_cpu else device,
+            "state_dict_on_rank_0_only": True,
+        }
+        if self.compute_dtype is not None:
+            kwargs["compute_dtype"] = self.compute_dtype
+        kwargs.update(self._fsdp_kwargs)
+        return kwargs
+
+    def _warn_about_cpu_only_settings(self) -> None:
+        if self.root_device.type == "cuda":
+            return
+        for name in ("cpu_offload", "move_grads_to_cpu"):
+            if getattr(self, name):
+                rank_zero_warn(
+                    f"`DDPFullyShardedStrategy({name}=True)` has no effect when training on the CPU: parameters and"
+                    " gradients are in CPU memory already. It is ignored."
+                )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lightning hooks
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.root_device.type == "cpu":
+            fairscale_cpu.install()
+        self._warn_about_cpu_only_settings()
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
+        kwargs = self.fsdp_kwargs()
+        policy = auto_wrap_policy(self.auto_wrap_policy, self.min_num_params)
+        with (
+            enable_wrap(wrapper_cls=FullyShardedDataParallel, auto_wrap_policy=policy, **kwargs),
+            torch_wrap.enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs),
+        ):
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if fitting:
+            # Optimizers are created on the unwrapped module, so `self.parameters()` works in
+            # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
+            self.setup_optimizers(trainer)
+        self.model_to_device()
+        self._layout = ParameterLayout.before_wrapping(self.model)
+        self.model = self._setup_model(self.model)
+        self._layout.after_wrapping(self.model)
+        if fitting:
+            self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.barrier()
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        with self.model_sharded_context():
+            return wrap_module(model, auto_wrap_policy(self.auto_wrap_policy, self.min_num_params), **self.fsdp_kwargs())
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self.fsdp_kwargs()["cpu_offload"]:
+            self.model.to(self.root_device)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduce-scatter on accumulation steps (FSDP's ``no_sync``)."""
+        if isinstance(self.model, _FairScaleFSDP):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict, with the unwrapped module's keys; gathered unit by unit, kept on rank 0 only."""
+        assert self.model is not None
+        if not isinstance(self.model, _FairScaleFSDP):
+            return super().lightning_module_state_dict()
+        return self.model.state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.model is not None
+        if not isinstance(self.model, _FairScaleFSDP):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.model.load_state_dict(checkpoint["state_dict"], strict=strict)
+        return None
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks)."""
+        optimizer = _unwrap(optimizer)
+        assert self._layout is not None
+        index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
+        return consolidate_state(optimizer, self._layout, self._group_orders[index])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self._layout is not None
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer states but `configure_optimizers` returned"
+                f" {len(self.optimizers)} optimizers. Resume with the optimizers the checkpoint was saved with."
+            )
+        for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
+            optimizer = _unwrap(optimizer)
+            optimizer.load_state_dict(shard_state(state, optimizer, self._layout, order))
+
+    @override
+    def teardown(self) -> None:
+        """Give the LightningModule its full parameters back, so the same instance can be used again."""
+        if isinstance(self.model, _FairScaleFSDP) and self.lightning_module is not None:
+            self.model = unwrap_module(self.model, torch.device("cpu"))
+        self._layout = None
+        self._group_orders = []
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name in ("fsdp_fairscale", "ddp_fully_sharded"):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description="FairScale's Fully Sharded Data Parallel")
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _validate_arguments(
+    min_num_params: Any, bucket_cap_mb: Any, compute_dtype: Any, policy: Any, kwargs: dict[str, Any]
+) -> None:
+    if isinstance(min_num_params, bool) or not isinstance(min_num_params, (int, float)) or min_num_params < 0:
+        raise ValueError(f"`min_num_params` must be a number >= 0, got {min_num_params!r}.")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise ValueError(f"`bucket_cap_mb` must be a number of megabytes (<= 0 disables bucketing), got {bucket_cap_mb!r}.")
+    if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"`compute_dtype` must be torch.float32, torch.float16 or torch.bfloat16, got {compute_dtype!r}."
+        )
+    validate_auto_wrap_policy(policy)
+    for name in kwargs:
+        if name in _MANAGED_FSDP_ARGUMENTS:
+            raise TypeError(f"`DDPFullyShardedStrategy` does not take `{name}`: {_MANAGED_FSDP_ARGUMENTS[name]}.")
+        if name not in _FSDP_ARGUMENTS:
+            raise TypeError(
+                f"`DDPFullyShardedStrategy` got an unexpected argument `{name}`. Extra keyword arguments go to"
+                f" FairScale's FullyShardedDataParallel, which takes: {', '.join(sorted(_FSDP_ARGUMENTS - set(_MANAGED_FSDP_ARGUMENTS)))}."
+            )

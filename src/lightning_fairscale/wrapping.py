@@ -1,0 +1,183 @@
+"""Wrapping a LightningModule in FairScale FSDP units, and taking the units off again.
+
+* :func:`auto_wrap_policy` turns the strategy's ``auto_wrap_policy``/``min_num_params`` into FairScale's policy.
+* :func:`wrap_module` wraps the large layers (auto wrap) unless the user wrapped some already (manual wrap), then
+  the root, so that every parameter belongs to exactly one unit.
+* :func:`unwrap_module` undoes it unit by unit: full parameters come back as ordinary ``nn.Parameter`` objects on
+  the original submodules, so the same LightningModule instance can be evaluated, saved or trained again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
+from torch import nn
+
+from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+
+__all__ = ["AutoWrapPolicy", "auto_wrap_policy", "clean_path", "is_wrapped", "unwrap_module", "wrap_module"]
+
+#: FairScale's policy signature: ``(module, recurse, unwrapped_params, module_is_root) -> bool``.
+PolicyCallable = Callable[..., bool]
+#: What the strategy accepts: a FairScale policy callable, or layer classes whose instances become units.
+AutoWrapPolicy = Union[PolicyCallable, Iterable[type[nn.Module]]]
+
+_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_fpw_module.")
+
+
+def clean_path(path: str) -> str:
+    """A module path without FairScale's wrapper names, as the unwrapped module would name it.
+
+    Example:
+        >>> clean_path("_fsdp_wrapped_module._fpw_module.layer._fsdp_wrapped_module._fpw_module.weight")
+        'layer.weight'
+    """
+    for name in _WRAPPER_NAMES:
+        path = path.replace(name, "")
+    return path
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether ``module`` is, or contains, a FairScale FSDP unit."""
+    return any(isinstance(m, _FairScaleFSDP) for m in module.modules())
+
+
+def _wrap_layer_classes(
+    module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool, layer_classes: tuple[type, ...]
+) -> bool:
+    if recurse:
+        return True  # look inside every module for instances of the classes
+    return isinstance(module, layer_classes)
+
+
+def auto_wrap_policy(policy: Optional[AutoWrapPolicy], min_num_params: int) -> PolicyCallable:
+    """The FairScale auto-wrap policy for the strategy's arguments.
+
+    Args:
+        policy: ``None`` for FairScale's size policy with ``min_num_params``; a set (or list, tuple) of layer classes
+            to make each instance of them its own unit; or a callable with FairScale's policy signature, used as is.
+        min_num_params: the size threshold of the default policy.
+
+    Example:
+        >>> policy = auto_wrap_policy({nn.Linear}, min_num_params=0)
+        >>> policy(nn.Linear(2, 2), recurse=False, unwrapped_params=6, module_is_root=False)
+        True
+        >>> policy(nn.ReLU(), recurse=False, unwrapped_params=0, module_is_root=False)
+        False
+    """
+    if policy is None:
+        return functools.partial(default_auto_wrap_policy, min_num_params=min_num_params)
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    classes = tuple(policy) if not isinstance(policy, type) else (policy,)
+    return functools.partial(_wrap_layer_classes, layer_classes=classes)
+
+
+def validate_auto_wrap_policy(policy: Any) -> None:
+    """Raise a ``TypeError`` that says what is accepted when ``policy`` is not a valid ``auto_wrap_policy``."""
+    if policy is None:
+        return
+    if isinstance(policy, type):
+        policy = {policy}
+    if callable(policy):
+        return
+    if isinstance(policy, (set, frozenset, list, tuple)) and policy:
+        bad = [c for c in policy if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if not bad:
+            return
+    raise TypeError(
+        "`auto_wrap_policy` must be a callable with FairScale's policy signature"
+        " `(module, recurse, unwrapped_params, module_is_root) -> bool` or a non-empty set of `nn.Module`"
+        f" subclasses whose instances become FSDP units, got {policy!r}."
+    )
+
+
+def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -> FullyShardedDataParallel:
+    """Wrap ``module`` so that each of its parameters belongs to one FSDP unit, and return the root unit.
+
+    Modules the user wrapped already (manual wrap) are kept as they are, and no auto wrap happens then; otherwise
+    the ``policy`` decides which submodules become units. The remaining parameters go to the root unit.
+    Must be called inside an ``enable_wrap`` context that carries ``fsdp_kwargs``.
+    """
+    if not is_wrapped(module):
+        module = auto_wrap(module, auto_wrap_policy=policy)
+    if not isinstance(module, _FairScaleFSDP):
+        module = FullyShardedDataParallel(module, **fsdp_kwargs)
+    return module
+
+
+def _full_parameters(unit: _FairScaleFSDP, device: torch.device) -> list[torch.Tensor]:
+    """Clones of ``unit``'s own parameters, unsharded, in the order of ``unit.params``. A collective call."""
+    with unit.summon_full_params(recurse=False, volatile=True):
+        return [p.detach().to(device=device, copy=True) for p in unit.params]
+
+
+def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu")) -> nn.Module:
+    """Take every FSDP unit out of ``root`` and give the original submodules their full parameters back.
+
+    Every rank gathers one unit at a time (peak memory: the largest unit, plus the result on ``device``), so all
+    ranks must call this together. Returns the unwrapped root (``root`` itself when it is not an FSDP unit).
+    """
+    units = [m for m in root.modules() if isinstance(m, _FairScaleFSDP)]
+    if not units:
+        return root
+    full = {id(unit): _full_parameters(unit, device) for unit in units}
+    for unit in units:
+        if unit.mixed_precision:
+            unit._cast_buffers(dtype=torch.float32)
+        tensors = full[id(unit)]
+        flat_count = unit._num_flatten_params
+        flat_params, flat_data = unit.params[:flat_count], tensors[:flat_count]
+        if flat_params:
+            unit.module._unflatten_params(external_data=flat_data)
+            for flat, (_, owner, name) in _flat_pieces(flat_params):
+                getattr(owner, name).requires_grad_(flat.requires_grad)
+        for param, data in zip(unit.params[flat_count:], tensors[flat_count:]):
+            param.data = data
+            param.grad = None
+            _forget_fsdp_attributes(param)
+    return _replace_units(root)
+
+
+def _flat_pieces(flat_params: Iterable[nn.Parameter]) -> Iterable[tuple[nn.Parameter, tuple[str, nn.Module, str]]]:
+    for flat in flat_params:
+        for info in flat._param_infos:  # type: ignore[attr-defined]
+            yield flat, info
+
+
+_FSDP_PARAM_ATTRIBUTES = (
+    "_is_sharded",
+    "_orig_size",
+    "_fp32_shard",
+    "_fp16_shard",
+    "_full_param_padded",
+    "_cpu_grad",
+    "_shard_bwd_hook",
+    "_saved_grad_shard",
+)
+
+
+def _forget_fsdp_attributes(param: nn.Parameter) -> None:
+    for name in _FSDP_PARAM_ATTRIBUTES:
+        if hasattr(param, name):
+            delattr(param, name)
+
+
+def _original(unit: _FairScaleFSDP) -> nn.Module:
+    return unit.module.module  # FSDP -> FlattenParamsWrapper -> the user's module
+
+
+def _replace_units(module: nn.Module) -> nn.Module:
+    """Replace every unit in the tree by the module it wraps; innermost units are handled by the recursion."""
+    if isinstance(module, _FairScaleFSDP):
+        return _replace_units(_original(module))
+    for name, child in list(module.named_children()):
+        replacement = _replace_units(child)
+        if replacement is not child:
+            setattr(module, name, replacement)
+    return module

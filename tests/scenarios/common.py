@@ -1,0 +1,184 @@
+"""Models, data and the unsharded reference shared by the tests and the scenario scripts they launch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+from pytorch_lightning import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
+GLOBAL_BATCH = 8
+NUM_SAMPLES = 64
+
+
+class Block(nn.Module):
+    """A transformer-style MLP block: pre-norm, expand, GELU, project, residual."""
+
+    def __init__(self, width: int = HIDDEN) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def build_network(depth: int = 2) -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), *[Block() for _ in range(depth)], nn.Linear(HIDDEN, OUT_FEATURES))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(NUM_SAMPLES, IN_FEATURES, generator=g)
+    y = torch.randn(NUM_SAMPLES, OUT_FEATURES, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_optimizer(name: str, params_or_groups: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params_or_groups, lr=0.05, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params_or_groups, lr=1e-2)
+    if name == "adamw":
+        return torch.optim.AdamW(params_or_groups, lr=1e-2, weight_decay=0.1)
+    raise ValueError(name)
+
+
+class RegressionModel(LightningModule):
+    """Trains ``build_network()`` on ``dataset()``; ``params`` chooses how configure_optimizers names parameters."""
+
+    def __init__(self, optimizer: str = "adam", params: str = "self", depth: int = 2, scheduler: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = build_network(depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        source = self.parameters() if self.hparams.params == "self" else self.trainer.model.parameters()
+        optimizer = make_optimizer(self.hparams.optimizer, source)
+        if self.hparams.scheduler:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer
+
+    def _loader(self) -> DataLoader:
+        # Lightning's automatic sampler shuffles training data; an unshuffled sampler of our own keeps each step's
+        # global batch equal to the reference's: rank r sees samples r, r + W, ... of it.
+        world_size, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(dataset(), num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
+
+
+class ManualWrapModel(RegressionModel):
+    """Wraps each block itself in ``configure_model`` with ``fairscale.nn.wrap`` or torch's ``wrap``."""
+
+    def __init__(self, wrap_with: str = "torch", hook: str = "configure_model", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wrap_with = wrap_with
+
+    def _wrap_blocks(self) -> None:
+        if self.wrap_with == "torch":
+            from torch.distributed.fsdp.wrap import wrap
+        else:
+            from fairscale.nn import wrap
+        for i, layer in enumerate(self.net):
+            if isinstance(layer, Block):
+                self.net[i] = wrap(layer)
+
+    def configure_model(self) -> None:
+        self._wrap_blocks()
+
+
+def reference_training(
+    steps: int,
+    optimizer: str = "adam",
+    accumulate: int = 1,
+    clip: Optional[tuple[float, str]] = None,
+    depth: int = 2,
+    scheduler: bool = False,
+    start: Optional[dict[str, Any]] = None,
+    step_offset: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Single-process training on the full global batch, without any wrapper."""
+    net = build_network(depth)
+    model = RegressionModelWrapper(net)
+    opt = make_optimizer(optimizer, model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if scheduler else None
+    data = dataset()
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH)
+    batches = list(loader)
+    micro = 0
+    for step in range(steps * accumulate):
+        x, y = batches[(step + step_offset * accumulate) % len(batches)]
+        loss = nn.functional.mse_loss(model(x), y) / accumulate
+        loss.backward()
+        micro += 1
+        if micro % accumulate == 0:
+            if clip is not None:
+                value, algorithm = clip
+                if algorithm == "norm":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), value)
+                else:
+                    torch.nn.utils.clip_grad_value_(model.parameters(), value)
+            opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class RegressionModelWrapper(nn.Module):
+    """``net`` under the attribute name the LightningModule uses, so state-dict keys match (``net.*``)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def clone_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in copy.deepcopy(module.state_dict()).items()}
+
+
+Factory = Callable[..., LightningModule]

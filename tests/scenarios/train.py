@@ -1,0 +1,127 @@
+"""A training scenario run as its own script, so Lightning's launcher can start one process per rank.
+
+Rank 0 writes ``--out`` (torch.save): the trained module's state dict (after the strategy unwrapped it), the FSDP
+units seen during training, and whatever the evaluation stages returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from pytorch_lightning import Callback, Trainer, seed_everything  # noqa: E402
+
+import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
+from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+
+
+class RecordUnits(Callback):
+    """Records, on rank 0, how the model was sharded while training."""
+
+    def __init__(self) -> None:
+        self.units: list[dict[str, Any]] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        self.units = [
+            {"path": name, "local_numel": sum(p.numel() for p in m.params), "world_size": m.world_size}
+            for name, m in trainer.strategy.model.named_modules()
+            if isinstance(m, FullyShardedDataParallel)
+        ]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="regression", choices=["regression", "manual"])
+    p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
+    p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
+    p.add_argument("--policy", default="size", choices=["size", "blocks", "callable"])
+    p.add_argument("--min-num-params", type=int, default=1000)
+    p.add_argument("--strategy-name", default="")
+    p.add_argument("--flatten", type=int, default=1)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--params", default="self", choices=["self", "trainer"])
+    p.add_argument("--scheduler", action="store_true")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip-val", type=float, default=None)
+    p.add_argument("--clip-alg", default="norm")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--save-ckpt", default=None)
+    p.add_argument("--ckpt-path", default=None)
+    p.add_argument("--eval-after", action="store_true")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    seed_everything(7, workers=True)
+    common = dict(optimizer=args.optimizer, params=args.params, scheduler=args.scheduler)
+    if args.model == "manual":
+        model = ManualWrapModel(wrap_with=args.wrap_with, **common)
+        if args.hook == "configure_sharded_model":
+            ManualWrapModel.configure_sharded_model = ManualWrapModel._wrap_blocks  # type: ignore[method-assign]
+            del ManualWrapModel.configure_model
+    else:
+        model = RegressionModel(**common)
+    policy: Any = None
+    if args.policy == "blocks":
+        policy = {Block}
+    elif args.policy == "callable":
+
+        def policy(module: Any, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
+            return True if recurse else isinstance(module, torch.nn.Linear)
+
+    strategy: Any = args.strategy_name or DDPFullyShardedStrategy(
+        min_num_params=args.min_num_params, auto_wrap_policy=policy, flatten_parameters=bool(args.flatten)
+    )
+    recorder = RecordUnits()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        precision=args.precision,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip_val,
+        gradient_clip_algorithm=args.clip_alg if args.clip_val is not None else None,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model, ckpt_path=args.ckpt_path)
+    if args.save_ckpt:
+        # Re-wrapping happens only in a stage, so save from inside one: a test-free way is `trainer.save_checkpoint`
+        # right after fit, which needs the wrapped model; the callback below handles the in-fit case.
+        pass
+    result: dict[str, Any] = {
+        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "units": recorder.units,
+        "strategy": type(trainer.strategy).__name__,
+        "global_step": trainer.global_step,
+    }
+    if args.eval_after:
+        result["validate"] = trainer.validate(model, verbose=False)
+        result["test"] = trainer.test(model, verbose=False)
+        predictions = trainer.predict(model)
+        result["predict"] = torch.cat(predictions) if predictions else None
+    if trainer.global_rank == 0:
+        torch.save(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
