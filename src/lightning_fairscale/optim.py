@@ -27,7 +27,14 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.wrapping import clean_path
 
-__all__ = ["ParameterLayout", "Piece", "consolidate_state", "repoint_optimizer", "shard_state"]
+__all__ = [
+    "ParameterLayout",
+    "Piece",
+    "consolidate_state",
+    "repoint_optimizer",
+    "repoint_to_unwrapped",
+    "shard_state",
+]
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class ParameterLayout:
                 for (module_name, owner, name), numel, shape in zip(
                     managed._param_infos, managed._param_numels, managed._param_shapes
                 ):
-                    key = f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}"
+                    key = clean_path(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}")
                     pieces.append(Piece(key, offset, numel, torch.Size(shape)))
                     original = self._owners.get((id(owner), name))
                     if original is not None:
@@ -142,6 +149,16 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
             raise ValueError(_split_message(layout, managed, "is only partly in the optimizer"))
     optimizer.state = defaultdict(dict)
     return orders
+
+
+def repoint_to_unwrapped(
+    optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder, parameters: dict[str, nn.Parameter]
+) -> None:
+    """Undo :func:`repoint_optimizer` after unwrapping: each group holds the module's parameters again, in the
+    order the user listed them. ``parameters`` maps the unwrapped module's parameter names to parameters."""
+    for group, order in zip(optimizer.param_groups, orders):
+        group["params"] = [parameters[layout.managed[managed].pieces[k].name] for managed, k in order]
+    optimizer.state = defaultdict(dict)
 
 
 def _split_message(layout: ParameterLayout, managed: nn.Parameter, problem: str) -> str:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 GLOBAL_BATCH = 8
-NUM_SAMPLES = 64
+NUM_SAMPLES = 16  # two global batches: one epoch is two optimizer steps
 
 
 class Block(nn.Module):
@@ -33,10 +33,10 @@ def build_network(depth: int = 2) -> nn.Module:
     return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), *[Block() for _ in range(depth)], nn.Linear(HIDDEN, OUT_FEATURES))
 
 
-def dataset() -> TensorDataset:
+def dataset(num_samples: int = NUM_SAMPLES) -> TensorDataset:
     g = torch.Generator().manual_seed(99)
-    x = torch.randn(NUM_SAMPLES, IN_FEATURES, generator=g)
-    y = torch.randn(NUM_SAMPLES, OUT_FEATURES, generator=g)
+    x = torch.randn(num_samples, IN_FEATURES, generator=g)
+    y = torch.randn(num_samples, OUT_FEATURES, generator=g)
     return TensorDataset(x, y)
 
 
@@ -53,7 +53,14 @@ def make_optimizer(name: str, params_or_groups: Any) -> torch.optim.Optimizer:
 class RegressionModel(LightningModule):
     """Trains ``build_network()`` on ``dataset()``; ``params`` chooses how configure_optimizers names parameters."""
 
-    def __init__(self, optimizer: str = "adam", params: str = "self", depth: int = 2, scheduler: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: str = "adam",
+        params: str = "self",
+        depth: int = 2,
+        scheduler: bool = False,
+        num_samples: int = NUM_SAMPLES,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = build_network(depth)
@@ -94,8 +101,9 @@ class RegressionModel(LightningModule):
         # Lightning's automatic sampler shuffles training data; an unshuffled sampler of our own keeps each step's
         # global batch equal to the reference's: rank r sees samples r, r + W, ... of it.
         world_size, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(dataset(), num_replicas=world_size, rank=rank, shuffle=False)
-        return DataLoader(dataset(), batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
+        data = dataset(self.hparams.num_samples)
+        sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(data, batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader()

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from pytorch_lightning import Callback, Trainer, seed_everything  # noqa: E402
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
@@ -49,6 +50,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--flatten", type=int, default=1)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--samples", type=int, default=16, help="8 makes every epoch one step (exact resume in Lightning)")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--params", default="self", choices=["self", "trainer"])
     p.add_argument("--scheduler", action="store_true")
@@ -59,13 +61,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-ckpt", default=None)
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--eval-after", action="store_true")
+    p.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint saving every epoch into this folder")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse()
     seed_everything(7, workers=True)
-    common = dict(optimizer=args.optimizer, params=args.params, scheduler=args.scheduler)
+    common = dict(optimizer=args.optimizer, params=args.params, scheduler=args.scheduler, num_samples=args.samples)
     if args.model == "manual":
         model = ManualWrapModel(wrap_with=args.wrap_with, **common)
         if args.hook == "configure_sharded_model":
@@ -85,6 +88,11 @@ def main() -> None:
         min_num_params=args.min_num_params, auto_wrap_policy=policy, flatten_parameters=bool(args.flatten)
     )
     recorder = RecordUnits()
+    callbacks: list[Callback] = [recorder]
+    if args.checkpoint_dir:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.checkpoint_dir, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
+        )
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -94,9 +102,9 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_alg if args.clip_val is not None else None,
-        callbacks=[recorder],
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
@@ -105,9 +113,7 @@ def main() -> None:
     )
     trainer.fit(model, ckpt_path=args.ckpt_path)
     if args.save_ckpt:
-        # Re-wrapping happens only in a stage, so save from inside one: a test-free way is `trainer.save_checkpoint`
-        # right after fit, which needs the wrapped model; the callback below handles the in-fit case.
-        pass
+        trainer.save_checkpoint(args.save_ckpt)
     result: dict[str, Any] = {
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "units": recorder.units,

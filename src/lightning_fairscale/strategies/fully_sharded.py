@@ -30,7 +30,14 @@ from typing_extensions import override
 
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.optim import GroupOrder, ParameterLayout, consolidate_state, repoint_optimizer, shard_state
+from lightning_fairscale.optim import (
+    GroupOrder,
+    ParameterLayout,
+    consolidate_state,
+    repoint_optimizer,
+    repoint_to_unwrapped,
+    shard_state,
+)
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
     auto_wrap_policy,
@@ -138,6 +145,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._fsdp_kwargs = kwargs
         self._layout: Optional[ParameterLayout] = None
         self._group_orders: list[GroupOrder] = []
+        self._failed = False
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration
@@ -270,14 +278,16 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks)."""
+        if self._layout is None:  # not wrapped (after a stage): a plain optimizer over the unwrapped module
+            return super().optimizer_state(optimizer)
         optimizer = _unwrap(optimizer)
-        assert self._layout is not None
         index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
         return consolidate_state(optimizer, self._layout, self._group_orders[index])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self._layout is not None
+        if self._layout is None:
+            return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
             raise ValueError(
@@ -287,14 +297,36 @@ class DDPFullyShardedStrategy(DDPStrategy):
         for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
             optimizer = _unwrap(optimizer)
             optimizer.load_state_dict(shard_state(state, optimizer, self._layout, order))
+        return None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Another rank may be gone: teardown must not start collectives that would wait for it.
+        self._failed = True
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        """Give the LightningModule its full parameters back, so the same instance can be used again."""
-        if isinstance(self.model, _FairScaleFSDP) and self.lightning_module is not None:
+        """Give the LightningModule its full parameters back, so the same instance can be used again.
+
+        The optimizers are re-pointed to the unwrapped parameters, and rank 0's receive the consolidated state, so
+        ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint as during training.
+        """
+        if isinstance(self.model, _FairScaleFSDP) and self.lightning_module is not None and not self._failed:
+            assert self._layout is not None
+            optimizers = [_unwrap(opt) for opt in self.optimizers] if self._group_orders else []
+            states = [
+                consolidate_state(opt, self._layout, order) for opt, order in zip(optimizers, self._group_orders)
+            ]
             self.model = unwrap_module(self.model, torch.device("cpu"))
+            parameters = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+            for opt, order, state in zip(optimizers, self._group_orders, states):
+                repoint_to_unwrapped(opt, self._layout, order, parameters)
+                if state:
+                    opt.load_state_dict(state)
         self._layout = None
         self._group_orders = []
+        self._failed = False
         super().teardown()
 
     @classmethod
