@@ -90,7 +90,19 @@ class RegressionModel(LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self) -> Any:
-        source = self.parameters() if self.hparams.params == "self" else self.trainer.model.parameters()
+        kind = self.hparams.params
+        if kind == "self":
+            source: Any = self.parameters()
+        elif kind == "trainer":
+            source = self.trainer.model.parameters()
+        elif kind == "stray":  # a parameter that is not part of the module: must be refused
+            source = [*self.parameters(), nn.Parameter(torch.zeros(3))]
+        elif kind == "split":  # two groups inside one FSDP unit: must be refused with flattened parameters
+            weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            biases = [p for n, p in self.named_parameters() if n.endswith("bias")]
+            source = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
+        else:
+            raise ValueError(kind)
         optimizer = make_optimizer(self.hparams.optimizer, source)
         if self.hparams.scheduler:
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)

@@ -49,10 +49,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--strategy-name", default="")
     p.add_argument("--flatten", type=int, default=1)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--samples", type=int, default=16, help="8 makes every epoch one step (exact resume in Lightning)")
     p.add_argument("--optimizer", default="adam")
-    p.add_argument("--params", default="self", choices=["self", "trainer"])
+    p.add_argument("--params", default="self", choices=["self", "trainer", "stray", "split"])
     p.add_argument("--scheduler", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip-val", type=float, default=None)
@@ -94,7 +95,7 @@ def main() -> None:
             ModelCheckpoint(dirpath=args.checkpoint_dir, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
         )
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
@@ -107,7 +108,7 @@ def main() -> None:
         enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
+        limit_val_batches=1.0 if args.eval_after else 0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )

@@ -1,0 +1,56 @@
+"""Shared fixtures: multi-process scenarios run as scripts, so Lightning's launcher can start one process per rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+
+TRAIN_SCRIPT = TESTS / "scenarios" / "train.py"
+
+
+def run_script(args: list[str], cwd: Path, timeout: float = 300, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{args} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture
+def train(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """Run ``scenarios/train.py`` with the given arguments and return what rank 0 saved."""
+    counter = iter(range(1000))
+
+    def _train(*args: str) -> dict[str, Any]:
+        out = tmp_path / f"result-{next(counter)}.pt"
+        run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path)
+        return torch.load(out, weights_only=False)
+
+    return _train
+
+
+@pytest.fixture
+def train_failing(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """Run ``scenarios/train.py`` expecting it to fail; return the finished process."""
+
+    def _train(*args: str) -> subprocess.CompletedProcess:
+        proc = run_script(
+            [str(TRAIN_SCRIPT), "--out", str(tmp_path / "unused.pt"), *args], cwd=tmp_path, expect_ok=False
+        )
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        return proc
+
+    return _train

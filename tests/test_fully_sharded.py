@@ -1,0 +1,99 @@
+"""DDPFullyShardedStrategy on 2 CPU processes (gloo), against single-process training without any wrapper."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
+
+from conftest import run_script
+
+ATOL = 1e-5
+Train = Callable[..., dict[str, Any]]
+
+
+def assert_sharded(result: dict[str, Any], min_units: int) -> None:
+    units = result["units"]
+    assert len(units) >= min_units, units
+    assert all(u["world_size"] == 2 for u in units), units
+    assert all("_fsdp_wrapped_module" not in key for key in result["state_dict"]), "wrapper names leaked"
+
+
+@pytest.mark.parametrize(
+    ("policy", "units"),
+    [
+        ("size", 5),  # min_num_params=1000: each Linear of the blocks, plus the root
+        ("blocks", 3),  # each Block, plus the root
+        ("callable", 7),  # all six nn.Linear layers, plus the root
+    ],
+)
+def test_auto_wrap_equals_unsharded_training(train: Train, policy: str, units: int) -> None:
+    result = train("--policy", policy, "--steps", "3")
+    assert_sharded(result, units)
+    assert len(result["units"]) == units
+    assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+
+
+@pytest.mark.parametrize(
+    ("wrap_with", "hook"),
+    [("torch", "configure_sharded_model"), ("fairscale", "configure_model"), ("torch", "configure_model")],
+)
+def test_manual_wrap_equals_unsharded_training(train: Train, wrap_with: str, hook: str) -> None:
+    result = train("--model", "manual", "--wrap-with", wrap_with, "--hook", hook, "--optimizer", "sgd")
+    assert_sharded(result, 3)  # the two blocks and the root: auto wrap stays off once the user wrapped
+    assert len(result["units"]) == 3
+    assert max_difference(result["state_dict"], reference_training(4, "sgd")) < ATOL
+
+
+@pytest.mark.parametrize("params", ["self", "trainer"])
+def test_optimizer_from_either_parameter_source_keeps_scheduler(train: Train, params: str) -> None:
+    result = train("--params", params, "--optimizer", "adamw", "--scheduler", "--steps", "3")
+    assert max_difference(result["state_dict"], reference_training(3, "adamw", scheduler=True)) < ATOL
+
+
+def test_unflattened_parameters_equal_unsharded_training(train: Train) -> None:
+    result = train("--flatten", "0", "--steps", "3")
+    assert_sharded(result, 2)
+    assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+
+
+def test_same_instance_validates_tests_and_predicts_after_fit(train: Train) -> None:
+    result = train("--strategy-name", "fsdp_fairscale", "--eval-after", "--steps", "2")
+    assert result["strategy"] == "DDPFullyShardedStrategy"
+    trained = result["state_dict"]
+    assert max_difference(trained, reference_training(2, "adam")) < ATOL
+    # The evaluation losses are those of the trained weights on the whole data set.
+    from scenarios.common import RegressionModelWrapper, build_network, dataset
+
+    model = RegressionModelWrapper(build_network())
+    model.load_state_dict(trained)
+    x, y = dataset().tensors
+    expected = torch.nn.functional.mse_loss(model(x), y).item()
+    assert result["validate"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["test"][0]["test_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["predict"].shape == (NUM_SAMPLES // 2, OUT_FEATURES)  # rank 0's half of the samples
+
+
+def test_stray_optimizer_parameter_is_refused(train_failing: Callable[..., subprocess.CompletedProcess]) -> None:
+    proc = train_failing("--params", "stray", "--steps", "1")
+    assert "not part of the LightningModule" in proc.stderr
+    assert "configure_optimizers" in proc.stderr
+
+
+def test_param_groups_splitting_a_flat_parameter_are_refused(
+    train_failing: Callable[..., subprocess.CompletedProcess],
+) -> None:
+    proc = train_failing("--params", "split", "--steps", "1")
+    assert "split between param groups" in proc.stderr
+    assert "flatten_parameters=False" in proc.stderr
+
+
+def test_param_groups_work_without_flattening(train: Train) -> None:
+    result = train("--params", "split", "--flatten", "0", "--optimizer", "sgd", "--steps", "2")
+    assert len(result["state_dict"]) == 16
+    assert result["global_step"] == 2
