@@ -97,3 +97,26 @@ def test_param_groups_work_without_flattening(train: Train) -> None:
     result = train("--params", "split", "--flatten", "0", "--optimizer", "sgd", "--steps", "2")
     assert len(result["state_dict"]) == 16
     assert result["global_step"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "reference"),
+    [
+        (["--clip-val", "0.05", "--clip-alg", "norm"], {"clip": (0.05, "norm")}),  # the clip value bites
+        (["--clip-val", "0.002", "--clip-alg", "value"], {"clip": (0.002, "value")}),
+        (["--accumulate", "2", "--samples", "32"], {"accumulate": 2, "num_samples": 32}),
+    ],
+    ids=["clip-norm", "clip-value", "accumulate-2"],
+)
+def test_clipping_and_accumulation_equal_unsharded_training(
+    train: Train, args: list[str], reference: dict[str, Any]
+) -> None:
+    result = train("--optimizer", "sgd", "--steps", "3", *args)
+    expected = reference_training(3, "sgd", **reference)
+    assert max_difference(result["state_dict"], expected) < ATOL
+    assert max_difference(expected, reference_training(3, "sgd")) > 100 * ATOL  # the feature changed the result
+
+
+def test_mixed_precision_is_refused_clearly(train_failing: Callable[..., subprocess.CompletedProcess]) -> None:
+    proc = train_failing("--precision", "bf16-mixed", "--steps", "1")
+    assert "precision='32-true'" in proc.stderr

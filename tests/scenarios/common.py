@@ -152,14 +152,14 @@ def reference_training(
     scheduler: bool = False,
     start: Optional[dict[str, Any]] = None,
     step_offset: int = 0,
+    num_samples: int = NUM_SAMPLES,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the full global batch, without any wrapper."""
     net = build_network(depth)
     model = RegressionModelWrapper(net)
     opt = make_optimizer(optimizer, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if scheduler else None
-    data = dataset()
-    loader = DataLoader(data, batch_size=GLOBAL_BATCH)
+    loader = DataLoader(dataset(num_samples), batch_size=GLOBAL_BATCH)
     batches = list(loader)
     micro = 0
     for step in range(steps * accumulate):

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin
 from lightning_fairscale.optim import (
     GroupOrder,
     ParameterLayout,
@@ -149,6 +150,25 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else FullyShardedPrecisionPlugin()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None and type(plugin) is Precision:
+            plugin = FullyShardedPrecisionPlugin()  # the "32-true" default, with clipping over all shards
+        if plugin is not None and not isinstance(plugin, FullyShardedPrecisionPlugin):
+            raise ValueError(
+                f"`DDPFullyShardedStrategy` supports `precision='32-true'` for now, got {type(plugin).__name__}"
+                f" (precision={getattr(plugin, 'precision', '?')!r}). Mixed precision for FairScale FSDP is not"
+                " available yet: train with `Trainer(precision='32-true')`."
+            )
+        self._precision_plugin = plugin
 
     @property
     def mixed_precision(self) -> bool:

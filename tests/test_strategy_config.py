@@ -1,0 +1,63 @@
+"""Registry names and argument validation (no processes needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pytorch_lightning import Trainer
+from pytorch_lightning.strategies import FSDPStrategy, StrategyRegistry
+
+import lightning_fairscale
+from lightning_fairscale.strategies import DDPFullyShardedStrategy
+
+
+@pytest.mark.parametrize("name", ["fsdp_fairscale", "ddp_fully_sharded"])
+def test_registry_names_select_the_strategy(name: str) -> None:
+    assert name in StrategyRegistry
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DDPFullyShardedStrategy)
+
+
+def test_lightnings_fsdp_stays_lightnings() -> None:
+    assert lightning_fairscale.DDPFullyShardedStrategy is DDPFullyShardedStrategy
+    assert StrategyRegistry["fsdp"]["strategy"] is FSDPStrategy
+
+
+def test_lightning_1x_arguments_are_accepted() -> None:
+    strategy = DDPFullyShardedStrategy(
+        cpu_offload=True,
+        flatten_parameters=False,
+        reshard_after_forward=False,
+        move_grads_to_cpu=True,
+        fp32_reduce_scatter=True,
+        compute_dtype=torch.float16,
+        bucket_cap_mb=10,
+        min_num_params=1e6,
+        state_dict_to_cpu=False,
+        process_group_backend="gloo",
+        verbose=True,  # passed through to FairScale
+    )
+    assert strategy.min_num_params == 1_000_000
+    assert strategy.process_group_backend == "gloo"
+    assert strategy._fsdp_kwargs == {"verbose": True}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"min_num_params": -1}, ValueError, "min_num_params"),
+        ({"min_num_params": "big"}, ValueError, "min_num_params"),
+        ({"bucket_cap_mb": "25"}, ValueError, "bucket_cap_mb"),
+        ({"compute_dtype": torch.int8}, ValueError, "compute_dtype"),
+        ({"auto_wrap_policy": {int}}, TypeError, "nn.Module"),
+        ({"auto_wrap_policy": set()}, TypeError, "auto_wrap_policy"),
+        ({"compute_device": torch.device("cpu")}, TypeError, "accelerator"),
+        ({"mixed_precision": True}, TypeError, "precision"),
+        ({"not_an_argument": 1}, TypeError, "unexpected argument `not_an_argument`"),
+    ],
+)
+def test_bad_arguments_fail_early_with_a_hint(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        DDPFullyShardedStrategy(**kwargs)
