@@ -1,0 +1,29 @@
+"""The same scenarios on GPUs with NCCL. Skipped where CUDA is not available (CI has no GPU)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from scenarios.common import max_difference, reference_training
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_auto_wrap_on_gpus_equals_unsharded_training(train: Callable[..., dict[str, Any]]) -> None:
+    devices = min(2, torch.cuda.device_count())
+    result = train("--accelerator", "gpu", "--devices", str(devices), "--steps", "3", "--samples", str(8 * devices))
+    assert result["units"], "no FSDP unit was created"
+    expected = reference_training(3, "adam", num_samples=8 * devices)
+    assert max_difference(result["state_dict"], expected) < 1e-4  # TF32 and reduction order on the GPU
+
+
+def test_clip_by_norm_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--optimizer", "sgd", "--steps", "3",
+        "--clip-val", "0.05", "--samples", str(8 * devices),
+    )
+    expected = reference_training(3, "sgd", clip=(0.05, "norm"), num_samples=8 * devices)
+    assert max_difference(result["state_dict"], expected) < 1e-4
