@@ -117,6 +117,27 @@ def test_clipping_and_accumulation_equal_unsharded_training(
     assert max_difference(expected, reference_training(3, "sgd")) > 100 * ATOL  # the feature changed the result
 
 
-def test_mixed_precision_is_refused_clearly(train_failing: Callable[..., subprocess.CompletedProcess]) -> None:
-    proc = train_failing("--precision", "bf16-mixed", "--steps", "1")
-    assert "precision='32-true'" in proc.stderr
+@pytest.mark.parametrize(
+    ("args", "dtype"),
+    [
+        (["--precision", "bf16-mixed"], "torch.bfloat16"),
+        (["--precision-plugin", "16-mixed"], "torch.float16"),  # Lightning maps the "16-mixed" flag to bf16 on CPU
+    ],
+    ids=["bf16-mixed", "16-mixed"],
+)
+def test_mixed_precision_trains_in_the_requested_dtype(train: Train, args: list[str], dtype: str) -> None:
+    result = train("--steps", "6", "--samples", "8", *args)
+    assert result["compute"] == [(dtype, dtype)]  # full parameters and outputs of an FSDP unit's Linear layer
+    losses = result["losses"]
+    assert losses[-1] < losses[0] / 5, losses
+    # The FP32 master shards come back unwrapped in FP32.
+    assert all(v.dtype == torch.float32 for v in result["state_dict"].values())
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-true", "bf16-true"])
+def test_unsupported_precision_is_refused_clearly(
+    train_failing: Callable[..., subprocess.CompletedProcess], precision: str
+) -> None:
+    proc = train_failing("--precision", precision, "--steps", "1")
+    assert "does not support precision" in proc.stderr
+    assert "'32-true', '16-mixed', 'bf16-mixed'" in proc.stderr

@@ -22,7 +22,14 @@ The workarounds, and why each is needed:
    expects and gives the identical result. It is used only when the reduce-scatter group's backend is gloo.
 4. **``clip_grad_norm_`` calls ``.cuda()``** on the local norm. :class:`FullyShardedDataParallel` computes the global
    norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA.
-5. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
+5. **fp16 loss scaling.** FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and its
+   CPU path moves the inf/NaN flags to CUDA for the all-reduce. :class:`ShardedGradScaler` here is PyTorch's
+   device-generic ``torch.amp.GradScaler`` plus the one thing sharding needs: the "found inf" flags are combined
+   across ranks, so every rank skips the same steps. The precision plugin uses it on CPU only.
+6. **bf16 compute (all devices).** With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to
+   fp16, whatever ``compute_dtype`` is, which breaks bf16 compute. :class:`FullyShardedDataParallel` casts them to
+   the unit's ``compute_dtype`` first, which FairScale then leaves alone. This one is not CPU-specific.
+7. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
    CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
    :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
 
@@ -41,11 +48,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from fairscale.internal import reduce_scatter_bucketer as _rs_bucketer
+from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_module
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor
 
-__all__ = ["FullyShardedDataParallel", "GlooReduceScatterBucketer", "install", "is_installed"]
+__all__ = ["FullyShardedDataParallel", "GlooReduceScatterBucketer", "ShardedGradScaler", "install", "is_installed"]
 
 
 class _CpuStream(torch.Stream):
@@ -177,6 +185,38 @@ class _GlooBucket(_rs_bucketer.Bucket):
         self.output_shard = torch.zeros_like(self.data[0])
 
 
+def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def cast(x: Tensor) -> Tensor:
+        if x.dtype is not torch.float32:
+            return x
+        y = x.to(dtype)
+        if x.is_leaf:
+            y.requires_grad = x.requires_grad
+        return y
+
+    with torch.no_grad():
+        return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """Loss scaling for sharded gradients on any device (workaround 5).
+
+    Each rank only sees its own gradient shards, so an inf/NaN found on one rank must make every rank skip the step
+    and back off the scale: the per-device "found inf" flags are summed over the process group after unscaling.
+    """
+
+    def __init__(self, device: str = "cpu", process_group: Any = None, **kwargs: Any) -> None:
+        super().__init__(device=device, **kwargs)
+        self.process_group = process_group
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self._enabled:
+            return
+        for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found_inf, group=self.process_group)
+
+
 def _is_gloo(group: Any) -> bool:
     try:
         return dist.get_backend(group) == "gloo"
@@ -185,11 +225,18 @@ def _is_gloo(group: Any) -> bool:
 
 
 class FullyShardedDataParallel(_FairScaleFSDP):
-    """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo.
+    """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
-    On CUDA it behaves exactly like FairScale's class. On CPU it uses no-op streams (after :func:`install`), a
-    gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
+    On CUDA it behaves like FairScale's class, except that bf16 mixed precision really computes in bf16
+    (workaround 6). On CPU it uses no-op streams (after :func:`install`), a gloo-compatible reduce-scatter bucketer
+    and a device-agnostic :meth:`clip_grad_norm_`.
     """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
+        if computes_in_bf16 and self._is_root is not False:  # the root (or not yet known): inputs enter here
+            args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
+        return super().forward(*args, **kwargs)
 
     def _setup_streams(self) -> None:
         if len(self._streams) > 0 or not self._is_root:

@@ -18,6 +18,7 @@ from pytorch_lightning import Callback, Trainer, seed_everything  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
 
@@ -36,6 +37,23 @@ class RecordUnits(Callback):
             for name, m in trainer.strategy.model.named_modules()
             if isinstance(m, FullyShardedDataParallel)
         ]
+
+
+class RecordTraining(Callback):
+    """Records, on rank 0, each step's loss and the dtypes a block's Linear layer computes with."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.compute: set[tuple[str, str]] = set()
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        def probe(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            self.compute.add((str(module.weight.dtype), str(output.dtype)))
+
+        pl_module.net[1].up.register_forward_hook(probe)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
 
 
 def parse() -> argparse.Namespace:
@@ -59,6 +77,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--clip-val", type=float, default=None)
     p.add_argument("--clip-alg", default="norm")
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--precision-plugin", default=None, help="pass FullyShardedMixedPrecisionPlugin(this, 'cpu')")
     p.add_argument("--save-ckpt", default=None)
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--eval-after", action="store_true")
@@ -89,7 +108,8 @@ def main() -> None:
         min_num_params=args.min_num_params, auto_wrap_policy=policy, flatten_parameters=bool(args.flatten)
     )
     recorder = RecordUnits()
-    callbacks: list[Callback] = [recorder]
+    training = RecordTraining()
+    callbacks: list[Callback] = [recorder, training]
     if args.checkpoint_dir:
         callbacks.append(
             ModelCheckpoint(dirpath=args.checkpoint_dir, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
@@ -99,7 +119,8 @@ def main() -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        precision=args.precision,
+        precision=None if args.precision_plugin else args.precision,
+        plugins=[FullyShardedMixedPrecisionPlugin(args.precision_plugin, args.accelerator)] if args.precision_plugin else None,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_alg if args.clip_val is not None else None,
@@ -120,6 +141,8 @@ def main() -> None:
         "units": recorder.units,
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
+        "losses": training.losses,
+        "compute": sorted(training.compute),
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

@@ -1,5 +1,5 @@
 """Precision plugins for the FairScale strategies."""
 
-from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin
+from lightning_fairscale.precision.fully_sharded import FullyShardedMixedPrecisionPlugin, FullyShardedPrecisionPlugin
 
-__all__ = ["FullyShardedPrecisionPlugin"]
+__all__ = ["FullyShardedMixedPrecisionPlugin", "FullyShardedPrecisionPlugin"]

@@ -30,7 +30,11 @@ from typing_extensions import override
 
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin
+from lightning_fairscale.precision.fully_sharded import (
+    FullyShardedMixedPrecisionPlugin,
+    FullyShardedPrecisionPlugin,
+    fully_sharded_precision_plugin,
+)
 from lightning_fairscale.optim import (
     GroupOrder,
     ParameterLayout,
@@ -160,15 +164,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is not None and type(plugin) is Precision:
-            plugin = FullyShardedPrecisionPlugin()  # the "32-true" default, with clipping over all shards
-        if plugin is not None and not isinstance(plugin, FullyShardedPrecisionPlugin):
-            raise ValueError(
-                f"`DDPFullyShardedStrategy` supports `precision='32-true'` for now, got {type(plugin).__name__}"
-                f" (precision={getattr(plugin, 'precision', '?')!r}). Mixed precision for FairScale FSDP is not"
-                " available yet: train with `Trainer(precision='32-true')`."
-            )
-        self._precision_plugin = plugin
+        self._precision_plugin = None if plugin is None else fully_sharded_precision_plugin(plugin)
 
     @property
     def mixed_precision(self) -> bool:
@@ -192,8 +188,11 @@ class DDPFullyShardedStrategy(DDPStrategy):
             "state_dict_device": torch.device("cpu") if self.state_dict_to_cpu else device,
             "state_dict_on_rank_0_only": True,
         }
+        plugin = self.precision_plugin
         if self.compute_dtype is not None:
             kwargs["compute_dtype"] = self.compute_dtype
+        elif isinstance(plugin, FullyShardedMixedPrecisionPlugin):
+            kwargs["compute_dtype"] = plugin.compute_dtype
         kwargs.update(self._fsdp_kwargs)
         return kwargs
 
