@@ -18,7 +18,7 @@ TRAIN_SCRIPT = TESTS / "scenarios" / "train.py"
 
 
 def run_script(args: list[str], cwd: Path, timeout: float = 300, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
         env.pop(name, None)
     proc = subprocess.run(

@@ -27,3 +27,26 @@ def test_clip_by_norm_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
     )
     expected = reference_training(3, "sgd", clip=(0.05, "norm"), num_samples=8 * devices)
     assert max_difference(result["state_dict"], expected) < 1e-4
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_on_gpus(train: Callable[..., dict[str, Any]], precision: str) -> None:
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--precision", precision, "--steps", "6",
+        "--samples", str(8 * devices), "--clip-val", "0.05", "--optimizer", "sgd",
+    )
+    dtype = "torch.float16" if precision == "16-mixed" else "torch.bfloat16"
+    assert result["compute"] == [(dtype, dtype)]
+    assert result["losses"][-1] < result["losses"][0]
+    expected = reference_training(6, "sgd", clip=(0.05, "norm"), num_samples=8 * devices)
+    assert max_difference(result["state_dict"], expected) < 1e-3
+
+
+def test_cpu_offload_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--precision", "16-mixed", "--cpu-offload",
+        "--steps", "3", "--samples", str(8 * devices),
+    )
+    assert result["losses"][-1] < result["losses"][0]

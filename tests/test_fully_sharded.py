@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
 
-from conftest import run_script
+from conftest import TRAIN_SCRIPT, run_script
 
 ATOL = 1e-5
 Train = Callable[..., dict[str, Any]]
@@ -141,3 +140,18 @@ def test_unsupported_precision_is_refused_clearly(
     proc = train_failing("--precision", precision, "--steps", "1")
     assert "does not support precision" in proc.stderr
     assert "'32-true', '16-mixed', 'bf16-mixed'" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--precision-plugin", "16-mixed"], ["--precision", "bf16-mixed"]], ids=["16", "bf16"])
+def test_clip_by_norm_under_mixed_precision_uses_unscaled_gradients(train: Train, args: list[str]) -> None:
+    """A scaled fp16 gradient (x 65536) would be clipped to almost nothing; unscaled, it matches FP32 clipping."""
+    result = train("--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *args)
+    assert max_difference(result["state_dict"], reference_training(3, "sgd", clip=(0.05, "norm"))) < 1e-4
+
+
+def test_cpu_offload_on_a_cpu_run_warns_and_trains_normally(tmp_path: Path) -> None:
+    out = tmp_path / "result.pt"
+    proc = run_script([str(TRAIN_SCRIPT), "--out", str(out), "--cpu-offload", "--steps", "2"], cwd=tmp_path)
+    assert "`DDPFullyShardedStrategy(cpu_offload=True)` has no effect when training on the CPU" in proc.stderr
+    result = torch.load(out, weights_only=False)
+    assert max_difference(result["state_dict"], reference_training(2, "adam")) < ATOL

@@ -66,6 +66,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--min-num-params", type=int, default=1000)
     p.add_argument("--strategy-name", default="")
     p.add_argument("--flatten", type=int, default=1)
+    p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--steps", type=int, default=4)
@@ -105,7 +106,10 @@ def main() -> None:
             return True if recurse else isinstance(module, torch.nn.Linear)
 
     strategy: Any = args.strategy_name or DDPFullyShardedStrategy(
-        min_num_params=args.min_num_params, auto_wrap_policy=policy, flatten_parameters=bool(args.flatten)
+        min_num_params=args.min_num_params,
+        auto_wrap_policy=policy,
+        flatten_parameters=bool(args.flatten),
+        cpu_offload=args.cpu_offload,
     )
     recorder = RecordUnits()
     training = RecordTraining()
