@@ -3,6 +3,8 @@
 * :func:`auto_wrap_policy` turns the strategy's ``auto_wrap_policy``/``min_num_params`` into FairScale's policy.
 * :func:`wrap_module` wraps the large layers (auto wrap) unless the user wrapped some already (manual wrap), then
   the root, so that every parameter belongs to exactly one unit.
+* :func:`apply_activation_checkpointing` makes instances of given layer classes recompute their activations in the
+  backward pass (FairScale's ``checkpoint_wrapper``), before wrapping, so checkpointing runs inside the FSDP unit.
 * :func:`unwrap_module` undoes it unit by unit: full parameters come back as ordinary ``nn.Parameter`` objects on
   the original submodules, so the same LightningModule instance can be evaluated, saved or trained again.
 """
@@ -15,12 +17,23 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
 from torch import nn
 
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 
-__all__ = ["AutoWrapPolicy", "auto_wrap_policy", "clean_path", "is_wrapped", "unwrap_module", "wrap_module"]
+__all__ = [
+    "AutoWrapPolicy",
+    "apply_activation_checkpointing",
+    "auto_wrap_policy",
+    "clean_path",
+    "is_wrapped",
+    "remove_activation_checkpointing",
+    "unwrap_module",
+    "validate_layer_classes",
+    "wrap_module",
+]
 
 #: FairScale's policy signature: ``(module, recurse, unwrapped_params, module_is_root) -> bool``.
 PolicyCallable = Callable[..., bool]
@@ -55,13 +68,33 @@ def _wrap_layer_classes(
     return isinstance(module, layer_classes)
 
 
-def auto_wrap_policy(policy: Optional[AutoWrapPolicy], min_num_params: int) -> PolicyCallable:
+def _units_of_their_own(
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    module_is_root: bool,
+    units: frozenset[int],
+    inside: frozenset[int],
+    policy: PolicyCallable,
+) -> bool:
+    if id(module) in inside:
+        return False  # part of a layer that becomes a unit of its own: never wrapped separately
+    if id(module) in units:
+        return True  # look inside (nothing there gets wrapped), then wrap the layer itself
+    return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params, module_is_root=module_is_root)
+
+
+def auto_wrap_policy(
+    policy: Optional[AutoWrapPolicy], min_num_params: int, own_units: Iterable[nn.Module] = ()
+) -> PolicyCallable:
     """The FairScale auto-wrap policy for the strategy's arguments.
 
     Args:
         policy: ``None`` for FairScale's size policy with ``min_num_params``; a set (or list, tuple) of layer classes
             to make each instance of them its own unit; or a callable with FairScale's policy signature, used as is.
         min_num_params: the size threshold of the default policy.
+        own_units: modules that become units of their own, with nothing wrapped inside them (activation-checkpointed
+            layers: their recomputation must happen inside one FSDP unit).
 
     Example:
         >>> policy = auto_wrap_policy({nn.Linear}, min_num_params=0)
@@ -70,12 +103,20 @@ def auto_wrap_policy(policy: Optional[AutoWrapPolicy], min_num_params: int) -> P
         >>> policy(nn.ReLU(), recurse=False, unwrapped_params=0, module_is_root=False)
         False
     """
+    base: PolicyCallable
     if policy is None:
-        return functools.partial(default_auto_wrap_policy, min_num_params=min_num_params)
-    if callable(policy) and not isinstance(policy, type):
-        return policy
-    classes = tuple(policy) if not isinstance(policy, type) else (policy,)
-    return functools.partial(_wrap_layer_classes, layer_classes=classes)
+        base = functools.partial(default_auto_wrap_policy, min_num_params=min_num_params)
+    elif callable(policy) and not isinstance(policy, type):
+        base = policy
+    else:
+        classes = tuple(policy) if not isinstance(policy, type) else (policy,)
+        base = functools.partial(_wrap_layer_classes, layer_classes=classes)
+    own_units = list(own_units)
+    if own_units:
+        units = frozenset(id(m) for m in own_units)
+        inside = frozenset(id(m) for unit in own_units for m in unit.modules() if m is not unit)
+        return functools.partial(_units_of_their_own, units=units, inside=inside - units, policy=base)
+    return base
 
 
 def validate_auto_wrap_policy(policy: Any) -> None:
@@ -95,6 +136,56 @@ def validate_auto_wrap_policy(policy: Any) -> None:
         " `(module, recurse, unwrapped_params, module_is_root) -> bool` or a non-empty set of `nn.Module`"
         f" subclasses whose instances become FSDP units, got {policy!r}."
     )
+
+
+def validate_layer_classes(value: Any, argument: str) -> tuple[type[nn.Module], ...]:
+    """``value`` as a tuple of ``nn.Module`` subclasses; a ``TypeError`` naming ``argument`` when it is not one.
+
+    Example:
+        >>> validate_layer_classes(nn.Linear, "activation_checkpointing")
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    if value is None:
+        return ()
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, (list, tuple, set, frozenset)) and all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+    ):
+        return tuple(classes)
+    raise TypeError(
+        f"`{argument}` must be an `nn.Module` subclass or a list of them (for example `{argument}=MyTransformerBlock`),"
+        f" got {value!r}."
+    )
+
+
+def apply_activation_checkpointing(
+    module: nn.Module, classes: tuple[type[nn.Module], ...], offload_to_cpu: bool = False
+) -> list[nn.Module]:
+    """Make every instance of ``classes`` in ``module`` recompute its activations in backward. Returns them.
+
+    FairScale's ``checkpoint_wrapper`` patches the instance's ``forward`` in place, so module names (and so
+    state-dict keys) do not change. Instances inside FSDP units (manual wrap) are checkpointed inside their unit.
+    """
+    if not classes:
+        return []
+    checkpointed = []
+    for submodule in module.modules():
+        if isinstance(submodule, classes) and any(isinstance(m, _FairScaleFSDP) for m in submodule.modules()):
+            raise ValueError(
+                f"`activation_checkpointing` includes {type(submodule).__name__}, but an instance of it contains FSDP"
+                " units (wrapped in `configure_model`). Checkpointing must happen inside one FSDP unit: wrap the"
+                f" {type(submodule).__name__} instance itself, not its children."
+            )
+        if isinstance(submodule, classes) and "forward" not in submodule.__dict__:
+            checkpoint_wrapper(submodule, offload_to_cpu=offload_to_cpu)
+            checkpointed.append(submodule)
+    return checkpointed
+
+
+def remove_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
+    """Give the modules their class's ``forward`` back (undo :func:`apply_activation_checkpointing`)."""
+    for submodule in modules:
+        submodule.__dict__.pop("forward", None)
 
 
 def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -> FullyShardedDataParallel:

@@ -45,10 +45,13 @@ class RecordTraining(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.compute: set[tuple[str, str]] = set()
+        self.block_linear_calls = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         def probe(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
             self.compute.add((str(module.weight.dtype), str(output.dtype)))
+            if module.training:
+                self.block_linear_calls += 1
 
         pl_module.net[1].up.register_forward_hook(probe)
 
@@ -67,6 +70,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--strategy-name", default="")
     p.add_argument("--flatten", type=int, default=1)
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
+    p.add_argument("--checkpointing-offload", action="store_true")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--steps", type=int, default=4)
@@ -110,6 +115,8 @@ def main() -> None:
         auto_wrap_policy=policy,
         flatten_parameters=bool(args.flatten),
         cpu_offload=args.cpu_offload,
+        activation_checkpointing=Block if args.checkpointing else None,
+        activation_checkpointing_offload=args.checkpointing_offload,
     )
     recorder = RecordUnits()
     training = RecordTraining()
@@ -147,6 +154,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "losses": training.losses,
         "compute": sorted(training.compute),
+        "block_linear_calls": training.block_linear_calls,
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

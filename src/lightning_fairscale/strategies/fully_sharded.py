@@ -7,7 +7,7 @@ import inspect
 import logging
 from collections.abc import Generator, Mapping
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -45,9 +45,12 @@ from lightning_fairscale.optim import (
 )
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
+    apply_activation_checkpointing,
     auto_wrap_policy,
+    remove_activation_checkpointing,
     unwrap_module,
     validate_auto_wrap_policy,
+    validate_layer_classes,
     wrap_module,
 )
 
@@ -91,6 +94,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
             (each instance its own unit), or a callable with FairScale's policy signature
             ``(module, recurse, unwrapped_params, module_is_root) -> bool``. Default: by size (``min_num_params``).
+        activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
+            the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
+        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
         timeout: how long collectives wait for the other ranks before failing.
         start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
@@ -122,11 +128,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
+        activation_checkpointing_offload: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
         _validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
+        self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
+        self.activation_checkpointing_offload = activation_checkpointing_offload
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -151,6 +161,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._layout: Optional[ParameterLayout] = None
         self._group_orders: list[GroupOrder] = []
         self._failed = False
+        self._checkpointed: list[Module] = []
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration
@@ -254,8 +265,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
+        self._checkpointed = apply_activation_checkpointing(
+            model, self.activation_checkpointing, self.activation_checkpointing_offload
+        )
+        policy = auto_wrap_policy(self.auto_wrap_policy, self.min_num_params, own_units=self._checkpointed)
         with self.model_sharded_context():
-            return wrap_module(model, auto_wrap_policy(self.auto_wrap_policy, self.min_num_params), **self.fsdp_kwargs())
+            return wrap_module(model, policy, **self.fsdp_kwargs())
 
     @override
     def model_to_device(self) -> None:
@@ -343,6 +358,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 repoint_to_unwrapped(opt, self._layout, order, parameters)
                 if state:
                     opt.load_state_dict(state)
+        remove_activation_checkpointing(self._checkpointed)
+        self._checkpointed = []
         self._layout = None
         self._group_orders = []
         self._failed = False

@@ -1,0 +1,62 @@
+"""Activation checkpointing composed with auto and manual wrap, on 2 CPU processes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from scenarios.common import max_difference, reference_training
+
+from lightning_fairscale.strategies import DDPFullyShardedStrategy
+
+Train = Callable[..., dict[str, Any]]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, torch.Tensor]:
+    return reference_training(STEPS, "adam")
+
+
+@pytest.mark.parametrize(
+    ("args", "units"),
+    [
+        ([], ["", "net.1", "net.2"]),  # size policy: each checkpointed Block becomes one unit, nothing inside it
+        (["--checkpointing-offload"], ["", "net.1", "net.2"]),
+        (["--policy", "callable"], ["", "net.0", "net.1", "net.2", "net.3"]),  # other Linears wrapped as asked
+        (["--policy", "blocks"], ["", "net.1", "net.2"]),
+        (["--model", "manual"], ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
+    ],
+    ids=["size", "offload", "callable", "blocks", "manual"],
+)
+def test_checkpointed_blocks_recompute_and_stay_exact(
+    train: Train, expected: dict[str, torch.Tensor], args: list[str], units: list[str]
+) -> None:
+    result = train("--checkpointing", "--steps", str(STEPS), *args)
+    # A Linear inside a checkpointed block runs twice per step: forward, and again in backward.
+    assert result["block_linear_calls"] == 2 * STEPS
+    paths = [u["path"].replace("_fsdp_wrapped_module._fpw_module.", "").replace("_fpw_module.", "") for u in result["units"]]
+    assert paths == units
+    assert all("checkpoint" not in key and "_fsdp" not in key for key in result["state_dict"])
+    assert max_difference(result["state_dict"], expected) < 1e-5
+
+
+def test_without_checkpointing_nothing_is_recomputed(train: Train, expected: dict[str, torch.Tensor]) -> None:
+    result = train("--policy", "blocks", "--steps", str(STEPS))
+    assert result["block_linear_calls"] == STEPS
+    assert max_difference(result["state_dict"], expected) < 1e-5
+
+
+@pytest.mark.parametrize("value", ["Block", [torch.nn.Linear, "x"], 3, [torch.Tensor]])
+def test_activation_checkpointing_needs_module_classes(value: Any) -> None:
+    with pytest.raises(TypeError, match="must be an `nn.Module` subclass or a list of them"):
+        DDPFullyShardedStrategy(activation_checkpointing=value)
+
+
+def test_single_class_and_list_are_accepted() -> None:
+    assert DDPFullyShardedStrategy(activation_checkpointing=torch.nn.Linear).activation_checkpointing == (
+        torch.nn.Linear,
+    )
+    both = DDPFullyShardedStrategy(activation_checkpointing=[torch.nn.Linear, torch.nn.GRU])
+    assert both.activation_checkpointing == (torch.nn.Linear, torch.nn.GRU)
