@@ -155,3 +155,16 @@ def test_cpu_offload_on_a_cpu_run_warns_and_trains_normally(tmp_path: Path) -> N
     assert "`DDPFullyShardedStrategy(cpu_offload=True)` has no effect when training on the CPU" in proc.stderr
     result = torch.load(out, weights_only=False)
     assert max_difference(result["state_dict"], reference_training(2, "adam")) < ATOL
+
+
+def test_unit_summary_and_memory_figures_show_the_sharding(train: Train) -> None:
+    result = train("--policy", "blocks", "--steps", "2")
+    summary = result["summary"]
+    assert summary.splitlines()[0].startswith("3 FSDP units")
+    assert "net.1" in summary and "net.2" in summary and "(root)" in summary
+    total = sum(v.numel() for v in result["state_dict"].values())
+    memory = result["memory"]
+    # Each rank holds about half of the parameters (plus padding), and Adam's two moments for them.
+    assert total * 4 / 2 <= memory["memory/parameters_bytes"] <= total * 4 / 2 + 3 * 4
+    assert memory["memory/gradients_bytes"] == memory["memory/parameters_bytes"]
+    assert 2 * memory["memory/parameters_bytes"] <= memory["memory/optimizer_state_bytes"]

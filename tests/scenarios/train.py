@@ -37,6 +37,12 @@ class RecordUnits(Callback):
             for name, m in trainer.strategy.model.named_modules()
             if isinstance(m, FullyShardedDataParallel)
         ]
+        from lightning_fairscale.summary import unit_summary
+
+        self.summary = unit_summary(trainer.strategy.model)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self.memory = trainer.strategy.memory_figures()
 
 
 class RecordTraining(Callback):
@@ -150,6 +156,8 @@ def main() -> None:
     result: dict[str, Any] = {
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "units": recorder.units,
+        "summary": getattr(recorder, "summary", ""),
+        "memory": getattr(recorder, "memory", {}),
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
         "losses": training.losses,

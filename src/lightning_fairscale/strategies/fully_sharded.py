@@ -43,6 +43,7 @@ from lightning_fairscale.optim import (
     repoint_to_unwrapped,
     shard_state,
 )
+from lightning_fairscale.summary import memory_figures, unit_summary
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
     apply_activation_checkpointing,
@@ -256,6 +257,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._layout = ParameterLayout.before_wrapping(self.model)
         self.model = self._setup_model(self.model)
         self._layout.after_wrapping(self.model)
+        if self.is_global_zero:
+            log.info("%s: %s", type(self).__name__, unit_summary(self.model))
         if fitting:
             self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
         self.setup_precision_plugin()
@@ -277,6 +280,14 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.model is not None
         if not self.fsdp_kwargs()["cpu_offload"]:
             self.model.to(self.root_device)
+
+    def memory_figures(self) -> dict[str, float]:
+        """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
+
+        Log them from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``.
+        """
+        assert self.model is not None
+        return memory_figures(self.model, [_unwrap(opt) for opt in self.optimizers])
 
     @contextlib.contextmanager
     @override

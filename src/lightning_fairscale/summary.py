@@ -1,0 +1,74 @@
+"""What sharding produced: a readable summary of the FSDP units, and per-rank memory figures to log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_fairscale.wrapping import clean_path
+
+__all__ = ["memory_figures", "unit_summary"]
+
+
+def _unit_rows(root: nn.Module) -> list[tuple[str, int, int]]:
+    rows = []
+    for path, unit in root.named_modules():
+        if isinstance(unit, _FairScaleFSDP):
+            full = sum(torch.Size(p._orig_size).numel() for p in unit.params)
+            local = sum(p.numel() for p in unit.params)
+            rows.append((clean_path(path + ".").rstrip(".") or "(root)", full, local))
+    return rows
+
+
+def unit_summary(root: nn.Module) -> str:
+    """A table of the FSDP units in ``root``: parameters of each unit, and this rank's shard of them.
+
+    Example:
+        >>> print(unit_summary(nn.Linear(2, 2)))
+        0 FSDP units
+    """
+    rows = _unit_rows(root)
+    if not rows:
+        return "0 FSDP units"
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{len(rows)} FSDP units, {sum(r[1] for r in rows):,} parameters, {sum(r[2] for r in rows):,} on this rank"]
+    lines.append(f"  {'unit':<{width}}  {'parameters':>12}  {'shard':>12}")
+    lines += [f"  {name:<{width}}  {full:>12,}  {local:>12,}" for name, full, local in rows]
+    return "\n".join(lines)
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_figures(model: nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, float]:
+    """Bytes this rank holds for parameters, gradients and optimizer state; peak device memory where reported.
+
+    The keys suit ``LightningModule.log_dict``.
+
+    Example:
+        >>> figures = memory_figures(nn.Linear(2, 2))
+        >>> figures["memory/parameters_bytes"]
+        24.0
+    """
+    params = list(model.parameters())
+    state = [
+        value
+        for optimizer in optimizers
+        for param_state in optimizer.state.values()
+        for value in param_state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    figures = {
+        "memory/parameters_bytes": float(_bytes(params)),
+        "memory/gradients_bytes": float(_bytes(p.grad for p in params if p.grad is not None)),
+        "memory/optimizer_state_bytes": float(_bytes(state)),
+    }
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "cuda":
+        figures["memory/peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(device))
+    return figures
