@@ -7,6 +7,7 @@ for rank 1), so each test costs a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -14,8 +15,8 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CUDA = torch.cuda.is_available()
 
 #: Variables that would make a script think it is a rank started by a launcher or a cluster.
-_LAUNCHER_VARIABLES = {"LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                       "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+_LAUNCHER_VARIABLES = {
+    "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT",
+}  # fmt: skip
 _LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_")
 
 
@@ -40,7 +43,10 @@ class Run:
         return self.stdout + self.stderr
 
     def describe(self) -> str:
-        return f"{self.name} exited with {self.returncode}\n--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
+        return (
+            f"{self.name} exited with {self.returncode}\n"
+            f"--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
+        )
 
     def assert_ok(self) -> None:
         """Exit status 0, and no rank crashed (rank 1's exit status does not reach rank 0's)."""
@@ -53,11 +59,7 @@ class Run:
 
 
 def _run_script(name: str, cwd: Path, timeout: float) -> Run:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
     # A session of its own: on a timeout the whole group goes, rank 1 (started by rank 0) included.
     proc = subprocess.Popen(
@@ -72,7 +74,8 @@ def _run_script(name: str, cwd: Path, timeout: float) -> Run:
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"{name} did not finish in {timeout} s\n--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-6000:]}")
     return Run(name, cwd, proc.returncode, stdout, stderr)
@@ -134,30 +137,38 @@ def test_demo_trains_and_shards(run_example: Callable[..., Run]) -> None:
 # The documentation page's examples
 
 _BORING_KEYS = {"layer.weight", "layer.bias"}
+_AMP = "Automatic Mixed Precision (AMP)"  # Lightning's notice: "Using bfloat16 ..." on CPU, "Using 16bit ..." on GPU
 DOCS = [
-    pytest.param("docs_auto_wrap.py", r"OK strategy=DDPFullyShardedStrategy global_step=4", _BORING_KEYS, id="auto_wrap"),
-    pytest.param("docs_manual_wrap.py", r"OK fsdp_units=4 global_step=4", None, id="manual_wrap"),
-    pytest.param("docs_cpu_offload.py", r"OK cpu_offload=True global_step=4", _BORING_KEYS, id="cpu_offload"),
+    pytest.param(
+        "docs_auto_wrap.py", r"OK strategy=DDPFullyShardedStrategy global_step=4", _BORING_KEYS, True, id="auto_wrap"
+    ),
+    pytest.param("docs_manual_wrap.py", r"OK fsdp_units=4 global_step=4", None, True, id="manual_wrap"),
+    pytest.param("docs_cpu_offload.py", r"OK cpu_offload=True global_step=4", _BORING_KEYS, False, id="cpu_offload"),
     pytest.param(
         "docs_activation_checkpointing.py",
         r"OK global_step=4 block_calls=\d+",
         None,
+        False,
         id="activation_checkpointing",
         marks=pytest.mark.xfail(strict=True, reason="activation_checkpointing: issue 4"),
     ),
 ]
 
 
-@pytest.mark.parametrize(("script", "expected", "checkpoint_keys"), DOCS)
-def test_docs_example(run_example: Callable[..., Run], script: str, expected: str, checkpoint_keys) -> None:
+@pytest.mark.parametrize(("script", "expected", "checkpoint_keys", "mixed_precision"), DOCS)
+def test_docs_example(
+    run_example: Callable[..., Run], script: str, expected: str, checkpoint_keys, mixed_precision: bool
+) -> None:
     run = run_example(script, timeout=90)
     run.assert_ok()
     assert re.search(expected, run.stdout), run.describe()
+    assert (_AMP in run.output) == mixed_precision, run.describe()  # `precision=16` as in the doc
     if checkpoint_keys is not None:  # the Trainer's default ModelCheckpoint saved the full, unwrapped state dict
         checkpoints = run.checkpoints()
         assert len(checkpoints) == 1, run.describe()
         state_dict = torch.load(checkpoints[0], map_location="cpu", weights_only=False)["state_dict"]
         assert set(state_dict) == checkpoint_keys
+        assert all(v.dtype == torch.float32 for v in state_dict.values())  # the FP32 parameters, also under AMP
 
 
 @pytest.mark.skipif(CUDA, reason="cpu_offload is honoured on GPUs")
