@@ -1,0 +1,105 @@
+"""Precision plugins for ``DDPShardedStrategy``: clipping by the global norm through OSS, and mixed precision."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from fairscale.optim import OSS
+from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from torch.optim import Optimizer
+
+from lightning_fairscale.fairscale_cpu import ShardedGradScaler as _CpuShardedGradScaler
+
+__all__ = ["ShardedMixedPrecisionPlugin", "ShardedPrecisionPlugin", "sharded_precision_plugin"]
+
+#: The ``Trainer(precision=...)`` values ``DDPShardedStrategy`` supports.
+SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed")
+
+
+class _OSSNormClipping:
+    """Clipping by norm with ``OSS.clip_grad_norm``: the norm of all ranks' gradients together.
+
+    After ``ShardedDataParallel``'s backward, each rank holds the reduced gradients of the parameters its OSS shard
+    owns only, so Lightning's ``clip_grad_norm_`` over the local gradients would use a different norm on every rank.
+    ``OSS.clip_grad_norm`` combines the owned gradients' norms across ranks (gloo and NCCL alike), which equals
+    :func:`torch.nn.utils.clip_grad_norm_` on the unsharded model. Clipping by value needs no change: each rank clips
+    the gradients it owns.
+
+    FairScale limitation: OSS lists the gradients it owns at its first clipping call; a parameter of this rank that
+    had no gradient then (unused in that step) is left out of later norms.
+    """
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float], norm_type: float = 2.0) -> None:
+        if isinstance(optimizer, OSS):
+            optimizer.clip_grad_norm(clip_val, norm_type=norm_type)
+        else:  # an optimizer the strategy did not shard (no parameters): its gradients are complete on every rank
+            super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
+
+
+class ShardedPrecisionPlugin(_OSSNormClipping, Precision):
+    """Full precision (``"32-true"``) for ``DDPShardedStrategy``, with clipping by the global gradient norm."""
+
+
+class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
+    """Mixed precision (``"16-mixed"`` or ``"bf16-mixed"``) for ``DDPShardedStrategy``.
+
+    Parameters, gradients and optimizer state stay in FP32; the forward pass runs under ``torch.autocast``. For fp16
+    the loss is scaled by a sharded grad scaler (FairScale's ``ShardedGradScaler`` on CUDA, the device-generic one
+    of :mod:`lightning_fairscale.fairscale_cpu` elsewhere): its inf/NaN checks are combined across ranks, so all
+    ranks skip the same steps, which a plain ``GradScaler`` would not do with sharded gradients. bf16 needs no
+    scaler.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the device type autocast runs on: ``"cuda"`` or ``"cpu"``.
+        scaler: a sharded grad scaler for fp16 (default: one for ``device``); must be ``None`` for bf16.
+
+    Raises:
+        TypeError: ``scaler`` is not a sharded grad scaler.
+
+    Example:
+        >>> plugin = ShardedMixedPrecisionPlugin("bf16-mixed", "cpu")
+        >>> plugin.scaler is None
+        True
+    """
+
+    def __init__(
+        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
+    ) -> None:
+        if scaler is None and precision == "16-mixed":
+            scaler = _FairScaleShardedGradScaler() if device == "cuda" else _CpuShardedGradScaler(device=device)
+        if scaler is not None and not isinstance(scaler, (_FairScaleShardedGradScaler, _CpuShardedGradScaler)):
+            raise TypeError(
+                f"`ShardedMixedPrecisionPlugin` needs a sharded grad scaler, got {type(scaler).__name__}: with sharded"
+                " gradients a plain `GradScaler` finds infs on some ranks only and the ranks' models drift apart."
+                " Pass `fairscale.optim.grad_scaler.ShardedGradScaler()` (CUDA) or leave `scaler=None`."
+            )
+        super().__init__(precision=precision, device=device, scaler=scaler)
+
+
+def sharded_precision_plugin(plugin: Precision) -> Precision:
+    """The ``DDPShardedStrategy`` plugin for a plugin the Trainer made from its ``precision`` flag.
+
+    Lightning's ``Precision`` (``"32-true"``) and ``MixedPrecision`` become their sharded counterparts; the sharded
+    plugins are kept as they are.
+
+    Raises:
+        ValueError: the precision is not one the strategy supports; the message names those that are.
+
+    Example:
+        >>> type(sharded_precision_plugin(Precision())).__name__
+        'ShardedPrecisionPlugin'
+    """
+    if isinstance(plugin, (ShardedPrecisionPlugin, ShardedMixedPrecisionPlugin)):
+        return plugin
+    if type(plugin) is Precision:
+        return ShardedPrecisionPlugin()
+    if type(plugin) is MixedPrecision:
+        return ShardedMixedPrecisionPlugin(plugin.precision, plugin.device)  # type: ignore[arg-type]
+    precision = getattr(plugin, "precision", type(plugin).__name__)
+    raise ValueError(
+        f"`DDPShardedStrategy` does not support precision={precision!r}. Use one of"
+        f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} (`Trainer(precision=...)`), or pass a"
+        " `ShardedPrecisionPlugin`/`ShardedMixedPrecisionPlugin` in `plugins`."
+    )
