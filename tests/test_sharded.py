@@ -1,0 +1,255 @@
+"""DDPShardedStrategy (OSS + ShardedDDP) on CPU processes (gloo), against single-process training without a wrapper.
+
+The 2-process cases run one after the other in one launch of ``scenarios/sharded_train.py`` (see its ``CASES``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pytorch_lightning import Trainer
+from pytorch_lightning.strategies import StrategyRegistry
+from scenarios import common
+from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
+from scenarios.sharded_train import CASES, MATRIX_WEIGHT_DECAY, VECTOR_LR_FACTOR, param_groups
+
+from conftest import TESTS, run_script
+from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin
+from lightning_fairscale.strategies import DDPShardedStrategy, DDPSpawnShardedStrategy
+from lightning_fairscale.strategies.sharded import shard_optimizer
+
+ATOL = 1e-5
+SCRIPT = TESTS / "scenarios" / "sharded_train.py"
+TWO_PROCESS_CASES = [name for name in CASES if name != "resume"] + ["resume"]  # resume reads straight's checkpoint
+
+
+def run_cases(workdir: Path, cases: list[str], devices: int = 2) -> dict[str, dict[str, Any]]:
+    out = workdir / f"results-{devices}.pt"
+    args = ["--out", str(out), "--cases", ",".join(cases), "--devices", str(devices), "--workdir", str(workdir)]
+    run_script([str(SCRIPT), *args], cwd=workdir)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict[str, Any]], Path]:
+    workdir = tmp_path_factory.mktemp("sharded")
+    return run_cases(workdir, TWO_PROCESS_CASES), workdir
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    """Single-process training on the full batch for case ``name``, with the case's optimizer and features."""
+    case = CASES[name]
+    kwargs: dict[str, Any] = {"scheduler": case.get("scheduler", False)}
+    kwargs["num_samples"] = case.get("samples", NUM_SAMPLES)
+    if "clip" in case:
+        kwargs["clip"] = case["clip"]
+    if "accumulate" in case:
+        kwargs["accumulate"] = case["accumulate"]
+    with param_groups() if case.get("groups") else contextlib.nullcontext():
+        return reference_training(case.get("steps", 3), case["optimizer"], **kwargs)
+
+
+def assert_sharded(result: dict[str, Any], optimizer: str) -> None:
+    assert result["wrapper"] == "ShardedDataParallel"
+    assert (result["optimizer"], result["shard_optimizer"]) == ("OSS", optimizer)
+    assert 0 < result["shard_params"] < result["all_params"] == 16, "rank 0 should own some parameters, not all"
+    assert result["unwrapped"], "the strategy should give the plain LightningModule back after fit"
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer"),
+    [("sgd", "SGD"), ("sgd-groups", "SGD"), ("adam-groups-scheduler", "Adam"), ("adamw", "AdamW"), ("buckets", "Adam")],
+)
+def test_equals_unsharded_training(two_processes: Any, name: str, optimizer: str) -> None:
+    result = two_processes[0][name]
+    assert_sharded(result, optimizer)
+    assert result["global_step"] == 3
+    assert max_difference(result["state_dict"], reference(name)) < ATOL
+
+
+def test_param_groups_change_the_result() -> None:
+    """The two param groups' hyperparameters matter, so the equality above shows that OSS kept them."""
+    assert max_difference(reference("sgd-groups"), reference("sgd")) > 100 * ATOL
+
+
+def test_lr_scheduler_follows_the_sharded_optimizer(two_processes: Any) -> None:
+    # The schedule itself is checked by the equality with the reference (StepLR, every step).
+    assert two_processes[0]["adam-groups-scheduler"]["scheduler_warnings"] == []
+
+
+@pytest.mark.parametrize("name", ["clip-norm", "clip-value", "accumulate"])
+def test_clipping_and_accumulation_equal_unsharded_training(two_processes: Any, name: str) -> None:
+    result = two_processes[0][name]
+    assert max_difference(result["state_dict"], reference(name)) < ATOL
+    assert max_difference(reference(name), reference("sgd")) > 100 * ATOL  # the feature changed the result
+
+
+@pytest.mark.parametrize(
+    ("name", "scaler", "tolerance"), [("bf16", "NoneType", 2e-3), ("fp16", "ShardedGradScaler", 5e-4)]
+)
+def test_mixed_precision_runs_on_cpu(two_processes: Any, name: str, scaler: str, tolerance: float) -> None:
+    result = two_processes[0][name]
+    assert (result["precision_plugin"], result["scaler"]) == ("ShardedMixedPrecisionPlugin", scaler)
+    assert result["global_step"] == 3
+    difference = max_difference(result["state_dict"], reference(name))
+    assert 1e-6 < difference < tolerance  # close to FP32 training, but computed in lower precision
+
+
+@pytest.mark.parametrize("devices", [2, 1])
+def test_resume_is_exact(two_processes: Any, devices: int) -> None:
+    results, workdir = two_processes
+    resumed = results["resume"] if devices == 2 else run_cases(workdir, ["resume"], devices=1)["resume"]
+    assert resumed["global_step"] == 4
+    tolerance = 0.0 if devices == 2 else 1e-6  # one process sums the gradient in another order
+    assert max_difference(resumed["state_dict"], results["straight"]["state_dict"]) <= tolerance
+
+
+def test_checkpoint_holds_a_plain_optimizer_state(two_processes: Any) -> None:
+    results, workdir = two_processes
+    # `weights_only=True` unpickles no classes but PyTorch's and builtins: no FairScale object is in the file.
+    checkpoint = torch.load(workdir / "checkpoints" / "epoch=1-step=2.ckpt", weights_only=True)
+    model = common.RegressionModel()
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    assert {k: v.shape for k, v in checkpoint["state_dict"].items()} == shapes
+    (state,) = checkpoint["optimizer_states"]
+    matrices, vectors = state["param_groups"]
+    assert matrices["weight_decay"] == MATRIX_WEIGHT_DECAY and vectors["weight_decay"] == 0.0
+    assert matrices["lr"] == pytest.approx(0.01 * 0.7**2)
+    assert vectors["lr"] == pytest.approx(0.01 * VECTOR_LR_FACTOR * 0.7**2)
+    with param_groups():
+        plain = common.make_optimizer("adam", model.parameters())
+    parameters = [p for group in plain.param_groups for p in group["params"]]  # the order of the state's indices
+    assert matrices["params"] + vectors["params"] == list(range(len(parameters)))
+    assert sorted(state["state"]) == list(range(len(parameters)))  # an entry for every parameter
+    for index, parameter in enumerate(parameters):
+        assert state["state"][index]["exp_avg"].shape == parameter.shape
+        assert float(state["state"][index]["step"]) == 2.0
+    plain.load_state_dict(state)  # a plain torch optimizer takes it as it is
+
+    after_fit = torch.load(workdir / "straight-after-fit.ckpt", weights_only=True)
+    assert max_difference(after_fit["state_dict"], results["straight"]["state_dict"]) == 0.0
+    assert {float(s["step"]) for s in after_fit["optimizer_states"][0]["state"].values()} == {4.0}
+
+
+def test_evaluation_after_fit_runs_unwrapped(two_processes: Any) -> None:
+    result = two_processes[0]["eval-after-fit"]
+    assert result["eval_wrapper"] == "RegressionModel"
+    model = common.RegressionModelWrapper(common.build_network())
+    model.load_state_dict(result["state_dict"])
+    x, y = common.dataset().tensors
+    expected = torch.nn.functional.mse_loss(model(x), y).item()
+    assert result["validate"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["test"][0]["test_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["predict"].shape == (NUM_SAMPLES // 2, OUT_FEATURES)  # rank 0's half of the samples
+
+
+@pytest.fixture
+def restore_environment() -> Iterator[None]:
+    """The spawn launcher sets ``MASTER_PORT`` in this process; later tests must not inherit it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_spawn_strategy_trains_in_process(tmp_path: Path, restore_environment: None) -> None:
+    model = common.RegressionModel(optimizer="sgd")
+    trainer = Trainer(
+        strategy="ddp_sharded_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
+    assert isinstance(trainer.strategy, DDPSpawnShardedStrategy)
+    trainer.fit(model)
+    assert trainer.state.finished
+    assert max_difference(model.state_dict(), reference_training(2, "sgd")) < ATOL  # rank 0's weights came back
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("ddp_sharded", DDPShardedStrategy),
+        ("ddp_sharded_find_unused_parameters_false", DDPShardedStrategy),
+        ("ddp_sharded_spawn", DDPSpawnShardedStrategy),
+    ],
+)
+def test_registry_names_select_the_strategy(name: str, cls: type) -> None:
+    assert name in StrategyRegistry
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is cls
+    assert trainer.strategy._start_method == ("spawn" if "spawn" in name else "popen")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"find_unused_parameters": True}, ValueError, "ddp_find_unused_parameters_true"),
+        ({"reduce_buffer_size": -1}, ValueError, "reduce_buffer_size"),
+        ({"reduce_buffer_size": "8M"}, ValueError, "reduce_buffer_size"),
+        ({"sharded_optimizer": None}, TypeError, "configure_optimizers"),
+        ({"process_group": None}, TypeError, "process group"),
+        ({"ddp_comm_hook": None}, TypeError, "unexpected argument `ddp_comm_hook`.*reduce_buffer_size"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        DDPShardedStrategy(**kwargs)
+
+
+def test_multi_node_defaults_bucket_gradients_and_broadcast_fp16() -> None:
+    strategy = DDPShardedStrategy()
+    assert (strategy.reduce_buffer_size, strategy.broadcast_fp16) == (0, False)
+    strategy.num_nodes = 2
+    assert (strategy.reduce_buffer_size, strategy.broadcast_fp16) == (2**23, False)
+    strategy.precision_plugin = ShardedMixedPrecisionPlugin("16-mixed", "cpu")
+    assert strategy.broadcast_fp16
+    explicit = DDPShardedStrategy(reduce_buffer_size=0)
+    explicit.num_nodes = 2
+    assert explicit.sharded_ddp_kwargs() == {"reduce_buffer_size": 0}
+
+
+def test_spawn_strategy_refuses_popen() -> None:
+    with pytest.raises(ValueError, match="DDPShardedStrategy"):
+        DDPSpawnShardedStrategy(start_method="popen")
+
+
+def test_unsupported_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="'32-true', '16-mixed', 'bf16-mixed'"):
+        Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, precision="16-true", logger=False)
+
+
+def test_plain_grad_scaler_is_refused() -> None:
+    with pytest.raises(TypeError, match="sharded grad scaler"):
+        ShardedMixedPrecisionPlugin("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+class NeedsAModel(torch.optim.SGD):
+    def __init__(self, params: Any, model: torch.nn.Module, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr)
+
+
+def test_optimizer_that_cannot_be_rebuilt_is_refused() -> None:
+    network = common.build_network()
+    with pytest.raises(TypeError, match="cannot shard NeedsAModel.*fairscale.optim.OSS"):
+        shard_optimizer(NeedsAModel(network.parameters(), network))  # refused before any collective call
+
+
+def test_checkpoint_with_other_optimizers_is_refused() -> None:
+    strategy = DDPShardedStrategy()
+    strategy.optimizers = [torch.optim.SGD(common.build_network().parameters(), lr=0.1)]
+    with pytest.raises(ValueError, match="holds 2 optimizer states"):
+        strategy.load_optimizer_state_dict({"optimizer_states": [{}, {}]})
