@@ -24,11 +24,12 @@ def expected() -> dict[str, torch.Tensor]:
     [
         ([], ["", "net.1", "net.2"]),  # size policy: each checkpointed Block becomes one unit, nothing inside it
         (["--checkpointing-offload"], ["", "net.1", "net.2"]),
+        (["--min-num-params", "100000000"], ["", "net.1", "net.2"]),  # too small to wrap: still one unit per block
         (["--policy", "callable"], ["", "net.0", "net.1", "net.2", "net.3"]),  # other Linears wrapped as asked
         (["--policy", "blocks"], ["", "net.1", "net.2"]),
         (["--model", "manual"], ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
     ],
-    ids=["size", "offload", "callable", "blocks", "manual"],
+    ids=["size", "offload", "default-size", "callable", "blocks", "manual"],
 )
 def test_checkpointed_blocks_recompute_and_stay_exact(
     train: Train, expected: dict[str, torch.Tensor], args: list[str], units: list[str]

@@ -150,7 +150,6 @@ DOCS = [
         None,
         False,
         id="activation_checkpointing",
-        marks=pytest.mark.xfail(strict=True, reason="activation_checkpointing: issue 4"),
     ),
 ]
 

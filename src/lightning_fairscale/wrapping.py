@@ -75,17 +75,23 @@ def _units_of_their_own(
     module_is_root: bool,
     units: frozenset[int],
     inside: frozenset[int],
+    around: frozenset[int],
     policy: PolicyCallable,
 ) -> bool:
     if id(module) in inside:
         return False  # part of a layer that becomes a unit of its own: never wrapped separately
     if id(module) in units:
         return True  # look inside (nothing there gets wrapped), then wrap the layer itself
+    if recurse and id(module) in around:
+        return True  # always look inside modules that hold such a layer, whatever the size policy says
     return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params, module_is_root=module_is_root)
 
 
 def auto_wrap_policy(
-    policy: Optional[AutoWrapPolicy], min_num_params: int, own_units: Iterable[nn.Module] = ()
+    policy: Optional[AutoWrapPolicy],
+    min_num_params: int,
+    own_units: Iterable[nn.Module] = (),
+    root: Optional[nn.Module] = None,
 ) -> PolicyCallable:
     """The FairScale auto-wrap policy for the strategy's arguments.
 
@@ -95,6 +101,8 @@ def auto_wrap_policy(
         min_num_params: the size threshold of the default policy.
         own_units: modules that become units of their own, with nothing wrapped inside them (activation-checkpointed
             layers: their recomputation must happen inside one FSDP unit).
+        root: the module that will be wrapped; needed with ``own_units`` so that the modules holding them are
+            always searched.
 
     Example:
         >>> policy = auto_wrap_policy({nn.Linear}, min_num_params=0)
@@ -115,7 +123,12 @@ def auto_wrap_policy(
     if own_units:
         units = frozenset(id(m) for m in own_units)
         inside = frozenset(id(m) for unit in own_units for m in unit.modules() if m is not unit)
-        return functools.partial(_units_of_their_own, units=units, inside=inside - units, policy=base)
+        around = frozenset(
+            id(m) for m in (root.modules() if root is not None else ()) if any(id(c) in units for c in m.modules())
+        )
+        return functools.partial(
+            _units_of_their_own, units=units, inside=inside - units, around=around - units, policy=base
+        )
     return base
 
 

@@ -271,7 +271,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._checkpointed = apply_activation_checkpointing(
             model, self.activation_checkpointing, self.activation_checkpointing_offload
         )
-        policy = auto_wrap_policy(self.auto_wrap_policy, self.min_num_params, own_units=self._checkpointed)
+        policy = auto_wrap_policy(self.auto_wrap_policy, self.min_num_params, own_units=self._checkpointed, root=model)
         with self.model_sharded_context():
             return wrap_module(model, policy, **self.fsdp_kwargs())
 
