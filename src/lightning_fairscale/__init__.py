@@ -1,10 +1,28 @@
 """FairScale's sharded training for PyTorch Lightning 2.x.
 
-Importing the package registers the strategy names ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with Lightning's
-strategy registry, so ``Trainer(strategy="fsdp_fairscale")`` works. Lightning's own ``"fsdp"`` stays Lightning's.
+Importing the package registers these strategy names with Lightning's registry, so ``Trainer(strategy=...)``
+accepts them: ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` (:class:`DDPFullyShardedStrategy`),
+``"ddp_sharded"`` and ``"ddp_sharded_find_unused_parameters_false"`` (:class:`DDPShardedStrategy`),
+``"ddp_sharded_spawn"`` and ``"ddp_sharded_spawn_find_unused_parameters_false"`` (:class:`DDPSpawnShardedStrategy`).
+Lightning's own ``"fsdp"`` stays Lightning's.
 """
 
 from lightning_fairscale.__about__ import __version__
-from lightning_fairscale.strategies import DDPFullyShardedStrategy
+from lightning_fairscale.precision import (
+    FullyShardedMixedPrecisionPlugin,
+    FullyShardedPrecisionPlugin,
+    ShardedMixedPrecisionPlugin,
+    ShardedPrecisionPlugin,
+)
+from lightning_fairscale.strategies import DDPFullyShardedStrategy, DDPShardedStrategy, DDPSpawnShardedStrategy
 
-__all__ = ["DDPFullyShardedStrategy", "__version__"]
+__all__ = [
+    "DDPFullyShardedStrategy",
+    "DDPShardedStrategy",
+    "DDPSpawnShardedStrategy",
+    "FullyShardedMixedPrecisionPlugin",
+    "FullyShardedPrecisionPlugin",
+    "ShardedMixedPrecisionPlugin",
+    "ShardedPrecisionPlugin",
+    "__version__",
+]

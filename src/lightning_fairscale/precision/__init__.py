@@ -1,5 +1,11 @@
-"""Precision plugins for the FairScale strategies."""
+"""Precision plugins for the FairScale strategies; the strategies pick them from the Trainer's ``precision`` flag."""
 
 from lightning_fairscale.precision.fully_sharded import FullyShardedMixedPrecisionPlugin, FullyShardedPrecisionPlugin
+from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin, ShardedPrecisionPlugin
 
-__all__ = ["FullyShardedMixedPrecisionPlugin", "FullyShardedPrecisionPlugin"]
+__all__ = [
+    "FullyShardedMixedPrecisionPlugin",
+    "FullyShardedPrecisionPlugin",
+    "ShardedMixedPrecisionPlugin",
+    "ShardedPrecisionPlugin",
+]
