@@ -177,12 +177,6 @@ def test_docs_cpu_offload_warns_on_cpu(run_example: Callable[..., Run]) -> None:
     assert "`DDPFullyShardedStrategy(cpu_offload=True)` has no effect when training on the CPU" in run.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: with the doc's MyModel (one Linear reachable as both `linear_layer` and `model.0`), the"
-    " state dict saved during training lacks `linear_layer.*`, and `fit(ckpt_path=...)` from it fails with"
-    " 'Missing key(s) in state_dict: _fpw_module.linear_layer.weight'",
-)
 def test_docs_manual_wrap_checkpoint_loads_into_the_model(run_example: Callable[..., Run]) -> None:
     run = run_example("docs_manual_wrap.py", timeout=90)
     run.assert_ok()

@@ -25,6 +25,7 @@ from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 
 __all__ = [
     "AutoWrapPolicy",
+    "add_aliases",
     "apply_activation_checkpointing",
     "auto_wrap_policy",
     "clean_path",
@@ -213,6 +214,28 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     if not isinstance(module, _FairScaleFSDP):
         module = FullyShardedDataParallel(module, **fsdp_kwargs)
     return module
+
+
+def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:
+    """Give ``state_dict`` the keys a module reachable under several names has in the unwrapped model.
+
+    A layer can be both an attribute of the LightningModule and part of a container that the user wrapped (the
+    documentation's manual-wrap example does this). FSDP then saves its tensors under one name only; the plain
+    module saves them under every name, and ``load_state_dict`` expects every name.
+    """
+    paths: dict[int, list[str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        clean = clean_path(path + ".") if path else ""
+        if clean not in paths.setdefault(id(module), []):
+            paths[id(module)].append(clean)
+    for names in paths.values():
+        for known in names:
+            for alias in names:
+                if alias == known:
+                    continue
+                for key in [k for k in state_dict if k.startswith(known)]:
+                    state_dict.setdefault(alias + key[len(known) :], state_dict[key])
+    return state_dict
 
 
 def _full_parameters(unit: _FairScaleFSDP, device: torch.device) -> list[torch.Tensor]:

@@ -46,6 +46,7 @@ from lightning_fairscale.optim import (
 from lightning_fairscale.summary import memory_figures, unit_summary
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
+    add_aliases,
     apply_activation_checkpointing,
     auto_wrap_policy,
     remove_activation_checkpointing,
@@ -310,7 +311,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.model is not None
         if not isinstance(self.model, _FairScaleFSDP):
             return super().lightning_module_state_dict()
-        return self.model.state_dict()
+        state_dict = self.model.state_dict()  # a collective call: every rank gathers, rank 0 keeps
+        return add_aliases(state_dict, self.model) if self.is_global_zero else state_dict
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
