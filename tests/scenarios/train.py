@@ -52,6 +52,7 @@ class RecordTraining(Callback):
         self.losses: list[float] = []
         self.compute: set[tuple[str, str]] = set()
         self.block_linear_calls = 0
+        self.grad_sync: list[bool] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         def probe(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
@@ -60,6 +61,10 @@ class RecordTraining(Callback):
                 self.block_linear_calls += 1
 
         pl_module.net[1].up.register_forward_hook(probe)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        # Whether this micro-batch's backward reduce-scatters gradients (False inside FSDP's `no_sync`).
+        self.grad_sync.append(bool(getattr(trainer.strategy.model, "_require_backward_grad_sync", True)))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -163,6 +168,7 @@ def main() -> None:
         "losses": training.losses,
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
+        "grad_sync": training.grad_sync,
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)
