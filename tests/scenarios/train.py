@@ -42,7 +42,7 @@ class RecordUnits(Callback):
         self.summary = unit_summary(trainer.strategy.model)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
-        self.memory = trainer.strategy.memory_figures()
+        self.memory = getattr(trainer.strategy, "memory_figures", dict)()
 
 
 class RecordTraining(Callback):
