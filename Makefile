@@ -24,5 +24,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
 clean:
 	rm -rf $(VENV) build dist docs/_build src/*.egg-info

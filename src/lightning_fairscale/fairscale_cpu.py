@@ -210,6 +210,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self.process_group = process_group
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale this rank's gradient shards, then agree with the other ranks on whether any was inf/NaN."""
         super().unscale_(optimizer)
         if not self._enabled:
             return
