@@ -43,6 +43,7 @@ from lightning_fairscale.optim import (
     repoint_to_unwrapped,
     shard_state,
 )
+from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.summary import memory_figures, unit_summary
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
@@ -225,6 +226,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        close_process_group_at_exit()
         if self.root_device.type == "cpu":
             fairscale_cpu.install()
         self._warn_about_cpu_only_settings()

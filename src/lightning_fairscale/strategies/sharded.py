@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
+from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
@@ -231,6 +232,11 @@ class DDPShardedStrategy(DDPStrategy):
             else:
                 optimizer.load_state_dict(state)
         _optimizers_to_device(self._local_optimizers(), self.root_device)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        close_process_group_at_exit()
 
     @override
     def teardown(self) -> None:
