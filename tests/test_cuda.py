@@ -50,3 +50,21 @@ def test_cpu_offload_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
         "--steps", "3", "--samples", str(8 * devices),
     )
     assert result["losses"][-1] < result["losses"][0]
+
+
+def test_sharded_ddp_on_gpus(tmp_path: Any) -> None:
+    """DDPShardedStrategy with NCCL: 32-bit, clipping by norm, fp16 with FairScale's ShardedGradScaler, bf16."""
+    from conftest import TESTS, run_script
+    from test_sharded import reference
+
+    devices = min(2, torch.cuda.device_count())
+    out = tmp_path / "results.pt"
+    cases = "sgd,clip-norm,fp16,bf16"
+    args = ["--out", str(out), "--cases", cases, "--devices", str(devices), "--accelerator", "gpu"]
+    run_script([str(TESTS / "scenarios" / "sharded_train.py"), *args, "--workdir", str(tmp_path)], cwd=tmp_path)
+    results = torch.load(out, weights_only=False)
+    if devices == 2:
+        assert max_difference(results["sgd"]["state_dict"], reference("sgd")) < 1e-4
+        assert max_difference(results["clip-norm"]["state_dict"], reference("clip-norm")) < 1e-4
+    for name in ("fp16", "bf16"):
+        assert results[name]["global_step"] == 3

@@ -98,7 +98,7 @@ class Record(Callback):
         self.info["eval_wrapper"] = type(trainer.strategy.model).__name__
 
 
-def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path) -> dict[str, Any]:
+def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path, accelerator: str = "cpu") -> dict[str, Any]:
     seed_everything(7, workers=True)
     steps = case.get("steps", 3)
     model = common.RegressionModel(
@@ -112,12 +112,12 @@ def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path) -> di
         )
     clip_val, clip_algorithm = case.get("clip", (None, None))
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=DDPShardedStrategy(**case.get("strategy", {})),
         max_steps=steps,
         precision=None if "plugin" in case else case.get("precision", "32-true"),
-        plugins=[ShardedMixedPrecisionPlugin(case["plugin"], "cpu")] if "plugin" in case else None,
+        plugins=[ShardedMixedPrecisionPlugin(case["plugin"], "cuda" if accelerator == "gpu" else "cpu")] if "plugin" in case else None,
         accumulate_grad_batches=case.get("accumulate", 1),
         gradient_clip_val=clip_val,
         gradient_clip_algorithm=clip_algorithm,
@@ -159,10 +159,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True, help="comma-separated names from CASES")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--workdir", default=".", help="checkpoints are written and read here")
     args = parser.parse_args()
     workdir = Path(args.workdir)
-    results = {name: run_case(name, CASES[name], args.devices, workdir) for name in args.cases.split(",")}
+    results = {name: run_case(name, CASES[name], args.devices, workdir, args.accelerator) for name in args.cases.split(",")}
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, args.out)
     torch.distributed.destroy_process_group()  # a clean exit for the threads of gloo
