@@ -61,3 +61,24 @@ def test_lightning_1x_arguments_are_accepted() -> None:
 def test_bad_arguments_fail_early_with_a_hint(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         DDPFullyShardedStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("precision", "strategy_kwargs", "expected"),
+    [
+        ("32-true", {}, {"mixed_precision": False, "fp32_reduce_scatter": False}),
+        ("bf16-mixed", {}, {"mixed_precision": True, "compute_dtype": torch.bfloat16}),
+        ("16-mixed", {"fp32_reduce_scatter": True}, {"mixed_precision": True, "fp32_reduce_scatter": True}),
+        ("bf16-mixed", {"compute_dtype": torch.float32}, {"mixed_precision": True, "compute_dtype": torch.float32}),
+        ("32-true", {"fp32_reduce_scatter": True}, {"fp32_reduce_scatter": False}),  # only meaningful when mixed
+    ],
+)
+def test_fsdp_settings_follow_the_precision_flag(
+    precision: str, strategy_kwargs: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    strategy = DDPFullyShardedStrategy(**strategy_kwargs)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, logger=False)
+    kwargs = trainer.strategy.fsdp_kwargs()
+    assert {k: kwargs[k] for k in expected} == expected
+    assert kwargs["compute_device"] == torch.device("cpu")
+    assert kwargs["cpu_offload"] is False  # offloading to the CPU from the CPU is turned off
