@@ -192,8 +192,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
     """
     saved = optimizer.state_dict()
     managed_params = [p for group in optimizer.param_groups for p in group["params"]]
-    units = {id(layout.managed[p].unit.process_group): layout.managed[p].unit for p in managed_params}
-    unit = next(iter(units.values()))
+    unit = layout.managed[managed_params[0]].unit  # every unit of the strategy shares one process group
     rank, world_size, group = unit.rank, unit.world_size, unit.process_group
     _check_same_state_keys(optimizer, managed_params, group)
 
@@ -289,7 +288,7 @@ def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, 
         raise ValueError(f"The checkpoint's optimizer state has no entry for {missing}, but has for their FSDP unit.")
     merged: dict[str, Any] = {}
     for key, value in present[0].items():
-        if isinstance(value, Tensor) and all(value.shape == p.shape for p in info.pieces[:1]) and value.dim() > 0:
+        if isinstance(value, Tensor) and value.shape == info.pieces[0].shape and value.dim() > 0:
             flat = torch.cat([s[key].reshape(-1) for s in present])
             if flat.numel() != info.numel:
                 raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
