@@ -43,6 +43,7 @@ from lightning_fairscale.optim import (
     repoint_to_unwrapped,
     shard_state,
 )
+from lightning_fairscale.strategies._checkpoint import optimizer_states
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.summary import memory_figures, unit_summary
 from lightning_fairscale.wrapping import (
@@ -337,12 +338,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._layout is None:
             return super().load_optimizer_state_dict(checkpoint)
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"The checkpoint holds {len(states)} optimizer states but `configure_optimizers` returned"
-                f" {len(self.optimizers)} optimizers. Resume with the optimizers the checkpoint was saved with."
-            )
+        states = optimizer_states(checkpoint, self.optimizers)
         for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
             optimizer = _unwrap(optimizer)
             optimizer.load_state_dict(shard_state(state, optimizer, self._layout, order))

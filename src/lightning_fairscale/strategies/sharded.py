@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
+from lightning_fairscale.strategies._checkpoint import optimizer_states
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
@@ -220,12 +221,7 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load full optimizer state dicts (saved with any number of processes); each rank keeps its shard."""
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"The checkpoint holds {len(states)} optimizer states but `configure_optimizers` returned"
-                f" {len(self.optimizers)} optimizers. Resume with the optimizers the checkpoint was saved with."
-            )
+        states = optimizer_states(checkpoint, self.optimizers)
         for optimizer, state in zip(self.optimizers, states):
             if isinstance(optimizer, OSS):
                 _load_full_state(optimizer, state)
