@@ -11,6 +11,7 @@ import torch
 from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
 
 from conftest import TRAIN_SCRIPT, run_script
+from lightning_fairscale.wrapping import clean_path
 
 ATOL = 1e-5
 Train = Callable[..., dict[str, Any]]
@@ -36,6 +37,28 @@ def test_auto_wrap_equals_unsharded_training(train: Train, policy: str, units: i
     assert_sharded(result, units)
     assert len(result["units"]) == units
     assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+
+
+@pytest.mark.parametrize(
+    ("args", "paths"),
+    [
+        # The size policy looks inside every large module; each Linear of the blocks is big enough.
+        ((), ["", "net.1.up", "net.1.down", "net.2.up", "net.2.down"]),
+        # Force-leaf: auto wrap does not descend into the blocks, so their parameters go to the enclosing unit.
+        (("--force-leaf", "Block"), ["", "net"]),
+        # Exclude: the Linears never become units, so what holds them does once it is large enough.
+        (("--exclude", "Linear"), ["", "net.1", "net.2"]),
+        # The same controls apply to a callable policy (here: every Linear), but only when given.
+        (("--policy", "callable", "--force-leaf", "Block"), ["", "net.0", "net.3"]),
+        (("--policy", "callable", "--exclude", "Sequential", "Block"), ["", "net.0", *[
+            f"net.{b}.{layer}" for b in (1, 2) for layer in ("up", "down")], "net.3"]),
+    ],
+    ids=["size", "size-force-leaf", "size-exclude", "callable-force-leaf", "callable-exclude"],
+)
+def test_exclude_and_force_leaf_controls_choose_the_units(train: Train, args: tuple[str, ...], paths: list[str]) -> None:
+    result = train(*args, "--steps", "2")
+    assert sorted(clean_path(u["path"] + ".").rstrip(".") for u in result["units"]) == sorted(paths)
+    assert max_difference(result["state_dict"], reference_training(2, "adam")) < ATOL
 
 
 @pytest.mark.parametrize(

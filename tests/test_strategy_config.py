@@ -56,6 +56,9 @@ def test_lightning_1x_arguments_are_accepted() -> None:
         ({"compute_device": torch.device("cpu")}, TypeError, "accelerator"),
         ({"mixed_precision": True}, TypeError, "precision"),
         ({"not_an_argument": 1}, TypeError, "unexpected argument `not_an_argument`"),
+        ({"exclude_wrap_modules": "ModuleList"}, TypeError, "exclude_wrap_modules"),
+        ({"force_leaf_modules": [torch.nn.MultiheadAttention, 3]}, TypeError, "force_leaf_modules"),
+        ({"activation_checkpointing": "Block"}, TypeError, "activation_checkpointing"),
     ],
 )
 def test_bad_arguments_fail_early_with_a_hint(kwargs: dict[str, Any], error: type, match: str) -> None:

@@ -88,18 +88,42 @@ def _units_of_their_own(
     return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params, module_is_root=module_is_root)
 
 
+def _with_controls(
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    module_is_root: bool,
+    policy: PolicyCallable,
+    exclude: tuple[type[nn.Module], ...],
+    force_leaf: tuple[type[nn.Module], ...],
+) -> bool:
+    if recurse and isinstance(module, force_leaf):
+        return False
+    if not recurse and isinstance(module, exclude):
+        return False
+    return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params, module_is_root=module_is_root)
+
+
 def auto_wrap_policy(
     policy: Optional[AutoWrapPolicy],
     min_num_params: int,
     own_units: Iterable[nn.Module] = (),
     root: Optional[nn.Module] = None,
+    exclude_wrap_modules: Optional[Iterable[type[nn.Module]]] = None,
+    force_leaf_modules: Optional[Iterable[type[nn.Module]]] = None,
 ) -> PolicyCallable:
     """The FairScale auto-wrap policy for the strategy's arguments.
 
     Args:
         policy: ``None`` for FairScale's size policy with ``min_num_params``; a set (or list, tuple) of layer classes
-            to make each instance of them its own unit; or a callable with FairScale's policy signature, used as is.
+            to make each instance of them its own unit; or a callable with FairScale's policy signature.
         min_num_params: the size threshold of the default policy.
+        exclude_wrap_modules: layer classes never made units themselves (their children still can be). ``None``:
+            FairScale's default for the size policy (``nn.ModuleList``, ``nn.ModuleDict``: containers without a
+            ``forward`` cannot be units), nothing for the other policies.
+        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
+            units; their parameters belong to the enclosing unit. ``None``: FairScale's default for the size policy (``nn.MultiheadAttention``, which reads its
+            parameters directly), nothing for the other policies.
         own_units: modules that become units of their own, with nothing wrapped inside them (activation-checkpointed
             layers: their recomputation must happen inside one FSDP unit).
         root: the module that will be wrapped; needed with ``own_units`` so that the modules holding them are
@@ -111,15 +135,31 @@ def auto_wrap_policy(
         True
         >>> policy(nn.ReLU(), recurse=False, unwrapped_params=0, module_is_root=False)
         False
+        >>> policy = auto_wrap_policy(None, min_num_params=10, exclude_wrap_modules={nn.Sequential})
+        >>> policy(nn.Sequential(nn.Linear(4, 4)), recurse=False, unwrapped_params=20, module_is_root=False)
+        False
     """
     base: PolicyCallable
     if policy is None:
-        base = functools.partial(default_auto_wrap_policy, min_num_params=min_num_params)
-    elif callable(policy) and not isinstance(policy, type):
-        base = policy
+        base = functools.partial(
+            default_auto_wrap_policy,
+            min_num_params=min_num_params,
+            exclude_wrap_modules=None if exclude_wrap_modules is None else set(exclude_wrap_modules),
+            force_leaf_modules=None if force_leaf_modules is None else set(force_leaf_modules),
+        )
     else:
-        classes = tuple(policy) if not isinstance(policy, type) else (policy,)
-        base = functools.partial(_wrap_layer_classes, layer_classes=classes)
+        if callable(policy) and not isinstance(policy, type):
+            base = policy
+        else:
+            classes = tuple(policy) if not isinstance(policy, type) else (policy,)
+            base = functools.partial(_wrap_layer_classes, layer_classes=classes)
+        if exclude_wrap_modules or force_leaf_modules:
+            base = functools.partial(
+                _with_controls,
+                policy=base,
+                exclude=tuple(exclude_wrap_modules or ()),
+                force_leaf=tuple(force_leaf_modules or ()),
+            )
     own_units = list(own_units)
     if own_units:
         units = frozenset(id(m) for m in own_units)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,6 +21,13 @@ import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+
+
+LAYER_CLASSES = {"Block": Block, "Linear": torch.nn.Linear, "Sequential": torch.nn.Sequential}
+
+
+def layer_classes(names: Optional[list[str]]) -> Optional[set[type]]:
+    return None if names is None else {LAYER_CLASSES[name] for name in names}
 
 
 class RecordUnits(Callback):
@@ -77,6 +84,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
     p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
     p.add_argument("--policy", default="size", choices=["size", "blocks", "callable"])
+    p.add_argument("--exclude", nargs="*", default=None, choices=list(LAYER_CLASSES))
+    p.add_argument("--force-leaf", nargs="*", default=None, choices=list(LAYER_CLASSES))
     p.add_argument("--min-num-params", type=int, default=1000)
     p.add_argument("--strategy-name", default="")
     p.add_argument("--flatten", type=int, default=1)
@@ -124,6 +133,8 @@ def main() -> None:
     strategy: Any = args.strategy_name or DDPFullyShardedStrategy(
         min_num_params=args.min_num_params,
         auto_wrap_policy=policy,
+        exclude_wrap_modules=layer_classes(args.exclude),
+        force_leaf_modules=layer_classes(args.force_leaf),
         flatten_parameters=bool(args.flatten),
         cpu_offload=args.cpu_offload,
         activation_checkpointing=Block if args.checkpointing else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -98,6 +98,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
         auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
             (each instance its own unit), or a callable with FairScale's policy signature
             ``(module, recurse, unwrapped_params, module_is_root) -> bool``. Default: by size (``min_num_params``).
+        exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
+            still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
+        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
+            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``) for the size policy, none else.
         activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
             the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
         activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
@@ -132,6 +136,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        exclude_wrap_modules: Optional[Iterable[type[Module]]] = None,
+        force_leaf_modules: Optional[Iterable[type[Module]]] = None,
         activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
         activation_checkpointing_offload: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -141,6 +147,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         _validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
         self.activation_checkpointing_offload = activation_checkpointing_offload
+        self.exclude_wrap_modules = _optional_classes(exclude_wrap_modules, "exclude_wrap_modules")
+        self.force_leaf_modules = _optional_classes(force_leaf_modules, "force_leaf_modules")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -211,6 +219,16 @@ class DDPFullyShardedStrategy(DDPStrategy):
         kwargs.update(self._fsdp_kwargs)
         return kwargs
 
+    def _auto_wrap_policy(self, own_units: Iterable[Module] = (), root: Optional[Module] = None) -> Any:
+        return auto_wrap_policy(
+            self.auto_wrap_policy,
+            self.min_num_params,
+            own_units=own_units,
+            root=root,
+            exclude_wrap_modules=self.exclude_wrap_modules,
+            force_leaf_modules=self.force_leaf_modules,
+        )
+
     def _warn_about_cpu_only_settings(self) -> None:
         if self.root_device.type == "cuda":
             return
@@ -237,7 +255,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
         kwargs = self.fsdp_kwargs()
-        policy = auto_wrap_policy(self.auto_wrap_policy, self.min_num_params)
+        policy = self._auto_wrap_policy()
         with (
             enable_wrap(wrapper_cls=FullyShardedDataParallel, auto_wrap_policy=policy, **kwargs),
             torch_wrap.enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs),
@@ -275,7 +293,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._checkpointed = apply_activation_checkpointing(
             model, self.activation_checkpointing, self.activation_checkpointing_offload
         )
-        policy = auto_wrap_policy(self.auto_wrap_policy, self.min_num_params, own_units=self._checkpointed, root=model)
+        policy = self._auto_wrap_policy(own_units=self._checkpointed, root=model)
         with self.model_sharded_context():
             return wrap_module(model, policy, **self.fsdp_kwargs())
 
@@ -386,6 +404,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _optional_classes(value: Any, argument: str) -> Optional[tuple[type[Module], ...]]:
+    return None if value is None else validate_layer_classes(value, argument)
 
 
 def _validate_arguments(
