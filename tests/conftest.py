@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +20,21 @@ TRAIN_SCRIPT = TESTS / "scenarios" / "train.py"
 
 
 def run_script(args: list[str], cwd: Path, timeout: float = 300, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run a Python script in its own session; whatever it started (the other ranks) is killed when it ends."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
         env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    command = [sys.executable, *args]
+    with subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        finally:
+            # A rank left behind (its peer was killed) must not outlive the test, holding ports and CPU.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    proc = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{args} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

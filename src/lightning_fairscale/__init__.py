@@ -8,6 +8,7 @@ Lightning's own ``"fsdp"`` stays Lightning's.
 """
 
 from lightning_fairscale.__about__ import __version__
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision import (
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
@@ -22,6 +23,7 @@ __all__ = [
     "DDPSpawnShardedStrategy",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
+    "ShardedCheckpointIO",
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
     "__version__",

@@ -29,7 +29,12 @@ The workarounds, and why each is needed:
 6. **bf16 compute (all devices).** With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to
    fp16, whatever ``compute_dtype`` is, which breaks bf16 compute. :class:`FullyShardedDataParallel` casts them to
    the unit's ``compute_dtype`` first, which FairScale then leaves alone. This one is not CPU-specific.
-7. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
+7. **Loading a sharded state before the first forward (all devices).** ``load_local_state_dict`` ends by freeing
+   every unit's full parameters, which reads an attribute that inner units create only in their first forward, so
+   resuming from a sharded checkpoint fails with ``AttributeError: _full_param_padded``.
+   :meth:`FullyShardedDataParallel.load_local_state_dict` initialises those attributes first (what the first
+   forward would do; it is idempotent). This one is not CPU-specific.
+8. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
    CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
    :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
 
@@ -254,6 +259,13 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 if isinstance(module, _FairScaleFSDP):
                     module._streams = self._streams
                     module._reducer = reducer
+
+    def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
+        for unit in fsdp_instances(self):
+            for param in unit.params:
+                unit._init_param_attributes(param)
+        return super().load_local_state_dict(state_dict, strict)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ __all__ = [
     "ParameterLayout",
     "Piece",
     "consolidate_state",
+    "describe_layout",
+    "plain_state_dict",
     "repoint_optimizer",
     "repoint_to_unwrapped",
     "shard_state",
@@ -196,33 +199,79 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
     rank, world_size, group = unit.rank, unit.world_size, unit.process_group
     _check_same_state_keys(optimizer, managed_params, group)
 
-    full_state: dict[nn.Parameter, dict[str, Any]] = {}
+    full_states: list[dict[str, Any]] = []
+    elementwise: list[set[str]] = []
     for param in managed_params:
         state = optimizer.state.get(param, {})
-        full: dict[str, Any] = {}
-        for key in sorted(state):
-            value = state[key]
-            if _is_elementwise(value, param):
-                full[key] = _gather_full(value, layout.managed[param].numel, rank, world_size, group)
-            else:
-                full[key] = value
-        full_state[param] = full
+        keys = {key for key, value in state.items() if _is_elementwise(value, param)}
+        full_states.append(
+            {
+                key: _gather_full(value, layout.managed[param].numel, rank, world_size, group) if key in keys else value
+                for key, value in sorted(state.items())
+            }
+        )
+        elementwise.append(keys)
     if rank != 0:
         return {}
+    position = {param: m for m, param in enumerate(managed_params)}
+    return plain_state_dict(
+        full_states,
+        [layout.managed[param].pieces for param in managed_params],
+        [[(position[managed], k) for managed, k in order] for order in orders],
+        saved["param_groups"],
+        elementwise,
+    )
 
+
+def describe_layout(optimizer: Optimizer, orders: GroupOrder, root: nn.Module) -> dict[str, Any]:
+    """Where the entries of ``optimizer.state_dict()`` live, in the terms of FairScale's ``local_metadata_dict``.
+
+    Saved with each shard of a sharded checkpoint, so that the offline consolidation can rebuild the plain layout
+    without the model: ``params[m] = (u, i)`` says that the optimizer's ``m``-th parameter is the ``i``-th parameter
+    of the ``u``-th FSDP unit (in ``root.modules()`` order, as in FairScale's metadata), and ``orders`` lists, for
+    each param group, the ``(m, piece)`` of every original parameter in the user's order.
+    """
+    units = [unit for unit in root.modules() if isinstance(unit, _FairScaleFSDP)]
+    in_unit = {id(param): (u, i) for u, unit in enumerate(units) for i, param in enumerate(unit.params)}
+    managed_params = [p for group in optimizer.param_groups for p in group["params"]]
+    position = {id(param): m for m, param in enumerate(managed_params)}
+    return {
+        "params": [in_unit[id(param)] for param in managed_params],
+        "orders": [[(position[id(managed)], k) for managed, k in order] for order in orders],
+    }
+
+
+def plain_state_dict(
+    full_states: Sequence[dict[str, Any]],
+    pieces: Sequence[Sequence[Piece]],
+    orders: Sequence[Sequence[tuple[int, int]]],
+    groups: Sequence[dict[str, Any]],
+    elementwise: Sequence[set[str]],
+) -> dict[str, Any]:
+    """The state dict of a plain optimizer over the unwrapped module, from the unsharded state of each FSDP-managed
+    parameter. Serves the online consolidation above and the offline one of sharded checkpoints.
+
+    Args:
+        full_states: for each managed parameter, in the optimizer's order, its state with the element-wise entries
+            (``exp_avg``, ``momentum_buffer`` ...) as one flat tensor over the whole parameter, padding removed.
+        pieces: for each managed parameter, the original parameters it holds.
+        orders: for each param group, the ``(managed parameter index, piece index)`` of every original parameter, in
+            the order the user listed them.
+        groups: the optimizer's param groups as ``state_dict()`` saves them (their hyperparameters are kept).
+        elementwise: for each managed parameter, the keys of its element-wise entries (the others are copied).
+    """
     out_state: dict[int, dict[str, Any]] = {}
     out_groups: list[dict[str, Any]] = []
     index = 0
-    for group_saved, order in zip(saved["param_groups"], orders):
+    for group_saved, order in zip(groups, orders):
         indices = []
-        for managed, piece_index in order:
-            piece = layout.managed[managed].pieces[piece_index]
-            state = full_state[managed]
+        for m, k in order:
+            piece, state = pieces[m][k], full_states[m]
             if state:
                 out_state[index] = {
                     key: (
                         value[piece.offset : piece.offset + piece.numel].view(piece.shape).clone()
-                        if isinstance(value, Tensor) and _is_elementwise(optimizer.state[managed][key], managed)
+                        if key in elementwise[m]
                         else copy.deepcopy(value)
                     )
                     for key, value in state.items()

@@ -26,6 +26,8 @@ from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 __all__ = [
     "AutoWrapPolicy",
     "add_aliases",
+    "apply_aliases",
+    "module_aliases",
     "apply_activation_checkpointing",
     "auto_wrap_policy",
     "clean_path",
@@ -256,8 +258,8 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     return module
 
 
-def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:
-    """Give ``state_dict`` the keys a module reachable under several names has in the unwrapped model.
+def module_aliases(root: nn.Module) -> list[tuple[str, str]]:
+    """``(prefix, alias)`` pairs: every state-dict key starting with ``prefix`` also exists starting with ``alias``.
 
     A layer can be both an attribute of the LightningModule and part of a container that the user wrapped (the
     documentation's manual-wrap example does this). FSDP then saves its tensors under one name only; the plain
@@ -268,14 +270,25 @@ def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:
         clean = clean_path(path + ".") if path else ""
         if clean not in paths.setdefault(id(module), []):
             paths[id(module)].append(clean)
-    for names in paths.values():
-        for known in names:
-            for alias in names:
-                if alias == known:
-                    continue
-                for key in [k for k in state_dict if k.startswith(known)]:
-                    state_dict.setdefault(alias + key[len(known) :], state_dict[key])
+    return [(known, alias) for names in paths.values() for known in names for alias in names if alias != known]
+
+
+def apply_aliases(state_dict: dict[str, Any], aliases: Iterable[tuple[str, str]]) -> dict[str, Any]:
+    """Add the keys :func:`module_aliases` names to ``state_dict`` (in place), and return it.
+
+    Example:
+        >>> apply_aliases({"blocks.0.weight": 1}, [("blocks.0.", "first.")])
+        {'blocks.0.weight': 1, 'first.weight': 1}
+    """
+    for known, alias in aliases:
+        for key in [k for k in state_dict if k.startswith(known)]:
+            state_dict.setdefault(alias + key[len(known) :], state_dict[key])
     return state_dict
+
+
+def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:
+    """``state_dict`` with the keys of every module reachable under several names in ``root`` (see above)."""
+    return apply_aliases(state_dict, module_aliases(root))
 
 
 def _full_parameters(unit: _FairScaleFSDP, device: torch.device) -> list[torch.Tensor]:

@@ -7,8 +7,11 @@ units seen during training, and whatever the evaluation stages returned.
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import signal
 import sys
+from datetime import timedelta
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +31,30 @@ LAYER_CLASSES = {"Block": Block, "Linear": torch.nn.Linear, "Sequential": torch.
 
 def layer_classes(names: Optional[list[str]]) -> Optional[set[type]]:
     return None if names is None else {LAYER_CLASSES[name] for name in names}
+
+
+class KillDuringSave(Callback):
+    """Kills this process (SIGKILL) halfway through writing its n-th checkpoint file: a crash no code can clean up."""
+
+    def __init__(self, nth: int, rank: int) -> None:
+        self.nth, self.rank = nth, rank
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        real_save, calls = torch.save, [0]
+
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            calls[0] += 1
+            if calls[0] < self.nth or not hasattr(f, "write"):
+                return real_save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            f.write(buffer.getvalue()[: buffer.tell() // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = save
 
 
 class RecordUnits(Callback):
@@ -108,6 +135,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--eval-after", action="store_true")
     p.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint saving every epoch into this folder")
+    p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
+    p.add_argument("--save-last", action="store_true", help="the ModelCheckpoint overwrites last.ckpt")
+    p.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
+    p.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL this rank halfway through its n-th file")
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout in seconds")
     return p.parse_args()
 
 
@@ -139,13 +172,22 @@ def main() -> None:
         cpu_offload=args.cpu_offload,
         activation_checkpointing=Block if args.checkpointing else None,
         activation_checkpointing_offload=args.checkpointing_offload,
+        state_dict_type=args.state_dict_type,
+        **({"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}),
     )
     recorder = RecordUnits()
     training = RecordTraining()
     callbacks: list[Callback] = [recorder, training]
+    if args.kill_during_save:
+        callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank))
     if args.checkpoint_dir:
+        # --save-last: one checkpoint "last.ckpt", overwritten at every epoch end.
+        name = dict(filename="last", enable_version_counter=False) if args.save_last else dict(filename="{epoch}-{step}")
         callbacks.append(
-            ModelCheckpoint(dirpath=args.checkpoint_dir, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
+            ModelCheckpoint(
+                dirpath=args.checkpoint_dir, every_n_epochs=1, monitor="step", mode="max", save_top_k=args.save_top_k,
+                **name,
+            )
         )
     trainer = Trainer(
         accelerator=args.accelerator,

@@ -7,7 +7,8 @@ import inspect
 import logging
 from collections.abc import Generator, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -18,6 +19,7 @@ from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning_fabric.strategies import _StrategyRegistry
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -29,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.precision.fully_sharded import (
     FullyShardedMixedPrecisionPlugin,
@@ -45,6 +48,13 @@ from lightning_fairscale.optim import (
 )
 from lightning_fairscale.strategies._checkpoint import optimizer_states
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
+from lightning_fairscale.sharded_checkpoint import (
+    FORMAT_KEY,
+    SHARDED_KEY,
+    check_fits,
+    check_wrapping,
+    split_checkpoint,
+)
 from lightning_fairscale.summary import memory_figures, unit_summary
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
@@ -105,6 +115,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
         activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
             the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
         activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
+            gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
+            directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
+            and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
         timeout: how long collectives wait for the other ranks before failing.
         start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
@@ -140,6 +154,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         force_leaf_modules: Optional[Iterable[type[Module]]] = None,
         activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
         activation_checkpointing_offload: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
@@ -147,6 +162,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
         _validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
         self.activation_checkpointing_offload = activation_checkpointing_offload
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(
+                f'`state_dict_type` must be "full" (one file, loadable anywhere) or "sharded" (one file per rank),'
+                f" got {state_dict_type!r}."
+            )
+        self.state_dict_type = state_dict_type
         self.exclude_wrap_modules = _optional_classes(exclude_wrap_modules, "exclude_wrap_modules")
         self.force_leaf_modules = _optional_classes(force_leaf_modules, "force_leaf_modules")
         super().__init__(
@@ -188,6 +209,29 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = None if plugin is None else fully_sharded_precision_plugin(plugin)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    def _sharded_io(self) -> ShardedCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, ShardedCheckpointIO):
+            raise TypeError(
+                f'`DDPFullyShardedStrategy(state_dict_type="sharded")` writes its checkpoint directories with'
+                f" `lightning_fairscale.ShardedCheckpointIO`, but the Trainer was given {type(io).__name__}. Remove"
+                " the CheckpointIO plugin, pass a `ShardedCheckpointIO` (or a subclass), or use"
+                ' `state_dict_type="full"`.'
+            )
+        return io
 
     @property
     def mixed_precision(self) -> bool:
@@ -249,6 +293,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             fairscale_cpu.install()
         self._warn_about_cpu_only_settings()
+        if self.state_dict_type == "sharded":
+            self._sharded_io()  # fail before training, not at the first save
 
     @contextlib.contextmanager
     @override
@@ -326,31 +372,106 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
+    def _saves_sharded(self) -> bool:
+        return self.state_dict_type == "sharded" and isinstance(self.model, _FairScaleFSDP)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict, with the unwrapped module's keys; gathered unit by unit, kept on rank 0 only."""
+        """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only;
+        with ``state_dict_type="sharded"``, this rank's parameter shards (FairScale's ``local_state_dict``)."""
         assert self.model is not None
         if not isinstance(self.model, _FairScaleFSDP):
             return super().lightning_module_state_dict()
+        if self._saves_sharded():
+            return self.model.local_state_dict()
         state_dict = self.model.state_dict()  # a collective call: every rank gathers, rank 0 keeps
         return add_aliases(state_dict, self.model) if self.is_global_zero else state_dict
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks); with
+        ``state_dict_type="sharded"``, this rank's state over its shards."""
+        if self._layout is None:  # not wrapped (after a stage): a plain optimizer over the unwrapped module
+            return super().optimizer_state(optimizer)
+        optimizer = _unwrap(optimizer)
+        if self._saves_sharded():
+            return optimizer.state_dict()
+        index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
+        return consolidate_state(optimizer, self._layout, self._group_orders[index])
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
+        checkpoint directory (see :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO`)."""
+        if not self._saves_sharded():
+            if self.state_dict_type == "sharded" and self.lightning_module is not None:
+                rank_zero_warn(
+                    f"The model is not sharded outside `fit`/`validate`/`test`, so {filepath} is written as a full"
+                    " checkpoint file.",
+                )
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        io = self._sharded_io()
+        optimizers = [_unwrap(opt) for opt in self.optimizers]
+        meta, shard = split_checkpoint(checkpoint, self.model, optimizers, self._group_orders, self.world_size)
+        # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
+        # previous checkpoint untouched, instead of leaving the others waiting for it.
+        self._together(lambda: io.begin_sharded(filepath) if self.is_global_zero else None, filepath, "prepare")
+        self._together(lambda: io.save_shard(shard, filepath, self.global_rank, self.world_size), filepath, "write")
+        self._together(
+            lambda: io.commit_sharded(meta, filepath, self.world_size) if self.is_global_zero else None,
+            filepath,
+            "complete",
+        )
+        return None
+
+    def _together(self, action: Callable[[], Any], filepath: _PATH, step: str) -> None:
+        error: Optional[BaseException] = None
+        try:
+            action()
+        except Exception as exception:  # reported to every rank below, then re-raised here
+            error = exception
+        if self.reduce_boolean_decision(error is None, all=True):
+            return
+        if self.is_global_zero:
+            self._sharded_io().abort_sharded(filepath)
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            f"Another process failed to {step} the sharded checkpoint {filepath} (its error is in its log). The"
+            " previous checkpoint of that name, if any, is unchanged."
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a full checkpoint file, or this rank's part of a sharded checkpoint directory."""
+        io = self.checkpoint_io
+        if not (isinstance(io, ShardedCheckpointIO) and io.is_sharded(io.recover(Path(str(checkpoint_path))))):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        meta = io.load_meta(checkpoint_path, weights_only=weights_only)
+        check_fits(meta, self.world_size, checkpoint_path)
+        shard: dict[str, Any] = {}
+
+        def read() -> None:
+            shard.update(io.load_shard(checkpoint_path, self.global_rank, self.world_size, weights_only=weights_only))
+            assert self.model is not None
+            check_wrapping(shard, self.model, checkpoint_path)
+
+        self._together(read, checkpoint_path, "read")
+        meta.pop(FORMAT_KEY)
+        return {**meta, **{k: shard[k] for k in ("state_dict", "optimizer_states") if k in shard}, SHARDED_KEY: True}
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.model is not None
         if not isinstance(self.model, _FairScaleFSDP):
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self.model.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if checkpoint.get(SHARDED_KEY):
+            self.model.load_local_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            self.model.load_state_dict(checkpoint["state_dict"], strict=strict)
         return None
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks)."""
-        if self._layout is None:  # not wrapped (after a stage): a plain optimizer over the unwrapped module
-            return super().optimizer_state(optimizer)
-        optimizer = _unwrap(optimizer)
-        index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
-        return consolidate_state(optimizer, self._layout, self._group_orders[index])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -359,7 +480,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
         states = optimizer_states(checkpoint, self.optimizers)
         for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
             optimizer = _unwrap(optimizer)
-            optimizer.load_state_dict(shard_state(state, optimizer, self._layout, order))
+            if checkpoint.get(SHARDED_KEY):
+                optimizer.load_state_dict(state)  # saved by this rank, for the same wrapping (checked on reading)
+            else:
+                optimizer.load_state_dict(shard_state(state, optimizer, self._layout, order))
         return None
 
     @override

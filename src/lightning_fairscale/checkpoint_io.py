@@ -1,0 +1,230 @@
+"""The files of a checkpoint: full checkpoints as one file, sharded checkpoints as a directory, both atomic.
+
+:class:`ShardedCheckpointIO` is the strategy's CheckpointIO plugin. A **full** checkpoint is one file, written by
+rank 0. A **sharded** checkpoint (``DDPFullyShardedStrategy(state_dict_type="sharded")``) is a directory::
+
+    epoch=3-step=400.ckpt/
+        meta.pt                    # Lightning's loops/callbacks/hparams state, world size, versions
+        shard-00000-of-00002.pt    # rank 0's parameter shard, optimizer shard and FairScale's shard metadata
+        shard-00001-of-00002.pt    # rank 1's
+
+Nothing a user saved is lost when a save fails or the process is killed mid-write:
+
+* A file is written to a hidden ``.<name>.partial`` file beside its target, flushed to disk and then renamed over the
+  target (``os.replace``, atomic on POSIX file systems). The target is the old file or the new one, never a mix.
+* A directory is assembled under a hidden ``.<name>.partial`` directory; ``meta.pt`` is written last, once every
+  rank's shard is on disk, and only then is the directory renamed into place. An old checkpoint of the same name is
+  first renamed to ``.<name>.replaced`` and deleted after the swap; if a crash falls between the two renames,
+  :meth:`ShardedCheckpointIO.load_checkpoint` finds the old one there.
+
+Remote paths (``s3://`` ...) go through fsspec as in Lightning's ``TorchCheckpointIO``, without these guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.cloud_io import get_filesystem
+from lightning_fabric.utilities.types import _PATH
+from typing_extensions import override
+
+__all__ = ["META_FILE", "CheckpointFileError", "ShardedCheckpointIO", "shard_file_name"]
+
+#: The file of a sharded checkpoint directory that holds everything but the shards; written last.
+META_FILE = "meta.pt"
+_MapLocation = Union[Callable[..., Any], torch.device, str, dict[str, str], None]
+
+
+class CheckpointFileError(RuntimeError):
+    """A checkpoint file is missing, truncated or not a checkpoint."""
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    """The name of ``rank``'s file in a sharded checkpoint directory.
+
+    Example:
+        >>> shard_file_name(1, 2)
+        'shard-00001-of-00002.pt'
+    """
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def _is_local(path: _PATH) -> bool:
+    return isinstance(get_filesystem(path), LocalFileSystem)
+
+
+def _hidden(path: Path, suffix: str) -> Path:
+    return path.parent / f".{path.name}.{suffix}"
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some file systems do not open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = _hidden(path, "partial")
+    with open(partial, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    _fsync_directory(path.parent)
+
+
+def read_file(path: Path, map_location: _MapLocation = "cpu", weights_only: Optional[bool] = None) -> Any:
+    """``torch.load`` with an error that names the file when it is truncated or not a checkpoint."""
+    if not path.is_file():
+        raise CheckpointFileError(f"Checkpoint file not found: {path}.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+    except Exception as error:  # torch raises RuntimeError, EOFError, UnpicklingError ... for damaged files
+        if "Weights only load failed" in str(error):
+            raise  # a readable file with objects torch refuses to unpickle: torch's message says what to do
+        raise CheckpointFileError(
+            f"Could not read the checkpoint file {path}: it is truncated, corrupt or not a PyTorch checkpoint"
+            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Use another checkpoint;"
+            " checkpoints written by lightning-fairscale are never left half-written, so this file was damaged or"
+            " replaced afterwards."
+        ) from error
+
+
+class ShardedCheckpointIO(TorchCheckpointIO):
+    """Writes full checkpoints as one file and sharded checkpoints as a directory of per-rank files, atomically.
+
+    The default CheckpointIO plugin of :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`. Its
+    sharded-checkpoint methods are called by the strategy on every rank, between the strategy's collectives; the
+    ``save_checkpoint``/``load_checkpoint``/``remove_checkpoint`` methods are Lightning's CheckpointIO interface.
+
+    Example:
+        >>> import tempfile, torch
+        >>> io = ShardedCheckpointIO()
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, f"{tmp}/last.ckpt")
+        ...     io.load_checkpoint(f"{tmp}/last.ckpt")["state_dict"]["w"]
+        tensor([1., 1.])
+    """
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Lightning's CheckpointIO interface
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Write a full checkpoint to the file ``path`` atomically (rank 0 calls this)."""
+        if storage_options is not None or not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        write_atomically(checkpoint, Path(path))
+        return None
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: _MapLocation = lambda storage, loc: storage, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Read a full checkpoint file, or the metadata of a sharded checkpoint directory (no shards)."""
+        if not _is_local(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        target = self.recover(Path(path))
+        if target.is_dir():
+            return self.load_meta(target, weights_only=weights_only)
+        if not target.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return read_file(target, map_location=map_location, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete a checkpoint file or directory (what ``ModelCheckpoint(save_top_k=...)`` calls)."""
+        if not _is_local(path):
+            return super().remove_checkpoint(path)
+        target = Path(path)
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        return None
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Sharded checkpoints
+
+    @staticmethod
+    def is_sharded(path: _PATH) -> bool:
+        """Whether ``path`` is a sharded checkpoint directory."""
+        return _is_local(path) and Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+    @staticmethod
+    def recover(path: Path) -> Path:
+        """``path``, or the checkpoint it replaced when a crash fell between the two renames of a save."""
+        replaced = _hidden(path, "replaced")
+        if not path.exists() and replaced.is_dir() and (replaced / META_FILE).is_file():
+            return replaced
+        return path
+
+    @staticmethod
+    def staging_directory(path: _PATH) -> Path:
+        """Where the shards of a checkpoint for ``path`` are assembled before it is renamed into place."""
+        return _hidden(Path(path), "partial")
+
+    def begin_sharded(self, path: _PATH) -> None:
+        """Prepare an empty staging directory for ``path`` (rank 0, before the shards are written)."""
+        if not _is_local(path):
+            raise ValueError(f"Sharded checkpoints are written to a local or mounted file system, got {path}.")
+        staging = self.staging_directory(path)
+        if staging.exists():  # left over from a save that was killed
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+
+    def save_shard(self, shard: dict[str, Any], path: _PATH, rank: int, world_size: int) -> None:
+        """Write this rank's shard into the staging directory of ``path`` (every rank)."""
+        write_atomically(shard, self.staging_directory(path) / shard_file_name(rank, world_size))
+
+    def commit_sharded(self, meta: dict[str, Any], path: _PATH, world_size: int) -> None:
+        """Write ``meta.pt`` after checking every shard is there, then move the directory into place (rank 0)."""
+        staging, target = self.staging_directory(path), Path(path)
+        missing = [
+            name for name in (shard_file_name(r, world_size) for r in range(world_size)) if not (staging / name).is_file()
+        ]
+        if missing:
+            raise CheckpointFileError(f"Shards {missing} of the checkpoint {target} were not written.")
+        write_atomically(meta, staging / META_FILE)
+        replaced = _hidden(target, "replaced")
+        if replaced.exists():
+            shutil.rmtree(replaced) if replaced.is_dir() else replaced.unlink()
+        if target.exists():
+            os.replace(target, replaced)
+        os.replace(staging, target)
+        _fsync_directory(target.parent)
+        if replaced.exists():
+            shutil.rmtree(replaced) if replaced.is_dir() else replaced.unlink()
+
+    def abort_sharded(self, path: _PATH) -> None:
+        """Remove the staging directory of a save that failed (rank 0); the previous checkpoint stays as it was."""
+        shutil.rmtree(self.staging_directory(path), ignore_errors=True)
+
+    def load_meta(self, path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The metadata of the sharded checkpoint directory ``path``."""
+        directory = self.recover(Path(path))
+        if not (directory / META_FILE).is_file():
+            raise CheckpointFileError(
+                f"{directory} is not a complete sharded checkpoint: it has no {META_FILE} (written last by every save)."
+            )
+        return read_file(directory / META_FILE, weights_only=weights_only)
+
+    def load_shard(
+        self, path: _PATH, rank: int, world_size: int, map_location: _MapLocation = "cpu", weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """``rank``'s file of the sharded checkpoint directory ``path``."""
+        directory = self.recover(Path(path))
+        return read_file(directory / shard_file_name(rank, world_size), map_location=map_location, weights_only=weights_only)

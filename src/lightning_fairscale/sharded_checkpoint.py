@@ -1,0 +1,221 @@
+"""What a sharded checkpoint holds, the checks on loading one, and its consolidation into a full checkpoint.
+
+A sharded checkpoint (``DDPFullyShardedStrategy(state_dict_type="sharded")``) splits Lightning's checkpoint dict:
+
+* each rank's **shard** (:func:`split_checkpoint`): its parameter shards (FairScale's ``local_state_dict``), its
+  optimizer states over those shards, FairScale's ``local_metadata_dict`` (names, shapes and padding of every
+  flattened parameter) and where each optimizer entry lives (:func:`lightning_fairscale.optim.describe_layout`);
+* the **meta** dict: everything else (loops, callbacks, hparams, LR schedulers, versions), the world size, and the
+  extra keys of layers reachable under several names.
+
+:func:`consolidate` turns the files back into the checkpoint a full save would have written, in one process with
+no process group: parameters through FairScale's ``consolidate_shard_weights``, optimizer states through the same
+plain-layout code the online consolidation uses. The file work (atomic writes, directories) is in
+:mod:`lightning_fairscale.checkpoint_io`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_fairscale.__about__ import __version__
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.optim import GroupOrder, Piece, describe_layout, plain_state_dict
+from lightning_fairscale.wrapping import apply_aliases, module_aliases
+
+__all__ = [
+    "FORMAT_KEY",
+    "SHARDED_KEY",
+    "check_fits",
+    "check_wrapping",
+    "consolidate",
+    "consolidation_hint",
+    "split_checkpoint",
+]
+
+#: The key of the meta dict that describes the sharded checkpoint itself.
+FORMAT_KEY = "lightning_fairscale"
+#: Marks a loaded checkpoint dict whose ``state_dict``/``optimizer_states`` are this rank's shards.
+SHARDED_KEY = "_lightning_fairscale_local_shards"
+FORMAT_VERSION = 1
+
+
+def consolidation_hint(path: Any) -> str:
+    """The sentence that tells users how to turn a sharded checkpoint into a full one."""
+    source = Path(str(path))
+    target = source.with_name(source.stem + "-full.ckpt")
+    return (
+        "Consolidate it into a full checkpoint, which loads on any number of processes, with any wrapping and"
+        f" without FairScale: `lightning-fairscale-consolidate {source} {target}`, then pass {target} as `ckpt_path`."
+    )
+
+
+def split_checkpoint(
+    checkpoint: dict[str, Any], root: nn.Module, optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder],
+    world_size: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(meta, shard)``: Lightning's checkpoint dict, made with local state dicts, split for a sharded save."""
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    meta[FORMAT_KEY] = {
+        "format_version": FORMAT_VERSION,
+        "world_size": world_size,
+        "aliases": module_aliases(root),
+        "versions": {
+            "lightning_fairscale": __version__,
+            "torch": str(torch.__version__),
+            "fairscale": _fairscale_version(),
+        },
+    }
+    shard: dict[str, Any] = {
+        "state_dict": checkpoint["state_dict"],
+        "shard_metadata": _metadata(root),
+        "world_size": world_size,
+    }
+    if "optimizer_states" in checkpoint:
+        shard["optimizer_states"] = checkpoint["optimizer_states"]
+        shard["optimizer_layouts"] = [describe_layout(opt, order, root) for opt, order in zip(optimizers, orders)]
+    return meta, shard
+
+
+def _fairscale_version() -> str:
+    import fairscale
+
+    return str(fairscale.__version__)
+
+
+def _metadata(root: nn.Module) -> dict[str, Any]:
+    assert isinstance(root, _FairScaleFSDP)
+    return root.local_metadata_dict()
+
+
+def _comparable(metadata: dict[str, Any]) -> list[Any]:
+    """The wrapping that ``metadata`` describes: units, flattened parameters and their pieces (padding aside)."""
+    return [
+        (
+            unit["fsdp_path"],
+            [(name, info["names"], [tuple(s) for s in info["shapes"]], info["numels"]) for name, info in unit["params"].items()],
+        )
+        for unit in metadata["param_metadata"]
+    ]
+
+
+def check_fits(meta: dict[str, Any], world_size: int, path: Any) -> None:
+    """Raise a ``ValueError`` naming the consolidation command when the checkpoint needs another world size."""
+    info = meta.get(FORMAT_KEY)
+    if not isinstance(info, dict) or "world_size" not in info:
+        raise ValueError(f"{path} is not a sharded checkpoint written by lightning-fairscale (its meta.pt has no"
+                         f" '{FORMAT_KEY}' entry).")
+    if info["world_size"] != world_size:
+        raise ValueError(
+            f"The sharded checkpoint {path} was saved by {info['world_size']} processes, this run has {world_size}."
+            f" A sharded checkpoint resumes only with the number of processes and the wrapping it was saved with."
+            f" {consolidation_hint(path)}"
+        )
+
+
+def check_wrapping(shard: dict[str, Any], root: nn.Module, path: Any) -> None:
+    """Raise a ``ValueError`` naming the consolidation command when ``root`` is wrapped unlike the saved model."""
+    saved, current = _comparable(shard["shard_metadata"]), _comparable(_metadata(root))
+    if saved != current:
+        saved_units = [unit for unit, _ in saved]
+        current_units = [unit for unit, _ in current]
+        raise ValueError(
+            f"The sharded checkpoint {path} was saved from a model wrapped differently (FSDP units {saved_units}, this"
+            f" run has {current_units}, or their parameters differ). Sharded checkpoints load only into the same"
+            f" model with the same wrapping. {consolidation_hint(path)}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offline consolidation
+
+
+def consolidate(
+    path: Any, progress: Optional[Callable[[str], None]] = None, io: Optional[ShardedCheckpointIO] = None
+) -> dict[str, Any]:
+    """The full checkpoint equivalent to the sharded checkpoint directory ``path``, built in this process alone.
+
+    The result is what ``state_dict_type="full"`` would have saved: ``state_dict`` with the unwrapped module's keys
+    and shapes, ``optimizer_states`` in the layout of plain optimizers over the unwrapped module, and Lightning's
+    trainer state. It loads on any number of processes, and with ``LightningModule.load_from_checkpoint``.
+    """
+    say = progress or (lambda message: None)
+    io = io or ShardedCheckpointIO()
+    meta = io.load_meta(path, weights_only=False)
+    info = meta.pop(FORMAT_KEY, None)
+    if not isinstance(info, dict) or "world_size" not in info:
+        raise ValueError(f"{path} is not a sharded checkpoint written by lightning-fairscale.")
+    world_size = int(info["world_size"])
+    shards = []
+    for rank in range(world_size):
+        say(f"reading shard {rank + 1}/{world_size}")
+        shards.append(io.load_shard(path, rank, world_size, weights_only=False))
+    say("consolidating parameters")
+    state_dict = _FairScaleFSDP.consolidate_shard_weights(
+        [s["state_dict"] for s in shards], [s["shard_metadata"] for s in shards]
+    )
+    state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, info.get("aliases", []))
+    checkpoint = {**meta, "state_dict": state_dict}
+    if "optimizer_states" in shards[0]:
+        count = len(shards[0]["optimizer_states"])
+        checkpoint["optimizer_states"] = []
+        for j in range(count):
+            say(f"consolidating optimizer {j + 1}/{count}")
+            checkpoint["optimizer_states"].append(
+                _consolidate_optimizer(
+                    [s["optimizer_states"][j] for s in shards],
+                    shards[0]["optimizer_layouts"][j],
+                    [s["shard_metadata"] for s in shards],
+                )
+            )
+    return checkpoint
+
+
+def _consolidate_optimizer(
+    states: list[dict[str, Any]], layout: dict[str, Any], metadata: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One optimizer's state over the unwrapped module, from every rank's state over its shards."""
+    full_states: list[dict[str, Any]] = []
+    elementwise: list[set[str]] = []
+    pieces: list[list[Piece]] = []
+    for m, (u, i) in enumerate(layout["params"]):
+        per_rank = [_param_metadata(meta, u, i) for meta in metadata]
+        unit_path, name, info = per_rank[0]
+        numels = list(info["numels"])
+        offsets = [sum(numels[:k]) for k in range(len(numels))]
+        prefix = f"{unit_path}." if unit_path else ""
+        pieces.append(
+            [Piece(prefix + n, o, c, torch.Size(s)) for n, o, c, s in zip(info["names"], offsets, numels, info["shapes"])]
+        )
+        ranks = range(1 if metadata[0]["param_metadata"][u]["no_broadcast_optim_state"] else len(states))
+        pads = [per_rank[r][2]["padding"] for r in ranks]
+        shard_numel = (sum(numels) + sum(pads)) // len(pads)
+        state = states[0]["state"].get(m, {})
+        keys = {k for k, v in state.items() if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == shard_numel}
+        full: dict[str, Any] = {}
+        for key, value in state.items():
+            if key in keys:
+                full[key] = torch.cat([_unpad(states[r]["state"][m][key], pads[k]) for k, r in enumerate(ranks)])
+            else:
+                full[key] = copy.deepcopy(value)
+        full_states.append(full)
+        elementwise.append(keys)
+    return plain_state_dict(full_states, pieces, layout["orders"], states[0]["param_groups"], elementwise)
+
+
+def _param_metadata(metadata: dict[str, Any], unit: int, index: int) -> tuple[str, str, dict[str, Any]]:
+    entry = metadata["param_metadata"][unit]
+    name = list(entry["params"])[index]
+    return entry["fsdp_path"], name, entry["params"][name]
+
+
+def _unpad(shard: Tensor, padding: int) -> Tensor:
+    return shard.reshape(-1)[: shard.numel() - padding] if padding else shard.reshape(-1)
