@@ -186,3 +186,12 @@ def test_docs_manual_wrap_checkpoint_loads_into_the_model(run_example: Callable[
     model = _load_example("docs_manual_wrap.py").MyModel()
     model.configure_sharded_model()  # outside the strategy, `wrap` is a no-op
     model.load_state_dict(state_dict, strict=True)
+
+
+def test_sharded_checkpoint_example_resumes_and_consolidates(run_example: Callable[..., Run]) -> None:
+    run = run_example("sharded_checkpoint.py", timeout=120)
+    run.assert_ok()
+    assert "['meta.pt', 'shard-00000-of-00002.pt', 'shard-00001-of-00002.pt']" in run.stdout, run.describe()
+    assert "OK resumed to global_step=12; consolidated BoringModel" in run.stdout, run.describe()
+    full = torch.load(run.cwd / "last-full.ckpt", map_location="cpu", weights_only=False)
+    assert full["global_step"] == 12 and set(full["state_dict"]) == {"layer.weight", "layer.bias"}
