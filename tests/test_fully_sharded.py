@@ -101,20 +101,6 @@ def test_same_instance_validates_tests_and_predicts_after_fit(train: Train) -> N
     assert result["predict"].shape == (NUM_SAMPLES // 2, OUT_FEATURES)  # rank 0's half of the samples
 
 
-def test_stray_optimizer_parameter_is_refused(train_failing: Callable[..., subprocess.CompletedProcess]) -> None:
-    proc = train_failing("--params", "stray", "--steps", "1")
-    assert "not part of the LightningModule" in proc.stderr
-    assert "configure_optimizers" in proc.stderr
-
-
-def test_param_groups_splitting_a_flat_parameter_are_refused(
-    train_failing: Callable[..., subprocess.CompletedProcess],
-) -> None:
-    proc = train_failing("--params", "split", "--steps", "1")
-    assert "split between param groups" in proc.stderr
-    assert "flatten_parameters=False" in proc.stderr
-
-
 def test_param_groups_work_without_flattening(train: Train) -> None:
     result = train("--params", "split", "--flatten", "0", "--optimizer", "sgd", "--steps", "2")
     assert len(result["state_dict"]) == 16

@@ -251,11 +251,27 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     the ``policy`` decides which submodules become units. The remaining parameters go to the root unit.
     Must be called inside an ``enable_wrap`` context that carries ``fsdp_kwargs``.
     """
-    if not is_wrapped(module):
-        module = auto_wrap(module, auto_wrap_policy=policy)
-    if not isinstance(module, _FairScaleFSDP):
-        module = FullyShardedDataParallel(module, **fsdp_kwargs)
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+    try:
+        if not is_wrapped(module):
+            module = auto_wrap(module, auto_wrap_policy=policy)
+        if not isinstance(module, _FairScaleFSDP):
+            module = FullyShardedDataParallel(module, **fsdp_kwargs)
+    except AssertionError as error:
+        if "same requires_grad" not in str(error):
+            raise
+        raise ValueError(
+            "An FSDP unit would hold both frozen and trainable parameters, but with `flatten_parameters=True` a"
+            f" unit's parameters are one tensor with one `requires_grad`. Frozen: {_first(frozen)}. Make the frozen"
+            " layers units of their own (`auto_wrap_policy` with their classes), freeze whole units, or pass"
+            " `DDPFullyShardedStrategy(flatten_parameters=False)`."
+        ) from None
     return module
+
+
+def _first(names: list[str], count: int = 5) -> str:
+    shown = ", ".join(names[:count])
+    return shown + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
 def module_aliases(root: nn.Module) -> list[tuple[str, str]]:

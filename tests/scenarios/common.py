@@ -153,10 +153,13 @@ def reference_training(
     start: Optional[dict[str, Any]] = None,
     step_offset: int = 0,
     num_samples: int = NUM_SAMPLES,
+    freeze: Optional[str] = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the full global batch, without any wrapper."""
     net = build_network(depth)
     model = RegressionModelWrapper(net)
+    if freeze:
+        model.get_parameter(freeze).requires_grad_(False)
     opt = make_optimizer(optimizer, model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if scheduler else None
     loader = DataLoader(dataset(num_samples), batch_size=GLOBAL_BATCH)

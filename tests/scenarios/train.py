@@ -57,6 +57,17 @@ class KillDuringSave(Callback):
         torch.save = save
 
 
+class LoseRank(Callback):
+    """Sends SIGKILL (a crash) or SIGSTOP (a hang) to this process at the start of a given training step."""
+
+    def __init__(self, rank: int, step: int, how: str) -> None:
+        self.rank, self.step, self.signal = rank, step, getattr(signal, f"SIG{how}")
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signal)
+
+
 class RecordUnits(Callback):
     """Records, on rank 0, how the model was sharded while training."""
 
@@ -141,6 +152,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL this rank halfway through its n-th file")
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout in seconds")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--depth", type=int, default=2, help="number of Blocks of the regression model")
+    p.add_argument("--freeze", default=None, help="freeze this parameter (by name) before training")
+    p.add_argument("--compute-dtype", default=None, choices=["float16", "bfloat16"])
+    p.add_argument("--move-grads-to-cpu", type=int, default=None)
+    p.add_argument("--lose-rank", type=int, default=None, help="this rank is lost at --lose-at-step")
+    p.add_argument("--lose-at-step", type=int, default=3)
+    p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
     return p.parse_args()
 
 
@@ -154,7 +173,9 @@ def main() -> None:
             ManualWrapModel.configure_sharded_model = ManualWrapModel._wrap_blocks  # type: ignore[method-assign]
             del ManualWrapModel.configure_model
     else:
-        model = RegressionModel(**common)
+        model = RegressionModel(depth=args.depth, **common)
+    if args.freeze:
+        model.get_parameter(args.freeze).requires_grad_(False)
     policy: Any = None
     if args.policy == "blocks":
         policy = {Block}
@@ -173,11 +194,15 @@ def main() -> None:
         activation_checkpointing=Block if args.checkpointing else None,
         activation_checkpointing_offload=args.checkpointing_offload,
         state_dict_type=args.state_dict_type,
+        compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
+        move_grads_to_cpu=None if args.move_grads_to_cpu is None else bool(args.move_grads_to_cpu),
         **({"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}),
     )
     recorder = RecordUnits()
     training = RecordTraining()
     callbacks: list[Callback] = [recorder, training]
+    if args.lose_rank is not None:
+        callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
     if args.kill_during_save:
         callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank))
     if args.checkpoint_dir:
@@ -192,6 +217,7 @@ def main() -> None:
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_steps=args.steps,
         precision=None if args.precision_plugin else args.precision,
@@ -208,6 +234,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
+    print(f"rank={trainer.global_rank} cluster={type(trainer.strategy.cluster_environment).__name__}", flush=True)
     trainer.fit(model, ckpt_path=args.ckpt_path)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
@@ -218,6 +245,8 @@ def main() -> None:
         "memory": getattr(recorder, "memory", {}),
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
         "losses": training.losses,
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,

@@ -15,3 +15,33 @@ def optimizer_states(checkpoint: Mapping[str, Any], optimizers: Sequence[Any]) -
             f" {len(optimizers)} optimizers. Resume with the optimizers the checkpoint was saved with."
         )
     return states
+
+
+def check_state_dict_fits(saved: Mapping[str, Any], expected: Mapping[str, Any], strict: bool) -> None:
+    """Raise a ``ValueError`` that lists what differs when ``saved`` (a state dict) does not fit ``expected`` (key to
+    shape), before FSDP gathers anything: missing and unexpected keys (with ``strict``) and shape mismatches."""
+    problems = []
+    if strict:
+        missing = [k for k in expected if k not in saved]
+        unexpected = [k for k in saved if k not in expected]
+        if missing:
+            problems.append(f"missing keys {_first(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys {_first(unexpected)}")
+    mismatched = [
+        f"{k}: checkpoint {tuple(saved[k].shape)}, model {tuple(shape)}"
+        for k, shape in expected.items()
+        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(shape)
+    ]
+    if mismatched:
+        problems.append(f"different shapes for {_first(mismatched)}")
+    if problems:
+        raise ValueError(
+            f"The checkpoint's state_dict does not fit the model: {'; '.join(problems)}. It was saved from another"
+            " model or configuration; load it into the model it was saved from."
+        )
+
+
+def _first(items: Sequence[str], count: int = 5) -> str:
+    shown = ", ".join(items[:count])
+    return f"[{shown}{f' and {len(items) - count} more' if len(items) > count else ''}]"

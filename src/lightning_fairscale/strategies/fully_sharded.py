@@ -46,7 +46,8 @@ from lightning_fairscale.optim import (
     repoint_to_unwrapped,
     shard_state,
 )
-from lightning_fairscale.strategies._checkpoint import optimizer_states
+from lightning_fairscale.strategies._checkpoint import check_state_dict_fits, optimizer_states
+from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.sharded_checkpoint import (
     FORMAT_KEY,
@@ -60,7 +61,10 @@ from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
     add_aliases,
     apply_activation_checkpointing,
+    apply_aliases,
     auto_wrap_policy,
+    clean_path,
+    module_aliases,
     remove_activation_checkpointing,
     unwrap_module,
     validate_auto_wrap_policy,
@@ -168,6 +172,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 f" got {state_dict_type!r}."
             )
         self.state_dict_type = state_dict_type
+        if cpu_offload and move_grads_to_cpu is False:
+            raise ValueError(
+                "`cpu_offload=True` keeps the parameter shards in CPU memory, where the optimizer updates them, so"
+                " their gradients must be moved there too: leave `move_grads_to_cpu` unset (it follows `cpu_offload`)"
+                " or set it to True."
+            )
         self.exclude_wrap_modules = _optional_classes(exclude_wrap_modules, "exclude_wrap_modules")
         self.force_leaf_modules = _optional_classes(force_leaf_modules, "force_leaf_modules")
         super().__init__(
@@ -195,6 +205,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._group_orders: list[GroupOrder] = []
         self._failed = False
         self._checkpointed: list[Module] = []
+        self._process_groups: tuple[Any, ...] = ()
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration
@@ -243,7 +254,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         device = self.root_device
         offload = self.cpu_offload and device.type == "cuda"
         kwargs: dict[str, Any] = {
-            "process_group": None,
+            # Groups made with the strategy's `timeout`: FairScale's own (when given none) wait 30 minutes.
+            "process_group": self._process_groups[0] if self._process_groups else None,
             "compute_device": device,
             "reshard_after_forward": self.reshard_after_forward,
             "flatten_parameters": self.flatten_parameters,
@@ -260,6 +272,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
             kwargs["compute_dtype"] = self.compute_dtype
         elif isinstance(plugin, FullyShardedMixedPrecisionPlugin):
             kwargs["compute_dtype"] = plugin.compute_dtype
+        if self._process_groups:
+            kwargs["process_group_reduce_scatter"] = self._process_groups[1]
         kwargs.update(self._fsdp_kwargs)
         return kwargs
 
@@ -271,6 +285,16 @@ class DDPFullyShardedStrategy(DDPStrategy):
             root=root,
             exclude_wrap_modules=self.exclude_wrap_modules,
             force_leaf_modules=self.force_leaf_modules,
+        )
+
+    def _check_compute_dtype(self) -> None:
+        if self.compute_dtype in (None, torch.float32) or self.mixed_precision:
+            return
+        flag = "16-mixed" if self.compute_dtype is torch.float16 else "bf16-mixed"
+        raise ValueError(
+            f"`DDPFullyShardedStrategy(compute_dtype={self.compute_dtype})` needs mixed precision, but the Trainer's"
+            f" precision is {self.precision_plugin.precision!r}. Pass `Trainer(precision={flag!r})` (FSDP then keeps"
+            " FP32 master shards and computes in the lower precision), or leave `compute_dtype` unset."
         )
 
     def _warn_about_cpu_only_settings(self) -> None:
@@ -292,7 +316,11 @@ class DDPFullyShardedStrategy(DDPStrategy):
         close_process_group_at_exit()
         if self.root_device.type == "cpu":
             fairscale_cpu.install()
+        # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
+        # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
+        self._process_groups = tuple(torch.distributed.new_group(timeout=self._timeout) for _ in range(2))
         self._warn_about_cpu_only_settings()
+        self._check_compute_dtype()
         if self.state_dict_type == "sharded":
             self._sharded_io()  # fail before training, not at the first save
 
@@ -470,8 +498,17 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if checkpoint.get(SHARDED_KEY):
             self.model.load_local_state_dict(checkpoint["state_dict"], strict=strict)
         else:
+            check_state_dict_fits(checkpoint["state_dict"], self._expected_shapes(), strict)
             self.model.load_state_dict(checkpoint["state_dict"], strict=strict)
         return None
+
+    def _expected_shapes(self) -> dict[str, Any]:
+        """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
+        assert self.model is not None and self._layout is not None
+        shapes: dict[str, Any] = {p.name: p.shape for m in self._layout.managed.values() for p in m.pieces}
+        shapes.update((clean_path(name + "."), b.shape) for name, b in self.model.named_buffers())
+        shapes = {k.rstrip("."): v for k, v in shapes.items()}
+        return apply_aliases(shapes, module_aliases(self.model))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -490,6 +527,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may be gone: teardown must not start collectives that would wait for it.
         self._failed = True
+        report_collective_failure(exception, self._timeout, getattr(self, "_launcher", None))
         super().on_exception(exception)
 
     @override

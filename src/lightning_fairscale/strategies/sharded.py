@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.strategies._checkpoint import optimizer_states
+from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
@@ -233,6 +234,11 @@ class DDPShardedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         close_process_group_at_exit()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        report_collective_failure(exception, self._timeout, getattr(self, "_launcher", None))
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
