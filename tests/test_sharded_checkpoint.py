@@ -147,6 +147,26 @@ def test_killed_save_keeps_the_previous_checkpoint(
     assert max_difference(resumed["state_dict"], straight["state_dict"]) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("state_dict_type", "rank", "expected"),
+    [("full", 0, "No space left on device"), ("sharded", 1, "Another process failed to write the sharded checkpoint")],
+    ids=["full-rank0", "sharded-rank1"],
+)
+def test_a_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(
+    train_failing: TrainFailing, tmp_path: Path, state_dict_type: str, rank: int, expected: str
+) -> None:
+    """The disk fills up while a rank writes the second last.ckpt."""
+    folder = tmp_path / "ck"
+    common = ("--checkpoint-dir", str(folder), "--save-last", "--state-dict-type", state_dict_type)
+    proc = train_failing(
+        *STEPS, *common, "--kill-during-save", "2", "--kill-rank", str(rank), "--kill-how", "enospc", "--timeout", "30"
+    )
+    assert expected in proc.stderr, proc.stderr[-4000:]
+    last = folder / "last.ckpt"
+    meta = torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)
+    assert meta["global_step"] == 1
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The file layer on its own (one process)
 

@@ -59,6 +59,8 @@ def test_lightning_1x_arguments_are_accepted() -> None:
         ({"exclude_wrap_modules": "ModuleList"}, TypeError, "exclude_wrap_modules"),
         ({"force_leaf_modules": [torch.nn.MultiheadAttention, 3]}, TypeError, "force_leaf_modules"),
         ({"activation_checkpointing": "Block"}, TypeError, "activation_checkpointing"),
+        ({"state_dict_type": "local"}, ValueError, "state_dict_type"),
+        ({"cpu_offload": True, "move_grads_to_cpu": False}, ValueError, "move_grads_to_cpu"),
     ],
 )
 def test_bad_arguments_fail_early_with_a_hint(kwargs: dict[str, Any], error: type, match: str) -> None:

@@ -7,6 +7,7 @@ units seen during training, and whatever the evaluation stages returned.
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import os
 import signal
@@ -34,10 +35,11 @@ def layer_classes(names: Optional[list[str]]) -> Optional[set[type]]:
 
 
 class KillDuringSave(Callback):
-    """Kills this process (SIGKILL) halfway through writing its n-th checkpoint file: a crash no code can clean up."""
+    """Kills this process (SIGKILL) halfway through writing its n-th checkpoint file: a crash no code can clean up.
+    With ``how="enospc"`` the write fails as on a full disk instead."""
 
-    def __init__(self, nth: int, rank: int) -> None:
-        self.nth, self.rank = nth, rank
+    def __init__(self, nth: int, rank: int, how: str) -> None:
+        self.nth, self.rank, self.how = nth, rank, how
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if trainer.global_rank != self.rank:
@@ -52,6 +54,8 @@ class KillDuringSave(Callback):
             real_save(obj, buffer, *args, **kwargs)
             f.write(buffer.getvalue()[: buffer.tell() // 2])
             f.flush()
+            if self.how == "enospc":  # what a full disk does to the writer
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             os.kill(os.getpid(), signal.SIGKILL)
 
         torch.save = save
@@ -151,6 +155,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
     p.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL this rank halfway through its n-th file")
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--kill-how", default="kill", choices=["kill", "enospc"])
     p.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout in seconds")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--depth", type=int, default=2, help="number of Blocks of the regression model")
@@ -204,7 +209,7 @@ def main() -> None:
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
     if args.kill_during_save:
-        callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank))
+        callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank, args.kill_how))
     if args.checkpoint_dir:
         # --save-last: one checkpoint "last.ckpt", overwritten at every epoch end.
         name = dict(filename="last", enable_version_counter=False) if args.save_last else dict(filename="{epoch}-{step}")
