@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import textwrap
 import os
 import signal
 import subprocess
@@ -65,3 +66,28 @@ def train_failing(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
         return proc
 
     return _train
+
+
+def assert_loads_without_fairscale(path: Path, expected: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """``RegressionModel.load_from_checkpoint(path)`` in a process where fairscale cannot be imported."""
+    torch.save(expected, tmp_path / "expected.pt")
+    script = tmp_path / "load.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.modules["fairscale"] = None  # any import of fairscale now fails
+            sys.modules["lightning_fairscale"] = None
+            sys.path.insert(0, {str(TESTS)!r})
+            import torch
+            from scenarios.common import RegressionModel, max_difference
+            model = RegressionModel.load_from_checkpoint({str(path)!r})
+            expected = torch.load({str(tmp_path / "expected.pt")!r})
+            assert max_difference(model.state_dict(), expected) == 0.0
+            assert not any(name.startswith("fairscale") for name in sys.modules if sys.modules[name] is not None)
+            print("loaded without fairscale")
+            """
+        )
+    )
+    proc = run_script([str(script)], cwd=tmp_path)
+    assert "loaded without fairscale" in proc.stdout

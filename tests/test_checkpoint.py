@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 from scenarios.common import build_network, max_difference
 
-from conftest import TESTS, run_script
+from conftest import TESTS, assert_loads_without_fairscale, run_script
 
 Train = Callable[..., dict[str, Any]]
 
@@ -65,24 +64,4 @@ def test_checkpoint_matches_plain_ddp(train: Train, tmp_path: Path) -> None:
 def test_checkpoint_loads_without_fairscale(train: Train, tmp_path: Path) -> None:
     path = tmp_path / "final.ckpt"
     result = train("--steps", "2", "--save-ckpt", str(path))
-    torch.save(result["state_dict"], tmp_path / "expected.pt")
-    script = tmp_path / "load.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import sys
-            sys.modules["fairscale"] = None  # any import of fairscale now fails
-            sys.modules["lightning_fairscale"] = None
-            sys.path.insert(0, {str(TESTS)!r})
-            import torch
-            from scenarios.common import RegressionModel, max_difference
-            model = RegressionModel.load_from_checkpoint({str(path)!r})
-            expected = torch.load({str(tmp_path / "expected.pt")!r})
-            assert max_difference(model.state_dict(), expected) == 0.0
-            assert not any(name.startswith("fairscale") for name in sys.modules if sys.modules[name] is not None)
-            print("loaded without fairscale")
-            """
-        )
-    )
-    proc = run_script([str(script)], cwd=tmp_path)
-    assert "loaded without fairscale" in proc.stdout
+    assert_loads_without_fairscale(path, result["state_dict"], tmp_path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scenarios.common import max_difference
 
-from conftest import TRAIN_SCRIPT, run_script
+from conftest import TRAIN_SCRIPT, assert_loads_without_fairscale, run_script
 from lightning_fairscale.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
 Train = Callable[..., dict[str, Any]]
@@ -90,6 +90,13 @@ def test_consolidated_checkpoint_equals_the_full_one(
             assert torch.equal(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value)), (index, key)
     for key in ("epoch", "global_step", "loops", "lr_schedulers", "hyper_parameters"):
         assert ours[key] == full[key], key
+
+
+def test_consolidated_checkpoint_loads_without_fairscale(sharded_run: dict[str, Any], tmp_path: Path) -> None:
+    target = tmp_path / "consolidated.ckpt"
+    consolidate(sharded_run["checkpoints"] / "epoch=1-step=2.ckpt", target)
+    expected = torch.load(target, weights_only=False)["state_dict"]
+    assert_loads_without_fairscale(target, expected, tmp_path)
 
 
 def test_consolidated_checkpoint_resumes_on_one_process(
