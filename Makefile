@@ -21,8 +21,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+# The test suite includes the docs' examples (`make doctest`); docstring examples run under pytest itself.
+test: doctest
 	$(PY) -m pytest -q
+
+doctest: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest
+
+# Every benchmark in benchmarks/ (see benchmarks/README.md); `make bench BENCHMARKS=activation_checkpointing` runs
+# only those named.
+BENCHMARKS ?=
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]" "torch==$(TORCH_VERSION)"
+	$(PY) benchmarks/run.py $(BENCHMARKS)
 
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html

@@ -1,4 +1,5 @@
-"""What the benchmarks share: process memory readings, the machine's description, and fresh multi-process launches.
+"""What the benchmarks share: their models' repeated block, quiet Trainer arguments, memory readings, the machine's
+description, fresh multi-process launches and the report's publication.
 
 Each benchmark measures its configurations in fresh launches of itself (``--worker ...``): Lightning's launcher
 re-runs the script for every rank, and memory high-water marks or allocator state must not carry over between
@@ -12,6 +13,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 from importlib.metadata import version
@@ -19,11 +21,41 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 MIB = 2**20
 #: glibc's initial mmap threshold (128 KiB), made fixed: otherwise glibc raises it after the first large ``free`` and
 #: then keeps freed tensors in its heap, so the resident set never goes down and peaks above it measure nothing.
 MALLOC_MMAP_THRESHOLD = 128 * 1024
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block with a 4x wide hidden layer: ``x + fc2(GELU(fc1(LayerNorm(x))))``.
+
+    The repeated layer of the benchmarks' models, standing in for a transformer block: one FSDP unit each, and
+    internal activations (the two wide tensors above all) about 10 times the size of its input, which is all that
+    activation checkpointing keeps of it.
+    """
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+#: The Trainer arguments every benchmark shares: nothing that writes files, prints per step or runs extra batches.
+QUIET_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
 
 
 def status_kib(field: str) -> int:
@@ -96,6 +128,63 @@ def launch(
     return [json.loads(path.read_text()) for path in files]
 
 
+def publish(text: str, path: Path, *others: Path) -> None:
+    """Write a benchmark's markdown report to ``path`` and print it, with the files it was written to."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print()
+    print(text)
+    print(f"(written to {' and '.join(str(p) for p in (path, *others))})")
+
+
 def write_rank_result(out_dir: Path, rank: int, result: dict[str, Any]) -> None:
     """What a worker rank reports to :func:`launch`."""
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+#: Set in the environment of the ranks that :func:`start_ranks` starts, so that they do not start ranks themselves.
+_STARTED_RANK = "BENCHMARK_STARTED_RANK"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free now (for ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_ranks(world_size: int) -> tuple[int, list[subprocess.Popen[bytes]]]:
+    """Start the other ranks of a hand-written multi-process run, the way Lightning's default launcher does.
+
+    The process that calls this first becomes rank 0: it starts ranks ``1 .. world_size - 1`` as copies of itself
+    (``sys.executable`` with the same ``sys.argv``) and sets ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+    ``LOCAL_RANK`` and ``WORLD_SIZE`` for all of them, so that ``torch.distributed.init_process_group`` can use its
+    ``env://`` rendezvous. In a started rank it only reads its rank. Comparing a hand-written loop with the
+    Trainer is fairer this way: both run one fresh interpreter per rank, started the same way.
+
+    Args:
+        world_size: the number of processes, this one included.
+
+    Returns:
+        This process's rank, and (in rank 0) the processes it started; pass them to :func:`join_ranks` at the end.
+    """
+    if os.environ.get(_STARTED_RANK):
+        return int(os.environ["RANK"]), []
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
+    children = [
+        subprocess.Popen(
+            [sys.executable, *sys.argv],
+            env=dict(os.environ, **common, RANK=str(rank), LOCAL_RANK=str(rank), **{_STARTED_RANK: "1"}),
+        )
+        for rank in range(1, world_size)
+    ]
+    os.environ.update(common, RANK="0", LOCAL_RANK="0")
+    return 0, children
+
+
+def join_ranks(children: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> None:
+    """Wait for the ranks :func:`start_ranks` started; raise if one of them failed."""
+    for child in children:
+        code = child.wait(timeout=timeout_s)
+        if code != 0:
+            raise RuntimeError(f"a rank started by start_ranks exited with code {code}")

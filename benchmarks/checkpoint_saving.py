@@ -111,10 +111,7 @@ def run_worker(mode: str, depth: int, width: int, repeats: int, out_dir: Path) -
         strategy=DDPFullyShardedStrategy(auto_wrap_policy={nn.Linear}, state_dict_type=mode),
         max_steps=1,
         callbacks=[probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **_common.QUIET_TRAINER,
         use_distributed_sampler=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=4))
@@ -190,9 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         full = measure("full", args, Path(scratch))
         sharded = measure("sharded", args, Path(scratch))
     text, met = report(full, sharded, args)
-    OUTPUT.parent.mkdir(exist_ok=True)
-    OUTPUT.write_text(text)
-    print(text)
+    _common.publish(text, OUTPUT)
     return 1 if args.strict and not met else 0
 
 

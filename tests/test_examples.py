@@ -195,3 +195,25 @@ def test_sharded_checkpoint_example_resumes_and_consolidates(run_example: Callab
     assert "OK resumed to global_step=12; consolidated BoringModel" in run.stdout, run.describe()
     full = torch.load(run.cwd / "last-full.ckpt", map_location="cpu", weights_only=False)
     assert full["global_step"] == 12 and set(full["state_dict"]) == {"layer.weight", "layer.bias"}
+
+
+def test_mixed_precision_example_computes_in_low_precision(run_example: Callable[..., Run]) -> None:
+    run = run_example("mixed_precision.py", timeout=90)
+    run.assert_ok()
+    low = "torch.float16" if CUDA else "torch.bfloat16"
+    assert f"computed in ['{low}']; FP32 weights kept: torch.float32" in run.stdout, run.describe()
+
+
+def test_sharded_ddp_example_splits_the_optimizer(run_example: Callable[..., Run]) -> None:
+    run = run_example("sharded_ddp.py", timeout=90)
+    run.assert_ok()
+    for rank in (0, 1):  # BoringModel has a weight and a bias: one each
+        assert f"rank {rank}: OSS updates 1 of 2 parameters" in run.stdout, run.describe()
+    assert "OK strategy=DDPShardedStrategy global_step=4" in run.stdout, run.describe()
+
+
+def test_multi_node_example_runs_two_torchrun_nodes(run_example: Callable[..., Run]) -> None:
+    run = run_example("multi_node.py", timeout=150)
+    run.assert_ok()
+    for node in (0, 1):
+        assert f"OK node {node} rank {node} of 2 (TorchElasticEnvironment)" in run.stdout, run.describe()

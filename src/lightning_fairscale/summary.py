@@ -41,14 +41,34 @@ def unit_summary(root: nn.Module) -> str:
     return "\n".join(lines)
 
 
-def _bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+class _StorageCounter:
+    """Counts the bytes of the storages behind tensors: each storage whole, and once.
+
+    A tensor that is a view into a larger buffer keeps the whole buffer alive, so it counts as the whole buffer; a
+    storage already counted (a gradient sharing its parameter's memory, say) does not count again; a freed storage
+    (FSDP resizes gathered parameters to 0 between uses) counts as 0.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[torch.device, int]] = set()
+
+    def __call__(self, tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr())
+            if storage.nbytes() == 0 or key in self._seen:
+                continue
+            self._seen.add(key)
+            total += storage.nbytes()
+        return total
 
 
 def memory_figures(model: nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, float]:
     """Bytes this rank holds for parameters, gradients and optimizer state; peak device memory where reported.
 
-    The keys suit ``LightningModule.log_dict``.
+    The figures count memory, not elements: each tensor with the whole storage it keeps alive, and each storage once
+    (first as a parameter, then as a gradient, then as optimizer state). The keys suit ``LightningModule.log_dict``.
 
     Example:
         >>> figures = memory_figures(nn.Linear(2, 2))
@@ -63,10 +83,11 @@ def memory_figures(model: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
         for value in param_state.values()
         if isinstance(value, torch.Tensor)
     ]
+    count = _StorageCounter()
     figures = {
-        "memory/parameters_bytes": float(_bytes(params)),
-        "memory/gradients_bytes": float(_bytes(p.grad for p in params if p.grad is not None)),
-        "memory/optimizer_state_bytes": float(_bytes(state)),
+        "memory/parameters_bytes": float(count(params)),
+        "memory/gradients_bytes": float(count(p.grad for p in params if p.grad is not None)),
+        "memory/optimizer_state_bytes": float(count(state)),
     }
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda":
