@@ -167,11 +167,6 @@ def main() -> None:
     trainer.fit(model, DataLoader(data, batch_size=BATCH_SIZE, shuffle=True))
     if trainer.is_global_zero:
         print("done", flush=True)
-    # Lightning keeps the process group after `fit` (the Trainer could run again). Close it before the interpreter
-    # exits: left open, gloo's threads occasionally abort the process at exit ("terminate called without an active
-    # exception").
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,8 +32,3 @@ if __name__ == "__main__":
     trainer.fit(model)
     if trainer.is_global_zero:
         print(f"OK strategy={type(trainer.strategy).__name__} global_step={trainer.global_step}", flush=True)
-    # Lightning keeps the process group after `fit` (the Trainer could run again). Close it before the interpreter
-    # exits: left open, gloo's threads occasionally abort the process at exit ("terminate called without an active
-    # exception").
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -94,7 +95,9 @@ def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) 
 @pytest.mark.parametrize(
     ("rank", "how", "expected"),
     [
-        (1, "KILL", "rank 1 did not answer"),
+        # Rank 0 names the exited child at once; Lightning's launcher watchdog (a 5 s poll) may still win the race
+        # and SIGKILL the node first, with its own message naming the same rank. Either ends the run, naming rank 1.
+        (1, "KILL", r"rank 1 did not answer|\[rank: 1\] Child process with PID \d+ terminated with code -9"),
         (1, "STOP", "rank 1 did not answer"),  # stuck, not dead: the strategy's `timeout` ends the wait
         (0, "KILL", "rank 0, which hosts the rendezvous store, is gone"),
     ],
@@ -123,7 +126,7 @@ def test_a_lost_rank_ends_the_run_quickly_and_is_named(tmp_path: Path, rank: int
             os.killpg(process.pid, signal.SIGKILL)
     output = log.read_text()
     assert process.returncode != 0, output[-4000:]
-    assert expected in output, output[-4000:]
+    assert re.search(expected, output), output[-4000:]
     assert not survivors, f"processes of the run were left behind:\n{output[-4000:]}"
     assert elapsed < 90, f"the run took {elapsed:.0f} s to end"
 

@@ -41,7 +41,13 @@ The workarounds, and why each is needed:
    held up to 7.6% more gradient memory than its shards (measured by ``benchmarks/training.py``).
    :meth:`FullyShardedDataParallel._post_reduction_hook` keeps a compact copy of such a shard instead, so a
    bucket's buffer is freed as soon as it has been read. Shards reduced on their own are kept as they are.
-9. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
+9. **Reduce-scatter bucketers that live forever (all devices).** FairScale caches
+   ``ReduceScatterBucketer._get_shard_size`` with ``functools.lru_cache`` on the method, so the cache holds every
+   bucketer ever used — with its bucket buffers (``bucket_cap_mb`` per dtype) and its process group — for the rest of
+   the process: each ``fit`` leaked its buffers, and gloo's threads outlived the process group into interpreter
+   shutdown, where they could abort a finished run. :class:`ReduceScatterBucketer` computes the same size without
+   the cache, and :class:`FullyShardedDataParallel` uses it (or its gloo variant) on every device.
+10. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
    CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
    :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
 
@@ -65,7 +71,14 @@ from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_modu
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor
 
-__all__ = ["FullyShardedDataParallel", "GlooReduceScatterBucketer", "ShardedGradScaler", "install", "is_installed"]
+__all__ = [
+    "FullyShardedDataParallel",
+    "GlooReduceScatterBucketer",
+    "ReduceScatterBucketer",
+    "ShardedGradScaler",
+    "install",
+    "is_installed",
+]
 
 
 class _CpuStream(torch.Stream):
@@ -165,8 +178,18 @@ def _record_stream_on_cpu(tensor: Tensor, stream: Any) -> None:
     return None
 
 
-class GlooReduceScatterBucketer(_rs_bucketer.ReduceScatterBucketer):
-    """FairScale's reduce-scatter bucketer with gloo-compatible input shapes (workaround 3)."""
+class ReduceScatterBucketer(_rs_bucketer.ReduceScatterBucketer):
+    """FairScale's reduce-scatter bucketer, without the cache that keeps every instance alive (workaround 9)."""
+
+    def _get_shard_size(self, element_size: int, num_shards: int) -> int:
+        if self.bucket_cap_mb <= 0:  # bucketing disabled
+            return 0
+        elements_per_bucket = self.bucket_cap_mb * 2**20 / element_size
+        return int(elements_per_bucket // num_shards)
+
+
+class GlooReduceScatterBucketer(ReduceScatterBucketer):
+    """The reduce-scatter bucketer with gloo-compatible input shapes (workaround 3)."""
 
     def _get_bucket(self, tensor: Tensor, group: Any) -> _rs_bucketer.Bucket:
         key = (tensor.dtype, tensor.device, group)
@@ -241,7 +264,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
     On CUDA it behaves like FairScale's class, except that bf16 mixed precision really computes in bf16
-    (workaround 6). On CPU it uses no-op streams (after :func:`install`), a gloo-compatible reduce-scatter bucketer
+    (workaround 6) and that its reduce-scatter bucketer is freed with it (workaround 9). On CPU it uses no-op streams (after :func:`install`), a gloo-compatible reduce-scatter bucketer
     and a device-agnostic :meth:`clip_grad_norm_`.
     """
 
@@ -259,13 +282,14 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             # No CUDA: FairScale created no streams, but indexes ``self._streams`` on every forward and backward.
             for name in ("fp32_to_fp16", "all_gather", "post_backward"):
                 self._streams[name] = _CPU_STREAM
-        if _is_gloo(self.process_group_reduce_scatter):
-            reducer = GlooReduceScatterBucketer(self.bucket_cap_mb)
-            self._reducer = reducer
-            for module in self.modules():
-                if isinstance(module, _FairScaleFSDP):
-                    module._streams = self._streams
-                    module._reducer = reducer
+        # Replaces FairScale's bucketer (unused so far) everywhere it was shared (workarounds 3 and 9).
+        bucketer = GlooReduceScatterBucketer if _is_gloo(self.process_group_reduce_scatter) else ReduceScatterBucketer
+        reducer = bucketer(self.bucket_cap_mb)
+        self._reducer = reducer
+        for module in self.modules():
+            if isinstance(module, _FairScaleFSDP):
+                module._streams = self._streams
+                module._reducer = reducer
 
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""

@@ -333,6 +333,10 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu")) -
             unit.module._unflatten_params(external_data=flat_data)
             for flat, (_, owner, name) in _flat_pieces(flat_params):
                 getattr(owner, name).requires_grad_(flat.requires_grad)
+            for flat in flat_params:
+                # The flat parameter's gradient hook refers back to its unit through autograd, a cycle that Python's
+                # garbage collector cannot see: without this, every unwrapped unit (and its shards) would live on.
+                _forget_fsdp_attributes(flat)
         for param, data in zip(unit.params[flat_count:], tensors[flat_count:]):
             param.data = data
             param.grad = None

@@ -1,10 +1,14 @@
 """Saying which process was lost when a collective fails, instead of gloo's or NCCL's "Connection reset by peer".
 
 When a rank dies (killed, out of memory, a crash), the others fail in their next collective with an error about a
-socket or a timeout that names no rank. :func:`explain_collective_failure` asks the process group's store, which
-every rank can reach without collectives, which ranks are still there: each survivor leaves a key and waits two
-seconds for the others' (Lightning's launcher kills the node's processes about five seconds after one exits). Ranks that leave none are reported lost. When the store itself is gone, the rank that hosts
-it (rank 0) is the one lost.
+socket or a timeout that names no rank. Two sources say which ranks are gone:
+
+* On a node's rank 0 started by Lightning's launcher, the launched processes themselves: one that has exited is
+  lost, and that is known at once. This must be fast: the launcher's own watchdog thread polls its children every
+  five seconds and SIGKILLs the whole node (printing only "Child process ... terminated") when it finds one dead.
+* Otherwise the process group's store, which every rank can reach without collectives: each survivor leaves a key
+  and waits two seconds for the others'. Ranks that leave none are reported lost. When the store itself is gone,
+  the rank that hosts it (rank 0) is the one lost.
 """
 
 from __future__ import annotations
@@ -42,14 +46,14 @@ def is_collective_failure(exception: BaseException) -> bool:
 
 
 def explain_collective_failure(
-    exception: BaseException, timeout: Optional[timedelta], wait_s: float = 2.0
+    exception: BaseException, timeout: Optional[timedelta], wait_s: float = 2.0, launcher: Any = None
 ) -> Optional[str]:
     """A sentence naming the lost ranks (or the timeout) when ``exception`` is a failed collective; else ``None``."""
     if not is_collective_failure(exception) or not dist.is_available() or not dist.is_initialized():
         return None
     rank, world_size = dist.get_rank(), dist.get_world_size()
     waited = f" within the timeout of {timeout.total_seconds():g} s" if timeout is not None else ""
-    lost = _lost_ranks(rank, world_size, wait_s)
+    lost = _exited_children(rank, launcher) or _lost_ranks(rank, world_size, wait_s)
     if lost is None:
         who = "rank 0, which hosts the rendezvous store, is gone (killed or crashed)"
     elif lost:
@@ -69,12 +73,21 @@ def report_collective_failure(exception: BaseException, timeout: Optional[timede
     Called from the strategies' ``on_exception``. The processes this one launched (rank 0 of a node started by
     Lightning's launcher) could otherwise wait in a collective forever, or until their timeout.
     """
-    message = explain_collective_failure(exception, timeout)
+    message = explain_collective_failure(exception, timeout, launcher=launcher)
     if message is None:
         return
     log.error(message)
     if getattr(launcher, "procs", None):
         launcher.kill(signal.SIGKILL)
+
+
+def _exited_children(rank: int, launcher: Any) -> list[int]:
+    """The global ranks of the processes this one launched that have already exited (none when it launched none).
+
+    Lightning's launcher starts local ranks 1..n-1 from local rank 0, so child ``i`` has global rank ``rank + i + 1``.
+    """
+    children = getattr(launcher, "procs", None) or []
+    return [rank + i + 1 for i, child in enumerate(children) if child.poll() is not None]
 
 
 def _lost_ranks(rank: int, world_size: int, wait_s: float) -> Optional[list[int]]:

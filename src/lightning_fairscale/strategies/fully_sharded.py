@@ -313,7 +313,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        close_process_group_at_exit()
+        close_process_group_at_exit(self)
         if self.root_device.type == "cpu":
             fairscale_cpu.install()
         # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.

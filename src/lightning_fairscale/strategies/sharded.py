@@ -233,7 +233,7 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        close_process_group_at_exit()
+        close_process_group_at_exit(self)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,0 +1,74 @@
+"""Fit twice, keep the Trainer referenced to the end, and record what is left of FairScale and gloo.
+
+Each rank writes ``--out-dir/rank<N>.json``: after each ``fit`` (and a garbage collection) the number of live
+FairScale FSDP units and reduce-scatter bucketers, and — from the last ``atexit`` handler, registered before
+anything else so that it runs after the strategy's — the names of the process's threads that belong to gloo. A user's
+script that keeps its ``trainer`` in a global looks like this one; gloo threads still running when the interpreter
+shuts down can abort a finished run ("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RECORD: dict[str, Any] = {"after_fit": []}
+PARSER = argparse.ArgumentParser()
+PARSER.add_argument("--out-dir", required=True)
+PARSER.add_argument("--strategy", required=True, choices=["fsdp_fairscale", "ddp_sharded"])
+ARGS = PARSER.parse_args()
+
+
+def thread_names() -> list[str]:
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(names)
+
+
+def write_record() -> None:
+    """Runs last: every other ``atexit`` handler (the strategy's included) was registered later."""
+    RECORD["threads_at_exit"] = thread_names()
+    rank = os.environ.get("LOCAL_RANK", "0")
+    Path(ARGS.out_dir, f"rank{rank}.json").write_text(json.dumps(RECORD))
+
+
+atexit.register(write_record)
+
+import torch  # noqa: E402
+from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer  # noqa: E402
+from fairscale.nn import FullyShardedDataParallel  # noqa: E402
+
+import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from scenarios.common import RegressionModel  # noqa: E402
+from scenarios.flavor import Trainer  # noqa: E402
+
+
+def live(cls: type) -> int:
+    gc.collect()
+    return sum(isinstance(obj, cls) for obj in gc.get_objects())
+
+
+model = RegressionModel()
+trainer = None
+for _ in range(2):
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=ARGS.strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    RECORD["after_fit"].append(
+        {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
+    )
+RECORD["trained"] = bool(torch.isfinite(next(model.parameters())).all())

@@ -1,0 +1,35 @@
+"""A finished run leaves nothing behind: no FairScale wrapper after ``fit``, no gloo thread at interpreter shutdown.
+
+Gloo threads that are still running when the interpreter is torn down can abort a run that succeeded ("terminate
+called without an active exception"; under Lightning's launcher rank 1 then dies silently) — rarely, so the test
+checks the cause, which is deterministic: which threads are alive once every ``atexit`` handler has run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TESTS, run_script
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
+
+SCRIPT = TESTS / "scenarios" / "process_exit.py"
+GLOO_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_fairscale", "ddp_sharded"])
+def test_no_wrapper_outlives_fit_and_no_gloo_thread_outlives_the_atexit_handlers(strategy: str, tmp_path: Path) -> None:
+    proc = run_script([str(SCRIPT), "--out-dir", str(tmp_path), "--strategy", strategy], cwd=tmp_path)
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["trained"]
+        # Each fit's FSDP units and their reduce-scatter bucketer are freed by the strategy's teardown; FairScale
+        # alone kept them (with their buffers and process groups) for the life of the process.
+        assert record["after_fit"] == [{"fsdp_units": 0, "bucketers": 0}] * 2, (rank, record)
+        left = [name for name in record["threads_at_exit"] if name.startswith(GLOO_THREADS)]
+        assert left == [], (rank, record["threads_at_exit"])
