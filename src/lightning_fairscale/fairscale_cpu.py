@@ -48,8 +48,8 @@ The workarounds, and why each is needed:
    shutdown, where they could abort a finished run. :class:`ReduceScatterBucketer` computes the same size without
    the cache, and :class:`FullyShardedDataParallel` uses it (or its gloo variant) on every device.
 10. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
-   CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
-   :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
+    CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
+    :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """
