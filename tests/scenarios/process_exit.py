@@ -24,7 +24,7 @@ RECORD: dict[str, Any] = {"after_fit": []}
 PARSER = argparse.ArgumentParser()
 PARSER.add_argument("--out-dir", required=True)
 PARSER.add_argument("--strategy", required=True, choices=["fsdp_fairscale", "ddp_sharded"])
-ARGS = PARSER.parse_args()
+TRAINER: Any = None  # kept to the end, as a user's script that holds its trainer in a global does
 
 
 def thread_names() -> list[str]:
@@ -37,22 +37,11 @@ def thread_names() -> list[str]:
     return sorted(names)
 
 
-def write_record() -> None:
+def write_record(out_dir: str) -> None:
     """Runs last: every other ``atexit`` handler (the strategy's included) was registered later."""
     RECORD["threads_at_exit"] = thread_names()
     rank = os.environ.get("LOCAL_RANK", "0")
-    Path(ARGS.out_dir, f"rank{rank}.json").write_text(json.dumps(RECORD))
-
-
-atexit.register(write_record)
-
-import torch  # noqa: E402
-from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer  # noqa: E402
-from fairscale.nn import FullyShardedDataParallel  # noqa: E402
-
-import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import RegressionModel  # noqa: E402
-from scenarios.flavor import Trainer  # noqa: E402
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(RECORD))
 
 
 def live(cls: type) -> int:
@@ -60,15 +49,31 @@ def live(cls: type) -> int:
     return sum(isinstance(obj, cls) for obj in gc.get_objects())
 
 
-model = RegressionModel()
-trainer = None
-for _ in range(2):
-    trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=ARGS.strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(model)
-    RECORD["after_fit"].append(
-        {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
-    )
-RECORD["trained"] = bool(torch.isfinite(next(model.parameters())).all())
+def fit_twice(strategy: str) -> None:
+    global TRAINER
+    # Imported here, after ``write_record`` is registered: nothing they register at exit may run after it.
+    import torch
+    from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+    from fairscale.nn import FullyShardedDataParallel
+
+    import lightning_fairscale  # noqa: F401  (registers the strategy names)
+    from scenarios.common import RegressionModel
+    from scenarios.flavor import Trainer
+
+    model = RegressionModel()
+    for _ in range(2):
+        TRAINER = Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        TRAINER.fit(model)
+        RECORD["after_fit"].append(
+            {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
+        )
+    RECORD["trained"] = bool(torch.isfinite(next(model.parameters())).all())
+
+
+if __name__ == "__main__":
+    ARGS = PARSER.parse_args()
+    atexit.register(write_record, ARGS.out_dir)
+    fit_twice(ARGS.strategy)
