@@ -20,9 +20,16 @@ sys.path.insert(0, str(TESTS))
 TRAIN_SCRIPT = TESTS / "scenarios" / "train.py"
 
 
-def run_script(args: list[str], cwd: Path, timeout: float = 300, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """Run a Python script in its own session; whatever it started (the other ranks) is killed when it ends."""
+def run_script(
+    args: list[str], cwd: Path, timeout: float = 300, expect_ok: bool = True, package: str = "pytorch_lightning"
+) -> subprocess.CompletedProcess:
+    """Run a Python script in its own session; whatever it started (the other ranks) is killed when it ends.
+
+    Scenarios run with the Lightning ``package`` given (``scenarios/flavor.py``): ``"pytorch_lightning"`` or
+    ``"lightning"``.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
+    env["TEST_LIGHTNING_PACKAGE"] = package
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
         env.pop(name, None)
     command = [sys.executable, *args]
@@ -42,25 +49,32 @@ def run_script(args: list[str], cwd: Path, timeout: float = 300, expect_ok: bool
 
 
 @pytest.fixture
-def train(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+def package() -> str:
+    """The Lightning package the scenarios run with; tests parametrize it to run against both."""
+    return "pytorch_lightning"
+
+
+@pytest.fixture
+def train(tmp_path: Path, package: str) -> Callable[..., dict[str, Any]]:
     """Run ``scenarios/train.py`` with the given arguments and return what rank 0 saved."""
     counter = iter(range(1000))
 
     def _train(*args: str) -> dict[str, Any]:
         out = tmp_path / f"result-{next(counter)}.pt"
-        run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path)
+        run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path, package=package)
         return torch.load(out, weights_only=False)
 
     return _train
 
 
 @pytest.fixture
-def train_failing(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+def train_failing(tmp_path: Path, package: str) -> Callable[..., subprocess.CompletedProcess]:
     """Run ``scenarios/train.py`` expecting it to fail; return the finished process."""
 
     def _train(*args: str) -> subprocess.CompletedProcess:
         proc = run_script(
-            [str(TRAIN_SCRIPT), "--out", str(tmp_path / "unused.pt"), *args], cwd=tmp_path, expect_ok=False
+            [str(TRAIN_SCRIPT), "--out", str(tmp_path / "unused.pt"), *args], cwd=tmp_path, expect_ok=False,
+            package=package,
         )
         assert proc.returncode != 0, proc.stdout[-2000:]
         return proc

@@ -5,7 +5,14 @@ accepts them: ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` (:class:`DDPFully
 ``"ddp_sharded"`` and ``"ddp_sharded_find_unused_parameters_false"`` (:class:`DDPShardedStrategy`),
 ``"ddp_sharded_spawn"`` and ``"ddp_sharded_spawn_find_unused_parameters_false"`` (:class:`DDPSpawnShardedStrategy`).
 Lightning's own ``"fsdp"`` stays Lightning's.
+
+The classes here are built on ``pytorch_lightning``. Where the unified ``lightning`` package is installed too, the
+import also registers the names with ``lightning.pytorch``'s registry, whose Trainer then gets the same classes built
+on ``lightning.pytorch`` (:mod:`lightning_fairscale.lightning`).
 """
+
+import importlib
+import importlib.util
 
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
@@ -28,3 +35,8 @@ __all__ = [
     "ShardedPrecisionPlugin",
     "__version__",
 ]
+
+# ``L.Trainer(strategy="fsdp_fairscale")`` should work after ``import lightning_fairscale`` as well; importing our
+# classes for ``lightning.pytorch`` registers them with its registry. Skipped when ``lightning`` is not installed.
+if importlib.util.find_spec("lightning") is not None:
+    importlib.import_module("lightning_fairscale.lightning")

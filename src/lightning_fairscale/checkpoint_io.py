@@ -25,82 +25,31 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
-import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_fairscale.checkpoint_files import (
+    META_FILE,
+    CheckpointFileError,
+    MapLocation,
+    fsync_directory,
+    hidden_path,
+    read_file,
+    shard_file_name,
+    write_atomically,
+)
+
+# The file-level names are re-exported here, where they were first defined.
 __all__ = ["META_FILE", "CheckpointFileError", "ShardedCheckpointIO", "shard_file_name"]
-
-#: The file of a sharded checkpoint directory that holds everything but the shards; written last.
-META_FILE = "meta.pt"
-_MapLocation = Union[Callable[..., Any], torch.device, str, dict[str, str], None]
-
-
-class CheckpointFileError(RuntimeError):
-    """A checkpoint file is missing, truncated or not a checkpoint."""
-
-
-def shard_file_name(rank: int, world_size: int) -> str:
-    """The name of ``rank``'s file in a sharded checkpoint directory.
-
-    Example:
-        >>> shard_file_name(1, 2)
-        'shard-00001-of-00002.pt'
-    """
-    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
 
 
 def _is_local(path: _PATH) -> bool:
     return isinstance(get_filesystem(path), LocalFileSystem)
-
-
-def _hidden(path: Path, suffix: str) -> Path:
-    return path.parent / f".{path.name}.{suffix}"
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some file systems do not open directories; the rename is still atomic there
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(obj: Any, path: Path) -> None:
-    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = _hidden(path, "partial")
-    with open(partial, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-    _fsync_directory(path.parent)
-
-
-def read_file(path: Path, map_location: _MapLocation = "cpu", weights_only: Optional[bool] = None) -> Any:
-    """``torch.load`` with an error that names the file when it is truncated or not a checkpoint."""
-    if not path.is_file():
-        raise CheckpointFileError(f"Checkpoint file not found: {path}.")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
-    except Exception as error:  # torch raises RuntimeError, EOFError, UnpicklingError ... for damaged files
-        if "Weights only load failed" in str(error):
-            raise  # a readable file with objects torch refuses to unpickle: torch's message says what to do
-        raise CheckpointFileError(
-            f"Could not read the checkpoint file {path}: it is truncated, corrupt or not a PyTorch checkpoint"
-            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Use another checkpoint;"
-            " checkpoints written by lightning-fairscale are never left half-written, so this file was damaged or"
-            " replaced afterwards."
-        ) from error
 
 
 class ShardedCheckpointIO(TorchCheckpointIO):
@@ -132,7 +81,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
 
     @override
     def load_checkpoint(
-        self, path: _PATH, map_location: _MapLocation = lambda storage, loc: storage, weights_only: Optional[bool] = None
+        self, path: _PATH, map_location: MapLocation = lambda storage, loc: storage, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
         """Read a full checkpoint file, or the metadata of a sharded checkpoint directory (no shards)."""
         if not _is_local(path):
@@ -167,7 +116,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     @staticmethod
     def recover(path: Path) -> Path:
         """``path``, or the checkpoint it replaced when a crash fell between the two renames of a save."""
-        replaced = _hidden(path, "replaced")
+        replaced = hidden_path(path, "replaced")
         if not path.exists() and replaced.is_dir() and (replaced / META_FILE).is_file():
             return replaced
         return path
@@ -175,7 +124,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     @staticmethod
     def staging_directory(path: _PATH) -> Path:
         """Where the shards of a checkpoint for ``path`` are assembled before it is renamed into place."""
-        return _hidden(Path(path), "partial")
+        return hidden_path(Path(path), "partial")
 
     def begin_sharded(self, path: _PATH) -> None:
         """Prepare an empty staging directory for ``path`` (rank 0, before the shards are written)."""
@@ -199,13 +148,13 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         if missing:
             raise CheckpointFileError(f"Shards {missing} of the checkpoint {target} were not written.")
         write_atomically(meta, staging / META_FILE)
-        replaced = _hidden(target, "replaced")
+        replaced = hidden_path(target, "replaced")
         if replaced.exists():
             shutil.rmtree(replaced) if replaced.is_dir() else replaced.unlink()
         if target.exists():
             os.replace(target, replaced)
         os.replace(staging, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
         if replaced.exists():
             shutil.rmtree(replaced) if replaced.is_dir() else replaced.unlink()
 
@@ -223,7 +172,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         return read_file(directory / META_FILE, weights_only=weights_only)
 
     def load_shard(
-        self, path: _PATH, rank: int, world_size: int, map_location: _MapLocation = "cpu", weights_only: Optional[bool] = None
+        self, path: _PATH, rank: int, world_size: int, map_location: MapLocation = "cpu", weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
         """``rank``'s file of the sharded checkpoint directory ``path``."""
         directory = self.recover(Path(path))

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lightning_fairscale.checkpoint_io import CheckpointFileError, ShardedCheckpointIO, write_atomically
+from lightning_fairscale.checkpoint_files import CheckpointFileError, write_atomically
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.sharded_checkpoint import consolidate
 
 __all__ = ["main"]

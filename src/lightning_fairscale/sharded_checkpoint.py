@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
@@ -27,9 +27,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale.__about__ import __version__
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.optim import GroupOrder, Piece, describe_layout, plain_state_dict
 from lightning_fairscale.wrapping import apply_aliases, module_aliases
+
+if TYPE_CHECKING:  # the CheckpointIO plugin is Lightning-bound; this module serves both Lightning packages
+    from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 
 __all__ = [
     "FORMAT_KEY",
@@ -148,7 +150,10 @@ def consolidate(
     trainer state. It loads on any number of processes, and with ``LightningModule.load_from_checkpoint``.
     """
     say = progress or (lambda message: None)
-    io = io or ShardedCheckpointIO()
+    if io is None:
+        from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+
+        io = ShardedCheckpointIO()
     meta = io.load_meta(path, weights_only=False)
     info = meta.pop(FORMAT_KEY, None)
     if not isinstance(info, dict) or "world_size" not in info:

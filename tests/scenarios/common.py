@@ -6,9 +6,10 @@ import copy
 from typing import Any, Callable, Optional
 
 import torch
-from pytorch_lightning import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from scenarios.flavor import LightningModule
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 GLOBAL_BATCH = 8

@@ -19,12 +19,18 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from pytorch_lightning import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
-from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 
-from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin  # noqa: E402
-from lightning_fairscale.strategies import DDPShardedStrategy  # noqa: E402  (also registers the strategy names)
+import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from scenarios import common  # noqa: E402
+from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
+    Callback,
+    DDPShardedStrategy,
+    LightningModule,
+    ModelCheckpoint,
+    ShardedMixedPrecisionPlugin,
+    Trainer,
+    seed_everything,
+)
 
 #: Two param groups with different hyperparameters: matrices with weight decay, vectors (biases, norms) without and
 #: at half the learning rate.

@@ -18,13 +18,18 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from pytorch_lightning import Callback, Trainer, seed_everything  # noqa: E402
-from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin  # noqa: E402
-from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
+    PACKAGE,
+    Callback,
+    DDPFullyShardedStrategy,
+    FullyShardedMixedPrecisionPlugin,
+    ModelCheckpoint,
+    Trainer,
+    seed_everything,
+)
 
 
 LAYER_CLASSES = {"Block": Block, "Linear": torch.nn.Linear, "Sequential": torch.nn.Sequential}
@@ -250,6 +255,7 @@ def main() -> None:
         "memory": getattr(recorder, "memory", {}),
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
+        "package": PACKAGE,
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "losses": training.losses,

@@ -1,0 +1,59 @@
+"""lightning-fairscale for the unified ``lightning`` package (``import lightning as L``).
+
+``L.Trainer`` accepts only strategies and plugins built on ``lightning.pytorch``; ``pytorch_lightning.Trainer`` only
+those built on ``pytorch_lightning``. This subpackage has the same classes as the top-level package, built on
+``lightning.pytorch``, from the same source (see :mod:`lightning_fairscale.lightning._loader`)::
+
+    import lightning as L
+    from lightning_fairscale.lightning import DDPFullyShardedStrategy
+
+    trainer = L.Trainer(strategy=DDPFullyShardedStrategy(), accelerator="cpu", devices=2)
+
+The registry names need no import from here: ``import lightning_fairscale`` registers them with both packages'
+registries when both are installed, so ``L.Trainer(strategy="fsdp_fairscale")`` works after it. Modules without
+Lightning classes (:mod:`lightning_fairscale.fairscale_cpu`, :mod:`lightning_fairscale.wrapping`, the checkpoint
+format, consolidation...) are shared: import them from the top-level package. Checkpoints are the same files either
+way.
+
+Needs the ``lightning`` package: ``pip install "lightning-fairscale[lightning]"``.
+"""
+
+from lightning_fairscale.lightning import _loader
+
+try:
+    import lightning.pytorch  # noqa: F401
+except ModuleNotFoundError as error:
+    if error.name is None or error.name.partition(".")[0] != "lightning":
+        raise
+    raise ModuleNotFoundError(
+        "`lightning_fairscale.lightning` is for the `lightning` package, which is not installed. Install it with"
+        ' `pip install "lightning-fairscale[lightning]"`, or use the top-level `lightning_fairscale` classes with'
+        " `pytorch_lightning`.",
+        name="lightning",
+    ) from error
+
+_loader.install()
+
+from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO  # noqa: E402
+from lightning_fairscale.lightning.precision import (  # noqa: E402
+    FullyShardedMixedPrecisionPlugin,
+    FullyShardedPrecisionPlugin,
+    ShardedMixedPrecisionPlugin,
+    ShardedPrecisionPlugin,
+)
+from lightning_fairscale.lightning.strategies import (  # noqa: E402
+    DDPFullyShardedStrategy,
+    DDPShardedStrategy,
+    DDPSpawnShardedStrategy,
+)
+
+__all__ = [
+    "DDPFullyShardedStrategy",
+    "DDPShardedStrategy",
+    "DDPSpawnShardedStrategy",
+    "FullyShardedMixedPrecisionPlugin",
+    "FullyShardedPrecisionPlugin",
+    "ShardedCheckpointIO",
+    "ShardedMixedPrecisionPlugin",
+    "ShardedPrecisionPlugin",
+]

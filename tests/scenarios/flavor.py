@@ -1,0 +1,41 @@
+"""The Lightning package a scenario runs with: ``pytorch_lightning`` (default) or the unified ``lightning``.
+
+The tests choose it with the environment variable ``TEST_LIGHTNING_PACKAGE`` (see ``conftest.run_script``), which
+the ranks that Lightning's launcher starts inherit. Scenarios import Lightning's classes and ours from here, so one
+scenario runs against either package. Ours are imported on first use: some scripts run where lightning_fairscale
+must not be importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+PACKAGE = os.environ.get("TEST_LIGHTNING_PACKAGE", "pytorch_lightning")
+if PACKAGE not in ("pytorch_lightning", "lightning"):
+    raise ValueError(f"TEST_LIGHTNING_PACKAGE must be 'pytorch_lightning' or 'lightning', got {PACKAGE!r}")
+
+pl = importlib.import_module("lightning.pytorch" if PACKAGE == "lightning" else "pytorch_lightning")
+Callback = pl.Callback
+LightningModule = pl.LightningModule
+Trainer = pl.Trainer
+seed_everything = pl.seed_everything
+ModelCheckpoint = pl.callbacks.ModelCheckpoint
+
+#: Where our classes for ``PACKAGE`` are.
+OURS = "lightning_fairscale.lightning" if PACKAGE == "lightning" else "lightning_fairscale"
+_OUR_CLASSES = {
+    "DDPFullyShardedStrategy",
+    "DDPShardedStrategy",
+    "DDPSpawnShardedStrategy",
+    "FullyShardedMixedPrecisionPlugin",
+    "ShardedMixedPrecisionPlugin",
+    "ShardedCheckpointIO",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _OUR_CLASSES:
+        return getattr(importlib.import_module(OURS), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
