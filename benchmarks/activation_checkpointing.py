@@ -31,7 +31,7 @@ measure nothing. But with the fixed threshold every step maps fresh pages for it
 make steps about 45% slower on our machine; so step times come from a second launch with the default allocator,
 which also gives the whole process's peak resident set, as a user would see it.
 
-Run it from the project's root (about 65 seconds on two CPU cores)::
+Run it from the project's root (one to two and a half minutes on two CPU cores, depending on the machine)::
 
     .venv/bin/python benchmarks/activation_checkpointing.py            # or: make bench
     .venv/bin/python benchmarks/activation_checkpointing.py --depth 24 --batch 64

@@ -36,7 +36,7 @@ not counted (they allocate Adam's state and warm up the allocator); figures are 
 the slowest rank. The load average before and after the run is in the report: other programs on the cores distort
 the times.
 
-Run it from the project's root (about 5 minutes on 2 CPU cores)::
+Run it from the project's root (about 6 to 7 minutes on 2 CPU cores)::
 
     .venv/bin/python benchmarks/training.py                       # or: make bench BENCHMARKS=training
     .venv/bin/python benchmarks/training.py --sizes small medium  # fewer sizes, faster
@@ -674,7 +674,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="model sizes")
     parser.add_argument("--batch", type=int, default=64, help="rows per step in all (split over the ranks)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps")
     parser.add_argument("--output", type=Path, default=OUTPUT, help="where to write the markdown report")
     parser.add_argument("--plot", type=Path, default=PLOT, help="where to write the plot (PNG)")
     parser.add_argument("--strict", action="store_true", help="exit with 1 when a target is missed")

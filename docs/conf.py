@@ -29,3 +29,5 @@ nitpicky = False
 html_theme = "alabaster"
 exclude_patterns = ["_build"]
 suppress_warnings = ["ref.python"]
+# Code lines are up to 120 characters (the project's line length): a page wide enough to show them unscrolled.
+html_theme_options = {"page_width": "1280px", "sidebar_width": "240px"}
