@@ -1,4 +1,5 @@
-"""A finished run leaves nothing behind: no FairScale wrapper after ``fit``, no gloo thread at interpreter shutdown.
+"""A run holds nothing it no longer needs: no unsharded original parameter while FSDP trains, no FairScale wrapper
+after ``fit``, no gloo thread at interpreter shutdown.
 
 Gloo threads that are still running when the interpreter is torn down can abort a run that succeeded ("terminate
 called without an active exception"; under Lightning's launcher rank 1 then dies silently) — rarely, so the test
@@ -22,7 +23,7 @@ GLOO_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp_fairscale", "ddp_sharded"])
-def test_no_wrapper_outlives_fit_and_no_gloo_thread_outlives_the_atexit_handlers(strategy: str, tmp_path: Path) -> None:
+def test_a_run_holds_nothing_it_no_longer_needs(strategy: str, tmp_path: Path) -> None:
     proc = run_script([str(SCRIPT), "--out-dir", str(tmp_path), "--strategy", strategy], cwd=tmp_path)
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     for rank in (0, 1):
@@ -31,5 +32,9 @@ def test_no_wrapper_outlives_fit_and_no_gloo_thread_outlives_the_atexit_handlers
         # Each fit's FSDP units and their reduce-scatter bucketer are freed by the strategy's teardown; FairScale
         # alone kept them (with their buffers and process groups) for the life of the process.
         assert record["after_fit"] == [{"fsdp_units": 0, "bucketers": 0}] * 2, (rank, record)
+        # FSDP replaces the module's parameters by flat shards: the unsharded originals must be freed by the first
+        # step, or every rank holds the whole model next to its shards for the entire fit. OSS keeps them (whole).
+        expected = 0 if strategy == "fsdp_fairscale" else record["model_parameters"]
+        assert record["originals_alive"] == [expected] * 2, (rank, record)
         left = [name for name in record["threads_at_exit"] if name.startswith(GLOO_THREADS)]
         assert left == [], (rank, record["threads_at_exit"])

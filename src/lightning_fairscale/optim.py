@@ -64,10 +64,15 @@ class _Managed:
 class ParameterLayout:
     """Where each original parameter lives after wrapping.
 
-    Build it with :meth:`before_wrapping` on the unwrapped module, then :meth:`after_wrapping` on the root unit.
+    Build it with :meth:`before_wrapping` on the unwrapped module, then :meth:`after_wrapping` on the root unit;
+    :meth:`forget_originals` once the optimizers hold the managed parameters.
+
+    The original parameters are known by ``id`` only: a reference would keep the whole unsharded model alive, next
+    to its shards, for as long as the layout lives (the whole ``fit``). While the ids are looked up, the optimizers
+    created on the unwrapped module still hold the originals, so the ids cannot have been reused.
     """
 
-    _owners: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
+    _owners: dict[tuple[int, str], int] = field(default_factory=dict)
     managed: dict[nn.Parameter, _Managed] = field(default_factory=dict)
     _original: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
 
@@ -77,7 +82,7 @@ class ParameterLayout:
         for owner in module.modules():
             for name, param in owner._parameters.items():
                 if param is not None and not hasattr(param, "_is_sharded"):
-                    layout._owners[(id(owner), name)] = param
+                    layout._owners[(id(owner), name)] = id(param)
         return layout
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
@@ -95,14 +100,20 @@ class ParameterLayout:
                     pieces.append(Piece(key, offset, numel, torch.Size(shape)))
                     original = self._owners.get((id(owner), name))
                     if original is not None:
-                        self._original[id(original)] = (managed, len(pieces) - 1)
+                        self._original[original] = (managed, len(pieces) - 1)
                     offset += numel
                 self.managed[managed] = _Managed(unit, pieces)
             for managed, names in zip(unit.params[flat_count:], unit._param_name_groups[flat_count:]):
                 shape = torch.Size(managed._orig_size)
                 self.managed[managed] = _Managed(unit, [Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape)])
                 self._original[id(managed)] = (managed, 0)
+        self._owners.clear()
         return self
+
+    def forget_originals(self) -> None:
+        """Stop answering for the original parameters (freed once no optimizer holds them, so their ids may be
+        reused); :meth:`locate` then knows the managed parameters only."""
+        self._original.clear()
 
     def locate(self, param: nn.Parameter) -> list[tuple[nn.Parameter, int]]:
         """The (managed parameter, piece index) pairs that ``param`` stands for; empty when FSDP does not manage it."""

@@ -1,7 +1,9 @@
 """Fit twice, keep the Trainer referenced to the end, and record what is left of FairScale and gloo.
 
-Each rank writes ``--out-dir/rank<N>.json``: after each ``fit`` (and a garbage collection) the number of live
-FairScale FSDP units and reduce-scatter bucketers, and — from the last ``atexit`` handler, registered before
+Each rank writes ``--out-dir/rank<N>.json``: at the first training step of each ``fit``, how many of the
+LightningModule's parameters from before the ``fit`` are still alive (with FSDP, the unsharded originals: the
+sharded model replaces them); after each ``fit`` (and a garbage collection) the number of live FairScale FSDP units
+and reduce-scatter bucketers; and — from the last ``atexit`` handler, registered before
 anything else so that it runs after the strategy's — the names of the process's threads that belong to gloo. A user's
 script that keeps its ``trainer`` in a global looks like this one; gloo threads still running when the interpreter
 shuts down can abort a finished run ("terminate called without an active exception").
@@ -15,6 +17,7 @@ import gc
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +61,26 @@ def fit_twice(strategy: str) -> None:
 
     import lightning_fairscale  # noqa: F401  (registers the strategy names)
     from scenarios.common import RegressionModel
-    from scenarios.flavor import Trainer
+    from scenarios.flavor import Callback, Trainer
 
+    class CountOriginals(Callback):
+        def __init__(self, originals: list[weakref.ref]) -> None:
+            self.originals = originals
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            gc.collect()
+            RECORD["originals_alive"].append(sum(ref() is not None for ref in self.originals))
+
+    RECORD["originals_alive"] = []
     model = RegressionModel()
     for _ in range(2):
+        originals = [weakref.ref(param) for param in model.parameters()]
+        RECORD["model_parameters"] = len(originals)
         TRAINER = Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[CountOriginals(originals)],
         )  # fmt: skip
+        del originals
         TRAINER.fit(model)
         RECORD["after_fit"].append(
             {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}

@@ -357,6 +357,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
             log.info("%s: %s", type(self).__name__, unit_summary(self.model))
         if fitting:
             self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
+        # From here on nothing refers to the unsharded original parameters any more: they are freed.
+        self._layout.forget_originals()
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
