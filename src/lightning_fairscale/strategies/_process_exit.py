@@ -53,7 +53,9 @@ def _close_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     holders: list[Any] = list(_strategies)
-    holders += [obj for obj in gc.get_objects() if isinstance(obj, _FAIRSCALE_HOLDERS)]
+    # ``type(obj)``, not ``isinstance``: isinstance falls back to ``obj.__class__``, which some objects answer with a
+    # deprecation warning (torch.distributed.reduce_op) printed at every exit.
+    holders += [obj for obj in gc.get_objects() if issubclass(type(obj), _FAIRSCALE_HOLDERS)]
     for obj in holders:
         _drop_process_groups(obj)
     del holders
