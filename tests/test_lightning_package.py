@@ -210,7 +210,8 @@ def test_a_checkpoint_written_through_one_package_resumes_through_the_other(
 def test_a_consolidated_checkpoint_loads_through_lightning(tmp_path: Path) -> None:
     straight = _straight(tmp_path, "lightning", "sharded")
     target = tmp_path / "full.ckpt"
-    command = ["-m", "lightning_fairscale.consolidate", str(straight["checkpoints"] / "epoch=3-step=4.ckpt"), str(target)]
+    source = straight["checkpoints"] / "epoch=3-step=4.ckpt"
+    command = ["-m", "lightning_fairscale.consolidate", str(source), str(target)]
     run_script(command, cwd=tmp_path)
     script = tmp_path / "load.py"
     script.write_text(

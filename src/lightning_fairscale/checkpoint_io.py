@@ -172,7 +172,12 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         return read_file(directory / META_FILE, weights_only=weights_only)
 
     def load_shard(
-        self, path: _PATH, rank: int, world_size: int, map_location: MapLocation = "cpu", weights_only: Optional[bool] = None
+        self,
+        path: _PATH,
+        rank: int,
+        world_size: int,
+        map_location: MapLocation = "cpu",
+        weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """``rank``'s file of the sharded checkpoint directory ``path``."""
         directory = self.recover(Path(path))

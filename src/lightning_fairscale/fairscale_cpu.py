@@ -264,8 +264,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
     On CUDA it behaves like FairScale's class, except that bf16 mixed precision really computes in bf16
-    (workaround 6) and that its reduce-scatter bucketer is freed with it (workaround 9). On CPU it uses no-op streams (after :func:`install`), a gloo-compatible reduce-scatter bucketer
-    and a device-agnostic :meth:`clip_grad_norm_`.
+    (workaround 6) and that its reduce-scatter bucketer is freed with it (workaround 9). On CPU it uses no-op streams
+    (after :func:`install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

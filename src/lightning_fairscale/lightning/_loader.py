@@ -88,7 +88,8 @@ class _RenameImports(ast.NodeTransformer):
                         f"{self.filename}:{node.lineno}: `import {alias.name}` cannot be renamed for the `lightning`"
                         " package; use `from ... import ...` or `import ... as ...`."
                     )
-                alias.asname = alias.name  # ``import pytorch_lightning`` -> ``import lightning.pytorch as pytorch_lightning``
+                # ``import pytorch_lightning`` -> ``import lightning.pytorch as pytorch_lightning``
+                alias.asname = alias.name
             alias.name = renamed
         return node
 
