@@ -18,7 +18,7 @@ import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_fairscale.fairscale_cpu import fsdp_instances
+from lightning_fairscale.resharding import copy_overlaps, local_range
 from lightning_fairscale.wrapping import clean_path
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Piece",
     "consolidate_state",
     "describe_layout",
+    "managed_positions",
     "plain_state_dict",
     "repoint_optimizer",
     "repoint_to_unwrapped",
@@ -75,6 +78,8 @@ class ParameterLayout:
     _owners: dict[tuple[int, str], int] = field(default_factory=dict)
     managed: dict[nn.Parameter, _Managed] = field(default_factory=dict)
     _original: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
+    #: The root unit the layout describes.
+    root: Optional[nn.Module] = None
 
     @classmethod
     def before_wrapping(cls, module: nn.Module) -> ParameterLayout:
@@ -86,6 +91,7 @@ class ParameterLayout:
         return layout
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
+        self.root = root
         for path, unit in root.named_modules():
             if not isinstance(unit, _FairScaleFSDP):
                 continue
@@ -242,14 +248,20 @@ def describe_layout(optimizer: Optimizer, orders: GroupOrder, root: nn.Module) -
     of the ``u``-th FSDP unit (in ``root.modules()`` order, as in FairScale's metadata), and ``orders`` lists, for
     each param group, the ``(m, piece)`` of every original parameter in the user's order.
     """
-    units = [unit for unit in root.modules() if isinstance(unit, _FairScaleFSDP)]
-    in_unit = {id(param): (u, i) for u, unit in enumerate(units) for i, param in enumerate(unit.params)}
     managed_params = [p for group in optimizer.param_groups for p in group["params"]]
     position = {id(param): m for m, param in enumerate(managed_params)}
     return {
-        "params": [in_unit[id(param)] for param in managed_params],
+        "params": managed_positions(optimizer, root),
         "orders": [[(position[id(managed)], k) for managed, k in order] for order in orders],
     }
+
+
+def managed_positions(optimizer: Optimizer, root: nn.Module) -> list[tuple[int, int]]:
+    """``(u, i)`` for each parameter ``optimizer`` holds, in its order: the ``i``-th parameter of the ``u``-th FSDP
+    unit of ``root`` (``root.modules()`` order). The same for the same model, wrapping and optimizer on any number of
+    processes, so that a sharded checkpoint's optimizer state can be matched to this run's."""
+    in_unit = {id(param): (u, i) for u, unit in enumerate(fsdp_instances(root)) for i, param in enumerate(unit.params)}
+    return [in_unit[id(param)] for group in optimizer.param_groups for param in group["params"]]
 
 
 def plain_state_dict(
@@ -342,19 +354,20 @@ def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLay
 
 
 def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """This rank's shard of a managed parameter's state, from the plain state of the pieces it holds: only the
+    slices this rank owns are read (see :mod:`lightning_fairscale.resharding`)."""
     present = [s for s in states if s]
     if len(present) != len(states):
         missing = [p.name for p, s in zip(info.pieces, states) if not s]
         raise ValueError(f"The checkpoint's optimizer state has no entry for {missing}, but has for their FSDP unit.")
     merged: dict[str, Any] = {}
+    start, _, _ = local_range(managed, info.unit)
     for key, value in present[0].items():
         if isinstance(value, Tensor) and value.shape == info.pieces[0].shape and value.dim() > 0:
-            flat = torch.cat([s[key].reshape(-1) for s in present])
-            if flat.numel() != info.numel:
+            if [s[key].numel() for s in present] != [p.numel for p in info.pieces]:
                 raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
-            if managed._is_sharded:  # type: ignore[attr-defined]
-                flat, _ = info.unit._get_shard(flat)
-            merged[key] = flat.view(managed.shape).clone()
+            segments = [(piece.offset, s[key].reshape(-1)) for piece, s in zip(info.pieces, present)]
+            merged[key] = copy_overlaps(value.new_empty(managed.numel()), start, segments).view(managed.shape)
         else:
             merged[key] = copy.deepcopy(value)
     return merged

@@ -154,6 +154,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-ckpt", default=None)
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--eval-after", action="store_true")
+    p.add_argument("--save-ckpt-after-eval", default=None, help="trainer.save_checkpoint after the --eval-after stages")
     p.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint saving every epoch into this folder")
     p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
     p.add_argument("--save-last", action="store_true", help="the ModelCheckpoint overwrites last.ckpt")
@@ -249,7 +250,6 @@ def main() -> None:
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     result: dict[str, Any] = {
-        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "units": recorder.units,
         "summary": getattr(recorder, "summary", ""),
         "memory": getattr(recorder, "memory", {}),
@@ -268,6 +268,12 @@ def main() -> None:
         result["test"] = trainer.test(model, verbose=False)
         predictions = trainer.predict(model)
         result["predict"] = torch.cat(predictions) if predictions else None
+        if args.save_ckpt_after_eval:
+            trainer.save_checkpoint(args.save_ckpt_after_eval)
+    # The module stays sharded after `fit`; the full one is an explicit call (rank 0 gets it).
+    if hasattr(trainer.strategy, "unshard_module"):
+        trainer.strategy.unshard_module()
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if trainer.global_rank == 0:
         torch.save(result, args.out)
 
