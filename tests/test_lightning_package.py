@@ -21,6 +21,7 @@ from scenarios.common import max_difference, reference_training
 import lightning_fairscale
 import lightning_fairscale.lightning as for_lightning
 from conftest import TESTS, TRAIN_SCRIPT, run_script
+from lightning_fairscale.fsdp_options import FullyShardedOptions
 from lightning_fairscale.lightning import _loader
 
 Train = Callable[..., dict[str, Any]]
@@ -71,10 +72,11 @@ def test_each_trainer_takes_its_own_classes_in_one_process(package: str) -> None
 def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     top, mirror = lightning_fairscale.strategies.fully_sharded, for_lightning.strategies.fully_sharded
     assert top is not mirror and top.__file__ == mirror.__file__  # one source file, compiled twice
-    assert mirror.DDPFullyShardedStrategy.__mro__[1] is L.strategies.DDPStrategy
-    assert top.DDPFullyShardedStrategy.__mro__[1] is pl.strategies.DDPStrategy
+    # The options (shared) come first, then each package's Lightning base class.
+    assert mirror.DDPFullyShardedStrategy.__mro__[1:3] == (FullyShardedOptions, L.strategies.DDPStrategy)
+    assert top.DDPFullyShardedStrategy.__mro__[1:3] == (FullyShardedOptions, pl.strategies.DDPStrategy)
     # Modules without Lightning classes are the same module objects in both.
-    assert mirror.fairscale_cpu is top.fairscale_cpu
+    assert mirror.fsdp_engine is top.fsdp_engine
     assert mirror.FullyShardedDataParallel is top.FullyShardedDataParallel
     assert for_lightning.checkpoint_io.CheckpointFileError is lightning_fairscale.checkpoint_io.CheckpointFileError
 

@@ -80,6 +80,10 @@ class ParameterLayout:
     _original: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
     #: The root unit the layout describes.
     root: Optional[nn.Module] = None
+    #: Position of each parameter in ``module.parameters()`` before wrapping, by id (until :meth:`after_wrapping`).
+    _positions: dict[int, int] = field(default_factory=dict)
+    #: ``(id(managed), piece)`` -> where the unwrapped module lists that original parameter (:meth:`in_module_order`).
+    _module_order: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def before_wrapping(cls, module: nn.Module) -> ParameterLayout:
@@ -88,6 +92,7 @@ class ParameterLayout:
             for name, param in owner._parameters.items():
                 if param is not None and not hasattr(param, "_is_sharded"):
                     layout._owners[(id(owner), name)] = id(param)
+        layout._positions = {id(param): i for i, param in enumerate(module.parameters())}
         return layout
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
@@ -107,14 +112,34 @@ class ParameterLayout:
                     original = self._owners.get((id(owner), name))
                     if original is not None:
                         self._original[original] = (managed, len(pieces) - 1)
+                    self._note_position(managed, len(pieces) - 1, original)
                     offset += numel
                 self.managed[managed] = _Managed(unit, pieces)
             for managed, names in zip(unit.params[flat_count:], unit._param_name_groups[flat_count:]):
                 shape = torch.Size(managed._orig_size)
                 self.managed[managed] = _Managed(unit, [Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape)])
                 self._original[id(managed)] = (managed, 0)
+                self._note_position(managed, 0, id(managed))
         self._owners.clear()
+        self._positions.clear()
         return self
+
+    def _note_position(self, managed: nn.Parameter, piece: int, original: Optional[int]) -> None:
+        if original in self._positions:  # wrapped now: where the module listed the original parameter
+            self._module_order[(id(managed), piece)] = (self._positions[original], 0)  # type: ignore[index]
+        elif id(managed) in self._positions:  # wrapped before (manual wrap): where the module listed the unit's
+            self._module_order[(id(managed), piece)] = (self._positions[id(managed)], piece)
+
+    def in_module_order(self, order: list[tuple[nn.Parameter, int]]) -> list[tuple[nn.Parameter, int]]:
+        """``order`` (one param group's pieces) sorted as ``module.parameters()`` listed them before wrapping.
+
+        For an optimizer created over the FSDP-managed parameters, which have no order of the original parameters of
+        their own: with this order its state dict is that of a plain optimizer over ``module.parameters()``, as one
+        created before wrapping would have. Pieces of unknown position (layouts not built with
+        :meth:`before_wrapping`) keep their place relative to each other, after the known ones.
+        """
+        unknown = (len(self._module_order), 0)
+        return sorted(order, key=lambda located: self._module_order.get((id(located[0]), located[1]), unknown))
 
     def forget_originals(self) -> None:
         """Stop answering for the original parameters (freed once no optimizer holds them, so their ids may be

@@ -9,9 +9,15 @@ from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.fairscale_cpu import ShardedGradScaler, clip_grad_norm_
+from lightning_fairscale.fairscale_cpu import clip_grad_norm_
+from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, sharded_grad_scaler, unsupported
 
-__all__ = ["FullyShardedMixedPrecisionPlugin", "FullyShardedPrecisionPlugin", "fully_sharded_precision_plugin"]
+__all__ = [
+    "SUPPORTED_PRECISION",
+    "FullyShardedMixedPrecisionPlugin",
+    "FullyShardedPrecisionPlugin",
+    "fully_sharded_precision_plugin",
+]
 
 
 class _GlobalNormClipping:
@@ -51,24 +57,15 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
         self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
     ) -> None:
         if scaler is None and precision == "16-mixed":
-            scaler = _sharded_grad_scaler(device)
+            scaler = sharded_grad_scaler(device)
         super().__init__(precision=precision, device=device, scaler=scaler)
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype FSDP gathers full parameters in for computation."""
-        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-
-
-def _sharded_grad_scaler(device: str) -> Any:
-    if device == "cuda":
-        from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
-
-        return FairScaleShardedGradScaler()
-    return ShardedGradScaler(device=device)
-
-
-SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed")
+        dtype = compute_dtype(self.precision)
+        assert dtype is not None
+        return dtype
 
 
 def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
@@ -83,8 +80,4 @@ def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
         return FullyShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return FullyShardedMixedPrecisionPlugin(plugin.precision, plugin.device, scaler=None)  # type: ignore[arg-type]
-    raise ValueError(
-        f"`DDPFullyShardedStrategy` does not support precision={getattr(plugin, 'precision', type(plugin).__name__)!r}."
-        f" Use one of {', '.join(repr(p) for p in SUPPORTED_PRECISION)}: FairScale FSDP keeps FP32 parameter shards"
-        " and computes in fp16 or bf16 under mixed precision."
-    )
+    raise unsupported("DDPFullyShardedStrategy", plugin, "`Trainer(precision=...)`")

@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 from fairscale.optim import OSS
-from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_fairscale.fairscale_cpu import ShardedGradScaler as _CpuShardedGradScaler
+from lightning_fairscale.mixed_precision import (
+    SUPPORTED_PRECISION,
+    is_sharded_grad_scaler,
+    sharded_grad_scaler,
+    unsupported,
+)
 
-__all__ = ["ShardedMixedPrecisionPlugin", "ShardedPrecisionPlugin", "sharded_precision_plugin"]
-
-#: The ``Trainer(precision=...)`` values ``DDPShardedStrategy`` supports.
-SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed")
+__all__ = ["SUPPORTED_PRECISION", "ShardedMixedPrecisionPlugin", "ShardedPrecisionPlugin", "sharded_precision_plugin"]
 
 
 class _OSSNormClipping:
@@ -68,8 +69,8 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
         self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
     ) -> None:
         if scaler is None and precision == "16-mixed":
-            scaler = _FairScaleShardedGradScaler() if device == "cuda" else _CpuShardedGradScaler(device=device)
-        if scaler is not None and not isinstance(scaler, (_FairScaleShardedGradScaler, _CpuShardedGradScaler)):
+            scaler = sharded_grad_scaler(device)
+        if scaler is not None and not is_sharded_grad_scaler(scaler):
             raise TypeError(
                 f"`ShardedMixedPrecisionPlugin` needs a sharded grad scaler, got {type(scaler).__name__}: with sharded"
                 " gradients a plain `GradScaler` finds infs on some ranks only and the ranks' models drift apart."
@@ -97,9 +98,6 @@ def sharded_precision_plugin(plugin: Precision) -> Precision:
         return ShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return ShardedMixedPrecisionPlugin(plugin.precision, plugin.device)  # type: ignore[arg-type]
-    precision = getattr(plugin, "precision", type(plugin).__name__)
-    raise ValueError(
-        f"`DDPShardedStrategy` does not support precision={precision!r}. Use one of"
-        f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} (`Trainer(precision=...)`), or pass a"
-        " `ShardedPrecisionPlugin`/`ShardedMixedPrecisionPlugin` in `plugins`."
+    raise unsupported(
+        "DDPShardedStrategy", plugin, "`Trainer(precision=...)`, or a `ShardedMixedPrecisionPlugin` in `plugins`"
     )

@@ -9,12 +9,17 @@ from typing import Any
 def optimizer_states(checkpoint: Mapping[str, Any], optimizers: Sequence[Any]) -> list[dict[str, Any]]:
     """The checkpoint's optimizer states, one per optimizer; a ``ValueError`` that says what to do otherwise."""
     states = checkpoint["optimizer_states"]
-    if len(states) != len(optimizers):
-        raise ValueError(
-            f"The checkpoint holds {len(states)} optimizer states but `configure_optimizers` returned"
-            f" {len(optimizers)} optimizers. Resume with the optimizers the checkpoint was saved with."
-        )
+    check_optimizer_count(len(states), len(optimizers))
     return states
+
+
+def check_optimizer_count(saved: int, optimizers: int) -> None:
+    """A ``ValueError`` that says what to do when a checkpoint holds another number of optimizer states."""
+    if saved != optimizers:
+        raise ValueError(
+            f"The checkpoint holds {saved} optimizer states but `configure_optimizers` returned"
+            f" {optimizers} optimizers. Resume with the optimizers the checkpoint was saved with."
+        )
 
 
 def check_state_dict_fits(saved: Mapping[str, Any], expected: Mapping[str, Any], strict: bool) -> None:

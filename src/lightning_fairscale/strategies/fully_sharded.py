@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
-from collections.abc import Generator, Iterable, Mapping
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed.fsdp.wrap as torch_wrap
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
-from fairscale.nn.wrap import enable_wrap
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.strategies import _StrategyRegistry
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.core.optimizer import LightningOptimizer
@@ -30,67 +22,25 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale import fairscale_cpu
+from lightning_fairscale import fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.precision.fully_sharded import (
-    FullyShardedMixedPrecisionPlugin,
-    FullyShardedPrecisionPlugin,
-    fully_sharded_precision_plugin,
-)
-from lightning_fairscale.optim import (
-    GroupOrder,
-    ParameterLayout,
-    consolidate_state,
-    managed_positions,
-    repoint_optimizer,
-    shard_state,
-)
-from lightning_fairscale.resharding import SavedShards, load_full_state_dict
-from lightning_fairscale.strategies._checkpoint import check_state_dict_fits, optimizer_states
+from lightning_fairscale.fsdp_options import FullyShardedOptions
+from lightning_fairscale.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
+from lightning_fairscale.strategies._checkpoint import check_optimizer_count, optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
-from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
-from lightning_fairscale.sharded_checkpoint import (
-    FORMAT_KEY,
-    check_fits,
-    check_wrapping,
-    split_checkpoint,
-)
-from lightning_fairscale.summary import memory_figures, unit_summary
+from lightning_fairscale.summary import memory_figures
 from lightning_fairscale.wrapping import (
-    AutoWrapPolicy,
-    add_aliases,
-    apply_activation_checkpointing,
-    apply_aliases,
-    auto_wrap_policy,
-    clean_path,
     forget_root,
-    module_aliases,
-    remember_root,
     remove_activation_checkpointing,
     root_parameters_visible,
     unwrap_module,
-    validate_auto_wrap_policy,
-    validate_layer_classes,
-    wrap_module,
     wrapped_root,
 )
 
-log = logging.getLogger(__name__)
 
-#: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
-_MANAGED_FSDP_ARGUMENTS = {
-    "module": "the strategy wraps the LightningModule itself",
-    "process_group": "the strategy uses the Trainer's process group",
-    "compute_device": "the Trainer's `accelerator`/`devices` choose it",
-    "mixed_precision": "the Trainer's `precision` flag sets it",
-    "move_params_to_cpu": "use `cpu_offload`",
-    "state_dict_device": "use `state_dict_to_cpu`",
-}
-_FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {"self"}
-
-
-class DDPFullyShardedStrategy(DDPStrategy):
+class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
@@ -139,77 +89,19 @@ class DDPFullyShardedStrategy(DDPStrategy):
     """
 
     strategy_name = "fsdp_fairscale"
+    _precision_name = "precision_plugin"
+    _checkpoint_io_class = ShardedCheckpointIO
 
-    def __init__(
-        self,
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        cpu_offload: bool = False,
-        flatten_parameters: bool = True,
-        reshard_after_forward: bool = True,
-        move_grads_to_cpu: Optional[bool] = None,
-        fp32_reduce_scatter: Optional[bool] = None,
-        compute_dtype: Optional[torch.dtype] = None,
-        bucket_cap_mb: int = 25,
-        min_num_params: int = int(1e8),
-        state_dict_to_cpu: bool = True,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        auto_wrap_policy: Optional[AutoWrapPolicy] = None,
-        exclude_wrap_modules: Optional[Iterable[type[Module]]] = None,
-        force_leaf_modules: Optional[Iterable[type[Module]]] = None,
-        activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
-        activation_checkpointing_offload: bool = False,
-        state_dict_type: Literal["full", "sharded"] = "full",
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **kwargs: Any,
-    ) -> None:
-        _validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
-        self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
-        self.activation_checkpointing_offload = activation_checkpointing_offload
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(
-                f'`state_dict_type` must be "full" (one file, loadable anywhere) or "sharded" (one file per rank),'
-                f" got {state_dict_type!r}."
-            )
-        self.state_dict_type = state_dict_type
-        if cpu_offload and move_grads_to_cpu is False:
-            raise ValueError(
-                "`cpu_offload=True` keeps the parameter shards in CPU memory, where the optimizer updates them, so"
-                " their gradients must be moved there too: leave `move_grads_to_cpu` unset (it follows `cpu_offload`)"
-                " or set it to True."
-            )
-        self.exclude_wrap_modules = _optional_classes(exclude_wrap_modules, "exclude_wrap_modules")
-        self.force_leaf_modules = _optional_classes(force_leaf_modules, "force_leaf_modules")
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        self.cpu_offload = cpu_offload
-        self.move_grads_to_cpu = move_grads_to_cpu
-        self.flatten_parameters = flatten_parameters
-        self.reshard_after_forward = reshard_after_forward
-        self.fp32_reduce_scatter = fp32_reduce_scatter
-        self.compute_dtype = compute_dtype
-        self.bucket_cap_mb = bucket_cap_mb
-        self.min_num_params = int(min_num_params)
-        self.state_dict_to_cpu = state_dict_to_cpu
-        self.auto_wrap_policy = auto_wrap_policy
-        self._fsdp_kwargs = kwargs
+    @override
+    def _init_adapter(self) -> None:
+        #: Where the original parameters went, while the module is wrapped.
         self._layout: Optional[ParameterLayout] = None
-        self._group_orders: list[GroupOrder] = []
+        #: For each optimizer, the order of its state in checkpoints (see `fsdp_engine.repoint`).
+        self._group_orders: Sequence[GroupOrder] = []
+        #: Whether the stage failed (teardown must then start no collective).
         self._failed = False
-        self._checkpointed: list[Module] = []
-        self._process_groups: tuple[Any, ...] = ()
+        #: The layers that recompute their activations.
+        self._checkpointed: Sequence[Module] = []
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration
@@ -225,120 +117,18 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = None if plugin is None else fully_sharded_precision_plugin(plugin)
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = ShardedCheckpointIO()
-        return super().checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
-
-    def _sharded_io(self) -> ShardedCheckpointIO:
-        io = self.checkpoint_io
-        if not isinstance(io, ShardedCheckpointIO):
-            raise TypeError(
-                f'`DDPFullyShardedStrategy(state_dict_type="sharded")` writes its checkpoint directories with'
-                f" `lightning_fairscale.ShardedCheckpointIO`, but the Trainer was given {type(io).__name__}. Remove"
-                " the CheckpointIO plugin, pass a `ShardedCheckpointIO` (or a subclass), or use"
-                ' `state_dict_type="full"`.'
-            )
-        return io
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether the precision plugin asks FairScale for mixed precision."""
-        return self.precision_plugin.precision in ("16-mixed", "bf16-mixed")
-
-    def fsdp_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments every FSDP unit of this strategy is built with."""
-        device = self.root_device
-        offload = self.cpu_offload and device.type == "cuda"
-        kwargs: dict[str, Any] = {
-            # Groups made with the strategy's `timeout`: FairScale's own (when given none) wait 30 minutes.
-            "process_group": self._process_groups[0] if self._process_groups else None,
-            "compute_device": device,
-            "reshard_after_forward": self.reshard_after_forward,
-            "flatten_parameters": self.flatten_parameters,
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "mixed_precision": self.mixed_precision,
-            "fp32_reduce_scatter": bool(self.fp32_reduce_scatter) and self.mixed_precision,
-            "cpu_offload": offload,
-            "move_grads_to_cpu": (self.move_grads_to_cpu if device.type == "cuda" else False),
-            "state_dict_device": torch.device("cpu") if self.state_dict_to_cpu else device,
-            "state_dict_on_rank_0_only": True,
-        }
-        plugin = self.precision_plugin
-        if self.compute_dtype is not None:
-            kwargs["compute_dtype"] = self.compute_dtype
-        elif isinstance(plugin, FullyShardedMixedPrecisionPlugin):
-            kwargs["compute_dtype"] = plugin.compute_dtype
-        if self._process_groups:
-            kwargs["process_group_reduce_scatter"] = self._process_groups[1]
-        kwargs.update(self._fsdp_kwargs)
-        return kwargs
-
-    def _auto_wrap_policy(self, own_units: Iterable[Module] = (), root: Optional[Module] = None) -> Any:
-        return auto_wrap_policy(
-            self.auto_wrap_policy,
-            self.min_num_params,
-            own_units=own_units,
-            root=root,
-            exclude_wrap_modules=self.exclude_wrap_modules,
-            force_leaf_modules=self.force_leaf_modules,
-        )
-
-    def _check_compute_dtype(self) -> None:
-        if self.compute_dtype in (None, torch.float32) or self.mixed_precision:
-            return
-        flag = "16-mixed" if self.compute_dtype is torch.float16 else "bf16-mixed"
-        raise ValueError(
-            f"`DDPFullyShardedStrategy(compute_dtype={self.compute_dtype})` needs mixed precision, but the Trainer's"
-            f" precision is {self.precision_plugin.precision!r}. Pass `Trainer(precision={flag!r})` (FSDP then keeps"
-            " FP32 master shards and computes in the lower precision), or leave `compute_dtype` unset."
-        )
-
-    def _warn_about_cpu_only_settings(self) -> None:
-        if self.root_device.type == "cuda":
-            return
-        for name in ("cpu_offload", "move_grads_to_cpu"):
-            if getattr(self, name):
-                rank_zero_warn(
-                    f"`DDPFullyShardedStrategy({name}=True)` has no effect when training on the CPU: parameters and"
-                    " gradients are in CPU memory already. It is ignored."
-                )
-
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        close_process_group_at_exit(self)
-        if self.root_device.type == "cpu":
-            fairscale_cpu.install()
-        # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
-        # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
-        self._process_groups = tuple(torch.distributed.new_group(timeout=self._timeout) for _ in range(2))
-        self._warn_about_cpu_only_settings()
-        self._check_compute_dtype()
-        if self.state_dict_type == "sharded":
-            self._sharded_io()  # fail before training, not at the first save
+        fsdp_engine.setup_environment(self, self.root_device, self._timeout)
 
-    @contextlib.contextmanager
     @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
+    def model_sharded_context(self) -> AbstractContextManager:
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
-        kwargs = self.fsdp_kwargs()
-        policy = self._auto_wrap_policy()
-        with (
-            enable_wrap(wrapper_cls=FullyShardedDataParallel, auto_wrap_policy=policy, **kwargs),
-            torch_wrap.enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs),
-        ):
-            yield
+        return fsdp_engine.wrapping_context(self)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -366,14 +156,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
             # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
             self.setup_optimizers(trainer)
         self.model_to_device()
-        module = self.model
-        self._layout = ParameterLayout.before_wrapping(module)
-        self.model = self._setup_model(module)
-        self._layout.after_wrapping(self.model)
-        remember_root(module, self.model)
-        if self.is_global_zero:
-            log.info("%s: %s", type(self).__name__, unit_summary(self.model))
-        self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers] if fitting else []
+        wrapped = fsdp_engine.wrap_model(self, self.model, describe=self.is_global_zero)
+        self.model, self._layout, self._checkpointed = wrapped.root, wrapped.layout, wrapped.checkpointed
+        optimizers = [_unwrap(opt) for opt in self.optimizers] if fitting else []
+        self._group_orders = [fsdp_engine.repoint(optimizer, self._layout) for optimizer in optimizers]
         # From here on nothing refers to the unsharded original parameters any more: they are freed.
         self._layout.forget_originals()
 
@@ -387,15 +173,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
             with root_parameters_visible(root):
                 self.setup_optimizers(trainer)
             self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
-
-    @override
-    def _setup_model(self, model: Module) -> Module:
-        self._checkpointed = apply_activation_checkpointing(
-            model, self.activation_checkpointing, self.activation_checkpointing_offload
-        )
-        policy = self._auto_wrap_policy(own_units=self._checkpointed, root=model)
-        with self.model_sharded_context():
-            return wrap_module(model, policy, **self.fsdp_kwargs())
 
     @override
     def model_to_device(self) -> None:
@@ -436,10 +213,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.model is not None
         if not isinstance(self.model, _FairScaleFSDP):
             return super().lightning_module_state_dict()
-        if self._saves_sharded():
-            return self.model.local_state_dict()
-        state_dict = self.model.state_dict()  # a collective call: every rank gathers, rank 0 keeps
-        return add_aliases(state_dict, self.model) if self.is_global_zero else state_dict
+        return fsdp_engine.module_state_dict(self.model, self._saves_sharded(), self.is_global_zero)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
@@ -448,10 +222,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if self._layout is None:  # not wrapped (after a stage): a plain optimizer over the unwrapped module
             return super().optimizer_state(optimizer)
         optimizer = _unwrap(optimizer)
-        if self._saves_sharded():
-            return optimizer.state_dict()
         index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
-        return consolidate_state(optimizer, self._layout, self._group_orders[index])
+        return fsdp_engine.optimizer_state(optimizer, self._layout, self._group_orders[index], self._saves_sharded())
 
     @override
     def save_checkpoint(
@@ -466,36 +238,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
                     " written as a full checkpoint file.",
                 )
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        io = self._sharded_io()
         optimizers = [_unwrap(opt) for opt in self.optimizers]
-        meta, shard = split_checkpoint(checkpoint, self.model, optimizers, self._group_orders, self.world_size)
-        # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
-        # previous checkpoint untouched, instead of leaving the others waiting for it.
-        self._together(lambda: io.begin_sharded(filepath) if self.is_global_zero else None, filepath, "prepare")
-        self._together(lambda: io.save_shard(shard, filepath, self.global_rank, self.world_size), filepath, "write")
-        self._together(
-            lambda: io.commit_sharded(meta, filepath, self.world_size) if self.is_global_zero else None,
-            filepath,
-            "complete",
+        fsdp_engine.save_sharded(
+            self, self._sharded_io(), checkpoint, filepath, self._wrapped(), optimizers, self._group_orders
         )
         return None
 
-    def _together(self, action: Callable[[], Any], filepath: _PATH, step: str) -> None:
-        error: Optional[BaseException] = None
-        try:
-            action()
-        except Exception as exception:  # reported to every rank below, then re-raised here
-            error = exception
-        if self.reduce_boolean_decision(error is None, all=True):
-            return
-        if self.is_global_zero:
-            self._sharded_io().abort_sharded(filepath)
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            f"Another process failed to {step} the sharded checkpoint {filepath} (its error is in its log). The"
-            " previous checkpoint of that name, if any, is unchanged."
-        )
+    def _wrapped(self) -> fsdp_engine.WrappedModel:
+        assert isinstance(self.model, FullyShardedDataParallel) and self._layout is not None
+        return fsdp_engine.WrappedModel(self.model, self._layout, list(self._checkpointed))
 
     @property
     @override
@@ -513,45 +264,27 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """
         if not self._is_wrapped():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        optimizers = [_unwrap(opt) for opt in self.optimizers] if self._restores_optimizers() else []
         io = self.checkpoint_io
-        if isinstance(io, ShardedCheckpointIO) and io.is_sharded(io.recover(Path(str(checkpoint_path)))):
-            return self._load_sharded(io, checkpoint_path, weights_only)
+        if fsdp_engine.is_sharded_checkpoint(io, checkpoint_path):
+
+            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
+                if optimizers:
+                    check_optimizer_count(saved, len(optimizers))
+                return list(enumerate(optimizers))
+
+            return fsdp_engine.load_sharded(self, io, checkpoint_path, self._wrapped(), restored, weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._load_full(checkpoint)
-        return checkpoint
-
-    def _load_full(self, checkpoint: dict[str, Any]) -> None:
-        assert self.model is not None and self._layout is not None and self.lightning_module is not None
-        state_dict = checkpoint.pop("state_dict")
-        check_state_dict_fits(state_dict, self._expected_shapes(), self.lightning_module.strict_loading)
-        layout = self._layout
-        load_full_state_dict(self.model, lambda p: layout.managed[p].pieces, state_dict, _buffer_name)
-        if self._restores_optimizers():
-            states = optimizer_states(checkpoint, self.optimizers)
-            for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
-                optimizer = _unwrap(optimizer)
-                optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
+        assert self.lightning_module is not None and self._layout is not None
+        states = optimizer_states(checkpoint, optimizers) if optimizers else []
+        fsdp_engine.load_full(
+            self._wrapped(),
+            checkpoint.pop("state_dict"),
+            self.lightning_module.strict_loading,
+            list(zip(optimizers, self._group_orders, states)),
+        )
         checkpoint.pop("optimizer_states", None)
-
-    def _load_sharded(self, io: ShardedCheckpointIO, path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
-        meta = io.load_meta(path, weights_only=weights_only)
-        saved_world_size = check_fits(meta, path)
-        shards = SavedShards(lambda r: io.load_shard(path, r, saved_world_size, weights_only=weights_only), saved_world_size)
-
-        def read() -> None:
-            assert self.model is not None
-            check_wrapping(shards.file(0), self.model, path)
-            shards.load_into(self.model)
-            if self._restores_optimizers():
-                optimizer_states({"optimizer_states": shards.file(0).get("optimizer_states", [])}, self.optimizers)
-                for index, optimizer in enumerate(self.optimizers):
-                    optimizer = _unwrap(optimizer)
-                    positions = managed_positions(optimizer, self.model)
-                    optimizer.load_state_dict(shards.optimizer_state(index, positions, self.model))
-
-        self._together(read, path, "read")
-        meta.pop(FORMAT_KEY)
-        return meta
+        return checkpoint
 
     def _restores_optimizers(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -561,13 +294,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._is_wrapped():  # `load_checkpoint` has loaded the sharded model
             super().load_model_state_dict(checkpoint, strict=strict)
-
-    def _expected_shapes(self) -> dict[str, Any]:
-        """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
-        assert self.model is not None and self._layout is not None
-        shapes: dict[str, Any] = {p.name: p.shape for m in self._layout.managed.values() for p in m.pieces}
-        shapes.update((_buffer_name(name), b.shape) for name, b in self.model.named_buffers())
-        return apply_aliases(shapes, module_aliases(self.model))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -636,44 +362,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def _is_wrapped(self) -> bool:
         return isinstance(self.model, _FairScaleFSDP)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name in ("fsdp_fairscale", "ddp_fully_sharded"):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description="FairScale's Fully Sharded Data Parallel")
-
-
-def _buffer_name(name: str) -> str:
-    """The unwrapped module's name of a buffer of the wrapped model."""
-    return clean_path(name + ".").rstrip(".")
-
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _optional_classes(value: Any, argument: str) -> Optional[tuple[type[Module], ...]]:
-    return None if value is None else validate_layer_classes(value, argument)
-
-
-def _validate_arguments(
-    min_num_params: Any, bucket_cap_mb: Any, compute_dtype: Any, policy: Any, kwargs: dict[str, Any]
-) -> None:
-    if isinstance(min_num_params, bool) or not isinstance(min_num_params, (int, float)) or min_num_params < 0:
-        raise ValueError(f"`min_num_params` must be a number >= 0, got {min_num_params!r}.")
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-        raise ValueError(f"`bucket_cap_mb` must be a number of megabytes (<= 0 disables bucketing), got {bucket_cap_mb!r}.")
-    if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"`compute_dtype` must be torch.float32, torch.float16 or torch.bfloat16, got {compute_dtype!r}."
-        )
-    validate_auto_wrap_policy(policy)
-    for name in kwargs:
-        if name in _MANAGED_FSDP_ARGUMENTS:
-            raise TypeError(f"`DDPFullyShardedStrategy` does not take `{name}`: {_MANAGED_FSDP_ARGUMENTS[name]}.")
-        if name not in _FSDP_ARGUMENTS:
-            raise TypeError(
-                f"`DDPFullyShardedStrategy` got an unexpected argument `{name}`. Extra keyword arguments go to"
-                f" FairScale's FullyShardedDataParallel, which takes: {', '.join(sorted(_FSDP_ARGUMENTS - set(_MANAGED_FSDP_ARGUMENTS)))}."
-            )

@@ -1,0 +1,282 @@
+"""What ``DDPFullyShardedStrategy`` does, for the Trainer's strategy and for Fabric's: one engine, two adapters.
+
+The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and Fabric's
+(:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
+
+* :func:`setup_environment` once the process group exists: FairScale's CPU workarounds, FSDP's two process groups,
+  their clean-up at exit, and the checks of the options against the device and the precision;
+* :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing, and the
+  :class:`~lightning_fairscale.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
+* :func:`module_state_dict`, :func:`optimizer_state`, :func:`save_sharded`: the two checkpoint formats;
+* :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing.
+
+Nothing here imports Lightning; the strategies pass what they know (options, ranks, the CheckpointIO plugin).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.distributed.fsdp.wrap as torch_wrap
+from fairscale.nn.wrap import enable_wrap
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp_options import FullyShardedOptions
+from lightning_fairscale.optim import (
+    GroupOrder,
+    ParameterLayout,
+    consolidate_state,
+    managed_positions,
+    repoint_optimizer,
+    shard_state,
+)
+from lightning_fairscale.resharding import SavedShards, load_full_state_dict
+from lightning_fairscale.sharded_checkpoint import FORMAT_KEY, check_fits, check_wrapping, split_checkpoint
+from lightning_fairscale.strategies._checkpoint import check_state_dict_fits
+from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
+from lightning_fairscale.summary import unit_summary
+from lightning_fairscale.wrapping import (
+    add_aliases,
+    apply_activation_checkpointing,
+    apply_aliases,
+    clean_path,
+    module_aliases,
+    remember_root,
+    wrap_module,
+)
+
+__all__ = [
+    "Ranks",
+    "WrappedModel",
+    "buffer_name",
+    "is_sharded_checkpoint",
+    "load_full",
+    "load_sharded",
+    "module_state_dict",
+    "optimizer_state",
+    "repoint",
+    "save_sharded",
+    "setup_environment",
+    "together",
+    "wrap_model",
+    "wrapping_context",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Ranks(Protocol):
+    """What the engine needs to know of the strategy's processes (both Lightning strategies have it)."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+
+
+@dataclass
+class WrappedModel:
+    """A model wrapped by :func:`wrap_model`: its root unit, where its original parameters went, and the layers that
+    recompute their activations (to undo it when unwrapping)."""
+
+    root: FullyShardedDataParallel
+    layout: ParameterLayout
+    checkpointed: list[Module] = field(default_factory=list)
+
+
+def setup_environment(strategy: FullyShardedOptions, device: torch.device, timeout: Any) -> None:
+    """Everything FSDP needs once the default process group exists; every rank calls it, together."""
+    close_process_group_at_exit(strategy)
+    if device.type == "cpu":
+        fairscale_cpu.install()
+    # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
+    # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
+    strategy._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
+    strategy._check_settings(device)
+    if strategy.state_dict_type == "sharded":
+        strategy._sharded_io()  # fail before training, not at the first save
+
+
+@contextlib.contextmanager
+def wrapping_context(options: FullyShardedOptions) -> Generator[None, None, None]:
+    """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
+    kwargs = options.fsdp_kwargs()
+    policy = options._auto_wrap_policy()
+    with (
+        enable_wrap(wrapper_cls=FullyShardedDataParallel, auto_wrap_policy=policy, **kwargs),
+        torch_wrap.enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs),
+    ):
+        yield
+
+
+def wrap_model(options: FullyShardedOptions, module: Module, describe: bool) -> WrappedModel:
+    """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit).
+
+    The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
+    ``layout.forget_originals()``. With ``describe``, the units are logged (rank 0).
+    """
+    layout = ParameterLayout.before_wrapping(module)
+    checkpointed = apply_activation_checkpointing(
+        module, options.activation_checkpointing, options.activation_checkpointing_offload
+    )
+    policy = options._auto_wrap_policy(own_units=checkpointed, root=module)
+    with wrapping_context(options):
+        root = wrap_module(module, policy, **options.fsdp_kwargs())
+    layout.after_wrapping(root)
+    remember_root(module, root)
+    if describe:
+        log.info("%s: %s", type(options).__name__, unit_summary(root))
+    return WrappedModel(root, layout, checkpointed)
+
+
+def repoint(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:
+    """Make ``optimizer`` hold the FSDP-managed parameters; returns the order of its state in checkpoints.
+
+    An optimizer made over the original parameters keeps the order the user listed them in. One made over the
+    managed parameters (after wrapping) has no such order: its state is saved in the order of the unwrapped module's
+    ``parameters()``, as a plain optimizer over them would save it, so that either one loads the other's checkpoint.
+    """
+    over_managed = all(param in layout.managed for group in optimizer.param_groups for param in group["params"])
+    orders = repoint_optimizer(optimizer, layout)
+    return [layout.in_module_order(order) for order in orders] if over_managed else orders
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State dicts and checkpoints
+
+
+def module_state_dict(root: FullyShardedDataParallel, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
+    """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
+    ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
+    if sharded:
+        return root.local_state_dict()
+    state_dict = root.state_dict()  # every rank gathers, rank 0 keeps
+    return add_aliases(state_dict, root) if is_global_zero else state_dict
+
+
+def optimizer_state(optimizer: Optimizer, layout: ParameterLayout, order: GroupOrder, sharded: bool) -> dict:
+    """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks); with
+    ``sharded``, this rank's state over its shards. A collective call."""
+    return optimizer.state_dict() if sharded else consolidate_state(optimizer, layout, order)
+
+
+def is_sharded_checkpoint(io: Any, path: Any) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (one that a crash left half-replaced included)."""
+    return hasattr(io, "is_sharded") and io.is_sharded(io.recover(Path(str(path))))
+
+
+def together(ranks: Ranks, io: Any, action: Callable[[], Any], path: Any, step: str) -> None:
+    """Run ``action`` on every rank, then agree: if it failed anywhere, it fails everywhere, and rank 0 removes the
+    unfinished sharded checkpoint, so that no rank is left waiting for another and the previous one stays as it was."""
+    error: Optional[BaseException] = None
+    try:
+        action()
+    except Exception as exception:  # reported to every rank below, then re-raised here
+        error = exception
+    if ranks.reduce_boolean_decision(error is None, all=True):
+        return
+    if ranks.is_global_zero:
+        io.abort_sharded(path)
+    if error is not None:
+        raise error
+    raise RuntimeError(
+        f"Another process failed to {step} the sharded checkpoint {path} (its error is in its log). The"
+        " previous checkpoint of that name, if any, is unchanged."
+    )
+
+
+def save_sharded(
+    ranks: Ranks, io: Any, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
+    optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder],
+) -> None:
+    """Every rank writes its shard of ``checkpoint`` (made with :func:`module_state_dict` and
+    :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last."""
+    meta, shard = split_checkpoint(checkpoint, model.root, optimizers, orders, ranks.world_size)
+    # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
+    # previous checkpoint untouched, instead of leaving the others waiting for it.
+    zero = ranks.is_global_zero
+    together(ranks, io, lambda: io.begin_sharded(path) if zero else None, path, "prepare")
+    together(ranks, io, lambda: io.save_shard(shard, path, ranks.global_rank, ranks.world_size), path, "write")
+    together(ranks, io, lambda: io.commit_sharded(meta, path, ranks.world_size) if zero else None, path, "complete")
+
+
+def buffer_name(name: str) -> str:
+    """The unwrapped module's name of a buffer of the wrapped model."""
+    return clean_path(name + ".").rstrip(".")
+
+
+def _expected_shapes(model: WrappedModel) -> dict[str, Any]:
+    """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
+    shapes: dict[str, Any] = {p.name: p.shape for m in model.layout.managed.values() for p in m.pieces}
+    shapes.update((buffer_name(name), b.shape) for name, b in model.root.named_buffers())
+    return apply_aliases(shapes, module_aliases(model.root))
+
+
+def load_full(
+    model: WrappedModel, state_dict: dict[str, Any], strict: bool,
+    optimizers: Sequence[tuple[Optimizer, GroupOrder, dict[str, Any]]] = (),
+) -> None:
+    """Load a full state dict (the unwrapped module's keys) and plain optimizer states into this rank's shards.
+
+    Only the slices this rank owns are read, unit by unit, so a memory-mapped checkpoint is never read whole.
+
+    Args:
+        model: the wrapped model.
+        state_dict: the full state dict.
+        strict: whether missing and unexpected keys are errors (shapes that differ always are).
+        optimizers: ``(optimizer, order, plain state dict)`` for each optimizer to restore.
+    """
+    check_state_dict_fits(state_dict, _expected_shapes(model), strict)
+    layout = model.layout
+    load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
+    for optimizer, order, state in optimizers:
+        optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
+
+
+def load_sharded(
+    ranks: Ranks, io: Any, path: Any, model: WrappedModel,
+    optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]], weights_only: Optional[bool],
+) -> dict[str, Any]:
+    """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict.
+
+    Args:
+        ranks: the strategy.
+        io: the :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO`.
+        path: the checkpoint directory.
+        model: the wrapped model.
+        optimizers: given the meta dict and the number of optimizer states saved, the optimizers to restore, each
+            with the position of its state in the checkpoint; raises when they do not fit.
+        weights_only: passed to ``torch.load``.
+    """
+    meta = io.load_meta(path, weights_only=weights_only)
+    saved_world_size = check_fits(meta, path)
+    shards = SavedShards(
+        lambda r: io.load_shard(path, r, saved_world_size, weights_only=weights_only),
+        saved_world_size,
+    )
+
+    def read() -> None:
+        check_wrapping(shards.file(0), model.root, path)
+        shards.load_into(model.root)
+        for index, optimizer in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
+            positions = managed_positions(optimizer, model.root)
+            optimizer.load_state_dict(shards.optimizer_state(index, positions, model.root))
+
+    together(ranks, io, read, path, "read")
+    meta.pop(FORMAT_KEY)
+    return meta

@@ -1,0 +1,263 @@
+"""The options of ``DDPFullyShardedStrategy``, for the Trainer's strategy and for Fabric's.
+
+:class:`FullyShardedOptions` is the part of both strategies that holds what the user chose: it takes the arguments of
+Lightning 1.x's ``DDPFullyShardedStrategy`` (plus ours), checks them before anything runs, and turns them into the
+arguments every FairScale FSDP unit is built with. The Trainer's strategy
+(:class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`) and Fabric's
+(:class:`lightning_fairscale.fabric.DDPFullyShardedStrategy`) are this class plus an adapter to their Lightning base
+class each. Nothing here imports Lightning, so both Lightning packages share it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, ClassVar, Literal, Optional, Union
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+
+from lightning_fairscale.mixed_precision import compute_dtype
+from lightning_fairscale.wrapping import (
+    AutoWrapPolicy,
+    auto_wrap_policy,
+    validate_auto_wrap_policy,
+    validate_layer_classes,
+)
+
+__all__ = ["FullyShardedOptions", "validate_arguments"]
+
+#: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
+_MANAGED_FSDP_ARGUMENTS = {
+    "module": "the strategy wraps the LightningModule itself",
+    "process_group": "the strategy uses the Trainer's process group",
+    "compute_device": "the Trainer's `accelerator`/`devices` choose it",
+    "mixed_precision": "the Trainer's `precision` flag sets it",
+    "move_params_to_cpu": "use `cpu_offload`",
+    "state_dict_device": "use `state_dict_to_cpu`",
+}
+_FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {"self"}
+
+
+class FullyShardedOptions:
+    """The options of ``DDPFullyShardedStrategy`` and what follows from them; a base class of both strategies.
+
+    The arguments are documented on :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`. The Lightning
+    base class (the Trainer's or Fabric's ``DDPStrategy``) follows this class in the strategy's bases; it gets the
+    arguments it knows, the precision plugin under the name it uses (:attr:`_precision_name`).
+    """
+
+    #: The name under which the Lightning base strategy takes and holds its precision plugin.
+    _precision_name: ClassVar[str]
+    #: The CheckpointIO plugin used when none is given (the class built on the strategy's Lightning package).
+    _checkpoint_io_class: ClassVar[type]
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        cpu_offload: bool = False,
+        flatten_parameters: bool = True,
+        reshard_after_forward: bool = True,
+        move_grads_to_cpu: Optional[bool] = None,
+        fp32_reduce_scatter: Optional[bool] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        bucket_cap_mb: int = 25,
+        min_num_params: int = int(1e8),
+        state_dict_to_cpu: bool = True,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        exclude_wrap_modules: Optional[Iterable[type[Module]]] = None,
+        force_leaf_modules: Optional[Iterable[type[Module]]] = None,
+        activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
+        activation_checkpointing_offload: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        precision: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> None:
+        validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
+        if precision_plugin is not None and precision is not None:
+            raise ValueError(
+                "Pass the precision plugin as `precision` or as `precision_plugin` (the same argument), not both."
+            )
+        self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
+        self.activation_checkpointing_offload = activation_checkpointing_offload
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(
+                f'`state_dict_type` must be "full" (one file, loadable anywhere) or "sharded" (one file per rank),'
+                f" got {state_dict_type!r}."
+            )
+        self.state_dict_type = state_dict_type
+        if cpu_offload and move_grads_to_cpu is False:
+            raise ValueError(
+                "`cpu_offload=True` keeps the parameter shards in CPU memory, where the optimizer updates them, so"
+                " their gradients must be moved there too: leave `move_grads_to_cpu` unset (it follows `cpu_offload`)"
+                " or set it to True."
+            )
+        self.exclude_wrap_modules = _optional_classes(exclude_wrap_modules, "exclude_wrap_modules")
+        self.force_leaf_modules = _optional_classes(force_leaf_modules, "force_leaf_modules")
+        super().__init__(  # type: ignore[call-arg]  # the Lightning base strategy
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **{self._precision_name: precision_plugin if precision is None else precision},
+        )
+        self.cpu_offload = cpu_offload
+        self.move_grads_to_cpu = move_grads_to_cpu
+        self.flatten_parameters = flatten_parameters
+        self.reshard_after_forward = reshard_after_forward
+        self.fp32_reduce_scatter = fp32_reduce_scatter
+        self.compute_dtype = compute_dtype
+        self.bucket_cap_mb = bucket_cap_mb
+        self.min_num_params = int(min_num_params)
+        self.state_dict_to_cpu = state_dict_to_cpu
+        self.auto_wrap_policy = auto_wrap_policy
+        self._fsdp_kwargs = kwargs
+        #: The two process groups of FSDP (all-gather, reduce-scatter), made in ``setup_environment``.
+        self._process_groups: tuple[Any, ...] = ()
+        self._init_adapter()
+
+    def _init_adapter(self) -> None:
+        """Set up the state of the strategy's adapter (its Lightning-specific part), at the end of ``__init__``."""
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The CheckpointIO plugin: a :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO` by default."""
+        if self._checkpoint_io is None:  # type: ignore[has-type]  # the Lightning base strategy's
+            self._checkpoint_io = self._checkpoint_io_class()
+        return super().checkpoint_io  # type: ignore[misc]
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[Any]) -> None:
+        self._checkpoint_io = io
+
+    def _sharded_io(self) -> Any:
+        """The CheckpointIO plugin, which must write sharded checkpoint directories."""
+        io = self.checkpoint_io
+        if not isinstance(io, self._checkpoint_io_class):
+            raise TypeError(
+                f'`DDPFullyShardedStrategy(state_dict_type="sharded")` writes its checkpoint directories with'
+                f" `lightning_fairscale.ShardedCheckpointIO`, but the strategy was given {type(io).__name__}. Remove"
+                " the CheckpointIO plugin, pass a `ShardedCheckpointIO` (or a subclass), or use"
+                ' `state_dict_type="full"`.'
+            )
+        return io
+
+    @property
+    def _precision_setting(self) -> str:
+        """The precision plugin's setting: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``."""
+        return getattr(self, self._precision_name).precision
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the precision plugin asks FairScale for mixed precision."""
+        return self._precision_setting in ("16-mixed", "bf16-mixed")
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FSDP unit of this strategy is built with."""
+        device: torch.device = self.root_device  # type: ignore[attr-defined]  # the Lightning base strategy's
+        offload = self.cpu_offload and device.type == "cuda"
+        kwargs: dict[str, Any] = {
+            # Groups made with the strategy's `timeout`: FairScale's own (when given none) wait 30 minutes.
+            "process_group": self._process_groups[0] if self._process_groups else None,
+            "compute_device": device,
+            "reshard_after_forward": self.reshard_after_forward,
+            "flatten_parameters": self.flatten_parameters,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "mixed_precision": self.mixed_precision,
+            "fp32_reduce_scatter": bool(self.fp32_reduce_scatter) and self.mixed_precision,
+            "cpu_offload": offload,
+            "move_grads_to_cpu": (self.move_grads_to_cpu if device.type == "cuda" else False),
+            "state_dict_device": torch.device("cpu") if self.state_dict_to_cpu else device,
+            "state_dict_on_rank_0_only": True,
+        }
+        if self.compute_dtype is not None:
+            kwargs["compute_dtype"] = self.compute_dtype
+        elif self.mixed_precision:
+            plugin = getattr(self, self._precision_name)
+            kwargs["compute_dtype"] = getattr(plugin, "compute_dtype", None) or compute_dtype(plugin.precision)
+        if self._process_groups:
+            kwargs["process_group_reduce_scatter"] = self._process_groups[1]
+        kwargs.update(self._fsdp_kwargs)
+        return kwargs
+
+    def _auto_wrap_policy(self, own_units: Iterable[Module] = (), root: Optional[Module] = None) -> Any:
+        return auto_wrap_policy(
+            self.auto_wrap_policy,
+            self.min_num_params,
+            own_units=own_units,
+            root=root,
+            exclude_wrap_modules=self.exclude_wrap_modules,
+            force_leaf_modules=self.force_leaf_modules,
+        )
+
+    def _check_settings(self, device: torch.device) -> None:
+        """Fail or warn, before training, about options that do not fit the device or the precision."""
+        if self.compute_dtype not in (None, torch.float32) and not self.mixed_precision:
+            flag = "16-mixed" if self.compute_dtype is torch.float16 else "bf16-mixed"
+            raise ValueError(
+                f"`DDPFullyShardedStrategy(compute_dtype={self.compute_dtype})` needs mixed precision, but the"
+                f" precision is {self._precision_setting!r}. Pass `precision={flag!r}` to the Trainer or to Fabric"
+                " (FSDP then keeps FP32 master shards and computes in the lower precision), or leave `compute_dtype`"
+                " unset."
+            )
+        if device.type == "cuda":
+            return
+        for name in ("cpu_offload", "move_grads_to_cpu"):
+            if getattr(self, name):
+                rank_zero_warn(
+                    f"`DDPFullyShardedStrategy({name}=True)` has no effect when training on the CPU: parameters and"
+                    " gradients are in CPU memory already. It is ignored."
+                )
+
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with a Lightning registry (the Trainer's or
+        Fabric's), where free: Lightning's own ``"fsdp"`` stays Lightning's."""
+        for name in ("fsdp_fairscale", "ddp_fully_sharded"):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description="FairScale's Fully Sharded Data Parallel")
+
+
+def _optional_classes(value: Any, argument: str) -> Optional[tuple[type[Module], ...]]:
+    return None if value is None else validate_layer_classes(value, argument)
+
+
+def validate_arguments(
+    min_num_params: Any, bucket_cap_mb: Any, compute_dtype: Any, policy: Any, kwargs: dict[str, Any]
+) -> None:
+    """Raise an error that says what is accepted when an argument of ``DDPFullyShardedStrategy`` is not."""
+    if isinstance(min_num_params, bool) or not isinstance(min_num_params, (int, float)) or min_num_params < 0:
+        raise ValueError(f"`min_num_params` must be a number >= 0, got {min_num_params!r}.")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise ValueError(
+            f"`bucket_cap_mb` must be a number of megabytes (<= 0 disables bucketing), got {bucket_cap_mb!r}."
+        )
+    if compute_dtype is not None and compute_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"`compute_dtype` must be torch.float32, torch.float16 or torch.bfloat16, got {compute_dtype!r}."
+        )
+    validate_auto_wrap_policy(policy)
+    for name in kwargs:
+        if name in _MANAGED_FSDP_ARGUMENTS:
+            raise TypeError(f"`DDPFullyShardedStrategy` does not take `{name}`: {_MANAGED_FSDP_ARGUMENTS[name]}.")
+        if name not in _FSDP_ARGUMENTS:
+            accepted = ", ".join(sorted(_FSDP_ARGUMENTS - set(_MANAGED_FSDP_ARGUMENTS)))
+            raise TypeError(
+                f"`DDPFullyShardedStrategy` got an unexpected argument `{name}`. Extra keyword arguments go to"
+                f" FairScale's FullyShardedDataParallel, which takes: {accepted}."
+            )

@@ -1,0 +1,62 @@
+"""What the FairScale strategies need from a precision setting, for the Trainer's plugins and for Fabric's.
+
+The Trainer's precision plugins (:mod:`lightning_fairscale.precision`) and the Fabric strategies' handling of Fabric's
+plugins (:mod:`lightning_fairscale.fabric.precision`) are built on these: which precisions are supported, the dtype
+FSDP computes in, and a grad scaler whose inf/NaN checks agree across ranks. Nothing here depends on Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from lightning_fairscale.fairscale_cpu import ShardedGradScaler
+
+__all__ = ["SUPPORTED_PRECISION", "compute_dtype", "is_sharded_grad_scaler", "sharded_grad_scaler", "unsupported"]
+
+#: The precision settings both strategies support: FairScale keeps FP32 parameters (or FP32 master shards) and
+#: computes in fp16 or bf16 under mixed precision.
+SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed")
+
+
+def compute_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype mixed precision computes in: ``None`` for full precision.
+
+    Example:
+        >>> compute_dtype("bf16-mixed"), compute_dtype("16-mixed"), compute_dtype("32-true")
+        (torch.bfloat16, torch.float16, None)
+    """
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
+def sharded_grad_scaler(device: str) -> Any:
+    """A loss scaler for fp16 whose inf/NaN checks are combined across ranks: FairScale's ``ShardedGradScaler`` on
+    CUDA, the device-generic one of :mod:`lightning_fairscale.fairscale_cpu` elsewhere."""
+    if device == "cuda":
+        from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
+
+        return FairScaleShardedGradScaler()
+    return ShardedGradScaler(device=device)
+
+
+def is_sharded_grad_scaler(scaler: Any) -> bool:
+    """Whether ``scaler`` combines its inf/NaN checks across ranks (one of the two scalers above)."""
+    from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
+
+    return isinstance(scaler, (FairScaleShardedGradScaler, ShardedGradScaler))
+
+
+def unsupported(strategy: str, plugin: Any, how: str) -> ValueError:
+    """The error for a precision plugin that ``strategy`` cannot train with; ``how`` says where to set another.
+
+    Example:
+        >>> str(unsupported("DDPShardedStrategy", "16-true", "`Fabric(precision=...)`")).split(". ")[0]
+        "`DDPShardedStrategy` does not support precision='16-true'"
+    """
+    precision = plugin if isinstance(plugin, str) else getattr(plugin, "precision", type(plugin).__name__)
+    return ValueError(
+        f"`{strategy}` does not support precision={precision!r}. Use one of"
+        f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} ({how}): FairScale keeps FP32 parameters and computes in"
+        " fp16 or bf16 under mixed precision."
+    )
