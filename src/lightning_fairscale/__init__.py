@@ -4,7 +4,8 @@ Importing the package registers these strategy names with Lightning's registry, 
 accepts them: ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` (:class:`DDPFullyShardedStrategy`),
 ``"ddp_sharded"`` and ``"ddp_sharded_find_unused_parameters_false"`` (:class:`DDPShardedStrategy`),
 ``"ddp_sharded_spawn"`` and ``"ddp_sharded_spawn_find_unused_parameters_false"`` (:class:`DDPSpawnShardedStrategy`).
-Lightning's own ``"fsdp"`` stays Lightning's.
+Lightning's own ``"fsdp"`` stays Lightning's. The same names are registered with Fabric's registry, for the Fabric
+strategies of :mod:`lightning_fairscale.fabric`: ``Fabric(strategy="fsdp_fairscale")``.
 
 The classes here are built on ``pytorch_lightning``. Where the unified ``lightning`` package is installed too, the
 import also registers the names with ``lightning.pytorch``'s registry, whose Trainer then gets the same classes built
@@ -23,6 +24,9 @@ from lightning_fairscale.precision import (
     ShardedPrecisionPlugin,
 )
 from lightning_fairscale.strategies import DDPFullyShardedStrategy, DDPShardedStrategy, DDPSpawnShardedStrategy
+
+# Fabric's registry gets the same names (Fabric's classes are in `lightning_fairscale.fabric`).
+importlib.import_module("lightning_fairscale.fabric")
 
 __all__ = [
     "DDPFullyShardedStrategy",

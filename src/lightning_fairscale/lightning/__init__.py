@@ -9,6 +9,14 @@ those built on ``pytorch_lightning``. This subpackage has the same classes as th
 
     trainer = L.Trainer(strategy=DDPFullyShardedStrategy(), accelerator="cpu", devices=2)
 
+:mod:`lightning_fairscale.lightning.fabric` has the Fabric strategies for ``lightning.fabric.Fabric``
+(:mod:`lightning_fairscale.fabric` for ``lightning_fabric.Fabric``)::
+
+    from lightning.fabric import Fabric
+    from lightning_fairscale.lightning.fabric import DDPFullyShardedStrategy
+
+    fabric = Fabric(strategy=DDPFullyShardedStrategy(), accelerator="cpu", devices=2)
+
 The registry names need no import from here: ``import lightning_fairscale`` registers them with both packages'
 registries when both are installed, so ``L.Trainer(strategy="fsdp_fairscale")`` works after it. Modules without
 Lightning classes (:mod:`lightning_fairscale.fairscale_cpu`, :mod:`lightning_fairscale.wrapping`, the checkpoint
@@ -46,8 +54,10 @@ from lightning_fairscale.lightning.strategies import (  # noqa: E402
     DDPShardedStrategy,
     DDPSpawnShardedStrategy,
 )
+from lightning_fairscale.lightning import fabric  # noqa: E402  (registers the names with lightning.fabric's registry)
 
 __all__ = [
+    "fabric",
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",

@@ -37,6 +37,10 @@ TARGET_PACKAGE = "lightning_fairscale.lightning"
 #: prefixes of others. Everything else is shared by both Lightning packages.
 BOUND = (
     "checkpoint_io",
+    "fabric",
+    "fabric._common",
+    "fabric.fully_sharded",
+    "fabric.sharded",
     "precision",
     "precision.fully_sharded",
     "precision.sharded",

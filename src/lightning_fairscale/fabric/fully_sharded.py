@@ -1,0 +1,325 @@
+"""``DDPFullyShardedStrategy`` for Fabric: FairScale's FSDP in loops you write yourself.
+
+The same engine as the Trainer's strategy (:mod:`lightning_fairscale.fsdp_engine`), behind Fabric's strategy API:
+``fabric.setup`` wraps the model and re-points its optimizers, ``fabric.save``/``fabric.load`` write and read the
+checkpoints the Trainer's strategy writes (:mod:`lightning_fairscale.fabric_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from lightning_fabric import __version__ as lightning_version
+from lightning_fabric.plugins.precision import Precision
+from lightning_fabric.strategies import DDPStrategy
+from lightning_fabric.strategies.strategy import _Sharded
+from lightning_fabric.utilities.init import _EmptyInit
+from lightning_fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fairscale import fsdp_engine
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.fabric._common import NoBackwardSync, fabric_precision
+from lightning_fairscale.fabric_checkpoint import Roles, convert, optimizer_positions, restore, to_checkpoint
+from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
+from lightning_fairscale.fsdp_options import FullyShardedOptions
+from lightning_fairscale.optim import GroupOrder, ParameterLayout, shard_state
+from lightning_fairscale.summary import memory_figures
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import _LRScheduler
+
+__all__ = ["DDPFullyShardedStrategy"]
+
+#: The attribute of a root unit that holds what the strategy knows about it (see `_Model`).
+_RECORD = "_lightning_fairscale_fabric"
+
+
+@dataclass
+class _Model:
+    """A model the strategy set up: the wrapped model, and its original parameters while they live (optimizers made
+    over them before ``setup_module`` are re-pointed by ``setup_optimizers``)."""
+
+    wrapped: fsdp_engine.WrappedModel
+    originals: weakref.WeakValueDictionary[int, Parameter]
+
+    def knows(self, param: Parameter) -> bool:
+        return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
+
+
+class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
+    """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
+
+    Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
+    The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
+    passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``.
+
+    * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
+      strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``
+      works with an optimizer made before or after ``setup_module`` (over the returned model's parameters).
+    * ``fabric.init_module()``: ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` in the model's
+      constructor make FSDP units (manual wrap; auto wrap is then off); ``empty_init=True`` leaves the weights
+      uninitialized, for a checkpoint to fill.
+    * ``fabric.clip_gradients``: by norm, the global norm of all shards (after unscaling fp16 gradients); by value.
+    * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters.
+    * ``fabric.save``/``fabric.load``: the Trainer's files (see :mod:`lightning_fairscale.fabric_checkpoint`):
+      ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
+
+    Example:
+        >>> from lightning_fairscale.fabric import DDPFullyShardedStrategy
+        >>> DDPFullyShardedStrategy(min_num_params=1_000, state_dict_type="sharded").state_dict_type
+        'sharded'
+    """
+
+    strategy_name = "fsdp_fairscale"
+    _precision_name = "precision"
+    _checkpoint_io_class = ShardedCheckpointIO
+
+    @override
+    def _init_adapter(self) -> None:
+        self._backward_sync_control = NoBackwardSync()
+        #: The root units of the models set up (each knows its `_Model`), and each optimizer's layout and order.
+        self._roots: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
+        self._orders: weakref.WeakKeyDictionary[Optimizer, tuple[ParameterLayout, GroupOrder]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Optional[Precision]) -> None:
+        self._precision = fabric_precision(precision, type(self).__name__)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        fsdp_engine.setup_environment(self, self.root_device, self._timeout)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Models and optimizers
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
+        return fsdp_engine.wrapping_context(self)
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        stack = ExitStack()
+        if not self.fsdp_kwargs()["cpu_offload"]:  # offloaded shards start on the CPU
+            stack.enter_context(self.root_device)
+        stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(self.module_sharded_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        if not self.fsdp_kwargs()["cpu_offload"]:
+            module.to(self.root_device)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[_LRScheduler] = None
+    ) -> tuple[Module, list[Optimizer], Optional[_LRScheduler]]:
+        """Wrap the model and re-point its optimizers (made over its parameters) to the shards; LR schedulers work
+        as they are."""
+        root = self.setup_module(module)
+        return root, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> FullyShardedDataParallel:
+        """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit."""
+        if isinstance(module, FullyShardedDataParallel) and _RECORD in module.__dict__:
+            raise ValueError("The model is set up already: pass the model you created to `fabric.setup` once.")
+        originals: weakref.WeakValueDictionary[int, Parameter] = weakref.WeakValueDictionary(
+            {id(param): param for param in module.parameters()}
+        )
+        wrapped = fsdp_engine.wrap_model(self, module, describe=self.is_global_zero)
+        wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
+        self._roots.add(wrapped.root)
+        return wrapped.root
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Re-point the optimizer to the shards of the model whose parameters it holds."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        for root in self._roots:
+            model: _Model = root.__dict__[_RECORD]
+            if params and all(model.knows(param) for param in params):
+                layout = model.wrapped.layout
+                self._orders[optimizer] = (layout, fsdp_engine.repoint(optimizer, layout))
+                return optimizer
+        raise ValueError(
+            "The optimizer holds parameters that are not those of a model set up with this strategy. Create it over"
+            " `model.parameters()`, before `fabric.setup(model, optimizer)` (or over the parameters of the model that"
+            " `fabric.setup_module` returned), and keep every trained module inside that model."
+        )
+
+    def _model(self, module: Any) -> Optional[_Model]:
+        """What the strategy knows of ``module``, when it is (the root unit of) a model it set up."""
+        return module.__dict__.get(_RECORD) if isinstance(module, FullyShardedDataParallel) else None
+
+    def _order(self, optimizer: Optimizer) -> tuple[ParameterLayout, GroupOrder]:
+        if optimizer not in self._orders:
+            raise ValueError(
+                f"The {type(optimizer).__name__} was not set up with this strategy: pass it to `fabric.setup` or"
+                " `fabric.setup_optimizers` before saving or loading it."
+            )
+        return self._orders[optimizer]
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of all ranks' gradient shards together: :func:`torch.nn.utils.clip_grad_norm_` of the
+        unsharded model. Returns that norm."""
+        self.precision.unscale_gradients(optimizer)
+        params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+        norm = clip_grad_norm_(params, max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({norm.item()}). Pass"
+                " `error_if_nonfinite=False` to `fabric.clip_gradients` to clip anyway."
+            )
+        return norm
+
+    def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:
+        """This rank's bytes of parameters, gradients and optimizer state of ``module`` (set up), and peak device
+        memory on CUDA; e.g. ``fabric.log_dict(fabric.strategy.memory_figures(model, [optimizer]))``."""
+        root = getattr(module, "_forward_module", module)  # what `fabric.setup` returned, or the unit itself
+        return memory_figures(root, [getattr(opt, "optimizer", opt) for opt in optimizers or []])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State dicts and checkpoints
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The full state dict with the unwrapped module's keys, on rank 0 (a collective call)."""
+        if self._model(module) is None:
+            return super().get_module_state_dict(module)
+        return fsdp_engine.module_state_dict(module, sharded=False, is_global_zero=self.is_global_zero)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices."""
+        model = self._model(module)
+        if model is None:
+            return super().load_module_state_dict(module, state_dict, strict=strict)
+        fsdp_engine.load_full(model.wrapped, state_dict, strict)
+        return None
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The state of a plain optimizer over the unwrapped module, on rank 0 (a collective call)."""
+        if optimizer not in self._orders:
+            return super().get_optimizer_state(optimizer)
+        return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=False)
+
+    def _loader(self, strict: bool) -> Callable[[Module, dict[str, Any]], None]:
+        return lambda module, state_dict: self.load_module_state_dict(module, state_dict, strict)
+
+    def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        if optimizer not in self._orders:
+            optimizer.load_state_dict(state)
+            return
+        layout, order = self._order(optimizer)
+        optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Save the state as the Trainer's strategy saves a checkpoint: with ``state_dict_type="full"`` rank 0 writes
+        one file; with ``"sharded"`` every rank writes its shard of a checkpoint directory, gathering nothing."""
+        roles = Roles.of(state, lambda module: self._model(module) is not None)
+        model = self._model(state[roles.model]) if roles.model else None
+        sharded = self.state_dict_type == "sharded" and model is not None
+        if sharded and filter:
+            raise ValueError(
+                '`fabric.save(..., filter=...)` cannot filter a sharded checkpoint (`state_dict_type="sharded"`): its'
+                " shards must hold whole FSDP units. Save without `filter`, or use a full checkpoint."
+            )
+        optimizers = [state[key] for key in roles.optimizers]
+
+        def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+            if model is None:
+                return self.get_optimizer_state(optimizer)
+            return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
+
+        def model_state(module: Module) -> dict[str, Any]:
+            if model is None:
+                return module.state_dict()
+            return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
+
+        converted = convert(state, roles, model_state, optimizer_state, filter)
+        checkpoint = to_checkpoint(converted, roles, lightning_version)
+        if sharded:
+            assert model is not None
+            orders = [self._order(optimizer)[1] for optimizer in optimizers]
+            fsdp_engine.save_sharded(self, self._sharded_io(), checkpoint, path, model.wrapped, optimizers, orders)
+        elif self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a full checkpoint file or a sharded checkpoint directory (saved by any number of
+        processes, by Fabric or by the Trainer) into this rank's shards, gathering nothing; returns the rest."""
+        io = self.checkpoint_io
+        sharded = fsdp_engine.is_sharded_checkpoint(io, path)
+        if sharded and (not isinstance(state, dict) or not state):
+            raise ValueError(
+                f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
+                " `fabric.load(path, {'model': model, ...})`. To read it whole, consolidate it first:"
+                " `lightning-fairscale-consolidate`."
+            )
+        if not state:
+            return io.load_checkpoint(path, weights_only=weights_only)
+        if isinstance(state, Module):
+            self.load_module_state_dict(state, io.load_checkpoint(path, weights_only=weights_only), strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            self._load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
+            return {}
+        roles = Roles.of(state, lambda module: self._model(module) is not None)
+        model = self._model(state[roles.model]) if roles.model else None
+        if not sharded:
+            checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+            return restore(checkpoint, state, roles, strict, self._loader(strict), self._load_optimizer)
+        if model is None:
+            raise ValueError(
+                f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
+                " `fabric.load(path, {'model': model, ...})`."
+            )
+
+        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
+            return [(position, state[key]) for position, key in optimizer_positions(meta, roles, saved, strict)]
+
+        meta = fsdp_engine.load_sharded(self, io, path, model.wrapped, restored, weights_only)
+        return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
