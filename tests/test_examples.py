@@ -217,3 +217,17 @@ def test_multi_node_example_runs_two_torchrun_nodes(run_example: Callable[..., R
     run.assert_ok()
     for node in (0, 1):
         assert f"OK node {node} rank {node} of 2 (TorchElasticEnvironment)" in run.stdout, run.describe()
+
+
+def test_fabric_fsdp_example_trains_and_resumes_exactly(run_example: Callable[..., Run]) -> None:
+    run = run_example("fabric_fsdp.py", timeout=150)
+    run.assert_ok()
+    assert "FSDP units: 3" in run.stdout, run.describe()  # each Block, plus the root
+    losses = [(int(step), float(loss)) for step, loss in _LOSS.findall(run.stdout)]
+    assert [step for step, _ in losses] == [*range(1, 9), *range(5, 9)], run.describe()  # the second half, again
+    assert losses[7][1] < 0.7 * losses[0][1], losses  # it learns
+    assert losses[8:] == losses[4:8]  # the same losses after loading the checkpoint of step 4
+    assert "OK resumed at step 4: the last 4 losses are the same" in run.stdout, run.describe()
+    checkpoint = run.cwd / "fabric-checkpoint"  # sharded: one file per rank, as the Trainer's strategy writes them
+    names = ["meta.pt", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == names

@@ -17,13 +17,14 @@ if PACKAGE not in ("pytorch_lightning", "lightning"):
     raise ValueError(f"TEST_LIGHTNING_PACKAGE must be 'pytorch_lightning' or 'lightning', got {PACKAGE!r}")
 
 pl = importlib.import_module("lightning.pytorch" if PACKAGE == "lightning" else "pytorch_lightning")
+Fabric = importlib.import_module("lightning.fabric" if PACKAGE == "lightning" else "lightning_fabric").Fabric
 Callback = pl.Callback
 LightningModule = pl.LightningModule
 Trainer = pl.Trainer
 seed_everything = pl.seed_everything
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
-#: Where our classes for ``PACKAGE`` are.
+#: Where our classes for ``PACKAGE`` are (the Trainer's; Fabric's are in its ``fabric`` submodule).
 OURS = "lightning_fairscale.lightning" if PACKAGE == "lightning" else "lightning_fairscale"
 _OUR_CLASSES = {
     "DDPFullyShardedStrategy",
@@ -38,4 +39,6 @@ _OUR_CLASSES = {
 def __getattr__(name: str) -> Any:
     if name in _OUR_CLASSES:
         return getattr(importlib.import_module(OURS), name)
+    if name.startswith("Fabric") and name[len("Fabric") :] in _OUR_CLASSES:  # FabricDDPFullyShardedStrategy...
+        return getattr(importlib.import_module(f"{OURS}.fabric"), name[len("Fabric") :])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

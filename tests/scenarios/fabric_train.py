@@ -1,0 +1,169 @@
+"""A training loop written with Fabric, run as its own script so that Fabric's launcher can start one process per rank.
+
+The loop does what ``common.reference_training`` does on one process (micro-batches, accumulation, clipping, Adam),
+with each rank computing on its slice of the global batch. Rank 0 writes ``--out`` (torch.save) with:
+
+* ``final``: the model's full state dict after ``--steps`` optimizer steps (read back from a full ``fabric.save``);
+* ``norms``: the gradient norms ``fabric.clip_gradients`` returned;
+* with ``--save-at K --save-dir D``: checkpoints of step K in ``D`` (``full.ckpt``, and ``sharded.ckpt`` for FSDP),
+  and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``--resume-setup``
+  says) that loaded it in this process and trained the remaining steps;
+* with ``--load PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``--load-step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from scenarios.common import (  # noqa: E402
+    GLOBAL_BATCH,
+    Block,
+    RegressionModelWrapper,
+    build_network,
+    dataset,
+    make_optimizer,
+)
+from scenarios.flavor import PACKAGE, Fabric  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", default="fsdp_fairscale", help="a registry name, or 'fsdp'/'sharded' for an instance")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip-norm", type=float, default=None)
+    p.add_argument("--clip-val", type=float, default=None)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--policy", default="blocks", choices=["blocks", "size"])
+    p.add_argument("--setup", default="joint", choices=["joint", "separate", "after"],
+                   help="joint: fabric.setup(model, optimizer); separate: optimizer made first, then setup_module and"
+                   " setup_optimizers; after: setup_module, then the optimizer over the set-up model's parameters")
+    p.add_argument("--resume-setup", default=None, help="comma-separated --setup for the full, sharded resumes")
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--save-dir", default=None)
+    p.add_argument("--load", default=None)
+    p.add_argument("--load-step", type=int, default=0, help="the step the --load checkpoint was saved at")
+    return p.parse_args()
+
+
+def make_strategy(args: argparse.Namespace) -> Any:
+    if args.strategy == "fsdp":
+        from scenarios.flavor import FabricDDPFullyShardedStrategy
+
+        return FabricDDPFullyShardedStrategy(auto_wrap_policy={Block} if args.policy == "blocks" else None,
+                                             min_num_params=1000)
+    if args.strategy == "sharded":
+        from scenarios.flavor import FabricDDPShardedStrategy
+
+        return FabricDDPShardedStrategy()
+    return args.strategy  # a registry name
+
+
+def set_up(fabric: Any, how: str, optimizer_name: str) -> tuple[Any, Any]:
+    """A fresh model and Adam (the same initial weights every time), set up as ``how`` says."""
+    model = RegressionModelWrapper(build_network())
+    if how == "joint":
+        return fabric.setup(model, make_optimizer(optimizer_name, model.parameters()))
+    if how == "separate":
+        optimizer = make_optimizer(optimizer_name, model.parameters())
+        return fabric.setup_module(model), fabric.setup_optimizers(optimizer)
+    model = fabric.setup_module(model)
+    return model, fabric.setup_optimizers(make_optimizer(optimizer_name, model.parameters()))
+
+
+def train(fabric: Any, model: Any, optimizer: Any, args: argparse.Namespace, first: int, last: int,
+          save: Optional[Any] = None) -> list[float]:
+    """Optimizer steps ``first`` (0-based) to ``last`` (excluded) on the global batches ``reference_training`` uses;
+    ``save(step)`` after step ``args.save_at``. Returns the gradient norms ``fabric.clip_gradients`` gave."""
+    batches = list(DataLoader(dataset(args.samples), batch_size=GLOBAL_BATCH))
+    rank, world = fabric.global_rank, fabric.world_size
+    norms = []
+    for step in range(first, last):
+        for micro in range(args.accumulate):
+            x, y = batches[(step * args.accumulate + micro) % len(batches)]
+            x, y = x[rank::world], y[rank::world]  # this rank's slice of the global batch
+            with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
+                loss = nn.functional.mse_loss(model(x), y) / args.accumulate
+                fabric.backward(loss)
+        if args.clip_norm is not None:
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=args.clip_norm)))
+        if args.clip_val is not None:
+            fabric.clip_gradients(model, optimizer, clip_val=args.clip_val)
+        optimizer.step()
+        optimizer.zero_grad()
+        if save is not None and step + 1 == args.save_at:
+            save(step + 1)
+    return norms
+
+
+def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The model's full state dict, through a full checkpoint file (rank 0; empty elsewhere)."""
+    strategy = fabric.strategy
+    kind = getattr(strategy, "state_dict_type", None)
+    if kind is not None:
+        strategy.state_dict_type = "full"
+    fabric.save(path, {"model": model})
+    if kind is not None:
+        strategy.state_dict_type = kind
+    if not fabric.is_global_zero:
+        return {}
+    return {k: v.clone() for k, v in torch.load(path, weights_only=True)["state_dict"].items()}
+
+
+def main() -> None:
+    args = parse()
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=make_strategy(args), precision=args.precision)
+    fabric.launch()
+    work = Path(args.save_dir or Path(args.out).parent)
+    work.mkdir(parents=True, exist_ok=True)
+    model, optimizer = set_up(fabric, args.setup, args.optimizer)
+    result: dict[str, Any] = {"strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
+                              "package": PACKAGE, "world_size": fabric.world_size}
+    if args.load:
+        state = {"model": model, "optimizer": optimizer}
+        remainder = fabric.load(args.load, state, weights_only=False)
+        result["remainder"] = sorted(remainder)
+
+    def save(step: int) -> None:
+        state = {"model": model, "optimizer": optimizer, "step": step}
+        fabric.save(work / "full.ckpt", state)
+        kind = getattr(fabric.strategy, "state_dict_type", None)
+        if kind is not None:  # FSDP: the same strategy writes the sharded format too
+            fabric.strategy.state_dict_type = "sharded"
+            fabric.save(work / "sharded.ckpt", state)
+            fabric.strategy.state_dict_type = kind
+
+    result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save)
+    result["final"] = full_state_dict(fabric, model, work / "final.ckpt")
+    if args.save_at:
+        result["resumed"] = {}
+        setups = (args.resume_setup or "joint,joint").split(",")
+        kinds = ["full", "sharded"] if getattr(fabric.strategy, "state_dict_type", None) else ["full"]
+        for kind, how in zip(kinds, setups):
+            fresh, fresh_optimizer = set_up(fabric, how, args.optimizer)
+            state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+            remainder = fabric.load(work / f"{kind}.ckpt", state)
+            assert state["step"] == args.save_at and not remainder, (state["step"], remainder)
+            train(fabric, fresh, fresh_optimizer, args, args.save_at, args.steps)
+            result["resumed"][kind] = full_state_dict(fabric, fresh, work / f"resumed-{kind}.ckpt")
+    if fabric.is_global_zero:
+        torch.save(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
