@@ -3,14 +3,13 @@
 The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and Fabric's
 (:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
 
-* :func:`setup_environment` once the process group exists: FairScale's CPU workarounds, FSDP's two process groups,
-  their clean-up at exit, and the checks of the options against the device and the precision;
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing, and the
   :class:`~lightning_fairscale.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
 * :func:`module_state_dict`, :func:`optimizer_state`, :func:`save_sharded`: the two checkpoint formats;
 * :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing.
 
-Nothing here imports Lightning; the strategies pass what they know (options, ranks, the CheckpointIO plugin).
+Their options and set-up are :class:`~lightning_fairscale.fsdp_options.FullyShardedOptions`. Nothing here imports
+Lightning; the strategies pass what they know (options, ranks, the CheckpointIO plugin).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.fsdp_options import FullyShardedOptions
 from lightning_fairscale.optim import (
@@ -42,7 +40,6 @@ from lightning_fairscale.optim import (
 from lightning_fairscale.resharding import SavedShards, load_full_state_dict
 from lightning_fairscale.sharded_checkpoint import FORMAT_KEY, check_fits, check_wrapping, split_checkpoint
 from lightning_fairscale.strategies._checkpoint import check_state_dict_fits
-from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.summary import unit_summary
 from lightning_fairscale.wrapping import (
     add_aliases,
@@ -65,7 +62,6 @@ __all__ = [
     "optimizer_state",
     "repoint",
     "save_sharded",
-    "setup_environment",
     "together",
     "wrap_model",
     "wrapping_context",
@@ -97,19 +93,6 @@ class WrappedModel:
     root: FullyShardedDataParallel
     layout: ParameterLayout
     checkpointed: list[Module] = field(default_factory=list)
-
-
-def setup_environment(strategy: FullyShardedOptions, device: torch.device, timeout: Any) -> None:
-    """Everything FSDP needs once the default process group exists; every rank calls it, together."""
-    close_process_group_at_exit(strategy)
-    if device.type == "cpu":
-        fairscale_cpu.install()
-    # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
-    # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
-    strategy._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
-    strategy._check_settings(device)
-    if strategy.state_dict_type == "sharded":
-        strategy._sharded_io()  # fail before training, not at the first save
 
 
 @contextlib.contextmanager

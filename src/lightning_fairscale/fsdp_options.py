@@ -21,7 +21,10 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
+from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.mixed_precision import compute_dtype
+from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
+from lightning_fairscale.strategy_arguments import lightning_arguments
 from lightning_fairscale.wrapping import (
     AutoWrapPolicy,
     auto_wrap_policy,
@@ -85,10 +88,7 @@ class FullyShardedOptions:
         **kwargs: Any,
     ) -> None:
         validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
-        if precision_plugin is not None and precision is not None:
-            raise ValueError(
-                "Pass the precision plugin as `precision` or as `precision_plugin` (the same argument), not both."
-            )
+        base = lightning_arguments(locals(), self._precision_name)
         self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
         self.activation_checkpointing_offload = activation_checkpointing_offload
         if state_dict_type not in ("full", "sharded"):
@@ -105,16 +105,7 @@ class FullyShardedOptions:
             )
         self.exclude_wrap_modules = _optional_classes(exclude_wrap_modules, "exclude_wrap_modules")
         self.force_leaf_modules = _optional_classes(force_leaf_modules, "force_leaf_modules")
-        super().__init__(  # type: ignore[call-arg]  # the Lightning base strategy
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            **{self._precision_name: precision_plugin if precision is None else precision},
-        )
+        super().__init__(**base)  # type: ignore[call-arg]  # the Lightning base strategy
         self.cpu_offload = cpu_offload
         self.move_grads_to_cpu = move_grads_to_cpu
         self.flatten_parameters = flatten_parameters
@@ -132,6 +123,21 @@ class FullyShardedOptions:
 
     def _init_adapter(self) -> None:
         """Set up the state of the strategy's adapter (its Lightning-specific part), at the end of ``__init__``."""
+
+    def setup_environment(self) -> None:
+        """The Lightning base's set-up (the default process group), then everything FSDP needs; all ranks together."""
+        super().setup_environment()  # type: ignore[misc]
+        device: torch.device = self.root_device  # type: ignore[attr-defined]
+        close_process_group_at_exit(self)
+        if device.type == "cpu":
+            fairscale_cpu.install()
+        # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
+        # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
+        timeout = self._timeout  # type: ignore[attr-defined]
+        self._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
+        self._check_settings(device)
+        if self.state_dict_type == "sharded":
+            self._sharded_io()  # fail before training, not at the first save
 
     @property
     def checkpoint_io(self) -> Any:

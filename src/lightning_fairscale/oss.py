@@ -26,6 +26,9 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
+from lightning_fairscale.strategy_arguments import lightning_arguments
+
 __all__ = [
     "ShardedDDPOptions",
     "SpawnOnly",
@@ -77,25 +80,17 @@ class ShardedDDPOptions:
         **kwargs: Any,
     ) -> None:
         validate_arguments(type(self).__name__, find_unused_parameters, kwargs)
-        if precision_plugin is not None and precision is not None:
-            raise ValueError(
-                "Pass the precision plugin as `precision` or as `precision_plugin` (the same argument), not both."
-            )
-        super().__init__(  # type: ignore[call-arg]  # the Lightning base strategy
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            **{self._precision_name: precision_plugin if precision is None else precision},
-            **kwargs,  # kept in `self._ddp_kwargs`, for ShardedDataParallel
-        )
+        base = lightning_arguments(locals(), self._precision_name)
+        super().__init__(**base, **kwargs)  # type: ignore[call-arg]  # `kwargs` go to `self._ddp_kwargs`, for SDP
         self._init_adapter()
 
     def _init_adapter(self) -> None:
         """Set up the state of the strategy's adapter (its Lightning-specific part), at the end of ``__init__``."""
+
+    def setup_environment(self) -> None:
+        """The Lightning base's set-up (the default process group), and its clean-up at exit."""
+        super().setup_environment()  # type: ignore[misc]
+        close_process_group_at_exit(self)
 
     @property
     def reduce_buffer_size(self) -> int:

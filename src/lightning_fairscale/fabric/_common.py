@@ -1,19 +1,167 @@
-"""What the Fabric strategies share: skipping the gradient synchronization, and Fabric's precision plugins."""
+"""What the Fabric strategies share: the Fabric side of their adapters (precision plugins, skipping the gradient
+synchronization, clipping by norm, and ``fabric.save``/``fabric.load`` in the Trainer's checkpoint files)."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Optional
+from typing import Any, Callable, Optional, Union
 
+import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+from lightning_fabric import __version__ as lightning_version
 from lightning_fabric.plugins.precision import MixedPrecision, Precision
 from lightning_fabric.strategies.strategy import _BackwardSyncControl
+from lightning_fabric.utilities.types import _PATH
+from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fairscale.fabric_checkpoint import Roles, convert, restore, to_checkpoint
+from lightning_fairscale.fsdp_engine import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision import is_sharded_grad_scaler, sharded_grad_scaler, unsupported
 
-__all__ = ["NoBackwardSync", "fabric_precision"]
+__all__ = ["FabricAdapter", "NoBackwardSync", "fabric_precision"]
+
+
+class FabricAdapter:
+    """The part of the Fabric strategies that Fabric's API asks of both; a base class of each, before the options.
+
+    The strategy provides the hooks: :meth:`_is_ours` (a model it set up), :meth:`_model_state` and
+    :meth:`_optimizer_state` (collective calls, full or sharded), :meth:`_load_optimizer`, :meth:`_clip_by_norm`,
+    and, for the sharded format, :meth:`_saves_sharded`, :meth:`_save_sharded` and :meth:`_load_sharded`.
+    """
+
+    # Attributes of the Lightning base strategy.
+    _precision: Optional[Precision]
+    checkpoint_io: Any
+    is_global_zero: bool
+    load_module_state_dict: Callable[..., None]
+
+    def _init_adapter(self) -> None:
+        self._backward_sync_control = NoBackwardSync()
+        super()._init_adapter()  # type: ignore[misc]
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        self._precision = fabric_precision(precision, type(self).__name__)
+
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of all ranks' gradients together (the unsharded model's norm), after unscaling fp16
+        gradients; returns that norm."""
+        self.precision.unscale_gradients(optimizer)
+        norm = self._clip_by_norm(optimizer, max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({norm.item()}). Pass"
+                " `error_if_nonfinite=False` to `fabric.clip_gradients` to clip anyway."
+            )
+        return norm
+
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Save the state as the Trainer's strategy saves a checkpoint (see
+        :mod:`lightning_fairscale.fabric_checkpoint`): a full file written by rank 0, or, for a model sharded with
+        ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing."""
+        roles = Roles.of(state, self._is_ours)
+        model = state[roles.model] if roles.model else None
+        sharded = model is not None and self._saves_sharded(model)
+        if sharded and filter:
+            raise ValueError(
+                '`fabric.save(..., filter=...)` cannot filter a sharded checkpoint (`state_dict_type="sharded"`): its'
+                " shards must hold whole FSDP units. Save without `filter`, or use a full checkpoint."
+            )
+        converted = convert(
+            state,
+            roles,
+            lambda module: self._model_state(module, sharded),
+            lambda optimizer: self._optimizer_state(optimizer, sharded),
+            filter,
+        )
+        checkpoint = to_checkpoint(converted, roles, lightning_version)
+        if sharded:
+            self._save_sharded(checkpoint, path, model, [state[key] for key in roles.optimizers])
+        elif self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes) into
+        the shards of this rank, reading only those; returns what the state did not ask for."""
+        io = self.checkpoint_io
+        sharded = is_sharded_checkpoint(io, path)
+        if sharded and (not isinstance(state, dict) or not state):
+            raise ValueError(
+                f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
+                " `fabric.load(path, {'model': model, ...})`. To read it whole, consolidate it first:"
+                " `lightning-fairscale-consolidate`."
+            )
+        if not state:
+            return io.load_checkpoint(path, weights_only=weights_only)
+        if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
+            self.load_module_state_dict(state, io.load_checkpoint(path, weights_only=weights_only), strict=strict)
+            return {}
+        if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
+            self._load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
+            return {}
+        roles = Roles.of(state, self._is_ours)
+        if sharded:
+            return self._load_sharded(path, state, roles, strict, weights_only)
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+
+        def load_model(module: Module, state_dict: dict[str, Any]) -> None:
+            self.load_module_state_dict(module, state_dict, strict=strict)
+
+        return restore(checkpoint, state, roles, strict, load_model, self._load_optimizer)
+
+    # Hooks
+
+    def _is_ours(self, module: Module) -> bool:
+        raise NotImplementedError
+
+    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
+        raise NotImplementedError
+
+    def _saves_sharded(self, module: Module) -> bool:
+        return False
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: _PATH, module: Module, optimizers: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _load_sharded(
+        self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
+    ) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 class NoBackwardSync(_BackwardSyncControl):

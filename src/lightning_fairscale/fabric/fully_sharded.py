@@ -10,11 +10,8 @@ from __future__ import annotations
 import weakref
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch
-from lightning_fabric import __version__ as lightning_version
-from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.strategies.strategy import _Sharded
 from lightning_fabric.utilities.init import _EmptyInit
@@ -26,8 +23,8 @@ from typing_extensions import override
 
 from lightning_fairscale import fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.fabric._common import NoBackwardSync, fabric_precision
-from lightning_fairscale.fabric_checkpoint import Roles, convert, optimizer_positions, restore, to_checkpoint
+from lightning_fairscale.fabric._common import FabricAdapter
+from lightning_fairscale.fabric_checkpoint import Roles, optimizer_positions, restore
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp_options import FullyShardedOptions
 from lightning_fairscale.optim import GroupOrder, ParameterLayout, shard_state
@@ -54,7 +51,7 @@ class _Model:
         return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
 
 
-class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
+class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _Sharded):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
@@ -84,27 +81,12 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
 
     @override
     def _init_adapter(self) -> None:
-        self._backward_sync_control = NoBackwardSync()
+        super()._init_adapter()
         #: The root units of the models set up (each knows its `_Model`), and each optimizer's layout and order.
         self._roots: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
         self._orders: weakref.WeakKeyDictionary[Optimizer, tuple[ParameterLayout, GroupOrder]] = (
             weakref.WeakKeyDictionary()
         )
-
-    @property
-    @override
-    def precision(self) -> Precision:
-        return self._precision if self._precision is not None else Precision()
-
-    @precision.setter
-    @override
-    def precision(self, precision: Optional[Precision]) -> None:
-        self._precision = fabric_precision(precision, type(self).__name__)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        fsdp_engine.setup_environment(self, self.root_device, self._timeout)
 
     # ------------------------------------------------------------------------------------------------------------
     # Models and optimizers
@@ -180,25 +162,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
         return self._orders[optimizer]
 
     @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: Union[float, int],
-        norm_type: Union[float, int] = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        """Clip by the norm of all ranks' gradient shards together: :func:`torch.nn.utils.clip_grad_norm_` of the
-        unsharded model. Returns that norm."""
-        self.precision.unscale_gradients(optimizer)
+    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
+        # The global norm of all shards: `torch.nn.utils.clip_grad_norm_` of the unsharded model.
         params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-        norm = clip_grad_norm_(params, max_norm, norm_type)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({norm.item()}). Pass"
-                " `error_if_nonfinite=False` to `fabric.clip_gradients` to clip anyway."
-            )
-        return norm
+        return clip_grad_norm_(params, max_norm, norm_type)
 
     def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state of ``module`` (set up), and peak device
@@ -228,13 +195,9 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The state of a plain optimizer over the unwrapped module, on rank 0 (a collective call)."""
-        if optimizer not in self._orders:
-            return super().get_optimizer_state(optimizer)
-        return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=False)
+        return self._optimizer_state(optimizer, sharded=False)
 
-    def _loader(self, strict: bool) -> Callable[[Module, dict[str, Any]], None]:
-        return lambda module, state_dict: self.load_module_state_dict(module, state_dict, strict)
-
+    @override
     def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         if optimizer not in self._orders:
             optimizer.load_state_dict(state)
@@ -243,75 +206,37 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
         optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
 
     @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Any],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
-    ) -> None:
-        """Save the state as the Trainer's strategy saves a checkpoint: with ``state_dict_type="full"`` rank 0 writes
-        one file; with ``"sharded"`` every rank writes its shard of a checkpoint directory, gathering nothing."""
-        roles = Roles.of(state, lambda module: self._model(module) is not None)
-        model = self._model(state[roles.model]) if roles.model else None
-        sharded = self.state_dict_type == "sharded" and model is not None
-        if sharded and filter:
-            raise ValueError(
-                '`fabric.save(..., filter=...)` cannot filter a sharded checkpoint (`state_dict_type="sharded"`): its'
-                " shards must hold whole FSDP units. Save without `filter`, or use a full checkpoint."
-            )
-        optimizers = [state[key] for key in roles.optimizers]
-
-        def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-            if model is None:
-                return self.get_optimizer_state(optimizer)
-            return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
-
-        def model_state(module: Module) -> dict[str, Any]:
-            if model is None:
-                return module.state_dict()
-            return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
-
-        converted = convert(state, roles, model_state, optimizer_state, filter)
-        checkpoint = to_checkpoint(converted, roles, lightning_version)
-        if sharded:
-            assert model is not None
-            orders = [self._order(optimizer)[1] for optimizer in optimizers]
-            fsdp_engine.save_sharded(self, self._sharded_io(), checkpoint, path, model.wrapped, optimizers, orders)
-        elif self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+    def _is_ours(self, module: Module) -> bool:
+        return self._model(module) is not None
 
     @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
-        strict: bool = True,
-        weights_only: Optional[bool] = None,
+    def _saves_sharded(self, module: Module) -> bool:
+        return self.state_dict_type == "sharded" and self._is_ours(module)
+
+    @override
+    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
+        if not self._is_ours(module):
+            return module.state_dict()
+        return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
+
+    @override
+    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
+        if optimizer not in self._orders:
+            return super().get_optimizer_state(optimizer)
+        return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
+
+    @override
+    def _save_sharded(self, checkpoint: dict[str, Any], path: _PATH, module: Module, optimizers: list[Any]) -> None:
+        model = self._model(module)
+        assert model is not None
+        orders = [self._order(optimizer)[1] for optimizer in optimizers]
+        fsdp_engine.save_sharded(self, self._sharded_io(), checkpoint, path, model.wrapped, optimizers, orders)
+
+    @override
+    def _load_sharded(
+        self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
     ) -> dict[str, Any]:
-        """Restore ``state`` from a full checkpoint file or a sharded checkpoint directory (saved by any number of
-        processes, by Fabric or by the Trainer) into this rank's shards, gathering nothing; returns the rest."""
-        io = self.checkpoint_io
-        sharded = fsdp_engine.is_sharded_checkpoint(io, path)
-        if sharded and (not isinstance(state, dict) or not state):
-            raise ValueError(
-                f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
-                " `fabric.load(path, {'model': model, ...})`. To read it whole, consolidate it first:"
-                " `lightning-fairscale-consolidate`."
-            )
-        if not state:
-            return io.load_checkpoint(path, weights_only=weights_only)
-        if isinstance(state, Module):
-            self.load_module_state_dict(state, io.load_checkpoint(path, weights_only=weights_only), strict=strict)
-            return {}
-        if isinstance(state, Optimizer):
-            self._load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
-            return {}
-        roles = Roles.of(state, lambda module: self._model(module) is not None)
         model = self._model(state[roles.model]) if roles.model else None
-        if not sharded:
-            checkpoint = io.load_checkpoint(path, weights_only=weights_only)
-            return restore(checkpoint, state, roles, strict, self._loader(strict), self._load_optimizer)
         if model is None:
             raise ValueError(
                 f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
@@ -321,5 +246,5 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy, _Sharded):
         def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
             return [(position, state[key]) for position, key in optimizer_positions(meta, roles, saved, strict)]
 
-        meta = fsdp_engine.load_sharded(self, io, path, model.wrapped, restored, weights_only)
+        meta = fsdp_engine.load_sharded(self, self.checkpoint_io, path, model.wrapped, restored, weights_only)
         return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)

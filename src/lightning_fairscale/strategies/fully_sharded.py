@@ -121,11 +121,6 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
     # Lightning hooks
 
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        fsdp_engine.setup_environment(self, self.root_device, self._timeout)
-
-    @override
     def model_sharded_context(self) -> AbstractContextManager:
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
         return fsdp_engine.wrapping_context(self)

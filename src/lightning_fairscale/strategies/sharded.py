@@ -39,7 +39,6 @@ from lightning_fairscale.oss import (
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.strategies._checkpoint import optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
-from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
@@ -171,11 +170,6 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
             else:
                 optimizer.load_state_dict(state)
         _optimizers_to_device(self._local_optimizers(), self.root_device)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        close_process_group_at_exit(self)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
