@@ -131,6 +131,13 @@ def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
     assert len(full["optimizer_states"][0]["state"]) == 16  # consolidated: every parameter's state
 
 
+def test_sharded_ddp_spawn_loop(tmp_path: Path) -> None:
+    """`"ddp_sharded_spawn"`: the strategy is pickled into processes started by multiprocessing."""
+    result = fabric_run(tmp_path, *LOOP, "--strategy", "ddp_sharded_spawn", "--steps", "2")
+    assert result["strategy"] == "lightning_fairscale.fabric.sharded.DDPSpawnShardedStrategy"
+    assert max_difference(result["final"], reference(2)) < ATOL
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Without processes
 

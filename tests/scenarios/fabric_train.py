@@ -128,7 +128,10 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
 def main() -> None:
     args = parse()
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=make_strategy(args), precision=args.precision)
-    fabric.launch()
+    fabric.launch(run, args)  # a function: `spawn` strategies need one
+
+
+def run(fabric: Any, args: argparse.Namespace) -> None:
     work = Path(args.save_dir or Path(args.out).parent)
     work.mkdir(parents=True, exist_ok=True)
     model, optimizer = set_up(fabric, args.setup, args.optimizer)

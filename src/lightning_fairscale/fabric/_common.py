@@ -3,6 +3,7 @@ synchronization, clipping by norm, and ``fabric.save``/``fabric.load`` in the Tr
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Union
 
@@ -41,6 +42,16 @@ class FabricAdapter:
     def _init_adapter(self) -> None:
         self._backward_sync_control = NoBackwardSync()
         super()._init_adapter()  # type: ignore[misc]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for `start_method="spawn"`, before anything is set up: the registries of set-up models and
+        # optimizers (weak references, which do not pickle) are made again in each process.
+        weak = (weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
+        return {name: value for name, value in self.__dict__.items() if not isinstance(value, weak)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_adapter()
 
     @property
     def precision(self) -> Precision:
