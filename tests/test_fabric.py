@@ -26,6 +26,8 @@ FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"
 #: emulation in one process matches the Fabric runs to 3e-7 and the reference to 1.25e-5 after 4 steps).
 ATOL = 5e-5
 LOOP = ("--accumulate", "2", "--clip-norm", "0.05", "--samples", "16")  # two micro-batches a step; clipping bites
+#: FSDP with each Block its own unit, recomputing its activations in backward.
+BLOCKS = ("--strategy", "fsdp", "--policy", "blocks", "--checkpointing")
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
@@ -41,11 +43,12 @@ def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning") -> 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """FSDP by its registry name: 4 steps, checkpoints of step 2 in both formats, resumed in the same processes into
-    models set up otherwise (optimizer made after `setup_module`; optimizer made first, then set up separately)."""
+    """FSDP (each Block a unit, activation checkpointing): 4 steps, checkpoints of step 2 in both formats, resumed in
+    the same processes into models set up otherwise (optimizer made after `setup_module`; made first, then set up
+    separately)."""
     folder = tmp_path_factory.mktemp("fsdp")
     result = fabric_run(
-        folder, *LOOP, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck"),
+        folder, *LOOP, *BLOCKS, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck"),
         "--resume-setup", "after,separate",
     )
     return {**result, "checkpoints": folder / "ck"}
@@ -53,7 +56,8 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_fsdp_loop_equals_unsharded_training(fsdp_run: dict[str, Any]) -> None:
     assert fsdp_run["strategy"] == "lightning_fairscale.fabric.fully_sharded.DDPFullyShardedStrategy"
-    assert fsdp_run["world_size"] == 2
+    assert (fsdp_run["world_size"], fsdp_run["units"]) == (2, 3)  # each Block, plus the root
+    assert fsdp_run["block_calls"] == 2 * 2 * 4  # forward and recomputation, 2 micro-batches, 4 steps
     assert all(norm > 0.05 for norm in fsdp_run["norms"])  # every step was clipped
     assert max_difference(fsdp_run["final"], reference(4)) < ATOL
     # Loaded half-way into fresh models and optimizers, set up in other ways, training continues exactly.
@@ -86,7 +90,9 @@ def test_fabric_checkpoints_are_the_trainers_files(fsdp_run: dict[str, Any], tmp
 
 def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     sharded = fsdp_run["checkpoints"] / "sharded.ckpt"
-    result = fabric_run(tmp_path, *LOOP, "--devices", "1", "--load", str(sharded), "--load-step", "2", "--steps", "4")
+    result = fabric_run(
+        tmp_path, *LOOP, *BLOCKS, "--devices", "1", "--load", str(sharded), "--load-step", "2", "--steps", "4"
+    )
     assert result["world_size"] == 1
     assert max_difference(result["final"], reference(4)) < ATOL
     assert max_difference(result["final"], fsdp_run["final"]) < ATOL
@@ -94,13 +100,13 @@ def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dic
 
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     """Fabric's checkpoint of step 2 resumes in the Trainer (2 more steps; its step counter starts anew: the file
-    has no loop state), whose checkpoint then resumes in Fabric (2 more)."""
+    has no loop state), whose checkpoint then resumes in Fabric (2 more; the strategy chosen by its registry name)."""
     trainer_out, trainer_ckpts = tmp_path / "trainer.pt", tmp_path / "trainer-ck"
     run_script(
         [
             str(TRAIN_SCRIPT), "--out", str(trainer_out), "--ckpt-path", str(fsdp_run["checkpoints"] / "full.ckpt"),
             "--steps", "2", "--accumulate", "2", "--clip-val", "0.05", "--clip-alg", "norm",
-            "--min-num-params", "100000000", "--checkpoint-dir", str(trainer_ckpts),
+            "--checkpoint-dir", str(trainer_ckpts),  # other units than Fabric's: full checkpoints load into any
         ],
         cwd=tmp_path,
     )
@@ -108,9 +114,10 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
     assert trained["global_step"] == 2
     assert max_difference(trained["state_dict"], reference(4)) < ATOL
     result = fabric_run(
-        tmp_path / "fabric", *LOOP, "--load", str(trainer_ckpts / "epoch=1-step=2.ckpt"), "--load-step", "4",
-        "--steps", "6",
+        tmp_path / "fabric", *LOOP, "--strategy", "fsdp_fairscale",
+        "--load", str(trainer_ckpts / "epoch=1-step=2.ckpt"), "--load-step", "4", "--steps", "6",
     )
+    assert result["strategy"] == "lightning_fairscale.fabric.fully_sharded.DDPFullyShardedStrategy"
     assert max_difference(result["final"], reference(6)) < ATOL
     assert {"loops", "global_step", "hyper_parameters"} <= set(result["remainder"])  # the rest of the Trainer's file
 
@@ -138,6 +145,23 @@ def test_sharded_ddp_spawn_loop(tmp_path: Path) -> None:
     assert max_difference(result["final"], reference(2)) < ATOL
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp_sharded"])
+def test_bf16_mixed_precision_computes_in_bf16(tmp_path: Path, strategy: str) -> None:
+    result = fabric_run(tmp_path, *LOOP, "--strategy", strategy, "--steps", "2", "--precision", "bf16-mixed")
+    # FSDP gathers bf16 copies of its FP32 shards; sharded DDP keeps FP32 weights and autocasts.
+    weights = "torch.bfloat16" if strategy == "fsdp" else "torch.float32"
+    assert result["compute"] == {(weights, "torch.bfloat16")}
+    assert all(value.dtype == torch.float32 for value in result["final"].values())  # FP32 master weights
+    # Adam moves almost every weight by ~lr a step, and bf16 flips the sign of some tiny gradients: the result
+    # differs from FP32 training by far less than training moved the weights, on average.
+    expected, initial = reference(2), RegressionModelWrapper(build_network()).state_dict()
+    assert _mean_difference(result["final"], expected) < 0.1 * _mean_difference(initial, expected)
+
+
+def _mean_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return torch.cat([(a[key].float() - b[key].float()).abs().flatten() for key in b]).mean().item()
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Without processes
 
@@ -153,9 +177,8 @@ NAMES = {
 @pytest.mark.parametrize("package", ["lightning_fabric", "lightning"])
 @pytest.mark.parametrize("name", list(NAMES))
 def test_registry_names_reach_either_fabric(package: str, name: str) -> None:
-    fabric_module, classes = {"lightning_fabric": (lightning_fabric, ours), "lightning": (unified_fabric, ours_unified)}[
-        package
-    ]
+    packages = {"lightning_fabric": (lightning_fabric, ours), "lightning": (unified_fabric, ours_unified)}
+    fabric_module, classes = packages[package]
     fabric = fabric_module.Fabric(accelerator="cpu", devices=2, strategy=name)
     assert type(fabric.strategy) is getattr(classes, NAMES[name])
     assert fabric_module.strategies.STRATEGY_REGISTRY["fsdp"]["strategy"] is fabric_module.strategies.FSDPStrategy

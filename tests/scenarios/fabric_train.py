@@ -22,6 +22,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from fairscale.nn.data_parallel import FullyShardedDataParallel  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -50,6 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--clip-val", type=float, default=None)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--policy", default="blocks", choices=["blocks", "size"])
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
     p.add_argument("--setup", default="joint", choices=["joint", "separate", "after"],
                    help="joint: fabric.setup(model, optimizer); separate: optimizer made first, then setup_module and"
                    " setup_optimizers; after: setup_module, then the optimizer over the set-up model's parameters")
@@ -65,8 +67,11 @@ def make_strategy(args: argparse.Namespace) -> Any:
     if args.strategy == "fsdp":
         from scenarios.flavor import FabricDDPFullyShardedStrategy
 
-        return FabricDDPFullyShardedStrategy(auto_wrap_policy={Block} if args.policy == "blocks" else None,
-                                             min_num_params=1000)
+        return FabricDDPFullyShardedStrategy(
+            auto_wrap_policy={Block} if args.policy == "blocks" else None,
+            min_num_params=1000,
+            activation_checkpointing=Block if args.checkpointing else None,
+        )
     if args.strategy == "sharded":
         from scenarios.flavor import FabricDDPShardedStrategy
 
@@ -135,8 +140,21 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
     work = Path(args.save_dir or Path(args.out).parent)
     work.mkdir(parents=True, exist_ok=True)
     model, optimizer = set_up(fabric, args.setup, args.optimizer)
-    result: dict[str, Any] = {"strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
-                              "package": PACKAGE, "world_size": fabric.world_size}
+    result: dict[str, Any] = {
+        "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
+        "package": PACKAGE,
+        "world_size": fabric.world_size,
+        "units": sum(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
+        "compute": set(),  # (weight dtype, output dtype) of a Block's Linear while training
+        "block_calls": 0,
+    }
+
+    def probe(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        result["compute"].add((str(module.weight.dtype), str(output.dtype)))
+        result["block_calls"] += 1
+
+    block = next(m for m in model.modules() if isinstance(m, Block))
+    handle = block.up.register_forward_hook(probe)
     if args.load:
         state = {"model": model, "optimizer": optimizer}
         remainder = fabric.load(args.load, state, weights_only=False)
@@ -152,6 +170,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
             fabric.strategy.state_dict_type = kind
 
     result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save)
+    handle.remove()
     result["final"] = full_state_dict(fabric, model, work / "final.ckpt")
     if args.save_at:
         result["resumed"] = {}
