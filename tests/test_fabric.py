@@ -100,7 +100,8 @@ def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dic
 
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     """Fabric's checkpoint of step 2 resumes in the Trainer (2 more steps; its step counter starts anew: the file
-    has no loop state), whose checkpoint then resumes in Fabric (2 more; the strategy chosen by its registry name)."""
+    has no loop state), whose checkpoint then resumes in Fabric (2 more; the strategy chosen by its registry name,
+    the model built in `fabric.init_module()` with Blocks wrapped there)."""
     trainer_out, trainer_ckpts = tmp_path / "trainer.pt", tmp_path / "trainer-ck"
     run_script(
         [
@@ -114,10 +115,11 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
     assert trained["global_step"] == 2
     assert max_difference(trained["state_dict"], reference(4)) < ATOL
     result = fabric_run(
-        tmp_path / "fabric", *LOOP, "--strategy", "fsdp_fairscale",
+        tmp_path / "fabric", *LOOP, "--strategy", "fsdp_fairscale", "--init-module",
         "--load", str(trainer_ckpts / "epoch=1-step=2.ckpt"), "--load-step", "4", "--steps", "6",
     )
     assert result["strategy"] == "lightning_fairscale.fabric.fully_sharded.DDPFullyShardedStrategy"
+    assert result["units"] == 3  # the Blocks wrapped in `fabric.init_module()`, and the root
     assert max_difference(result["final"], reference(6)) < ATOL
     assert {"loops", "global_step", "hyper_parameters"} <= set(result["remainder"])  # the rest of the Trainer's file
 

@@ -53,7 +53,8 @@ def consolidation_hint(path: Any) -> str:
     target = source.with_name(source.stem + "-full.ckpt")
     return (
         "Consolidate it into a full checkpoint, which loads on any number of processes, with any wrapping and"
-        f" without FairScale: `lightning-fairscale-consolidate {source} {target}`, then pass {target} as `ckpt_path`."
+        f" without FairScale: `lightning-fairscale-consolidate {source} {target}`, then load {target} instead (the"
+        " Trainer's `ckpt_path`, or `fabric.load`)."
     )
 
 

@@ -52,6 +52,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--precision", default="32-true")
     p.add_argument("--policy", default="blocks", choices=["blocks", "size"])
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
+    p.add_argument("--init-module", action="store_true",
+                   help="build the model in fabric.init_module(), wrapping each Block with fairscale.nn.wrap")
     p.add_argument("--setup", default="joint", choices=["joint", "separate", "after"],
                    help="joint: fabric.setup(model, optimizer); separate: optimizer made first, then setup_module and"
                    " setup_optimizers; after: setup_module, then the optimizer over the set-up model's parameters")
@@ -79,9 +81,19 @@ def make_strategy(args: argparse.Namespace) -> Any:
     return args.strategy  # a registry name
 
 
-def set_up(fabric: Any, how: str, optimizer_name: str) -> tuple[Any, Any]:
+def set_up(fabric: Any, how: str, optimizer_name: str, init_module: bool = False) -> tuple[Any, Any]:
     """A fresh model and Adam (the same initial weights every time), set up as ``how`` says."""
-    model = RegressionModelWrapper(build_network())
+    if init_module:
+        from fairscale.nn import wrap
+
+        with fabric.init_module():  # manual wrap: each Block becomes an FSDP unit right here
+            network = build_network()
+            for index, layer in enumerate(network):
+                if isinstance(layer, Block):
+                    network[index] = wrap(layer)
+        model = RegressionModelWrapper(network)
+    else:
+        model = RegressionModelWrapper(build_network())
     if how == "joint":
         return fabric.setup(model, make_optimizer(optimizer_name, model.parameters()))
     if how == "separate":
@@ -139,7 +151,7 @@ def main() -> None:
 def run(fabric: Any, args: argparse.Namespace) -> None:
     work = Path(args.save_dir or Path(args.out).parent)
     work.mkdir(parents=True, exist_ok=True)
-    model, optimizer = set_up(fabric, args.setup, args.optimizer)
+    model, optimizer = set_up(fabric, args.setup, args.optimizer, args.init_module)
     result: dict[str, Any] = {
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
@@ -177,7 +189,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         setups = (args.resume_setup or "joint,joint").split(",")
         kinds = ["full", "sharded"] if getattr(fabric.strategy, "state_dict_type", None) else ["full"]
         for kind, how in zip(kinds, setups):
-            fresh, fresh_optimizer = set_up(fabric, how, args.optimizer)
+            fresh, fresh_optimizer = set_up(fabric, how, args.optimizer, args.init_module)
             state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
             remainder = fabric.load(work / f"{kind}.ckpt", state)
             assert state["step"] == args.save_at and not remainder, (state["step"], remainder)
