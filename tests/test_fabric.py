@@ -140,22 +140,36 @@ def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
     assert len(full["optimizer_states"][0]["state"]) == 16  # consolidated: every parameter's state
 
 
-def test_sharded_ddp_spawn_loop(tmp_path: Path) -> None:
+def test_sharded_ddp_spawn_loop_clipping_by_value(tmp_path: Path) -> None:
     """`"ddp_sharded_spawn"`: the strategy is pickled into processes started by multiprocessing."""
-    result = fabric_run(tmp_path, *LOOP, "--strategy", "ddp_sharded_spawn", "--steps", "2")
+    result = fabric_run(tmp_path, "--accumulate", "2", "--clip-val", "0.002", "--strategy", "ddp_sharded_spawn",
+                        "--steps", "2")
     assert result["strategy"] == "lightning_fairscale.fabric.sharded.DDPSpawnShardedStrategy"
-    assert max_difference(result["final"], reference(2)) < ATOL
+    expected = reference_training(2, "adam", accumulate=2, clip=(0.002, "value"))
+    assert max_difference(result["final"], expected) < ATOL
+    assert max_difference(expected, reference_training(2, "adam", accumulate=2)) > 100 * ATOL  # the clip value bites
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp_sharded"])
-def test_bf16_mixed_precision_computes_in_bf16(tmp_path: Path, strategy: str) -> None:
-    result = fabric_run(tmp_path, *LOOP, "--strategy", strategy, "--steps", "2", "--precision", "bf16-mixed")
-    # FSDP gathers bf16 copies of its FP32 shards; sharded DDP keeps FP32 weights and autocasts.
-    weights = "torch.bfloat16" if strategy == "fsdp" else "torch.float32"
-    assert result["compute"] == {(weights, "torch.bfloat16")}
+@pytest.mark.parametrize(
+    ("strategy", "precision", "dtype"),
+    [
+        ("fsdp", "bf16-mixed", "bfloat16"),
+        ("ddp_sharded", "bf16-mixed", "bfloat16"),
+        ("fsdp", "plugin-16-mixed", "float16"),  # Fabric maps the "16-mixed" flag to bf16 on CPUs
+    ],
+)
+def test_mixed_precision_computes_in_the_low_precision(
+    tmp_path: Path, fsdp_run: dict[str, Any], strategy: str, precision: str, dtype: str
+) -> None:
+    result = fabric_run(tmp_path, *LOOP, "--strategy", strategy, "--steps", "2", "--precision", precision)
+    # FSDP gathers low-precision copies of its FP32 shards; sharded DDP keeps FP32 weights and autocasts.
+    weights = f"torch.{dtype}" if strategy == "fsdp" else "torch.float32"
+    assert result["compute"] == {(weights, f"torch.{dtype}")}
+    # Clipping sees unscaled gradients: the first step's norm is FP32 training's, not 65536 times it (fp16).
+    assert abs(result["norms"][0] - fsdp_run["norms"][0]) < 0.05 * fsdp_run["norms"][0]
     assert all(value.dtype == torch.float32 for value in result["final"].values())  # FP32 master weights
-    # Adam moves almost every weight by ~lr a step, and bf16 flips the sign of some tiny gradients: the result
-    # differs from FP32 training by far less than training moved the weights, on average.
+    # Adam moves almost every weight by ~lr a step, and low precision flips the sign of some tiny gradients: the
+    # result differs from FP32 training by far less than training moved the weights, on average.
     expected, initial = reference(2), RegressionModelWrapper(build_network()).state_dict()
     assert _mean_difference(result["final"], expected) < 0.1 * _mean_difference(initial, expected)
 

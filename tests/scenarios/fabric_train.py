@@ -49,7 +49,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip-norm", type=float, default=None)
     p.add_argument("--clip-val", type=float, default=None)
-    p.add_argument("--precision", default="32-true")
+    p.add_argument("--precision", default="32-true", help="the flag, or plugin-16-mixed: MixedPrecision('16-mixed')")
     p.add_argument("--policy", default="blocks", choices=["blocks", "size"])
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
     p.add_argument("--init-module", action="store_true",
@@ -144,7 +144,13 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
 
 def main() -> None:
     args = parse()
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=make_strategy(args), precision=args.precision)
+    if args.precision == "plugin-16-mixed":  # Fabric maps the "16-mixed" flag to bf16 on CPUs; a plugin keeps fp16
+        from lightning_fabric.plugins import MixedPrecision
+
+        precision: dict[str, Any] = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    else:
+        precision = {"precision": args.precision}
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=make_strategy(args), **precision)
     fabric.launch(run, args)  # a function: `spawn` strategies need one
 
 
