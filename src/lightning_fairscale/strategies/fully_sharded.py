@@ -79,6 +79,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
             and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
         timeout: how long collectives wait for the other ranks before failing.
         start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        precision: another name for ``precision_plugin`` (Fabric's).
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:

@@ -65,6 +65,7 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
         find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
             parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
             supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
+        precision: another name for ``precision_plugin`` (Fabric's).
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
 
