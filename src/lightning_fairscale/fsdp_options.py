@@ -36,10 +36,10 @@ __all__ = ["FullyShardedOptions", "validate_arguments"]
 
 #: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
 _MANAGED_FSDP_ARGUMENTS = {
-    "module": "the strategy wraps the LightningModule itself",
-    "process_group": "the strategy uses the Trainer's process group",
-    "compute_device": "the Trainer's `accelerator`/`devices` choose it",
-    "mixed_precision": "the Trainer's `precision` flag sets it",
+    "module": "the strategy wraps the model itself",
+    "process_group": "the strategy makes its process groups (with `timeout`)",
+    "compute_device": "the `accelerator`/`devices` of the Trainer or Fabric choose it",
+    "mixed_precision": "the `precision` flag of the Trainer or Fabric sets it",
     "move_params_to_cpu": "use `cpu_offload`",
     "state_dict_device": "use `state_dict_to_cpu`",
 }

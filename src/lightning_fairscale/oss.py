@@ -43,9 +43,9 @@ __all__ = [
 
 #: Arguments of ``ShardedDataParallel`` that the strategy sets itself.
 _MANAGED_SDP_ARGUMENTS = {
-    "module": "the strategy wraps the LightningModule itself",
-    "sharded_optimizer": "the strategy shards the optimizers that `configure_optimizers` returns",
-    "process_group": "the strategy uses the Trainer's process group",
+    "module": "the strategy wraps the model itself",
+    "sharded_optimizer": "the strategy shards the optimizers of `configure_optimizers` (or of `fabric.setup`)",
+    "process_group": "the strategy uses the default process group",
 }
 _SDP_ARGUMENTS = set(inspect.signature(ShardedDataParallel.__init__).parameters) - {"self"}
 #: Gradient bucket size (elements) for multi-node runs, as in Lightning 1.x; single-node runs reduce unbucketed.
