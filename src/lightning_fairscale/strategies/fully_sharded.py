@@ -46,7 +46,12 @@ from lightning_fairscale.optim import (
     repoint_to_unwrapped,
     shard_state,
 )
-from lightning_fairscale.strategies._checkpoint import check_state_dict_fits, optimizer_states
+from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
+from lightning_fairscale.strategies._checkpoint import (
+    check_state_dict_fits,
+    optimizer_states,
+    resumable_optimizer_states,
+)
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.sharded_checkpoint import (
@@ -125,6 +130,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
             and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
         timeout: how long collectives wait for the other ranks before failing.
         start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
+            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
+            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
+            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -161,8 +170,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
         **kwargs: Any,
     ) -> None:
+        self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         _validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
         self.activation_checkpointing_offload = activation_checkpointing_offload
@@ -516,7 +527,14 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._layout is None:
             return super().load_optimizer_state_dict(checkpoint)
-        states = optimizer_states(checkpoint, self.optimizers)
+        if checkpoint.get(SHARDED_KEY):
+            states = optimizer_states(checkpoint, self.optimizers)
+        else:  # the pieces' shapes: what a plain optimizer over the unwrapped module holds
+            managed = self._layout.managed
+            shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
+            optimizers = [_unwrap(opt) for opt in self.optimizers]
+            owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+            states = resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
         for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
             optimizer = _unwrap(optimizer)
             if checkpoint.get(SHARDED_KEY):

@@ -30,6 +30,7 @@ from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch import Tensor
 from torch.nn import Module
@@ -37,7 +38,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.strategies._checkpoint import optimizer_states
+from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
+from lightning_fairscale.strategies._checkpoint import resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 
@@ -78,6 +80,9 @@ class DDPShardedStrategy(DDPStrategy):
         find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
             parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
             supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
+            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
 
@@ -102,9 +107,11 @@ class DDPShardedStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         find_unused_parameters: bool = False,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
         **kwargs: Any,
     ) -> None:
         _validate_arguments(type(self).__name__, find_unused_parameters, kwargs)
+        self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -222,7 +229,11 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load full optimizer state dicts (saved with any number of processes); each rank keeps its shard."""
-        states = optimizer_states(checkpoint, self.optimizers)
+        # The user's optimizer (OSS builds it on each rank) names the class; OSS's param groups hold every parameter.
+        users = [opt.optim if isinstance(opt, OSS) else opt for opt in self.optimizers]
+        shapes = [[[p.shape for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers]
+        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        states = resumable_optimizer_states(checkpoint, users, shapes, policy, owner, rank_zero_warn)
         for optimizer, state in zip(self.optimizers, states):
             if isinstance(optimizer, OSS):
                 _load_full_state(optimizer, state)
