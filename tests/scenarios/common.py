@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from scenarios.flavor import LightningModule
+from scenarios.flavor import Callback, LightningModule
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 GLOBAL_BATCH = 8
@@ -44,6 +44,8 @@ def dataset(num_samples: int = NUM_SAMPLES) -> TensorDataset:
 def make_optimizer(name: str, params_or_groups: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params_or_groups, lr=0.05, momentum=0.9)
+    if name == "plain_sgd":  # no momentum: an optimizer without per-parameter state
+        return torch.optim.SGD(params_or_groups, lr=0.05)
     if name == "adam":
         return torch.optim.Adam(params_or_groups, lr=1e-2)
     if name == "adamw":
@@ -144,6 +146,22 @@ class ManualWrapModel(RegressionModel):
         self._wrap_blocks()
 
 
+class CountTrainBatches(Callback):
+    """A callback with state: the number of training batches it has seen, checkpointed, so it counts across resumes."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches = state_dict["batches"]
+
+
 def reference_training(
     steps: int,
     optimizer: str = "adam",
@@ -155,13 +173,19 @@ def reference_training(
     step_offset: int = 0,
     num_samples: int = NUM_SAMPLES,
     freeze: Optional[str] = None,
+    lr: Optional[float] = None,
 ) -> dict[str, torch.Tensor]:
-    """Single-process training on the full global batch, without any wrapper."""
+    """Single-process training on the full global batch, without any wrapper; from the weights ``start`` if given
+    (else ``build_network``'s), with a fresh optimizer whose learning rate is ``lr`` if given (the scheduler's too)."""
     net = build_network(depth)
     model = RegressionModelWrapper(net)
+    if start is not None:
+        model.load_state_dict(start)
     if freeze:
         model.get_parameter(freeze).requires_grad_(False)
     opt = make_optimizer(optimizer, model.parameters())
+    for group in opt.param_groups if lr is not None else ():
+        group["lr"] = lr
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if scheduler else None
     loader = DataLoader(dataset(num_samples), batch_size=GLOBAL_BATCH)
     batches = list(loader)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import Block, CountTrainBatches, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
@@ -158,6 +158,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
     p.add_argument("--save-last", action="store_true", help="the ModelCheckpoint overwrites last.ckpt")
     p.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
+    p.add_argument("--lightning-1x-optimizer-state", default="error", choices=["error", "reset"])
     p.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL this rank halfway through its n-th file")
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--kill-how", default="kill", choices=["kill", "enospc"])
@@ -204,13 +205,15 @@ def main() -> None:
         activation_checkpointing=Block if args.checkpointing else None,
         activation_checkpointing_offload=args.checkpointing_offload,
         state_dict_type=args.state_dict_type,
+        lightning_1x_optimizer_state=args.lightning_1x_optimizer_state,
         compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
         move_grads_to_cpu=None if args.move_grads_to_cpu is None else bool(args.move_grads_to_cpu),
         **({"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}),
     )
     recorder = RecordUnits()
     training = RecordTraining()
-    callbacks: list[Callback] = [recorder, training]
+    counter = CountTrainBatches()
+    callbacks: list[Callback] = [recorder, training, counter]
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
     if args.kill_during_save:
@@ -255,6 +258,9 @@ def main() -> None:
         "memory": getattr(recorder, "memory", {}),
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
+        "batches_counted": counter.batches,
+        "lr": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
         "package": PACKAGE,
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
