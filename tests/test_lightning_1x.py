@@ -15,7 +15,7 @@ import torch
 from scenarios.common import max_difference, reference_training
 
 from conftest import TRAIN_SCRIPT, run_script
-from lightning_fairscale.legacy_checkpoint import main as convert
+from lightning_fairscale.convert_1x import main as convert
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lightning_1x"
 RESUME = ["--depth", "1", "--samples", "8", "--steps", "6", "--scheduler"]

@@ -32,21 +32,19 @@ gets the usual "different model or optimizer" error. Where no state tensor exist
 false match could only come from a 1.x checkpoint of the same weights whose optimizer held fewer parameters; even
 then the result is right, because only the hyperparameters are restored.
 
-``lightning-fairscale-convert-1x SRC DST`` (:func:`main`) writes a copy without the incomplete state, marked with
-:data:`CONVERTED_KEY`; the strategies then resume it with a fresh state, whatever optimizer state option they have.
+``lightning-fairscale-convert-1x SRC DST`` (:mod:`lightning_fairscale.convert_1x`, :func:`convert_checkpoint`)
+writes a copy without the incomplete state, marked with :data:`CONVERTED_KEY`; the strategies then resume it with a
+fresh state, whatever their ``lightning_1x_optimizer_state``.
 
 This module does not import Lightning: the strategies of both Lightning packages and the command use it.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 from torch import Tensor
@@ -59,7 +57,6 @@ __all__ = [
     "adopt_optimizer_states",
     "convert_checkpoint",
     "is_flat_optimizer_state",
-    "main",
     "validate_policy",
     "written_version",
 ]
@@ -297,40 +294,3 @@ def convert_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], l
     converted[CONVERTED_KEY] = {"source_version": version, "dropped": dropped}
     return converted, report
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lightning-fairscale-convert-1x SRC DST``; returns the exit status."""
-    from lightning_fairscale.checkpoint_files import CheckpointFileError, read_file, write_atomically
-
-    parser = argparse.ArgumentParser(
-        prog="lightning-fairscale-convert-1x",
-        description="Convert a checkpoint of Lightning 1.x's FairScale FSDP strategy (strategy='ddp_fully_sharded' or"
-        " 'fsdp') so that it resumes with lightning-fairscale's strategies with a fresh optimizer state. Lightning"
-        " 1.x saved only rank 0's shard of the optimizer state; this drops it and keeps the weights, loops, LR"
-        " schedulers, callbacks and the optimizers' hyperparameters. The file is unpickled in full: convert only"
-        " checkpoints you trust.",
-    )
-    parser.add_argument("source", type=Path, help="the Lightning 1.x checkpoint file")
-    parser.add_argument("output", type=Path, help="the converted checkpoint file to write")
-    args = parser.parse_args(argv)
-    if args.output.resolve() == args.source.resolve():
-        print("error: write the converted checkpoint to another file; the original stays as it is.", file=sys.stderr)
-        return 2
-    try:
-        checkpoint = read_file(args.source, weights_only=False)  # 1.x files hold pickled paths and callback keys
-        converted, report = convert_checkpoint(checkpoint)
-    except (CheckpointFileError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    write_atomically(converted, args.output)
-    for line in report:
-        print(line)
-    print(
-        f"wrote {args.output} (from Lightning {written_version(checkpoint)}): resume it with lightning-fairscale's"
-        " DDPFullyShardedStrategy or DDPShardedStrategy; the optimizers start with a fresh state."
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

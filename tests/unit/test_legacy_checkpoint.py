@@ -16,6 +16,7 @@ import torch
 from pytorch_lightning.utilities.migration import migrate_checkpoint
 from scenarios.common import RegressionModelWrapper, build_network
 
+from lightning_fairscale.convert_1x import main
 from lightning_fairscale.legacy_checkpoint import (
     CONVERTED_KEY,
     CurrentOptimizer,
@@ -23,7 +24,6 @@ from lightning_fairscale.legacy_checkpoint import (
     adopt_optimizer_states,
     convert_checkpoint,
     is_flat_optimizer_state,
-    main,
 )
 from lightning_fairscale.strategies import DDPFullyShardedStrategy, DDPShardedStrategy
 
@@ -83,6 +83,11 @@ def test_plain_checkpoints_are_not_recognised() -> None:
     assert not is_flat_optimizer_state(later, adam["optimizer_states"][0], current()[0])
     # Another optimizer configuration (two param groups) is not taken for a 1.x checkpoint: the usual error follows.
     assert not is_flat_optimizer_state(adam, adam["optimizer_states"][0], current(groups=2)[0])
+    # Nor a plain 1.x state over fewer parameters (an optimizer over some layers only): its tensors are not flat.
+    (plain,) = sharded["optimizer_states"]
+    group = {**plain["param_groups"][0], "params": [0, 1]}
+    fewer = {"state": {i: plain["state"][i] for i in (0, 1)}, "param_groups": [group]}
+    assert not is_flat_optimizer_state(sharded, fewer, current()[0])
 
 
 def test_a_stateless_optimizer_state_resumes_exactly() -> None:
