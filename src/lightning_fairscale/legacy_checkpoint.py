@@ -213,6 +213,7 @@ def adopt_optimizer_states(
     converted = checkpoint.get(CONVERTED_KEY)
     version = written_version(checkpoint) if converted is None else converted.get("source_version")
     notes: list[str] = []
+    dropped_any = False
     for index, (saved, optimizer) in enumerate(zip(states, current)):
         if converted is None and not is_flat_optimizer_state(checkpoint, saved, optimizer):
             continue
@@ -225,28 +226,32 @@ def adopt_optimizer_states(
         if saved.get("state"):
             if policy != "reset":
                 raise Lightning1xOptimizerStateError(_error(version, index, saved, optimizer, owner))
+            dropped_any = True
             notes.append(
                 f"optimizer {index} ({optimizer.name}): dropped {_describe_state(saved)} (rank 0's shard only)"
             )
         elif converted is not None:
             dropped = converted.get("dropped", {}).get(str(index), "no per-parameter state")
             notes.append(f"optimizer {index} ({optimizer.name}): {dropped}")
+        else:
+            notes.append(f"optimizer {index} ({optimizer.name}): no per-parameter state, restored exactly")
         states[index] = _plain_layout(saved, optimizer)
+    if not notes:
+        return states, None
     if converted is not None:
         return states, (
             f"The checkpoint was converted from Lightning {version} by lightning-fairscale-convert-1x: the optimizers"
             f" start with a fresh state and the checkpoint's hyperparameters ({'; '.join(notes)})."
         )
-    if not notes:
-        adopted = any(s is not o for s, o in zip(states, checkpoint["optimizer_states"]))
-        note = (
+    if not dropped_any:
+        return states, (
             f"Resuming a Lightning {version} FairScale checkpoint: its optimizer state has no per-parameter entries"
-            " (an optimizer like SGD without momentum), so it resumes exactly with the checkpoint's hyperparameters."
+            " (an optimizer like SGD without momentum), so it resumes exactly with the checkpoint's hyperparameters"
+            f" ({'; '.join(notes)})."
         )
-        return states, note if adopted else None
     return states, (
         f"Resuming a Lightning {version} FairScale checkpoint with lightning_1x_optimizer_state=\"reset\": its"
-        f" optimizer state was incomplete, so the optimizers start afresh with the checkpoint's hyperparameters"
+        f" optimizer state was incomplete, so it starts afresh with the checkpoint's hyperparameters"
         f" ({'; '.join(notes)}). The weights, loops, LR schedulers and callbacks are restored."
     )
 
