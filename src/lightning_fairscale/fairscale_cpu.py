@@ -30,8 +30,8 @@ The workarounds, and why each is needed:
    gradients in CPU memory it all-reduces a CUDA copy of the inf/NaN flags and then drops the result.
    :class:`ShardedGradScaler` here is PyTorch's device-generic ``torch.amp.GradScaler`` plus the one thing sharding
    needs: the "found inf" flags are combined across ranks, in place, wherever they are (through
-   :mod:`lightning_fairscale.collectives`), so every rank skips the same steps. The precision plugins use it on CPU
-   only.
+   :mod:`lightning_fairscale.collectives`), so every rank skips the same steps. The FSDP precision plugin uses it on
+   every device (this one is not CPU-specific), the sharded-DDP plugin off CUDA.
 6. **bf16 compute (all devices).** With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to
    fp16, whatever ``compute_dtype`` is, which breaks bf16 compute. :class:`FullyShardedDataParallel` casts them to
    the unit's ``compute_dtype`` first, which FairScale then leaves alone. This one is not CPU-specific.

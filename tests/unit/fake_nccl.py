@@ -52,7 +52,8 @@ class OnFakeGpu(torch.Tensor):
             return FAKE_GPU
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
-        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _target_device(args, kwargs) not in (None, FAKE_GPU)):
+        moved_off = func is torch.Tensor.to and _target_device(args, kwargs) not in (None, FAKE_GPU)
+        if func is torch.Tensor.cpu or moved_off:
             return result.as_subclass(torch.Tensor)  # moved off the fake GPU: a plain tensor
         name = getattr(func, "__name__", "")
         if name.endswith("_") and not name.startswith("__"):
