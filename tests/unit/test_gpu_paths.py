@@ -7,6 +7,7 @@ device fails, as NCCL does. Each test also checks that the results came back rig
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,8 @@ from torch import nn
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel, ShardedGradScaler
 from lightning_fairscale.optim import ParameterLayout, consolidate_state, repoint_optimizer
-from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin
+from lightning_fairscale.precision.fully_sharded import FullyShardedMixedPrecisionPlugin, FullyShardedPrecisionPlugin
+from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
 
 def _network() -> nn.Module:
@@ -103,3 +105,24 @@ def test_grad_scaler_agrees_with_the_other_ranks_on_infs(fake_nccl: FakeNccl, ot
     else:
         assert param.tolist() == [0.0, 0.0, 0.0] and scaler.get_scale() == 4.0
 
+
+def test_fp16_on_cuda_scales_with_the_scaler_that_combines_cpu_flags() -> None:
+    """The behaviour is tested above; FairScale's own scaler drops the combined flags of CPU gradients."""
+    with warnings.catch_warnings():  # without CUDA the scaler warns and disables itself
+        warnings.simplefilter("ignore")
+        plugin = FullyShardedMixedPrecisionPlugin("16-mixed", "cuda")
+    assert type(plugin.scaler) is ShardedGradScaler
+
+
+def _on_gpu(offload: bool) -> DDPFullyShardedStrategy:
+    return DDPFullyShardedStrategy(cpu_offload=offload, parallel_devices=[torch.device("cuda", 0)])
+
+
+def test_configure_model_creates_layers_on_the_cpu_with_cpu_offload() -> None:
+    """Lightning runs ``configure_model`` inside ``tensor_init_context``, which creates tensors on the GPU; FairScale
+    asserts that offloaded shards are in CPU memory. Nothing is allocated on a GPU here (no CUDA needed)."""
+    with _on_gpu(offload=True).tensor_init_context():
+        assert torch.get_default_device() == torch.device("cpu")
+        assert nn.Linear(2, 2).weight.device == torch.device("cpu")
+    with _on_gpu(offload=False).tensor_init_context():  # Lightning's behaviour otherwise
+        assert torch.get_default_device() == torch.device("cuda", 0)
