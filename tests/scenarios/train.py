@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import Block, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
@@ -127,7 +127,8 @@ class RecordTraining(Callback):
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="regression", choices=["regression", "manual"])
+    p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy"])
+    p.add_argument("--model-on-gpu", action="store_true", help="move the model to the GPU before `fit`")
     p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
     p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
     p.add_argument("--policy", default="size", choices=["size", "blocks", "callable"])
@@ -183,8 +184,12 @@ def main() -> None:
         if args.hook == "configure_sharded_model":
             ManualWrapModel.configure_sharded_model = ManualWrapModel._wrap_blocks  # type: ignore[method-assign]
             del ManualWrapModel.configure_model
+    elif args.model == "lazy":  # the network is built in `configure_model`
+        model = LazyModel(depth=args.depth, **common)
     else:
         model = RegressionModel(depth=args.depth, **common)
+    if args.model_on_gpu:
+        model.cuda()
     if args.freeze:
         model.get_parameter(args.freeze).requires_grad_(False)
     policy: Any = None

@@ -397,11 +397,26 @@ class DDPFullyShardedStrategy(DDPStrategy):
         with self.model_sharded_context():
             return wrap_module(model, policy, **self.fsdp_kwargs())
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``.
+
+        ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
+        parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
+        were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
+        model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
+        """
+        with super().tensor_init_context(empty_init):
+            with torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else contextlib.nullcontext():
+                yield
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not self.fsdp_kwargs()["cpu_offload"]:
-            self.model.to(self.root_device)
+        # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
+        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs.
+        self.model.to(torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device)
 
     def memory_figures(self) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
