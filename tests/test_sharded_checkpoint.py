@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from scenarios.common import max_difference
+from scenarios.common import max_difference, reference_training
 
 from conftest import TRAIN_SCRIPT, assert_loads_without_fairscale, run_script
 from lightning_fairscale.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
@@ -79,17 +79,8 @@ def test_consolidated_checkpoint_equals_the_full_one(
     ours = torch.load(target, weights_only=False)
     full = torch.load(full_run["checkpoints"] / "epoch=1-step=2.ckpt", weights_only=False)
     assert ours.keys() == full.keys()
-    assert set(ours["state_dict"]) == set(full["state_dict"])
-    for key, value in full["state_dict"].items():
-        assert torch.equal(ours["state_dict"][key], value), key
-    (a,), (b,) = ours["optimizer_states"], full["optimizer_states"]
-    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
-    for index, state in b["state"].items():
-        assert state.keys() == a["state"][index].keys()
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value)), (index, key)
-    for key in ("epoch", "global_step", "loops", "lr_schedulers", "hyper_parameters"):
-        assert ours[key] == full[key], key
+    _assert_same_checkpoint(ours, full)
+    assert ours["hyper_parameters"] == full["hyper_parameters"]
 
 
 def test_consolidated_checkpoint_loads_without_fairscale(sharded_run: dict[str, Any], tmp_path: Path) -> None:
@@ -109,21 +100,51 @@ def test_consolidated_checkpoint_resumes_on_one_process(
     assert max_difference(resumed["state_dict"], sharded_run["result"]["state_dict"]) < 1e-6
 
 
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [
-        (("--devices", "1"), "saved by 2 processes, this run has 1"),
-        (("--policy", "blocks"), "wrapped differently"),
-    ],
-    ids=["world-size", "wrapping"],
-)
-def test_incompatible_resume_names_the_consolidation_command(
-    train_failing: TrainFailing, sharded_run: dict[str, Any], args: tuple[str, ...], match: str
+def test_another_wrapping_names_the_consolidation_command(
+    train_failing: TrainFailing, sharded_run: dict[str, Any]
 ) -> None:
     directory = sharded_run["checkpoints"] / "epoch=1-step=2.ckpt"
-    proc = train_failing(*STEPS, "--ckpt-path", str(directory), *args)
-    assert match in proc.stderr
+    proc = train_failing(*STEPS, "--ckpt-path", str(directory), "--policy", "blocks", "--devices", "1")
+    assert "wrapped differently" in proc.stderr
     assert "lightning-fairscale-consolidate" in proc.stderr
+
+
+def _assert_same_checkpoint(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Parameters, optimizer state and trainer state equal, bit for bit."""
+    assert set(ours["state_dict"]) == set(theirs["state_dict"])
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][key], value), key
+    (a,), (b,) = ours["optimizer_states"], theirs["optimizer_states"]
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for index, state in b["state"].items():
+        assert state.keys() == a["state"][index].keys()
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value)), (index, key)
+    for key in ("epoch", "global_step", "loops", "lr_schedulers"):
+        assert ours[key] == theirs[key], key
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_resharding_resume_is_exact(train: Train, sharded_run: dict[str, Any], tmp_path: Path, devices: int) -> None:
+    """Saved by 2 processes, resumed on ``devices`` and saved again there, then resumed on the other number and
+    saved again: each hop consolidates to exactly what the original consolidates to (2 -> 1 -> 2, 2 -> 2 -> 1)."""
+    source = sharded_run["checkpoints"] / "epoch=1-step=2.ckpt"
+    no_more_steps = ("--steps", "2", "--samples", "8", "--scheduler", "--state-dict-type", "sharded")
+    hop = tmp_path / "hop.ckpt"
+    train(*no_more_steps, "--ckpt-path", str(source), "--devices", str(devices), "--save-ckpt", str(hop))
+    assert sorted(p.name for p in hop.iterdir()) == [META_FILE, *(shard_file_name(r, devices) for r in range(devices))]
+    back = tmp_path / "back.ckpt"
+    train(*no_more_steps, "--ckpt-path", str(hop), "--devices", str(3 - devices), "--save-ckpt", str(back))
+    consolidate(source, tmp_path / "source.full")
+    expected = torch.load(tmp_path / "source.full", weights_only=False)
+    for saved in (hop, back):
+        consolidate(saved, tmp_path / f"{saved.stem}.full")
+        _assert_same_checkpoint(torch.load(tmp_path / f"{saved.stem}.full", weights_only=False), expected)
+    # Training goes on from the resharded state as the unsharded reference does.
+    continued = train(*STEPS, "--ckpt-path", str(source), "--devices", str(devices), "--state-dict-type", "sharded")
+    assert continued["global_step"] == 4
+    reference = reference_training(4, scheduler=True, num_samples=8)
+    assert max_difference(continued["state_dict"], reference) < 1e-5
 
 
 def test_save_top_k_removes_old_checkpoint_directories(train: Train, tmp_path: Path) -> None:

@@ -18,14 +18,16 @@ import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_fairscale import collectives
+from lightning_fairscale.fairscale_cpu import fsdp_instances
+from lightning_fairscale.resharding import copy_overlaps, local_range
 from lightning_fairscale.wrapping import clean_path
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Piece",
     "consolidate_state",
     "describe_layout",
+    "managed_positions",
     "plain_state_dict",
     "repoint_optimizer",
     "repoint_to_unwrapped",
@@ -75,6 +78,8 @@ class ParameterLayout:
     _owners: dict[tuple[int, str], int] = field(default_factory=dict)
     managed: dict[nn.Parameter, _Managed] = field(default_factory=dict)
     _original: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
+    #: The root unit the layout describes.
+    root: Optional[nn.Module] = None
 
     @classmethod
     def before_wrapping(cls, module: nn.Module) -> ParameterLayout:
@@ -86,6 +91,7 @@ class ParameterLayout:
         return layout
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
+        self.root = root
         for path, unit in root.named_modules():
             if not isinstance(unit, _FairScaleFSDP):
                 continue
@@ -189,10 +195,13 @@ def _is_elementwise(value: Any, like: Tensor) -> bool:
     return isinstance(value, Tensor) and value.shape == like.shape and value.dim() > 0
 
 
-def _gather_full(shard: Tensor, numel: int, rank: int, world_size: int, group: Any) -> Tensor | None:
-    """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks."""
-    gathered = [torch.empty_like(shard) for _ in range(world_size)] if rank == 0 else None
-    dist.gather(shard.contiguous(), gathered, dst=0, group=group)
+def _gather_full(shard: Tensor, numel: int, group: Any) -> Tensor | None:
+    """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks.
+
+    The shards may be in CPU memory (``cpu_offload``) where the backend takes CUDA tensors only (NCCL):
+    :func:`~lightning_fairscale.collectives.gather` moves them for the transfer.
+    """
+    gathered = collectives.gather(shard, dst=0, group=group)
     if gathered is None:
         return None
     return torch.cat([t.reshape(-1).cpu() for t in gathered])[:numel]
@@ -207,7 +216,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
     saved = optimizer.state_dict()
     managed_params = [p for group in optimizer.param_groups for p in group["params"]]
     unit = layout.managed[managed_params[0]].unit  # every unit of the strategy shares one process group
-    rank, world_size, group = unit.rank, unit.world_size, unit.process_group
+    rank, group = unit.rank, unit.process_group
     _check_same_state_keys(optimizer, managed_params, group)
 
     full_states: list[dict[str, Any]] = []
@@ -217,7 +226,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
         keys = {key for key, value in state.items() if _is_elementwise(value, param)}
         full_states.append(
             {
-                key: _gather_full(value, layout.managed[param].numel, rank, world_size, group) if key in keys else value
+                key: _gather_full(value, layout.managed[param].numel, group) if key in keys else value
                 for key, value in sorted(state.items())
             }
         )
@@ -242,14 +251,20 @@ def describe_layout(optimizer: Optimizer, orders: GroupOrder, root: nn.Module) -
     of the ``u``-th FSDP unit (in ``root.modules()`` order, as in FairScale's metadata), and ``orders`` lists, for
     each param group, the ``(m, piece)`` of every original parameter in the user's order.
     """
-    units = [unit for unit in root.modules() if isinstance(unit, _FairScaleFSDP)]
-    in_unit = {id(param): (u, i) for u, unit in enumerate(units) for i, param in enumerate(unit.params)}
     managed_params = [p for group in optimizer.param_groups for p in group["params"]]
     position = {id(param): m for m, param in enumerate(managed_params)}
     return {
-        "params": [in_unit[id(param)] for param in managed_params],
+        "params": managed_positions(optimizer, root),
         "orders": [[(position[id(managed)], k) for managed, k in order] for order in orders],
     }
+
+
+def managed_positions(optimizer: Optimizer, root: nn.Module) -> list[tuple[int, int]]:
+    """``(u, i)`` for each parameter ``optimizer`` holds, in its order: the ``i``-th parameter of the ``u``-th FSDP
+    unit of ``root`` (``root.modules()`` order). The same for the same model, wrapping and optimizer on any number of
+    processes, so that a sharded checkpoint's optimizer state can be matched to this run's."""
+    in_unit = {id(param): (u, i) for u, unit in enumerate(fsdp_instances(root)) for i, param in enumerate(unit.params)}
+    return [in_unit[id(param)] for group in optimizer.param_groups for param in group["params"]]
 
 
 def plain_state_dict(
@@ -295,8 +310,7 @@ def plain_state_dict(
 
 def _check_same_state_keys(optimizer: Optimizer, params: list[nn.Parameter], group: Any) -> None:
     signature = [sorted(optimizer.state.get(p, {})) for p in params]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, signature, group=group)
+    everyone = collectives.all_gather_object(signature, group=group)
     if any(other != signature for other in everyone):
         raise RuntimeError(
             "The ranks hold different optimizer state entries, so the state cannot be consolidated. This happens when"
@@ -342,19 +356,20 @@ def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLay
 
 
 def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """This rank's shard of a managed parameter's state, from the plain state of the pieces it holds: only the
+    slices this rank owns are read (see :mod:`lightning_fairscale.resharding`)."""
     present = [s for s in states if s]
     if len(present) != len(states):
         missing = [p.name for p, s in zip(info.pieces, states) if not s]
         raise ValueError(f"The checkpoint's optimizer state has no entry for {missing}, but has for their FSDP unit.")
     merged: dict[str, Any] = {}
+    start, _, _ = local_range(managed, info.unit)
     for key, value in present[0].items():
         if isinstance(value, Tensor) and value.shape == info.pieces[0].shape and value.dim() > 0:
-            flat = torch.cat([s[key].reshape(-1) for s in present])
-            if flat.numel() != info.numel:
+            if [s[key].numel() for s in present] != [p.numel for p in info.pieces]:
                 raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
-            if managed._is_sharded:  # type: ignore[attr-defined]
-                flat, _ = info.unit._get_shard(flat)
-            merged[key] = flat.view(managed.shape).clone()
+            segments = [(piece.offset, s[key].reshape(-1)) for piece, s in zip(info.pieces, present)]
+            merged[key] = copy_overlaps(value.new_empty(managed.numel()), start, segments).view(managed.shape)
         else:
             merged[key] = copy.deepcopy(value)
     return merged

@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # the CheckpointIO plugin is Lightning-bound; this module ser
 
 __all__ = [
     "FORMAT_KEY",
-    "SHARDED_KEY",
     "check_fits",
     "check_wrapping",
     "consolidate",
@@ -45,8 +44,6 @@ __all__ = [
 
 #: The key of the meta dict that describes the sharded checkpoint itself.
 FORMAT_KEY = "lightning_fairscale"
-#: Marks a loaded checkpoint dict whose ``state_dict``/``optimizer_states`` are this rank's shards.
-SHARDED_KEY = "_lightning_fairscale_local_shards"
 FORMAT_VERSION = 1
 
 
@@ -109,18 +106,16 @@ def _comparable(metadata: dict[str, Any]) -> list[Any]:
     ]
 
 
-def check_fits(meta: dict[str, Any], world_size: int, path: Any) -> None:
-    """Raise a ``ValueError`` naming the consolidation command when the checkpoint needs another world size."""
+def check_fits(meta: dict[str, Any], path: Any) -> int:
+    """The number of processes that saved the sharded checkpoint; a ``ValueError`` when ``meta`` is not ours.
+
+    Any number of processes can resume it (:class:`lightning_fairscale.resharding.SavedShards`).
+    """
     info = meta.get(FORMAT_KEY)
     if not isinstance(info, dict) or "world_size" not in info:
         raise ValueError(f"{path} is not a sharded checkpoint written by lightning-fairscale (its meta.pt has no"
                          f" '{FORMAT_KEY}' entry).")
-    if info["world_size"] != world_size:
-        raise ValueError(
-            f"The sharded checkpoint {path} was saved by {info['world_size']} processes, this run has {world_size}."
-            f" A sharded checkpoint resumes only with the number of processes and the wrapping it was saved with."
-            f" {consolidation_hint(path)}"
-        )
+    return int(info["world_size"])
 
 
 def check_wrapping(shard: dict[str, Any], root: nn.Module, path: Any) -> None:
@@ -131,8 +126,8 @@ def check_wrapping(shard: dict[str, Any], root: nn.Module, path: Any) -> None:
         current_units = [unit for unit, _ in current]
         raise ValueError(
             f"The sharded checkpoint {path} was saved from a model wrapped differently (FSDP units {saved_units}, this"
-            f" run has {current_units}, or their parameters differ). Sharded checkpoints load only into the same"
-            f" model with the same wrapping. {consolidation_hint(path)}"
+            f" run has {current_units}, or their parameters differ). Sharded checkpoints load, on any number of"
+            f" processes, into the same model with the same wrapping. {consolidation_hint(path)}"
         )
 
 

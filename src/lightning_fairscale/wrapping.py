@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -31,11 +32,15 @@ __all__ = [
     "apply_activation_checkpointing",
     "auto_wrap_policy",
     "clean_path",
+    "forget_root",
     "is_wrapped",
+    "remember_root",
     "remove_activation_checkpointing",
+    "root_parameters_visible",
     "unwrap_module",
     "validate_layer_classes",
     "wrap_module",
+    "wrapped_root",
 ]
 
 #: FairScale's policy signature: ``(module, recurse, unwrapped_params, module_is_root) -> bool``.
@@ -307,22 +312,29 @@ def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:
     return apply_aliases(state_dict, module_aliases(root))
 
 
-def _full_parameters(unit: _FairScaleFSDP, device: torch.device) -> list[torch.Tensor]:
-    """Clones of ``unit``'s own parameters, unsharded, in the order of ``unit.params``. A collective call."""
+def _full_parameters(unit: _FairScaleFSDP, device: torch.device, keep: bool) -> list[torch.Tensor]:
+    """Clones of ``unit``'s own parameters, unsharded, in the order of ``unit.params`` (with ``keep=False``, empty
+    tensors of their shapes on the ``meta`` device). A collective call."""
     with unit.summon_full_params(recurse=False, volatile=True):
+        if not keep:
+            return [torch.empty_like(p, device="meta") for p in unit.params]
         return [p.detach().to(device=device, copy=True) for p in unit.params]
 
 
-def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu")) -> nn.Module:
+def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), keep: bool = True) -> nn.Module:
     """Take every FSDP unit out of ``root`` and give the original submodules their full parameters back.
 
     Every rank gathers one unit at a time (peak memory: the largest unit, plus the result on ``device``), so all
-    ranks must call this together. Returns the unwrapped root (``root`` itself when it is not an FSDP unit).
+    ranks must call this together. With ``keep=False`` this rank keeps nothing: its parameters end up on the
+    ``meta`` device (so that one rank alone can hold the full model). Returns the unwrapped root (``root`` itself when
+    it is not an FSDP unit).
     """
     units = [m for m in root.modules() if isinstance(m, _FairScaleFSDP)]
     if not units:
         return root
-    full = {id(unit): _full_parameters(unit, device) for unit in units}
+    full = {}
+    for unit in units:  # one unit at a time: each unit's gathered parameters are freed before the next is gathered
+        full[id(unit)] = _full_parameters(unit, device, keep)
     for unit in units:
         if unit.mixed_precision:
             unit._cast_buffers(dtype=torch.float32)
@@ -342,6 +354,47 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu")) -
             param.grad = None
             _forget_fsdp_attributes(param)
     return _replace_units(root)
+
+
+#: The attribute of a LightningModule that holds its root FSDP unit while the module stays sharded between stages.
+_ROOT_ATTRIBUTE = "_lightning_fairscale_root"
+
+
+def remember_root(module: nn.Module, root: _FairScaleFSDP) -> None:
+    """Record that ``module`` is wrapped by ``root``, so that a later stage (``validate`` after ``fit``...) reuses
+    the sharded model instead of gathering and wrapping it again. Not a submodule: ``root`` contains ``module``."""
+    object.__setattr__(module, _ROOT_ATTRIBUTE, root)
+
+
+def wrapped_root(module: nn.Module) -> Optional[_FairScaleFSDP]:
+    """The root unit that wraps ``module`` (see :func:`remember_root`), or ``None`` when it is not wrapped."""
+    root = module.__dict__.get(_ROOT_ATTRIBUTE)
+    return root if isinstance(root, _FairScaleFSDP) and _original(root) is module else None
+
+
+def forget_root(module: nn.Module) -> None:
+    """Undo :func:`remember_root` (after unwrapping)."""
+    module.__dict__.pop(_ROOT_ATTRIBUTE, None)
+
+
+@contextlib.contextmanager
+def root_parameters_visible(root: _FairScaleFSDP) -> Iterator[None]:
+    """Inside this context, the wrapped module's ``parameters()`` include the root unit's own managed parameters.
+
+    FairScale moves the parameters that no inner unit holds into a flat parameter of the wrapper *around* the
+    module, where ``module.parameters()`` does not see them. When optimizers are created over a module that is
+    already sharded (``fit`` after ``validate``), ``configure_optimizers``' ``self.parameters()`` would silently leave
+    them out; they are registered on the module under hidden names while it runs.
+    """
+    module = _original(root)
+    names = [f"_fsdp_root_param_{i}" for i in range(len(root.params))]
+    for name, param in zip(names, root.params):
+        module._parameters[name] = param
+    try:
+        yield
+    finally:
+        for name in names:
+            module._parameters.pop(name, None)
 
 
 def _flat_pieces(flat_params: Iterable[nn.Parameter]) -> Iterable[tuple[nn.Parameter, tuple[str, nn.Module, str]]]:

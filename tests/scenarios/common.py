@@ -126,6 +126,19 @@ class RegressionModel(LightningModule):
     val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
 
+class LazyModel(RegressionModel):
+    """Builds its network in ``configure_model``, so inside the strategy's ``tensor_init_context`` (on the CPU, with
+    the weights of ``build_network()``, unless that context puts it elsewhere)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.net
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = build_network(self.hparams.depth)
+
+
 class ManualWrapModel(RegressionModel):
     """Wraps each block itself in ``configure_model`` with ``fairscale.nn.wrap`` or torch's ``wrap``."""
 

@@ -3,7 +3,8 @@
 Each rank writes ``--out-dir/rank<N>.json``: at the first training step of each ``fit``, how many of the
 LightningModule's parameters from before the ``fit`` are still alive (with FSDP, the unsharded originals: the
 sharded model replaces them); after each ``fit`` (and a garbage collection) the number of live FairScale FSDP units
-and reduce-scatter bucketers; and — from the last ``atexit`` handler, registered before
+and reduce-scatter bucketers (the module stays sharded after ``fit``: its units live as long as it does, and the
+second ``fit`` reuses them), and the same once the module is released; and — from the last ``atexit`` handler, registered before
 anything else so that it runs after the strategy's — the names of the process's threads that belong to gloo. A user's
 script that keeps its ``trainer`` in a global looks like this one; gloo threads still running when the interpreter
 shuts down can abort a finished run ("terminate called without an active exception").
@@ -85,7 +86,11 @@ def fit_twice(strategy: str) -> None:
         RECORD["after_fit"].append(
             {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
         )
+    if hasattr(TRAINER.strategy, "unshard_module"):
+        TRAINER.strategy.unshard_module(rank_zero_only=False)
     RECORD["trained"] = bool(torch.isfinite(next(model.parameters())).all())
+    del model
+    RECORD["after_release"] = {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import Block, CountTrainBatches, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import Block, CountTrainBatches, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
@@ -127,7 +127,8 @@ class RecordTraining(Callback):
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="regression", choices=["regression", "manual"])
+    p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy"])
+    p.add_argument("--model-on-gpu", action="store_true", help="move the model to the GPU before `fit`")
     p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
     p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
     p.add_argument("--policy", default="size", choices=["size", "blocks", "callable"])
@@ -154,6 +155,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-ckpt", default=None)
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--eval-after", action="store_true")
+    p.add_argument("--save-ckpt-after-eval", default=None, help="trainer.save_checkpoint after the --eval-after stages")
     p.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint saving every epoch into this folder")
     p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
     p.add_argument("--save-last", action="store_true", help="the ModelCheckpoint overwrites last.ckpt")
@@ -183,8 +185,12 @@ def main() -> None:
         if args.hook == "configure_sharded_model":
             ManualWrapModel.configure_sharded_model = ManualWrapModel._wrap_blocks  # type: ignore[method-assign]
             del ManualWrapModel.configure_model
+    elif args.model == "lazy":  # the network is built in `configure_model`
+        model = LazyModel(depth=args.depth, **common)
     else:
         model = RegressionModel(depth=args.depth, **common)
+    if args.model_on_gpu:
+        model.cuda()
     if args.freeze:
         model.get_parameter(args.freeze).requires_grad_(False)
     policy: Any = None
@@ -252,7 +258,6 @@ def main() -> None:
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     result: dict[str, Any] = {
-        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "units": recorder.units,
         "summary": getattr(recorder, "summary", ""),
         "memory": getattr(recorder, "memory", {}),
@@ -274,6 +279,12 @@ def main() -> None:
         result["test"] = trainer.test(model, verbose=False)
         predictions = trainer.predict(model)
         result["predict"] = torch.cat(predictions) if predictions else None
+        if args.save_ckpt_after_eval:
+            trainer.save_checkpoint(args.save_ckpt_after_eval)
+    # The module stays sharded after `fit`; the full one is an explicit call (rank 0 gets it).
+    if hasattr(trainer.strategy, "unshard_module"):
+        trainer.strategy.unshard_module()
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if trainer.global_rank == 0:
         torch.save(result, args.out)
 

@@ -33,8 +33,9 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     """Mixed precision (``"16-mixed"`` or ``"bf16-mixed"``) for FairScale FSDP.
 
     FSDP keeps FP32 parameter shards and computes in ``compute_dtype`` (fp16 or bf16, following ``precision``),
-    under ``torch.autocast``. For fp16 the loss is scaled with a sharded grad scaler (FairScale's
-    ``ShardedGradScaler`` on CUDA), whose inf/NaN checks agree across ranks; gradients are unscaled before clipping.
+    under ``torch.autocast``. For fp16 the loss is scaled with a sharded grad scaler
+    (:class:`~lightning_fairscale.fairscale_cpu.ShardedGradScaler`, on every device), whose inf/NaN checks agree across
+    ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled before clipping.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
@@ -61,10 +62,9 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
 
 
 def _sharded_grad_scaler(device: str) -> Any:
-    if device == "cuda":
-        from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
-
-        return FairScaleShardedGradScaler()
+    # Ours on CUDA too, not FairScale's: with `cpu_offload` the gradients, and so the inf/NaN flags, are in CPU
+    # memory; FairScale's scaler all-reduces a CUDA copy of such a flag and drops the result (`v_on_cuda.cpu()`), so
+    # a rank that found an inf skips its step while the others step theirs. Ours reduces the flags in place.
     return ShardedGradScaler(device=device)
 
 

@@ -42,11 +42,12 @@ from lightning_fairscale.optim import (
     GroupOrder,
     ParameterLayout,
     consolidate_state,
+    managed_positions,
     repoint_optimizer,
-    repoint_to_unwrapped,
     shard_state,
 )
 from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
+from lightning_fairscale.resharding import SavedShards, load_full_state_dict
 from lightning_fairscale.strategies._checkpoint import (
     check_state_dict_fits,
     optimizer_states,
@@ -56,7 +57,6 @@ from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.sharded_checkpoint import (
     FORMAT_KEY,
-    SHARDED_KEY,
     check_fits,
     check_wrapping,
     split_checkpoint,
@@ -69,12 +69,16 @@ from lightning_fairscale.wrapping import (
     apply_aliases,
     auto_wrap_policy,
     clean_path,
+    forget_root,
     module_aliases,
+    remember_root,
     remove_activation_checkpointing,
+    root_parameters_visible,
     unwrap_module,
     validate_auto_wrap_policy,
     validate_layer_classes,
     wrap_module,
+    wrapped_root,
 )
 
 log = logging.getLogger(__name__)
@@ -353,6 +357,18 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        root = wrapped_root(self.model)
+        if root is not None:
+            self._setup_sharded_again(trainer, root, fitting)
+        else:
+            self._setup_unwrapped(trainer, fitting)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.barrier()
+
+    def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool) -> None:
+        assert self.model is not None
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -361,19 +377,27 @@ class DDPFullyShardedStrategy(DDPStrategy):
             # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
             self.setup_optimizers(trainer)
         self.model_to_device()
-        self._layout = ParameterLayout.before_wrapping(self.model)
-        self.model = self._setup_model(self.model)
+        module = self.model
+        self._layout = ParameterLayout.before_wrapping(module)
+        self.model = self._setup_model(module)
         self._layout.after_wrapping(self.model)
+        remember_root(module, self.model)
         if self.is_global_zero:
             log.info("%s: %s", type(self).__name__, unit_summary(self.model))
-        if fitting:
-            self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
+        self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers] if fitting else []
         # From here on nothing refers to the unsharded original parameters any more: they are freed.
         self._layout.forget_originals()
-        self.setup_precision_plugin()
+
+    def _setup_sharded_again(self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool) -> None:
+        """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so."""
+        if self._layout is None or self._layout.root is not root:  # another strategy wrapped it: learn the layout
+            self._layout = ParameterLayout().after_wrapping(root)
+            self._group_orders = []
+        self.model = root
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self.barrier()
+            with root_parameters_visible(root):
+                self.setup_optimizers(trainer)
+            self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -384,11 +408,26 @@ class DDPFullyShardedStrategy(DDPStrategy):
         with self.model_sharded_context():
             return wrap_module(model, policy, **self.fsdp_kwargs())
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``.
+
+        ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
+        parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
+        were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
+        model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
+        """
+        with super().tensor_init_context(empty_init):
+            with torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else contextlib.nullcontext():
+                yield
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not self.fsdp_kwargs()["cpu_offload"]:
-            self.model.to(self.root_device)
+        # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
+        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs.
+        self.model.to(torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device)
 
     def memory_figures(self) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
@@ -414,7 +453,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         return True
 
     def _saves_sharded(self) -> bool:
-        return self.state_dict_type == "sharded" and isinstance(self.model, _FairScaleFSDP)
+        return self.state_dict_type == "sharded" and self._is_wrapped()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -449,8 +488,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if not self._saves_sharded():
             if self.state_dict_type == "sharded" and self.lightning_module is not None:
                 rank_zero_warn(
-                    f"The model is not sharded outside `fit`/`validate`/`test`, so {filepath} is written as a full"
-                    " checkpoint file.",
+                    f"The model is not sharded (`unshard_module()` gave it its full parameters back), so {filepath} is"
+                    " written as a full checkpoint file.",
                 )
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         io = self._sharded_io()
@@ -484,64 +523,87 @@ class DDPFullyShardedStrategy(DDPStrategy):
             " previous checkpoint of that name, if any, is unchanged."
         )
 
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # `load_checkpoint` loads the optimizer states itself, into this rank's shards.
+        return not self._is_wrapped()
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a full checkpoint file, or this rank's part of a sharded checkpoint directory."""
-        io = self.checkpoint_io
-        if not (isinstance(io, ShardedCheckpointIO) and io.is_sharded(io.recover(Path(str(checkpoint_path))))):
+        """Load the model's and the optimizers' states into this rank's shards, and return the rest of the checkpoint.
+
+        Either kind of checkpoint loads without gathering anything: a full file is memory-mapped and each rank reads
+        the slices of each parameter that it owns, unit by unit; a sharded directory saved by any number of
+        processes is read the same way from the saved shards (see :mod:`lightning_fairscale.resharding`).
+        """
+        if not self._is_wrapped():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        meta = io.load_meta(checkpoint_path, weights_only=weights_only)
-        check_fits(meta, self.world_size, checkpoint_path)
-        shard: dict[str, Any] = {}
+        io = self.checkpoint_io
+        if isinstance(io, ShardedCheckpointIO) and io.is_sharded(io.recover(Path(str(checkpoint_path)))):
+            return self._load_sharded(io, checkpoint_path, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._load_full(checkpoint)
+        return checkpoint
+
+    def _load_full(self, checkpoint: dict[str, Any]) -> None:
+        assert self.model is not None and self._layout is not None and self.lightning_module is not None
+        state_dict = checkpoint.pop("state_dict")
+        check_state_dict_fits(state_dict, self._expected_shapes(), self.lightning_module.strict_loading)
+        layout = self._layout
+        load_full_state_dict(self.model, lambda p: layout.managed[p].pieces, state_dict, _buffer_name)
+        if self._restores_optimizers():
+            # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
+            managed = layout.managed
+            shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
+            optimizers = [_unwrap(opt) for opt in self.optimizers]
+            owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+            states = resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
+            for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
+                optimizer = _unwrap(optimizer)
+                optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
+        checkpoint.pop("optimizer_states", None)
+
+    def _load_sharded(self, io: ShardedCheckpointIO, path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
+        meta = io.load_meta(path, weights_only=weights_only)
+        saved_world_size = check_fits(meta, path)
+        shards = SavedShards(lambda r: io.load_shard(path, r, saved_world_size, weights_only=weights_only), saved_world_size)
 
         def read() -> None:
-            shard.update(io.load_shard(checkpoint_path, self.global_rank, self.world_size, weights_only=weights_only))
             assert self.model is not None
-            check_wrapping(shard, self.model, checkpoint_path)
+            check_wrapping(shards.file(0), self.model, path)
+            shards.load_into(self.model)
+            if self._restores_optimizers():
+                optimizer_states({"optimizer_states": shards.file(0).get("optimizer_states", [])}, self.optimizers)
+                for index, optimizer in enumerate(self.optimizers):
+                    optimizer = _unwrap(optimizer)
+                    positions = managed_positions(optimizer, self.model)
+                    optimizer.load_state_dict(shards.optimizer_state(index, positions, self.model))
 
-        self._together(read, checkpoint_path, "read")
+        self._together(read, path, "read")
         meta.pop(FORMAT_KEY)
-        return {**meta, **{k: shard[k] for k in ("state_dict", "optimizer_states") if k in shard}, SHARDED_KEY: True}
+        return meta
+
+    def _restores_optimizers(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return bool(self.optimizers) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.model is not None
-        if not isinstance(self.model, _FairScaleFSDP):
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        if checkpoint.get(SHARDED_KEY):
-            self.model.load_local_state_dict(checkpoint["state_dict"], strict=strict)
-        else:
-            check_state_dict_fits(checkpoint["state_dict"], self._expected_shapes(), strict)
-            self.model.load_state_dict(checkpoint["state_dict"], strict=strict)
-        return None
+        if not self._is_wrapped():  # `load_checkpoint` has loaded the sharded model
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     def _expected_shapes(self) -> dict[str, Any]:
         """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
         assert self.model is not None and self._layout is not None
         shapes: dict[str, Any] = {p.name: p.shape for m in self._layout.managed.values() for p in m.pieces}
-        shapes.update((clean_path(name + "."), b.shape) for name, b in self.model.named_buffers())
-        shapes = {k.rstrip("."): v for k, v in shapes.items()}
+        shapes.update((_buffer_name(name), b.shape) for name, b in self.model.named_buffers())
         return apply_aliases(shapes, module_aliases(self.model))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._layout is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        if checkpoint.get(SHARDED_KEY):
-            states = optimizer_states(checkpoint, self.optimizers)
-        else:  # the pieces' shapes: what a plain optimizer over the unwrapped module holds
-            managed = self._layout.managed
-            shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
-            optimizers = [_unwrap(opt) for opt in self.optimizers]
-            owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
-            states = resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
-        for optimizer, order, state in zip(self.optimizers, self._group_orders, states):
-            optimizer = _unwrap(optimizer)
-            if checkpoint.get(SHARDED_KEY):
-                optimizer.load_state_dict(state)  # saved by this rank, for the same wrapping (checked on reading)
-            else:
-                optimizer.load_state_dict(shard_state(state, optimizer, self._layout, order))
-        return None
+        if not self._is_wrapped():  # `load_checkpoint` has loaded the optimizers' shards
+            super().load_optimizer_state_dict(checkpoint)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -552,29 +614,58 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Give the LightningModule its full parameters back, so the same instance can be used again.
+        """End a stage without gathering anything: the LightningModule stays sharded.
 
-        The optimizers are re-pointed to the unwrapped parameters, and rank 0's receive the consolidated state, so
-        ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint as during training.
+        The next stage (``validate``, ``test``, ``predict`` or another ``fit``, with this Trainer or another one)
+        takes the sharded module as it is, and ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint
+        as during training. Call :meth:`unshard_module` to get the full module back. As Lightning's own FSDP
+        strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
+        parameter shards that moving them would break.
         """
-        if isinstance(self.model, _FairScaleFSDP) and self.lightning_module is not None and not self._failed:
-            assert self._layout is not None
-            optimizers = [_unwrap(opt) for opt in self.optimizers] if self._group_orders else []
-            states = [
-                consolidate_state(opt, self._layout, order) for opt, order in zip(optimizers, self._group_orders)
-            ]
-            self.model = unwrap_module(self.model, torch.device("cpu"))
-            parameters = dict(self.lightning_module.named_parameters(remove_duplicate=False))
-            for opt, order, state in zip(optimizers, self._group_orders, states):
-                repoint_to_unwrapped(opt, self._layout, order, parameters)
-                if state:
-                    opt.load_state_dict(state)
+        if not self._is_wrapped():
+            super().teardown()
+            return
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        self._failed = False
+
+    def unshard_module(self, rank_zero_only: bool = True) -> Module:
+        """Give the LightningModule its full parameters back, as a plain module: an explicit, collective call.
+
+        After ``fit`` the module stays sharded, so nothing is gathered at the end of a run. Call this on every rank
+        when a full module is wanted in memory (to export it, or to use it outside the Trainer). FSDP units are
+        gathered one at a time; with ``rank_zero_only`` (the default) only rank 0 keeps the full parameters (on the
+        CPU), the other ranks' parameters are left on the ``meta`` device, so the memory of one full model is needed
+        on one rank only. With ``rank_zero_only=False`` every rank gets the full module, which can then be wrapped
+        again by a later stage.
+
+        The optimizers' state lives in the shards this frees: the strategy's optimizers and LR schedulers are dropped
+        (save a checkpoint first to keep them).
+
+        Returns:
+            The LightningModule, unwrapped.
+        """
+        module = self.lightning_module
+        assert module is not None
+        if not self._is_wrapped():
+            return module
+        keep = self.is_global_zero or not rank_zero_only
+        unwrap_module(self.model, torch.device("cpu"), keep=keep)
+        forget_root(module)
         remove_activation_checkpointing(self._checkpointed)
         self._checkpointed = []
+        self.model = module
         self._layout = None
         self._group_orders = []
-        self._failed = False
-        super().teardown()
+        self.optimizers = []
+        self.lr_scheduler_configs = []
+        return module
+
+    def _is_wrapped(self) -> bool:
+        return isinstance(self.model, _FairScaleFSDP)
 
     @classmethod
     @override
@@ -582,6 +673,11 @@ class DDPFullyShardedStrategy(DDPStrategy):
         for name in ("fsdp_fairscale", "ddp_fully_sharded"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description="FairScale's Fully Sharded Data Parallel")
+
+
+def _buffer_name(name: str) -> str:
+    """The unwrapped module's name of a buffer of the wrapped model."""
+    return clean_path(name + ".").rstrip(".")
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:

@@ -1,0 +1,284 @@
+"""Loading saved state into the shards a rank owns now, without ever building the full model on any rank.
+
+FairScale shards every FSDP-managed parameter of ``N`` elements the same way: with ``W`` ranks, each rank owns the
+contiguous slice ``[r * s, min((r + 1) * s, N))`` of the (flattened) parameter, padded with zeros to ``s =
+ceil(N / W)`` elements (``torch.chunk``, see FairScale's ``_get_shard``). Whatever the source of the saved values,
+loading is therefore the same operation: for each managed parameter, copy into this rank's shard the parts of the
+saved tensors that overlap its slice. Two sources exist:
+
+* a **full** checkpoint (the unwrapped module's state dict and plain optimizer states): the saved tensors are the
+  original parameters, each at its offset inside the flat parameter (:class:`~lightning_fairscale.optim.Piece`);
+* a **sharded** checkpoint saved by any number of processes (:class:`SavedShards`): the saved tensors are the
+  flat shards of the saving ranks, rank ``r``'s at offset ``r * s_saved``.
+
+Only the slices a rank owns are read. Checkpoint files are memory-mapped (``torch.load(mmap=True)``), so what a
+rank does not touch is never read, and once a saved tensor has been copied its pages are handed back to the kernel
+(:func:`release_pages`): at no point does a rank hold more than its own shards plus one saved tensor.
+
+Nothing here depends on Lightning.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import mmap
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fairscale.fairscale_cpu import fsdp_instances
+
+__all__ = [
+    "SavedShards",
+    "copy_overlaps",
+    "flat_numel",
+    "load_buffers",
+    "load_full_state_dict",
+    "local_range",
+    "owned_range",
+    "release_pages",
+]
+
+#: ``(global offset, 1-D tensor)``: saved values of a flat parameter's elements ``offset ... offset + numel - 1``.
+Segment = tuple[int, Tensor]
+
+
+def owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """``(start, stop, shard_numel)``: the elements of a flat parameter of ``numel`` elements that ``rank`` owns,
+    and the padded size of every rank's shard, as FairScale shards it.
+
+    Example:
+        >>> [owned_range(10, r, 4) for r in range(4)]
+        [(0, 3, 3), (3, 6, 3), (6, 9, 3), (9, 10, 3)]
+        >>> owned_range(5, 3, 4)  # torch.chunk gives rank 3 nothing: it holds padding only
+        (5, 5, 2)
+    """
+    shard = math.ceil(numel / world_size) if numel else 0
+    start = min(rank * shard, numel)
+    return start, min(start + shard, numel), shard
+
+
+def flat_numel(param: nn.Parameter) -> int:
+    """The number of real (unpadded) elements of an FSDP-managed parameter, over all ranks."""
+    numels = getattr(param, "_param_numels", None)  # a flattened parameter: the sum of its pieces
+    if numels is not None:
+        return int(sum(numels))
+    return torch.Size(param._orig_size).numel()  # type: ignore[attr-defined]
+
+
+def copy_overlaps(out: Tensor, start: int, segments: Iterable[Segment], release: bool = True) -> Tensor:
+    """Fill the 1-D ``out`` (this rank's shard, covering elements ``start ... start + out.numel() - 1``) from the
+    overlapping parts of ``segments``; what no segment covers (the padding) becomes zero. Returns ``out``.
+
+    With ``release``, each saved tensor's memory-mapped pages are given back once it has been read.
+    """
+    out.zero_()
+    stop = start + out.numel()
+    with torch.no_grad():
+        for offset, saved in segments:
+            lo, hi = max(start, offset), min(stop, offset + saved.numel())
+            if lo < hi:
+                out[lo - start : hi - start].copy_(saved[lo - offset : hi - offset])
+            if release:
+                release_pages(saved)
+    return out
+
+
+def load_buffers(root: nn.Module, state_dict: dict[str, Any], clean: Callable[[str], str]) -> None:
+    """Copy the buffers of ``root`` (FSDP leaves them whole on every rank) from ``state_dict``, by clean name."""
+    with torch.no_grad():
+        for name, buffer in root.named_buffers():
+            saved = state_dict.get(clean(name))
+            if saved is not None:
+                buffer.copy_(saved)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory-mapped pages
+
+
+_MADV_DONTNEED = 4
+_libc: Any = None
+
+
+def release_pages(tensor: Tensor) -> None:
+    """Hand the pages of a memory-mapped, read-only ``tensor`` back to the kernel (Linux; elsewhere nothing).
+
+    A memory-mapped checkpoint costs no memory until it is read, but every page read stays in the process's resident
+    set for as long as any tensor of the file lives, and loading keeps small tensors of the file (loop states...)
+    alive until the end: without this, loading would hold the checkpoint's bytes next to the shards they were copied
+    into. ``madvise(MADV_DONTNEED)`` drops the pages; should anything read them again, the kernel reads them back
+    from the file. Only memory that a file backs is touched (``/proc/self/maps`` tells): on anonymous memory the same
+    call would zero the data.
+    """
+    global _libc
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    begin, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    lo, hi = -(-begin // page) * page, end // page * page  # whole pages inside the tensor only
+    if hi <= lo or not _in_file_mapping(begin, end):
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+def _in_file_mapping(begin: int, end: int) -> bool:
+    """Whether the addresses ``[begin, end)`` lie in one private mapping of a regular file."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, stop = (int(x, 16) for x in fields[0].split("-"))
+                if start <= begin and end <= stop:
+                    path = fields[5].strip() if len(fields) == 6 else ""
+                    return path.startswith("/") and fields[1].endswith("p")
+    except OSError:
+        pass
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharded checkpoints of any world size
+
+
+class SavedShards:
+    """The shards of a sharded checkpoint saved by ``world_size`` processes, read into the shards of another world
+    size (or the same): each rank opens only the files whose slices overlap its own, and reads only those slices.
+
+    Args:
+        read: returns the shard dict that saving rank ``r`` wrote (memory-mapped); called at most once per rank.
+        world_size: the number of processes that saved the checkpoint.
+
+    The saved units must be the current model's (same units, same parameters): check with
+    :func:`lightning_fairscale.sharded_checkpoint.check_wrapping` first.
+    """
+
+    def __init__(self, read: Callable[[int], dict[str, Any]], world_size: int) -> None:
+        self._read = read
+        self.world_size = world_size
+        self._files: dict[int, dict[str, Any]] = {}
+
+    def file(self, rank: int) -> dict[str, Any]:
+        """Saving rank ``rank``'s shard dict, read on first use."""
+        if rank not in self._files:
+            self._files[rank] = self._read(rank)
+        return self._files[rank]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """FairScale's ``local_metadata_dict`` of saving rank 0 (units, names, shapes)."""
+        return self.file(0)["shard_metadata"]
+
+    def _segments(self, numel: int, start: int, stop: int, tensor_of: Callable[[dict[str, Any]], Tensor]) -> Iterable[Segment]:
+        """The saved pieces of one flat tensor of ``numel`` real elements that overlap ``[start, stop)``."""
+        if start >= stop:
+            return
+        size = tensor_of(self.file(0)).numel()  # every saving rank's shard of it has this (padded) size
+        for rank in range(start // size, min((stop - 1) // size + 1, self.world_size)):
+            offset = rank * size
+            yield offset, tensor_of(self.file(rank)).reshape(-1)[: max(0, min(size, numel - offset))]
+
+    def _keys(self) -> list[list[str]]:
+        """For each saved unit (``root.modules()`` order), the state-dict keys of its managed parameters."""
+        keys = []
+        for unit in self.metadata["param_metadata"]:
+            prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
+            keys.append([prefix + name for name in unit["params"]])
+        return keys
+
+    def load_into(self, root: nn.Module) -> None:
+        """Copy this rank's slice of every managed parameter, and every buffer, into the wrapped ``root``."""
+        keys = self._keys()
+        for u, unit in enumerate(fsdp_instances(root)):
+            for i, param in enumerate(unit.params):
+                numel = flat_numel(param)
+                start, stop, shard = _local_range(param, numel, unit)
+                key = keys[u][i]
+                copy_overlaps(param.data.view(-1), start, self._segments(numel, start, stop, lambda f: f["state_dict"][key]))
+        load_buffers(root, self.file(0)["state_dict"], lambda name: name)
+
+    def optimizer_state(self, index: int, current: Sequence[tuple[int, int]], root: nn.Module) -> dict[str, Any]:
+        """The state dict for this rank's ``index``-th optimizer, resharded from the saved one.
+
+        Args:
+            index: which of the saved optimizers.
+            current: ``(unit, parameter)`` of each parameter the optimizer holds, in its order
+                (:func:`lightning_fairscale.optim.managed_positions`).
+            root: the wrapped model.
+
+        Raises:
+            ValueError: the optimizer holds other parameters, or in another order, than the one that was saved.
+        """
+        saved_layout = self.file(0)["optimizer_layouts"][index]
+        if [tuple(p) for p in saved_layout["params"]] != [tuple(p) for p in current]:
+            raise ValueError(
+                f"The checkpoint's optimizer {index} was saved over other parameters (FSDP units and order) than this"
+                " run's optimizer holds. Resume with the optimizer configuration the checkpoint was saved with."
+            )
+        units = list(fsdp_instances(root))
+        saved = self.file(0)["optimizer_states"][index]
+        out: dict[int, dict[str, Any]] = {}
+        for m, (u, i) in enumerate(current):
+            entry = saved["state"].get(m)
+            if not entry:
+                continue
+            param = units[u].params[i]
+            numel = flat_numel(param)
+            start, stop, shard = _local_range(param, numel, units[u])
+            saved_size = _saved_param(self.file(0), u, i).numel()
+            state: dict[str, Any] = {}
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == saved_size:
+                    segments = self._segments(numel, start, stop, lambda f: f["optimizer_states"][index]["state"][m][key])
+                    state[key] = copy_overlaps(value.new_empty(shard), start, segments).view(param.shape)
+                else:  # per-parameter scalars ("step") are the same on every rank
+                    state[key] = copy.deepcopy(value)
+            out[m] = state
+        return {"state": out, "param_groups": copy.deepcopy(saved["param_groups"])}
+
+
+def _saved_param(shard: dict[str, Any], unit: int, index: int) -> Tensor:
+    entry = shard["shard_metadata"]["param_metadata"][unit]
+    prefix = f"{entry['fsdp_path']}." if entry["fsdp_path"] else ""
+    return shard["state_dict"][prefix + list(entry["params"])[index]]
+
+
+def _local_range(param: nn.Parameter, numel: int, unit: Any) -> tuple[int, int, int]:
+    """This rank's slice of ``param``: FairScale keeps parameters whole (not sharded) in a group of one process."""
+    if not getattr(param, "_is_sharded", False):
+        return 0, numel, numel
+    start, stop, shard = owned_range(numel, unit.rank, unit.world_size)
+    if param.data.numel() != shard:
+        raise RuntimeError(f"FairScale holds {param.data.numel()} elements of this parameter on this rank, expected {shard}.")
+    return start, stop, shard
+
+
+def local_range(param: nn.Parameter, unit: Any) -> tuple[int, int, int]:
+    """``(start, stop, shard_numel)`` of this rank's slice of the FSDP-managed ``param`` of ``unit``."""
+    return _local_range(param, flat_numel(param), unit)
+
+
+def load_full_state_dict(root: nn.Module, pieces_of: Callable[[nn.Parameter], Sequence[Any]], state_dict: dict[str, Any],
+                         clean: Callable[[str], str]) -> None:
+    """Copy this rank's slice of every managed parameter of ``root``, and every buffer, from the unwrapped module's
+    ``state_dict``, one unit at a time: nothing is gathered, and only the slices this rank owns are read.
+
+    Args:
+        root: the wrapped model.
+        pieces_of: the original parameters (:class:`~lightning_fairscale.optim.Piece`) a managed parameter holds.
+        state_dict: the full state dict, with the unwrapped module's keys (checked beforehand).
+        clean: the unwrapped name of a buffer of ``root``.
+    """
+    for unit in fsdp_instances(root):
+        for param in unit.params:
+            start, _, _ = local_range(param, unit)
+            segments = [(piece.offset, state_dict[piece.name].reshape(-1)) for piece in pieces_of(param)]
+            copy_overlaps(param.data.view(-1), start, segments)
+    load_buffers(root, state_dict, clean)
