@@ -1,0 +1,26 @@
+"""Fixtures of the unit tests: a single-process gloo group for FSDP units, and its clean-up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from lightning_fairscale import fairscale_cpu
+
+
+@pytest.fixture
+def process_group() -> Iterator[dist.ProcessGroup]:
+    """The default process group: gloo, one rank, in this process (FairScale's CPU patches installed).
+
+    FSDP units need a process group; with one rank they keep whole parameters, so the engine's results can be
+    compared exactly with a plain module's.
+    """
+    assert not dist.is_initialized(), "a previous test left its process group behind"
+    fairscale_cpu.install()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
