@@ -5,9 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_fairscale import fairscale_cpu
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Compute on one thread: the models are tiny, and on a shared machine more threads only wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

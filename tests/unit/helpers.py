@@ -25,7 +25,7 @@ from fairscale.nn.wrap import enable_wrap
 from torch import Tensor, nn
 
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.optim import GroupOrder, ParameterLayout, consolidate_state, repoint_optimizer, shard_state
 from lightning_fairscale.wrapping import auto_wrap_policy, clean_path, wrap_module
 
 #: Samples per global batch: divisible by the world sizes 1, 2 and 3 the tests use.
@@ -70,8 +70,14 @@ def batches(steps: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
 
 
 def fsdp_kwargs(flatten: bool = True, **overrides: Any) -> dict[str, Any]:
-    """The FSDP arguments the strategy uses on a CPU run (over the default process group)."""
+    """The FSDP arguments the strategy uses on a CPU run, over the default process group.
+
+    The groups are given, as the strategy gives its own: FairScale's default is a group it caches for the whole
+    process, which would outlive the test's process group.
+    """
     kwargs: dict[str, Any] = {
+        "process_group": dist.group.WORLD,
+        "process_group_reduce_scatter": dist.group.WORLD,
         "compute_device": torch.device("cpu"),
         "flatten_parameters": flatten,
         "state_dict_device": torch.device("cpu"),
@@ -115,6 +121,14 @@ class Sharded:
     optimizer: torch.optim.Optimizer
     layout: ParameterLayout
     orders: GroupOrder
+
+    def consolidate(self) -> dict[str, Any]:
+        """The optimizer's state in the layout of a plain optimizer over the unwrapped module (rank 0)."""
+        return consolidate_state(self.optimizer, self.layout, self.orders)
+
+    def load(self, full: dict[str, Any]) -> None:
+        """Load a plain optimizer's state dict: this rank's part of it."""
+        self.optimizer.load_state_dict(shard_state(full, self.optimizer, self.layout, self.orders))
 
 
 def shard(
