@@ -82,6 +82,9 @@ def fsdp_kwargs(flatten: bool = True, **overrides: Any) -> dict[str, Any]:
         "flatten_parameters": flatten,
         "state_dict_device": torch.device("cpu"),
         "state_dict_on_rank_0_only": True,
+        # Small reduce-scatter buckets (the strategy's default is 25 MB): still bucketed, but each flush allocates
+        # and zeroes 1 MB instead of 25.
+        "bucket_cap_mb": 1,
     }
     kwargs.update(overrides)
     return kwargs
@@ -154,9 +157,9 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor
 def param_groups(module: Net, flatten: bool) -> list[dict[str, Any]]:
     """Two param groups with different hyperparameters, each listing its parameters in an unusual order.
 
-    With ``flatten=True`` a group must hold whole FSDP units: every ``nn.Linear`` is a unit of its own (policy
-    ``{nn.Linear}``) and the root unit holds the LayerNorms, so the groups are "input/output layers" and "blocks".
-    Without flattening, weights and biases can be split.
+    With ``flatten=True`` a group must hold whole FSDP units, so the groups are "input/output layers" and "blocks":
+    with the policy ``{nn.Linear}`` (every Linear a unit, the root holds the LayerNorms) or ``{Block}`` (the root
+    holds ``inp`` and ``out``). Without flattening, weights and biases can be split.
     """
     if flatten:
         outer = [*module.out.parameters(), *module.inp.parameters()]
