@@ -25,7 +25,7 @@ from lightning_fairscale.fairscale_cpu import (
     global_grad_norm,
 )
 
-from .helpers import Block, Net, batches, parameters_of, shard, step, wrap
+from .helpers import Block, Net, batches, parameters_of, step, wrap
 
 pytestmark = pytest.mark.usefixtures("process_group")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are not installed where CUDA is")
@@ -215,16 +215,3 @@ def test_bf16_compute_really_computes_in_bf16() -> None:
     assert out.dtype == torch.bfloat16
     reference = Net().to(torch.bfloat16)
     torch.testing.assert_close(out, reference(x.to(torch.bfloat16)), rtol=0, atol=0)
-
-
-def test_a_sharded_state_loads_before_the_first_forward() -> None:
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    source = shard(model, optimizer, policy={Block})
-    step(source.root, source.optimizer, batches(1)[0])
-    saved = source.root.local_state_dict()
-    target = wrap(Net(seed=5), policy={Block})  # inner units, never run: their full-parameter buffers do not exist
-    target.load_local_state_dict(saved)
-    loaded = target.state_dict()
-    for key, value in source.root.state_dict().items():
-        assert torch.equal(loaded[key], value), key

@@ -34,6 +34,7 @@ from .helpers import (
     run_ranks,
     shard,
     step,
+    wrap,
 )
 from .test_sharded_checkpoint_format import split_by_hand
 
@@ -89,7 +90,11 @@ def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[st
         fresh = shard(fresh_model, OPTIMIZERS[optimizer](param_groups(fresh_model, flatten)), POLICY[flatten], flatten)
         fresh.load(expected[optimizer, flatten]["optimizer"])
         case["reloaded"] = fresh.consolidate()
+        # A sharded checkpoint's parameters, loaded into units that never ran a forward (as on resuming).
+        unused = wrap(Net(seed=5), policy=POLICY[flatten], flatten=flatten)
+        unused.load_local_state_dict(sharded.root.local_state_dict())
         case["parameters"] = parameters_of(unwrap_module(sharded.root))
+        case["loaded_parameters"] = parameters_of(unwrap_module(unused))
         out[f"{optimizer}-{flatten}"] = case
 
     # Gradient clipping by the global norm of all shards (FSDP's clip_grad_norm_ on CPU).
@@ -167,6 +172,7 @@ def test_consolidated_state_and_parameters_equal_plain_training(
     case = ranks[0][f"{optimizer}-{flatten}"]
     assert_optimizer_states_equal(case["consolidated"], expected[optimizer, flatten]["optimizer"])
     assert_tensors_equal(case["parameters"], expected[optimizer, flatten]["parameters"])
+    assert_tensors_equal(case["loaded_parameters"], expected[optimizer, flatten]["parameters"])
     assert all(r[f"{optimizer}-{flatten}"]["consolidated"] == {} for r in ranks[1:])  # rank 0 only
 
 
