@@ -203,12 +203,53 @@ def parameters_of(module: nn.Module) -> dict[str, Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def plain_copy(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Several ranks
+
+
+def fairscale_chunk(tensor: Tensor, rank: int, world_size: int) -> tuple[Tensor, int]:
+    """``rank``'s shard of ``tensor`` and its padding, by FairScale's rule."""
+    chunks = list(torch.flatten(tensor).chunk(world_size))
+    chunks += [chunks[0].new_empty(0)] * (world_size - len(chunks))
+    padding = chunks[0].numel() - chunks[rank].numel()
+    return nn.functional.pad(chunks[rank], [0, padding]), padding
+
+
+def split_by_hand(shard_: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """The shards ``world_size`` ranks would have saved, from the shard of one rank (which holds everything)."""
+    shards = []
+    for rank in range(world_size):
+        metadata = copy.deepcopy(shard_["shard_metadata"])
+        state_dict = {name: shard_["state_dict"][name] for name in metadata["buffer_names"]}
+        for unit in metadata["param_metadata"]:
+            for name, info in unit["params"].items():
+                key = f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
+                state_dict[key], info["padding"] = fairscale_chunk(shard_["state_dict"][key], rank, world_size)
+        optimizer_states = [
+            {
+                "state": {
+                    m: {
+                        k: fairscale_chunk(v, rank, world_size)[0] if isinstance(v, Tensor) and v.dim() else v
+                        for k, v in entry.items()
+                    }
+                    for m, entry in state["state"].items()
+                },
+                "param_groups": state["param_groups"],
+            }
+            for state in shard_["optimizer_states"]
+        ]
+        shards.append(
+            {
+                **shard_,
+                "state_dict": state_dict,
+                "shard_metadata": metadata,
+                "optimizer_states": optimizer_states,
+                "world_size": world_size,
+            }
+        )
+    return shards
+
+
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, directory: Path, *args: Any, timeout: float = 60) -> list[Any]:

@@ -27,7 +27,10 @@ from lightning_fairscale.fairscale_cpu import (
 
 from .helpers import Block, Net, batches, parameters_of, step, wrap
 
-pytestmark = pytest.mark.usefixtures("process_group")
+pytestmark = [
+    pytest.mark.usefixtures("process_group"),
+    pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),  # inside FairScale's bucketer
+]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are not installed where CUDA is")
 
 

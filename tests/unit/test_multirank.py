@@ -33,10 +33,10 @@ from .helpers import (
     parameters_of,
     run_ranks,
     shard,
+    split_by_hand,
     step,
     wrap,
 )
-from .test_sharded_checkpoint_format import split_by_hand
 
 #: Three units (the root holds inp and out, each Block is one): few units, few collectives, fast ranks.
 POLICY = {True: {Block}, False: {Block}}

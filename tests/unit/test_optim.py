@@ -17,7 +17,6 @@ from lightning_fairscale.optim import (
     ParameterLayout,
     Piece,
     plain_state_dict,
-    repoint_optimizer,
     repoint_to_unwrapped,
     shard_state,
 )

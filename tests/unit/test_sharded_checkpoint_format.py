@@ -7,20 +7,19 @@ FairScale's sharding rule (``torch.flatten(t).chunk(world_size)``, the short chu
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.sharded_checkpoint import FORMAT_KEY, check_fits, check_wrapping, consolidate, split_checkpoint
 from lightning_fairscale.wrapping import module_aliases
 
 from .helpers import OPTIMIZERS, Block, Net, Sharded, assert_optimizer_states_equal, assert_tensors_equal, batches
-from .helpers import param_groups, shard, step, wrap
+from .helpers import param_groups, shard, split_by_hand, step, wrap
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -55,49 +54,6 @@ def write(path: Path, meta: dict[str, Any], shards: list[dict[str, Any]]) -> Pat
         io.save_shard(shard_, path, rank, len(shards))
     io.commit_sharded({**meta, FORMAT_KEY: {**meta[FORMAT_KEY], "world_size": len(shards)}}, path, len(shards))
     return path
-
-
-def fairscale_chunk(tensor: Tensor, rank: int, world_size: int) -> tuple[Tensor, int]:
-    """``rank``'s shard of ``tensor`` and its padding, by FairScale's rule."""
-    chunks = list(torch.flatten(tensor).chunk(world_size))
-    chunks += [chunks[0].new_empty(0)] * (world_size - len(chunks))
-    padding = chunks[0].numel() - chunks[rank].numel()
-    return nn.functional.pad(chunks[rank], [0, padding]), padding
-
-
-def split_by_hand(shard_: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    """The shards ``world_size`` ranks would have saved, from the shard of one rank (which holds everything)."""
-    shards = []
-    for rank in range(world_size):
-        metadata = copy.deepcopy(shard_["shard_metadata"])
-        state_dict = {name: shard_["state_dict"][name] for name in metadata["buffer_names"]}
-        for unit in metadata["param_metadata"]:
-            for name, info in unit["params"].items():
-                key = f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
-                state_dict[key], info["padding"] = fairscale_chunk(shard_["state_dict"][key], rank, world_size)
-        optimizer_states = [
-            {
-                "state": {
-                    m: {
-                        k: fairscale_chunk(v, rank, world_size)[0] if isinstance(v, Tensor) and v.dim() else v
-                        for k, v in entry.items()
-                    }
-                    for m, entry in state["state"].items()
-                },
-                "param_groups": state["param_groups"],
-            }
-            for state in shard_["optimizer_states"]
-        ]
-        shards.append(
-            {
-                **shard_,
-                "state_dict": state_dict,
-                "shard_metadata": metadata,
-                "optimizer_states": optimizer_states,
-                "world_size": world_size,
-            }
-        )
-    return shards
 
 
 def test_split_checkpoint_puts_the_shards_apart_from_the_trainer_state() -> None:
