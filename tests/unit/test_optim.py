@@ -222,12 +222,6 @@ class ScaledLinear(nn.Module):
         return self.scale * self.linear(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="optim._merge_pieces decides which state entries are element-wise by the shape of the unit's FIRST "
-    "piece: with a 0-dim first parameter every momentum/exp_avg is taken for a scalar and only the first piece's "
-    "value is kept, so the next step fails (output with shape [] doesn't match the broadcast shape [9])",
-)
 def test_a_scalar_parameter_first_in_a_flat_unit_resumes_from_a_plain_state() -> None:
     model, reference = ScaledLinear(), ScaledLinear()
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)

@@ -75,17 +75,11 @@ def test_split_checkpoint_puts_the_shards_apart_from_the_trainer_state() -> None
     assert [len(order) for order in layout["orders"]] == [4, 12]
 
 
-FAIRSCALE_WORLD_SIZE_1 = pytest.mark.xfail(
-    strict=True,
-    reason="consolidate passes one rank's unflattened parameters to FairScale's consolidate_shard_weights as they are: "
-    "FSDP does not shard them on one rank, so they keep their shapes (2-d weights), and FairScale, which expects 1-d "
-    "shards, fails with a bare AssertionError (sum(numels) == full_param.size(0))",
-)
 
 
 @pytest.mark.parametrize(
     ("optimizer", "flatten"),
-    [("sgd", True), ("adam", True), pytest.param("adam", False, marks=FAIRSCALE_WORLD_SIZE_1)],
+    [("sgd", True), ("adam", True), ("adam", False)],
 )
 def test_consolidating_one_ranks_checkpoint_gives_the_full_checkpoint(
     tmp_path: Path, optimizer: str, flatten: bool
