@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install demo test doctest docs bench clean
+.PHONY: install demo test unit doctest docs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 # The test suite includes the docs' examples (`make doctest`); docstring examples run under pytest itself.
 test: doctest
 	$(PY) -m pytest -q
+
+# The in-process unit tests of the engine alone (tests/unit): seconds, no launched processes. Part of `make test`.
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 doctest: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest

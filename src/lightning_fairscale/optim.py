@@ -355,6 +355,19 @@ def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLay
     return {"state": out_state, "param_groups": out_groups}
 
 
+def _is_elementwise_over(key: str, states: list[dict[str, Any]], pieces: Sequence[Piece]) -> bool:
+    """Whether ``key`` holds one value per element of each piece (``exp_avg``...) rather than one per parameter
+    (``step``): its values have the pieces' shapes, all of them. Judged over every piece, since one piece alone can
+    be a scalar parameter whose ``exp_avg`` looks like a ``step``. In a unit of scalar parameters only, shapes cannot
+    tell: there every entry but ``step`` (torch's only per-parameter scalar state) is element-wise."""
+    values = [state.get(key) for state in states]
+    if not all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(values, pieces)):
+        if any(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+            raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
+        return False
+    return any(p.shape != torch.Size() for p in pieces) or key != "step"
+
+
 def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
     """This rank's shard of a managed parameter's state, from the plain state of the pieces it holds: only the
     slices this rank owns are read (see :mod:`lightning_fairscale.resharding`)."""
@@ -365,9 +378,7 @@ def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, 
     merged: dict[str, Any] = {}
     start, _, _ = local_range(managed, info.unit)
     for key, value in present[0].items():
-        if isinstance(value, Tensor) and value.shape == info.pieces[0].shape and value.dim() > 0:
-            if [s[key].numel() for s in present] != [p.numel for p in info.pieces]:
-                raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
+        if _is_elementwise_over(key, present, info.pieces):
             segments = [(piece.offset, s[key].reshape(-1)) for piece, s in zip(info.pieces, present)]
             merged[key] = copy_overlaps(value.new_empty(managed.numel()), start, segments).view(managed.shape)
         else:

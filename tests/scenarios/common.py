@@ -53,6 +53,13 @@ def make_optimizer(name: str, params_or_groups: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
+def split_param_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """Weights and biases in two param groups whose hyperparameters change the result (``params="split"``)."""
+    weights = [p for n, p in module.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in module.named_parameters() if n.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.01}]
+
+
 class RegressionModel(LightningModule):
     """Trains ``build_network()`` on ``dataset()``; ``params`` chooses how configure_optimizers names parameters."""
 
@@ -101,9 +108,7 @@ class RegressionModel(LightningModule):
         elif kind == "stray":  # a parameter that is not part of the module: must be refused
             source = [*self.parameters(), nn.Parameter(torch.zeros(3))]
         elif kind == "split":  # two groups inside one FSDP unit: must be refused with flattened parameters
-            weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
-            biases = [p for n, p in self.named_parameters() if n.endswith("bias")]
-            source = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
+            source = split_param_groups(self)
         else:
             raise ValueError(kind)
         optimizer = make_optimizer(self.hparams.optimizer, source)
@@ -186,17 +191,19 @@ def reference_training(
     step_offset: int = 0,
     num_samples: int = NUM_SAMPLES,
     freeze: Optional[str] = None,
+    params: str = "self",
     lr: Optional[float] = None,
 ) -> dict[str, torch.Tensor]:
-    """Single-process training on the full global batch, without any wrapper; from the weights ``start`` if given
-    (else ``build_network``'s), with a fresh optimizer whose learning rate is ``lr`` if given (the scheduler's too)."""
+    """Single-process training on the full global batch, without any wrapper (``params="split"``: with the param
+    groups of ``split_param_groups``); from the weights ``start`` if given (else ``build_network``'s), with a fresh
+    optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too)."""
     net = build_network(depth)
     model = RegressionModelWrapper(net)
     if start is not None:
         model.load_state_dict(start)
     if freeze:
         model.get_parameter(freeze).requires_grad_(False)
-    opt = make_optimizer(optimizer, model.parameters())
+    opt = make_optimizer(optimizer, split_param_groups(model) if params == "split" else model.parameters())
     for group in opt.param_groups if lr is not None else ():
         group["lr"] = lr
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if scheduler else None

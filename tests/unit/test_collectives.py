@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from fake_nccl import FAKE_GPU, FakeNccl, OnFakeGpu
+from unit.fake_nccl import FAKE_GPU, FakeNccl, OnFakeGpu
 
 from lightning_fairscale import collectives
 
@@ -16,7 +16,7 @@ def test_the_fake_backend_refuses_cpu_tensors_like_nccl(fake_nccl: FakeNccl) -> 
         dist.all_reduce(torch.ones(2))
 
 
-def test_gloo_takes_tensors_where_they_are(gloo_group: None) -> None:
+def test_gloo_takes_tensors_where_they_are(process_group: None) -> None:
     assert collectives.group_device(None, torch.device("cpu")) == torch.device("cpu")
 
 
@@ -66,7 +66,7 @@ def test_all_gather_object(fake_nccl: FakeNccl) -> None:
         assert collectives.all_gather_object({"a": [1, 2]}) == [{"a": [1, 2]}]
 
 
-def test_no_copy_where_the_backend_takes_the_tensor(gloo_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_copy_where_the_backend_takes_the_tensor(process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """On gloo the collective gets the caller's tensor itself: no copy, no extra memory."""
     seen: list[torch.Tensor] = []
     real = dist.all_reduce

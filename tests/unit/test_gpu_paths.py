@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from fake_nccl import FAKE_GPU, FakeNccl
+from unit.fake_nccl import FAKE_GPU, FakeNccl
 from torch import nn
 
 from lightning_fairscale import fairscale_cpu
@@ -29,7 +29,7 @@ def _network() -> nn.Module:
 
 
 @pytest.fixture
-def trained(gloo_group: None) -> Iterator[tuple[torch.optim.Optimizer, ParameterLayout, list, nn.Module]]:
+def trained(process_group: None) -> Iterator[tuple[torch.optim.Optimizer, ParameterLayout, list, nn.Module]]:
     """Two Adam steps of a one-rank FSDP model on the CPU: optimizer state in CPU memory, as with ``cpu_offload``."""
     fairscale_cpu.install()
     module = _network()
