@@ -141,11 +141,6 @@ def test_sharded_checkpoints_need_a_local_file_system() -> None:
         ShardedCheckpointIO().begin_sharded("memory://checkpoints/last.ckpt")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="write_atomically renames a file over the path, which fails (IsADirectoryError) when the path holds a "
-    "sharded checkpoint directory, e.g. save_last with state_dict_type switched from 'sharded' to 'full'",
-)
 def test_a_full_checkpoint_replaces_a_sharded_one_of_the_same_name(tmp_path: Path) -> None:
     io = ShardedCheckpointIO()
     save_sharded(io, tmp_path / "last.ckpt", 1)
@@ -153,11 +148,6 @@ def test_a_full_checkpoint_replaces_a_sharded_one_of_the_same_name(tmp_path: Pat
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ShardedCheckpointIO.recover only looks for a parked *directory* (.<name>.replaced): a full checkpoint "
-    "file parked by a sharded save that crashed between its two renames is not found (FileNotFoundError)",
-)
 def test_a_crash_between_the_renames_finds_a_previous_full_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,11 +160,6 @@ def test_a_crash_between_the_renames_finds_a_previous_full_checkpoint(
     assert io.load_checkpoint(target)["global_step"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="commit_sharded deletes a parked previous checkpoint (.<name>.replaced, left by a save that crashed "
-    "between its renames) before its own directory is in place: a crash at that point leaves no checkpoint",
-)
 def test_two_interrupted_saves_in_a_row_leave_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,14 +175,88 @@ def test_two_interrupted_saves_in_a_row_leave_the_previous_checkpoint(
     assert io.load_checkpoint(target)["global_step"] in (1, 2, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a full save that failed leaves its hidden .<name>.partial file; the next sharded save of that name "
-    "uses the same path as its staging directory and fails in begin_sharded (NotADirectoryError from rmtree)",
-)
 def test_a_failed_full_save_does_not_block_a_sharded_save_of_the_same_name(tmp_path: Path) -> None:
     io, target = ShardedCheckpointIO(), tmp_path / "last.ckpt"
     with pytest.raises(Exception, match="pickle|Can't"):
         io.save_checkpoint({"bad": lambda: None}, target)
+    assert list(tmp_path.iterdir()) == []  # the failed save cleaned up after itself
+    hidden_path(target, "partial").write_bytes(b"half a checkpoint")  # as a full save killed midway leaves it
     save_sharded(io, target, 1)
     assert_holds(io, target, 1)
+    io.begin_sharded(target)  # a sharded save killed midway leaves its staging directory ...
+    io.save_checkpoint({"global_step": 2}, target)  # ... where the next full save stages its file
+    assert io.load_checkpoint(target)["global_step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def save(io: ShardedCheckpointIO, kind: str, target: Path, step: int) -> None:
+    if kind == "full":
+        io.save_checkpoint({"global_step": step}, target)
+    else:
+        save_sharded(io, target, step)
+
+
+@pytest.mark.parametrize("new", ["full", "sharded"])
+@pytest.mark.parametrize("old", ["full", "sharded"])
+def test_a_save_interrupted_at_any_rename_leaves_a_checkpoint_of_either_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: str, new: str
+) -> None:
+    """Every rename of a save of either kind over either kind, in turn, is where the process dies."""
+    crashed_at = []
+    for number in range(1, 10):
+        folder = tmp_path / f"crash-at-{number}"
+        target = folder / "last.ckpt"
+        io = ShardedCheckpointIO()
+        save(io, old, target, 1)
+        crash_at_rename(monkeypatch, number)
+        try:
+            save(io, new, target, 2)
+        except OSError as error:
+            assert "simulated crash" in str(error)
+            crashed_at.append(number)
+        monkeypatch.undo()
+        assert io.load_checkpoint(target)["global_step"] == (1 if crashed_at[-1:] == [number] else 2)
+        if crashed_at[-1:] != [number]:
+            break  # the save ran through: every rename has been a crash point
+        save(io, new, target, 3)  # the next save is not disturbed by what the interrupted one left
+        assert io.load_checkpoint(target)["global_step"] == 3
+        assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    # A file over a file is one rename; a file over a directory parks it first; a sharded save writes two shards and
+    # meta.pt before it parks and swaps.
+    assert len(crashed_at) == {"full": 1 if old == "full" else 2, "sharded": 5}[new]
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path: Path) -> None:
+    io, target = ShardedCheckpointIO(), tmp_path / "results"
+    target.mkdir()
+    (target / "notes.txt").write_text("precious")
+    for save_it in (lambda: io.save_checkpoint({"global_step": 1}, target), lambda: save_sharded(io, target, 1)):
+        with pytest.raises(IsADirectoryError, match=r"results: it is a directory that is not a sharded checkpoint"):
+            save_it()
+    assert (target / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_a_failed_commit_puts_the_previous_checkpoint_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    io, target = ShardedCheckpointIO(), tmp_path / "last.ckpt"
+    save_sharded(io, target, 1)
+    crash_at_rename(monkeypatch, 5)  # the previous checkpoint is parked, the new one fails to move in
+    with pytest.raises(OSError, match="simulated crash"):
+        save_sharded(io, target, 2)
+    monkeypatch.undo()
+    io.abort_sharded(target)  # what the strategy does when a step fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert_holds(io, target, 1)
+
+
+def test_removing_a_checkpoint_removes_its_parked_previous_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io, target = ShardedCheckpointIO(), tmp_path / "last.ckpt"
+    save_sharded(io, target, 1)
+    crash_at_rename(monkeypatch, 5)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_sharded(io, target, 2)
+    monkeypatch.undo()
+    io.remove_checkpoint(target)
+    assert not io.recover(target).exists()  # it does not come back from its hiding place

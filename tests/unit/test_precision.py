@@ -98,14 +98,38 @@ def test_a_strategy_without_a_plugin_has_the_full_precision_one(strategy: type, 
     assert type(strategy().precision_plugin) is plugin
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FullyShardedMixedPrecisionPlugin accepts a plain torch GradScaler, whose inf checks see one rank's "
-    "gradient shards only (ranks skip different steps and drift apart); ShardedMixedPrecisionPlugin refuses it",
+@pytest.mark.parametrize(
+    ("scaler", "why"),
+    [
+        (lambda: torch.amp.GradScaler("cpu"), "torch.amp.grad_scaler.GradScaler: each rank would check only its own"),
+        (FairScaleShardedGradScaler, "ShardedGradScaler: FairScale's drops the combined inf/NaN checks"),
+    ],
+    ids=["torch", "fairscale"],
 )
-def test_fsdp_mixed_precision_refuses_a_plain_grad_scaler() -> None:
-    with pytest.raises(TypeError, match="sharded grad scaler"):
-        FullyShardedMixedPrecisionPlugin("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_fsdp_mixed_precision_refuses_a_plain_grad_scaler(scaler: Callable[[], Any], why: str) -> None:
+    with pytest.raises(TypeError, match=f"sharded grad scaler, got .*{why}.*Leave `scaler=None`"):
+        FullyShardedMixedPrecisionPlugin("16-mixed", "cpu", scaler=scaler())
+    ours = ShardedGradScaler(device="cpu", init_scale=8.0)
+    assert FullyShardedMixedPrecisionPlugin("16-mixed", "cpu", scaler=ours).scaler is ours
+
+
+class OwnPrecision(Precision):
+    """A user's plugin for a precision the strategies support."""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+@pytest.mark.parametrize(
+    "plugin", [OwnPrecision(), type("OwnMixed", (MixedPrecision,), {})("bf16-mixed", "cpu")], ids=["32", "bf16"]
+)
+def test_another_plugin_for_a_supported_precision_is_refused_saying_what_to_pass(
+    strategy: str, plugin: Precision
+) -> None:
+    with pytest.raises(ValueError, match="Strategy` cannot use the precision plugin Own") as refusal:
+        SELECT[strategy](plugin)
+    message = str(refusal.value)
+    assert f"precision={plugin.precision!r}" in message and "does not support" not in message
+    assert f"a subclass of `{PLAIN[strategy].__name__}` (32-true) or `{MIXED[strategy].__name__}`" in message
 
 
 def plain_gradients() -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 import torch
+from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,7 +41,11 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
         device: ``"cuda"`` or ``"cpu"``.
-        scaler: a grad scaler for fp16 (default: a sharded one); must be ``None`` for bf16.
+        scaler: a :class:`~lightning_fairscale.fairscale_cpu.ShardedGradScaler` for fp16 (default: one for
+            ``device``); must be ``None`` for bf16.
+
+    Raises:
+        TypeError: ``scaler`` is another grad scaler, whose inf/NaN checks would not agree across ranks.
 
     Example:
         >>> plugin = FullyShardedMixedPrecisionPlugin("bf16-mixed", "cpu")
@@ -53,6 +58,18 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     ) -> None:
         if scaler is None and precision == "16-mixed":
             scaler = _sharded_grad_scaler(device)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            why = (
+                "FairScale's drops the combined inf/NaN checks of gradients in CPU memory (`cpu_offload`)"
+                if isinstance(scaler, _FairScaleShardedGradScaler)
+                else "each rank would check only its own gradient shards for inf/NaN"
+            )
+            raise TypeError(
+                f"`FullyShardedMixedPrecisionPlugin` needs a sharded grad scaler, got {type(scaler).__module__}."
+                f"{type(scaler).__qualname__}: {why}, so the ranks would skip different steps and their models drift"
+                " apart. Leave `scaler=None` (the default: a sharded one), or pass"
+                f" `lightning_fairscale.fairscale_cpu.ShardedGradScaler(device={device!r})`."
+            )
         super().__init__(precision=precision, device=device, scaler=scaler)
 
     @property
@@ -68,6 +85,7 @@ def _sharded_grad_scaler(device: str) -> Any:
     return ShardedGradScaler(device=device)
 
 
+#: The ``Trainer(precision=...)`` values ``DDPFullyShardedStrategy`` supports.
 SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed")
 
 
@@ -75,7 +93,8 @@ def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
     """The FSDP plugin for a plugin the Trainer made from its ``precision`` flag.
 
     Raises:
-        ValueError: the precision is not one FSDP supports; the message names those that are.
+        ValueError: the precision is not one FSDP supports (the message names those that are), or the plugin is
+            another class for a supported one (e.g. a subclass of Lightning's ``Precision``).
     """
     if isinstance(plugin, (FullyShardedPrecisionPlugin, FullyShardedMixedPrecisionPlugin)):
         return plugin
@@ -83,8 +102,17 @@ def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
         return FullyShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return FullyShardedMixedPrecisionPlugin(plugin.precision, plugin.device, scaler=None)  # type: ignore[arg-type]
+    precision = getattr(plugin, "precision", None)
+    if precision in SUPPORTED_PRECISION:  # a plugin class of its own, for a precision FSDP supports
+        raise ValueError(
+            f"`DDPFullyShardedStrategy` cannot use the precision plugin {type(plugin).__name__}"
+            f" (precision={precision!r}): only its own plugins clip gradients by the norm of all shards and scale fp16"
+            " losses with checks that agree across ranks. Pass `Trainer(precision=...)` without this plugin, or make"
+            " your plugin a subclass of `FullyShardedPrecisionPlugin` (32-true) or `FullyShardedMixedPrecisionPlugin`"
+            " (16-mixed, bf16-mixed)."
+        )
     raise ValueError(
-        f"`DDPFullyShardedStrategy` does not support precision={getattr(plugin, 'precision', type(plugin).__name__)!r}."
+        f"`DDPFullyShardedStrategy` does not support precision={precision or type(plugin).__name__!r}."
         f" Use one of {', '.join(repr(p) for p in SUPPORTED_PRECISION)}: FairScale FSDP keeps FP32 parameter shards"
         " and computes in fp16 or bf16 under mixed precision."
     )

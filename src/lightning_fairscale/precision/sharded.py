@@ -85,7 +85,8 @@ def sharded_precision_plugin(plugin: Precision) -> Precision:
     plugins are kept as they are.
 
     Raises:
-        ValueError: the precision is not one the strategy supports; the message names those that are.
+        ValueError: the precision is not one the strategy supports (the message names those that are), or the plugin
+            is another class for a supported one (e.g. a subclass of Lightning's ``Precision``).
 
     Example:
         >>> type(sharded_precision_plugin(Precision())).__name__
@@ -97,9 +98,16 @@ def sharded_precision_plugin(plugin: Precision) -> Precision:
         return ShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return ShardedMixedPrecisionPlugin(plugin.precision, plugin.device)  # type: ignore[arg-type]
-    precision = getattr(plugin, "precision", type(plugin).__name__)
+    precision = getattr(plugin, "precision", None)
+    if precision in SUPPORTED_PRECISION:  # a plugin class of its own, for a precision the strategy supports
+        raise ValueError(
+            f"`DDPShardedStrategy` cannot use the precision plugin {type(plugin).__name__} (precision={precision!r}):"
+            " only its own plugins clip gradients by the norm of all ranks' gradients and scale fp16 losses with checks"
+            " that agree across ranks. Pass `Trainer(precision=...)` without this plugin, or make your plugin a"
+            " subclass of `ShardedPrecisionPlugin` (32-true) or `ShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed)."
+        )
     raise ValueError(
-        f"`DDPShardedStrategy` does not support precision={precision!r}. Use one of"
+        f"`DDPShardedStrategy` does not support precision={precision or type(plugin).__name__!r}. Use one of"
         f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} (`Trainer(precision=...)`), or pass a"
         " `ShardedPrecisionPlugin`/`ShardedMixedPrecisionPlugin` in `plugins`."
     )
