@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import io
 import os
 import signal
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import IN_FEATURES, Block, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
@@ -99,6 +100,36 @@ class RecordUnits(Callback):
         self.memory = getattr(trainer.strategy, "memory_figures", dict)()
 
 
+class RecordSummary(Callback):
+    """Records each rank's ``FullyShardedSummary`` of the whole model (every rank builds one: the example input, if
+    any, runs through the root unit on all ranks); rank 0 keeps them all."""
+
+    def __init__(self) -> None:
+        self.summaries: list[dict[str, Any]] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        from scenarios.flavor import OURS
+
+        summary = importlib.import_module(f"{OURS}.model_summary").FullyShardedSummary(pl_module, max_depth=-1)
+        has_flops = hasattr(summary, "_flop_counter")
+        mine = {
+            "names": summary.layer_names,
+            "types": summary.layer_types,
+            "params": summary.param_nums,
+            "shard": [layer.shard_parameters for layer in summary._layer_summary.values()],
+            "in_sizes": summary.in_sizes,
+            "out_sizes": summary.out_sizes,
+            # Lightning counts FLOPs from 2.6 on.
+            "flops": {k: sum(v.values()) for k, v in summary.flop_counts.items()} if has_flops else None,
+            "total": summary.total_parameters,
+            "trainable": summary.trainable_parameters,
+            "total_shard": summary.shard_parameters,
+            "modes": summary.total_training_modes,
+        }
+        self.summaries = [{} for _ in range(trainer.world_size)]
+        torch.distributed.all_gather_object(self.summaries, mine)
+
+
 class RecordTraining(Callback):
     """Records, on rank 0, each step's loss and the dtypes a block's Linear layer computes with."""
 
@@ -169,6 +200,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--move-grads-to-cpu", type=int, default=None)
     p.add_argument("--lose-rank", type=int, default=None, help="this rank is lost at --lose-at-step")
     p.add_argument("--lose-at-step", type=int, default=3)
+    p.add_argument("--model-summary", action="store_true", help="the Trainer's model summary, and each rank's record")
+    p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
     p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
     return p.parse_args()
 
@@ -184,6 +217,8 @@ def main() -> None:
             del ManualWrapModel.configure_model
     else:
         model = RegressionModel(depth=args.depth, **common)
+    if args.example_input:
+        model.example_input_array = torch.zeros(2, IN_FEATURES)
     if args.freeze:
         model.get_parameter(args.freeze).requires_grad_(False)
     policy: Any = None
@@ -211,6 +246,9 @@ def main() -> None:
     recorder = RecordUnits()
     training = RecordTraining()
     callbacks: list[Callback] = [recorder, training]
+    summaries = RecordSummary()
+    if args.model_summary:
+        callbacks.append(summaries)
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
     if args.kill_during_save:
@@ -239,7 +277,7 @@ def main() -> None:
         logger=False,
         enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=args.model_summary,
         limit_val_batches=1.0 if args.eval_after else 0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
@@ -262,6 +300,7 @@ def main() -> None:
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
+        "summaries": summaries.summaries,
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

@@ -37,6 +37,7 @@ TARGET_PACKAGE = "lightning_fairscale.lightning"
 #: prefixes of others. Everything else is shared by both Lightning packages.
 BOUND = (
     "checkpoint_io",
+    "model_summary",
     "precision",
     "precision.fully_sharded",
     "precision.sharded",

@@ -24,7 +24,7 @@ from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.model_summary import use_for_model_summaries
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.precision.fully_sharded import (
     FullyShardedMixedPrecisionPlugin,
@@ -353,8 +354,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._layout = ParameterLayout.before_wrapping(self.model)
         self.model = self._setup_model(self.model)
         self._layout.after_wrapping(self.model)
-        if self.is_global_zero:
-            log.info("%s: %s", type(self).__name__, unit_summary(self.model))
+        if self.is_global_zero:  # where Lightning's own messages go (its logger configures a handler), once
+            rank_zero_info(f"{type(self).__name__}: {unit_summary(self.model)}")
+        use_for_model_summaries(trainer)
         if fitting:
             self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
         # From here on nothing refers to the unsharded original parameters any more: they are freed.
