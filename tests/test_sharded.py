@@ -73,6 +73,17 @@ def test_equals_unsharded_training(two_processes: Any, name: str, optimizer: str
     assert max_difference(result["state_dict"], reference(name)) < ATOL
 
 
+def test_stochastic_weight_averaging_gives_the_weights_of_lightnings_ddp(two_processes: Any) -> None:
+    """OSS keeps every parameter whole on every rank, so Lightning's SWA callback works as under plain DDP."""
+    sharded, ddp = two_processes[0]["swa"], two_processes[0]["swa-ddp"]
+    assert_sharded(sharded, "SGD")
+    assert ddp["strategy"] == "DDPStrategy"
+    assert sharded["global_step"] == ddp["global_step"] == 6
+    assert max_difference(sharded["state_dict"], ddp["state_dict"]) < ATOL
+    # The average is not the last weights: SWA did something (plain training of the same 6 steps differs).
+    assert max_difference(sharded["state_dict"], reference_training(6, "sgd")) > 100 * ATOL
+
+
 def test_param_groups_change_the_result() -> None:
     """The two param groups' hyperparameters matter, so the equality above shows that OSS kept them."""
     assert max_difference(reference("sgd-groups"), reference("sgd")) > 100 * ATOL

@@ -28,6 +28,7 @@ from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, a
     LightningModule,
     ModelCheckpoint,
     ShardedMixedPrecisionPlugin,
+    StochasticWeightAveraging,
     Trainer,
     seed_everything,
 )
@@ -53,6 +54,9 @@ CASES: dict[str, dict[str, Any]] = {
     "straight": {**RESUME, "checkpoints": True, "save_after_fit": True},
     "resume": {**RESUME, "resume_from": "checkpoints/epoch=1-step=2.ckpt"},
     "eval-after-fit": {"optimizer": "adam", "steps": 2, "eval_after": True},
+    # Lightning's StochasticWeightAveraging over 3 epochs of 2 steps, and the same under Lightning's own "ddp".
+    "swa": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True},
+    "swa-ddp": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True, "ddp": True},
 }
 
 
@@ -90,11 +94,12 @@ class Record(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         (optimizer,) = trainer.strategy.optimizers
+        shard = getattr(optimizer, "optim", optimizer)  # OSS's optimizer of this rank's shard
         self.info.update(
             wrapper=type(trainer.strategy.model).__name__,
             optimizer=type(optimizer).__name__,
-            shard_optimizer=type(optimizer.optim).__name__,
-            shard_params=sum(len(g["params"]) for g in optimizer.optim.param_groups),
+            shard_optimizer=type(shard).__name__,
+            shard_params=sum(len(g["params"]) for g in shard.param_groups),
             all_params=sum(len(g["params"]) for g in optimizer.param_groups),
             precision_plugin=type(trainer.precision_plugin).__name__,
             scaler=type(getattr(trainer.precision_plugin, "scaler", None)).__name__,
@@ -116,12 +121,15 @@ def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path, accel
         callbacks.append(
             ModelCheckpoint(dirpath=workdir / "checkpoints", filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
         )
+    if case.get("swa"):
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1))
     clip_val, clip_algorithm = case.get("clip", (None, None))
     trainer = Trainer(
         accelerator=accelerator,
         devices=devices,
-        strategy=DDPShardedStrategy(**case.get("strategy", {})),
+        strategy="ddp" if case.get("ddp") else DDPShardedStrategy(**case.get("strategy", {})),
         max_steps=steps,
+        max_epochs=case.get("epochs"),
         precision=None if "plugin" in case else case.get("precision", "32-true"),
         plugins=[ShardedMixedPrecisionPlugin(case["plugin"], "cuda" if accelerator == "gpu" else "cpu")] if "plugin" in case else None,
         accumulate_grad_batches=case.get("accumulate", 1),

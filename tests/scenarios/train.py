@@ -28,6 +28,8 @@ from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, a
     DDPFullyShardedStrategy,
     FullyShardedMixedPrecisionPlugin,
     ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
     Trainer,
     seed_everything,
 )
@@ -202,6 +204,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lose-at-step", type=int, default=3)
     p.add_argument("--model-summary", action="store_true", help="the Trainer's model summary, and each rank's record")
     p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
+    p.add_argument("--callback", default=None, choices=["swa", "pruning"], help="add Lightning's SWA or ModelPruning")
     p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
     return p.parse_args()
 
@@ -251,6 +254,10 @@ def main() -> None:
         callbacks.append(summaries)
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
+    if args.callback:
+        callbacks.append(
+            StochasticWeightAveraging(swa_lrs=0.01) if args.callback == "swa" else ModelPruning("l1_unstructured")
+        )
     if args.kill_during_save:
         callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank, args.kill_how))
     if args.checkpoint_dir:

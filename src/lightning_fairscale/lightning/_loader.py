@@ -42,6 +42,7 @@ BOUND = (
     "precision.fully_sharded",
     "precision.sharded",
     "strategies",
+    "strategies._callbacks",
     "strategies.fully_sharded",
     "strategies.sharded",
 )

@@ -47,6 +47,7 @@ from lightning_fairscale.optim import (
     repoint_to_unwrapped,
     shard_state,
 )
+from lightning_fairscale.strategies._callbacks import check_callbacks
 from lightning_fairscale.strategies._checkpoint import check_state_dict_fits, optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
@@ -313,6 +314,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
+            check_callbacks(module.trainer.callbacks, type(self).__name__)
         super().setup_environment()
         close_process_group_at_exit(self)
         if self.root_device.type == "cpu":
