@@ -26,7 +26,8 @@ from lightning_fairscale.strategies.sharded import shard_optimizer
 
 ATOL = 1e-5
 SCRIPT = TESTS / "scenarios" / "sharded_train.py"
-TWO_PROCESS_CASES = [name for name in CASES if name != "resume"] + ["resume"]  # resume reads straight's checkpoint
+# "resume" reads straight's checkpoint; cases marked "alone" have launches of their own.
+TWO_PROCESS_CASES = [name for name in CASES if name != "resume" and not CASES[name].get("alone")] + ["resume"]
 
 
 def run_cases(workdir: Path, cases: list[str], devices: int = 2) -> dict[str, dict[str, Any]]:
@@ -146,6 +147,29 @@ def test_checkpoint_holds_a_plain_optimizer_state(two_processes: Any) -> None:
     after_fit = torch.load(workdir / "straight-after-fit.ckpt", weights_only=True)
     assert max_difference(after_fit["state_dict"], results["straight"]["state_dict"]) == 0.0
     assert {float(s["step"]) for s in after_fit["optimizer_states"][0]["state"].values()} == {4.0}
+
+
+def test_a_save_killed_halfway_keeps_the_previous_checkpoint(two_processes: Any) -> None:
+    """Rank 0 is SIGKILLed halfway through writing the second last.ckpt: the first one (step 1) stays whole.
+
+    The strategy's default CheckpointIO, ``ShardedCheckpointIO``, writes a hidden ``.last.ckpt.partial`` beside the
+    target, flushes it to disk and renames it into place. (Lightning's own ``TorchCheckpointIO`` serializes into
+    memory first, which this kill does not reach: the run would finish and the test fail.)
+    """
+    _, workdir = two_processes
+    args = ["--out", str(workdir / "unused.pt"), "--cases", "killed-save", "--workdir", str(workdir)]
+    proc = run_script([str(SCRIPT), *args, "--kill-during-save", "2"], cwd=workdir, expect_ok=False)
+    assert proc.returncode != 0
+    folder = workdir / "last"
+    # Killed while writing the new file beside the target, which is untouched.
+    assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.partial", "last.ckpt"]
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 1
+    # The same run without the kill saved the same step-1 checkpoint: "straight" (one file per epoch).
+    first = torch.load(workdir / "checkpoints" / "epoch=0-step=1.ckpt", weights_only=True)
+    assert max_difference(last["state_dict"], first["state_dict"]) == 0.0
+    (state,), (expected,) = last["optimizer_states"], first["optimizer_states"]
+    assert all(torch.equal(state["state"][i]["exp_avg"], expected["state"][i]["exp_avg"]) for i in expected["state"])
 
 
 def test_evaluation_after_fit_runs_unwrapped(two_processes: Any) -> None:

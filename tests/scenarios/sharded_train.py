@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from scenarios import common  # noqa: E402
+from scenarios.train import KillDuringSave  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     Callback,
     DDPShardedStrategy,
@@ -53,6 +54,8 @@ CASES: dict[str, dict[str, Any]] = {
     # Four steps with a checkpoint after each (one epoch is one step), then a resume from the second.
     "straight": {**RESUME, "checkpoints": True, "save_after_fit": True},
     "resume": {**RESUME, "resume_from": "checkpoints/epoch=1-step=2.ckpt"},
+    # As "straight", saving "last.ckpt" after each step; run alone, with --kill-during-save (the run dies).
+    "killed-save": {**RESUME, "checkpoints": "last", "alone": True},
     "eval-after-fit": {"optimizer": "adam", "steps": 2, "eval_after": True},
     # Lightning's StochasticWeightAveraging over 3 epochs of 2 steps, and the same under Lightning's own "ddp".
     "swa": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True},
@@ -109,7 +112,9 @@ class Record(Callback):
         self.info["eval_wrapper"] = type(trainer.strategy.model).__name__
 
 
-def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path, accelerator: str = "cpu") -> dict[str, Any]:
+def run_case(
+    name: str, case: dict[str, Any], devices: int, workdir: Path, accelerator: str = "cpu", kill_during_save: int = 0
+) -> dict[str, Any]:
     seed_everything(7, workers=True)
     steps = case.get("steps", 3)
     model = common.RegressionModel(
@@ -117,10 +122,16 @@ def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path, accel
     )
     record = Record()
     callbacks: list[Callback] = [record]
-    if case.get("checkpoints"):
+    if case.get("checkpoints") == "last":
+        callbacks.append(
+            ModelCheckpoint(dirpath=workdir / "last", filename="last", enable_version_counter=False, every_n_epochs=1)
+        )
+    elif case.get("checkpoints"):
         callbacks.append(
             ModelCheckpoint(dirpath=workdir / "checkpoints", filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
         )
+    if kill_during_save:
+        callbacks.append(KillDuringSave(kill_during_save, rank=0, how="kill"))
     if case.get("swa"):
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1))
     clip_val, clip_algorithm = case.get("clip", (None, None))
@@ -175,9 +186,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--workdir", default=".", help="checkpoints are written and read here")
+    parser.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL rank 0 halfway through its n-th file")
     args = parser.parse_args()
     workdir = Path(args.workdir)
-    results = {name: run_case(name, CASES[name], args.devices, workdir, args.accelerator) for name in args.cases.split(",")}
+    results = {
+        name: run_case(name, CASES[name], args.devices, workdir, args.accelerator, args.kill_during_save)
+        for name in args.cases.split(",")
+    }
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, args.out)
     torch.distributed.destroy_process_group()  # a clean exit for the threads of gloo
