@@ -4,7 +4,7 @@
 #
 # Every setting below can be overridden on the command line or in the environment, which is how CI's matrix runs
 # the same two commands (`make install`, `make test`) for each Python and Lightning version, e.g.
-#   make test LIGHTNING_VERSION=2.5.0 TORCH_VERSION=2.4.1 TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   make test LIGHTNING_VERSION=2.6.0 TORCH_VERSION=2.4.1 TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ TORCH_VERSION ?= 2.13.0
 # Where torch comes from: empty for pip's own indexes; CI passes PyTorch's CPU index (PyPI's Linux wheels are the
 # CUDA builds). A CPU build's version (2.4.1+cpu) satisfies the `torch==2.4.1` pins below.
 TORCH_INDEX ?=
-# Empty: the newest pytorch-lightning and lightning that pyproject.toml admits; else `==` this (2.5.0, 2.6.*...).
+# Empty: the newest pytorch-lightning and lightning that pyproject.toml admits; else `==` this (2.6.0, 2.6.*...).
 LIGHTNING_VERSION ?=
 TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 LIGHTNING_PINS := $(if $(LIGHTNING_VERSION),"pytorch-lightning==$(LIGHTNING_VERSION)" "lightning==$(LIGHTNING_VERSION)")

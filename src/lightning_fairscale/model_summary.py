@@ -235,8 +235,7 @@ class FullyShardedSummary(ModelSummary):
         mode.capture(self._root)
         self._root.eval()
         forward_context = contextlib.nullcontext() if trainer is None else trainer.precision_plugin.forward_context()
-        flop_counter = getattr(self, "_flop_counter", None)  # Lightning >= 2.6 counts FLOPs
-        with torch.no_grad(), forward_context, flop_counter or contextlib.nullcontext():
+        with torch.no_grad(), forward_context, self._flop_counter:
             if isinstance(batch, (list, tuple)):
                 self._root(*batch)
             elif isinstance(batch, dict):
@@ -246,6 +245,7 @@ class FullyShardedSummary(ModelSummary):
         mode.restore(self._root)
 
     @property
+    @override
     def flop_counts(self) -> dict[str, dict[Any, int]]:
         """FLOPs of each layer, found under the names the FLOP counter saw (paths through FSDP's wrappers)."""
         counts = self._flop_counter.get_flop_counts()

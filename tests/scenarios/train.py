@@ -115,7 +115,6 @@ class RecordSummary(Callback):
         from scenarios.flavor import OURS
 
         summary = importlib.import_module(f"{OURS}.model_summary").FullyShardedSummary(pl_module, max_depth=-1)
-        has_flops = hasattr(summary, "_flop_counter")
         mine = {
             "names": summary.layer_names,
             "types": summary.layer_types,
@@ -123,8 +122,7 @@ class RecordSummary(Callback):
             "shard": [layer.shard_parameters for layer in summary._layer_summary.values()],
             "in_sizes": summary.in_sizes,
             "out_sizes": summary.out_sizes,
-            # Lightning counts FLOPs from 2.6 on.
-            "flops": {k: sum(v.values()) for k, v in summary.flop_counts.items()} if has_flops else None,
+            "flops": {k: sum(v.values()) for k, v in summary.flop_counts.items()},
             "total": summary.total_parameters,
             "trainable": summary.trainable_parameters,
             "total_shard": summary.shard_parameters,
