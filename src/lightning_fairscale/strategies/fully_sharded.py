@@ -32,8 +32,8 @@ from typing_extensions import override
 
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.model_summary import use_for_model_summaries
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.model_summary import use_for_model_summaries
 from lightning_fairscale.precision.fully_sharded import (
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
