@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning import Trainer
+from pytorch_lightning.callbacks import ModelPruning
 from pytorch_lightning.strategies import StrategyRegistry
 from scenarios import common
 from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
@@ -83,6 +85,27 @@ def test_stochastic_weight_averaging_gives_the_weights_of_lightnings_ddp(two_pro
     assert max_difference(sharded["state_dict"], ddp["state_dict"]) < ATOL
     # The average is not the last weights: SWA did something (plain training of the same 6 steps differs).
     assert max_difference(sharded["state_dict"], reference_training(6, "sgd")) > 100 * ATOL
+
+
+def test_pruning_gives_the_weights_of_lightnings_ddp(two_processes: Any) -> None:
+    sharded, ddp = two_processes[0]["pruning"], two_processes[0]["pruning-ddp"]
+    assert_sharded(sharded, "SGD")
+    assert ddp["strategy"] == "DDPStrategy"
+    assert max_difference(sharded["state_dict"], ddp["state_dict"]) < ATOL
+    zeros = sum(int((v == 0).sum()) for k, v in sharded["state_dict"].items() if k.endswith("weight"))
+    assert zeros > 0.4 * sum(v.numel() for k, v in sharded["state_dict"].items() if k.endswith("weight"))
+
+
+def test_pruning_with_the_lottery_ticket_reset_is_refused_before_training() -> None:
+    """The reset would detach weights from OSS's buffers (training on with stale weights, 0.26 off, silently)."""
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=DDPShardedStrategy(), callbacks=[ModelPruning("l1_unstructured")],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1,
+    )
+    model = common.RegressionModel()
+    with pytest.raises(MisconfigurationException, match="use_lottery_ticket_hypothesis=False"):
+        trainer.fit(model)
+    assert trainer.global_step == 0 and not torch.distributed.is_initialized()
 
 
 def test_param_groups_change_the_result() -> None:

@@ -28,6 +28,7 @@ from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, a
     DDPShardedStrategy,
     LightningModule,
     ModelCheckpoint,
+    ModelPruning,
     ShardedMixedPrecisionPlugin,
     StochasticWeightAveraging,
     Trainer,
@@ -60,6 +61,9 @@ CASES: dict[str, dict[str, Any]] = {
     # Lightning's StochasticWeightAveraging over 3 epochs of 2 steps, and the same under Lightning's own "ddp".
     "swa": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True},
     "swa-ddp": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True, "ddp": True},
+    # Lightning's ModelPruning (half the weights by magnitude after each epoch), without its lottery-ticket reset.
+    "pruning": {"optimizer": "sgd", "steps": -1, "epochs": 3, "pruning": True},
+    "pruning-ddp": {"optimizer": "sgd", "steps": -1, "epochs": 3, "pruning": True, "ddp": True},
 }
 
 
@@ -134,6 +138,8 @@ def run_case(
         callbacks.append(KillDuringSave(kill_during_save, rank=0, how="kill"))
     if case.get("swa"):
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1))
+    if case.get("pruning"):
+        callbacks.append(ModelPruning("l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=False))
     clip_val, clip_algorithm = case.get("clip", (None, None))
     trainer = Trainer(
         accelerator=accelerator,

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
+from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks
 from lightning_fairscale.strategies._checkpoint import optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
@@ -248,6 +249,9 @@ class DDPShardedStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
+            check_sharded_ddp_callbacks(module.trainer.callbacks, type(self).__name__)
         super().setup_environment()
         close_process_group_at_exit(self)
 
