@@ -22,6 +22,8 @@ LightningModule = pl.LightningModule
 Trainer = pl.Trainer
 seed_everything = pl.seed_everything
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
+ModelPruning = pl.callbacks.ModelPruning
+StochasticWeightAveraging = pl.callbacks.StochasticWeightAveraging
 
 #: Where our classes for ``PACKAGE`` are.
 OURS = "lightning_fairscale.lightning" if PACKAGE == "lightning" else "lightning_fairscale"

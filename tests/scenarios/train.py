@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import io
 import os
 import signal
@@ -20,13 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import Block, CountTrainBatches, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import IN_FEATURES, Block, CountTrainBatches, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
     DDPFullyShardedStrategy,
     FullyShardedMixedPrecisionPlugin,
     ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
     Trainer,
     seed_everything,
 )
@@ -52,6 +55,8 @@ class KillDuringSave(Callback):
         real_save, calls = torch.save, [0]
 
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(f, io.BytesIO):  # no file: tensors pickled for a collective (OSS's state consolidation)
+                return real_save(obj, f, *args, **kwargs)
             calls[0] += 1
             if calls[0] < self.nth or not hasattr(f, "write"):
                 return real_save(obj, f, *args, **kwargs)
@@ -97,6 +102,34 @@ class RecordUnits(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.memory = getattr(trainer.strategy, "memory_figures", dict)()
+
+
+class RecordSummary(Callback):
+    """Records each rank's ``FullyShardedSummary`` of the whole model (every rank builds one: the example input, if
+    any, runs through the root unit on all ranks); rank 0 keeps them all."""
+
+    def __init__(self) -> None:
+        self.summaries: list[dict[str, Any]] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        from scenarios.flavor import OURS
+
+        summary = importlib.import_module(f"{OURS}.model_summary").FullyShardedSummary(pl_module, max_depth=-1)
+        mine = {
+            "names": summary.layer_names,
+            "types": summary.layer_types,
+            "params": summary.param_nums,
+            "shard": [layer.shard_parameters for layer in summary._layer_summary.values()],
+            "in_sizes": summary.in_sizes,
+            "out_sizes": summary.out_sizes,
+            "flops": {k: sum(v.values()) for k, v in summary.flop_counts.items()},
+            "total": summary.total_parameters,
+            "trainable": summary.trainable_parameters,
+            "total_shard": summary.shard_parameters,
+            "modes": summary.total_training_modes,
+        }
+        self.summaries = [{} for _ in range(trainer.world_size)]
+        torch.distributed.all_gather_object(self.summaries, mine)
 
 
 class RecordTraining(Callback):
@@ -172,6 +205,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--move-grads-to-cpu", type=int, default=None)
     p.add_argument("--lose-rank", type=int, default=None, help="this rank is lost at --lose-at-step")
     p.add_argument("--lose-at-step", type=int, default=3)
+    p.add_argument("--model-summary", action="store_true", help="the Trainer's model summary, and each rank's record")
+    p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
+    p.add_argument("--callback", default=None, choices=["swa", "pruning"], help="add Lightning's SWA or ModelPruning")
     p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
     return p.parse_args()
 
@@ -191,6 +227,8 @@ def main() -> None:
         model = RegressionModel(depth=args.depth, **common)
     if args.model_on_gpu:
         model.cuda()
+    if args.example_input:
+        model.example_input_array = torch.zeros(2, IN_FEATURES)
     if args.freeze:
         model.get_parameter(args.freeze).requires_grad_(False)
     policy: Any = None
@@ -220,8 +258,15 @@ def main() -> None:
     training = RecordTraining()
     counter = CountTrainBatches()
     callbacks: list[Callback] = [recorder, training, counter]
+    summaries = RecordSummary()
+    if args.model_summary:
+        callbacks.append(summaries)
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
+    if args.callback:
+        callbacks.append(
+            StochasticWeightAveraging(swa_lrs=0.01) if args.callback == "swa" else ModelPruning("l1_unstructured")
+        )
     if args.kill_during_save:
         callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank, args.kill_how))
     if args.checkpoint_dir:
@@ -248,7 +293,7 @@ def main() -> None:
         logger=False,
         enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=args.model_summary,
         limit_val_batches=1.0 if args.eval_after else 0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
@@ -273,6 +318,7 @@ def main() -> None:
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
+        "summaries": summaries.summaries,
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

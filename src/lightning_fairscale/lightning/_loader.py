@@ -37,10 +37,12 @@ TARGET_PACKAGE = "lightning_fairscale.lightning"
 #: prefixes of others. Everything else is shared by both Lightning packages.
 BOUND = (
     "checkpoint_io",
+    "model_summary",
     "precision",
     "precision.fully_sharded",
     "precision.sharded",
     "strategies",
+    "strategies._callbacks",
     "strategies.fully_sharded",
     "strategies.sharded",
 )

@@ -24,7 +24,7 @@ from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.model_summary import use_for_model_summaries
 from lightning_fairscale.precision.fully_sharded import (
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
@@ -48,6 +49,7 @@ from lightning_fairscale.optim import (
 )
 from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.resharding import SavedShards, load_full_state_dict
+from lightning_fairscale.strategies._callbacks import check_callbacks
 from lightning_fairscale.strategies._checkpoint import (
     check_state_dict_fits,
     optimizer_states,
@@ -327,6 +329,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
+            check_callbacks(module.trainer.callbacks, type(self).__name__)
         super().setup_environment()
         close_process_group_at_exit(self)
         if self.root_device.type == "cpu":
@@ -362,6 +367,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self._setup_sharded_again(trainer, root, fitting)
         else:
             self._setup_unwrapped(trainer, fitting)
+        use_for_model_summaries(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -382,8 +388,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.model = self._setup_model(module)
         self._layout.after_wrapping(self.model)
         remember_root(module, self.model)
-        if self.is_global_zero:
-            log.info("%s: %s", type(self).__name__, unit_summary(self.model))
+        if self.is_global_zero:  # where Lightning's own messages go (its logger configures a handler), once
+            rank_zero_info(f"{type(self).__name__}: {unit_summary(self.model)}")
         self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers] if fitting else []
         # From here on nothing refers to the unsharded original parameters any more: they are freed.
         self._layout.forget_originals()

@@ -37,9 +37,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.strategies._checkpoint import resumable_optimizer_states
+from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 
@@ -72,7 +74,8 @@ class DDPShardedStrategy(DDPStrategy):
         accelerator: the accelerator; the Trainer sets it.
         parallel_devices: the devices of this node; the Trainer sets them.
         cluster_environment: the cluster environment; the Trainer sets it.
-        checkpoint_io: the checkpoint IO plugin.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which
+            writes each checkpoint file atomically).
         precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
         process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
         timeout: how long collectives wait for the other ranks before failing.
@@ -137,6 +140,20 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         self._precision_plugin = None if plugin is None else sharded_precision_plugin(plugin)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_fairscale.ShardedCheckpointIO` unless the Trainer got another: checkpoint files are
+        written beside their target and renamed into place, so a save killed midway keeps the previous one."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
 
     @property
     def reduce_buffer_size(self) -> int:
@@ -243,6 +260,9 @@ class DDPShardedStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
+            check_sharded_ddp_callbacks(module.trainer.callbacks, type(self).__name__)
         super().setup_environment()
         close_process_group_at_exit(self)
 
