@@ -1,19 +1,31 @@
 # Two commands set up everything on a fresh machine: `make demo` and `make test`.
 # torch is pinned to 2.13.0: on our machines that version installs the CPU build from local disk, while a plain
 # `pip install torch` would download a multi-GB CUDA build.
+#
+# Every setting below can be overridden on the command line or in the environment, which is how CI's matrix runs
+# the same two commands (`make install`, `make test`) for each Python and Lightning version, e.g.
+#   make test LIGHTNING_VERSION=2.6.0 TORCH_VERSION=2.4.1 TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+# Where torch comes from: empty for pip's own indexes; CI passes PyTorch's CPU index (PyPI's Linux wheels are the
+# CUDA builds). A CPU build's version (2.4.1+cpu) satisfies the `torch==2.4.1` pins below.
+TORCH_INDEX ?=
+# Empty: the newest pytorch-lightning and lightning that pyproject.toml admits; else `==` this (2.6.0, 2.6.*...).
+LIGHTNING_VERSION ?=
+TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+LIGHTNING_PINS := $(if $(LIGHTNING_VERSION),"pytorch-lightning==$(LIGHTNING_VERSION)" "lightning==$(LIGHTNING_VERSION)")
+STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSION)),newest)
 
-.PHONY: install demo test doctest docs bench clean
+.PHONY: install demo test unit doctest docs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[test,docs]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[test,docs]" "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
+	rm -f $(VENV)/.installed-*  # another set of versions installed before: switching back must reinstall
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +36,10 @@ demo: $(STAMP)
 # The test suite includes the docs' examples (`make doctest`); docstring examples run under pytest itself.
 test: doctest
 	$(PY) -m pytest -q
+
+# The in-process unit tests of the engine alone (tests/unit): seconds, no launched processes. Part of `make test`.
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 doctest: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest

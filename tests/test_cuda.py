@@ -68,3 +68,47 @@ def test_sharded_ddp_on_gpus(tmp_path: Any) -> None:
         assert max_difference(results["clip-norm"]["state_dict"], reference("clip-norm")) < 1e-4
     for name in ("fp16", "bf16"):
         assert results[name]["global_step"] == 3
+
+
+def test_cpu_offload_clips_by_norm_with_layers_made_in_configure_model(train: Callable[..., dict[str, Any]]) -> None:
+    """With ``cpu_offload``: the layers ``configure_model`` creates stay in CPU memory (FairScale asserts it; created
+    on the GPU they would also have other random weights than the reference), the norm of the CPU gradients is
+    all-reduced over NCCL, and teardown gathers the CPU optimizer state (momentum) over NCCL."""
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--model", "lazy", "--cpu-offload", "--optimizer", "sgd",
+        "--steps", "3", "--clip-val", "0.05", "--samples", str(8 * devices),
+    )
+    expected = reference_training(3, "sgd", clip=(0.05, "norm"), num_samples=8 * devices)
+    assert max_difference(result["state_dict"], expected) < 1e-4
+    assert max_difference(expected, reference_training(3, "sgd", num_samples=8 * devices)) > 1e-2  # clipping bit
+
+
+def test_cpu_offload_takes_a_model_the_user_put_on_the_gpu(train: Callable[..., dict[str, Any]]) -> None:
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--cpu-offload", "--model-on-gpu", "--steps", "2",
+        "--samples", str(8 * devices),
+    )
+    assert max_difference(result["state_dict"], reference_training(2, "adam", num_samples=8 * devices)) < 1e-4
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on-gpu"])
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_checkpoints_resume_exactly_on_gpus(
+    train: Callable[..., dict[str, Any]], tmp_path: Any, state_dict_type: str, offload: bool
+) -> None:
+    """Save (a ModelCheckpoint every epoch, one step each) and resume; full saving gathers the optimizer state over
+    NCCL, from CPU memory with ``cpu_offload``."""
+    devices = min(2, torch.cuda.device_count())
+    common = [
+        "--accelerator", "gpu", "--devices", str(devices), "--steps", "4", "--samples", "8", "--scheduler",
+        "--state-dict-type", state_dict_type, *(["--cpu-offload"] if offload else []),
+    ]
+    straight = train(*common, "--checkpoint-dir", str(tmp_path / "ck"))
+    assert max_difference(straight["state_dict"], reference_training(4, "adam", scheduler=True, num_samples=8)) < 1e-4
+    checkpoint = tmp_path / "ck" / "epoch=1-step=2.ckpt"
+    assert checkpoint.is_dir() if state_dict_type == "sharded" else checkpoint.is_file()
+    resumed = train(*common, "--ckpt-path", str(checkpoint))
+    assert resumed["global_step"] == 4
+    assert max_difference(resumed["state_dict"], straight["state_dict"]) < 1e-6

@@ -163,6 +163,9 @@ MISCONFIGURATIONS = [
     (("--compute-dtype", "float16"), "needs mixed precision"),
     (("--move-grads-to-cpu", "0", "--cpu-offload"), "leave `move_grads_to_cpu` unset"),
     (("--ckpt-path", "missing.ckpt"), "not found"),
+    # Under FSDP, SWA would average nothing, silently; it is refused before any process group exists.
+    (("--callback", "swa"), "`StochasticWeightAveraging` does not work with `DDPFullyShardedStrategy`"),
+    (("--callback", "pruning", "--devices", "1"), "`ModelPruning` does not work with `DDPFullyShardedStrategy`"),
 ]
 
 

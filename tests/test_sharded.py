@@ -13,7 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning import Trainer
+from pytorch_lightning.callbacks import ModelPruning
 from pytorch_lightning.strategies import StrategyRegistry
 from scenarios import common
 from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
@@ -26,7 +29,8 @@ from lightning_fairscale.strategies.sharded import shard_optimizer
 
 ATOL = 1e-5
 SCRIPT = TESTS / "scenarios" / "sharded_train.py"
-TWO_PROCESS_CASES = [name for name in CASES if name != "resume"] + ["resume"]  # resume reads straight's checkpoint
+# "resume" reads straight's checkpoint; cases marked "alone" have launches of their own.
+TWO_PROCESS_CASES = [name for name in CASES if name != "resume" and not CASES[name].get("alone")] + ["resume"]
 
 
 def run_cases(workdir: Path, cases: list[str], devices: int = 2) -> dict[str, dict[str, Any]]:
@@ -71,6 +75,38 @@ def test_equals_unsharded_training(two_processes: Any, name: str, optimizer: str
     assert_sharded(result, optimizer)
     assert result["global_step"] == 3
     assert max_difference(result["state_dict"], reference(name)) < ATOL
+
+
+def test_stochastic_weight_averaging_gives_the_weights_of_lightnings_ddp(two_processes: Any) -> None:
+    """OSS keeps every parameter whole on every rank, so Lightning's SWA callback works as under plain DDP."""
+    sharded, ddp = two_processes[0]["swa"], two_processes[0]["swa-ddp"]
+    assert_sharded(sharded, "SGD")
+    assert ddp["strategy"] == "DDPStrategy"
+    assert sharded["global_step"] == ddp["global_step"] == 6
+    assert max_difference(sharded["state_dict"], ddp["state_dict"]) < ATOL
+    # The average is not the last weights: SWA did something (plain training of the same 6 steps differs).
+    assert max_difference(sharded["state_dict"], reference_training(6, "sgd")) > 100 * ATOL
+
+
+def test_pruning_gives_the_weights_of_lightnings_ddp(two_processes: Any) -> None:
+    sharded, ddp = two_processes[0]["pruning"], two_processes[0]["pruning-ddp"]
+    assert_sharded(sharded, "SGD")
+    assert ddp["strategy"] == "DDPStrategy"
+    assert max_difference(sharded["state_dict"], ddp["state_dict"]) < ATOL
+    zeros = sum(int((v == 0).sum()) for k, v in sharded["state_dict"].items() if k.endswith("weight"))
+    assert zeros > 0.4 * sum(v.numel() for k, v in sharded["state_dict"].items() if k.endswith("weight"))
+
+
+def test_pruning_with_the_lottery_ticket_reset_is_refused_before_training() -> None:
+    """The reset would detach weights from OSS's buffers (training on with stale weights, 0.26 off, silently)."""
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=DDPShardedStrategy(), callbacks=[ModelPruning("l1_unstructured")],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1,
+    )
+    model = common.RegressionModel()
+    with pytest.raises(MisconfigurationException, match="use_lottery_ticket_hypothesis=False"):
+        trainer.fit(model)
+    assert trainer.global_step == 0 and not torch.distributed.is_initialized()
 
 
 def test_param_groups_change_the_result() -> None:
@@ -137,6 +173,29 @@ def test_checkpoint_holds_a_plain_optimizer_state(two_processes: Any) -> None:
     assert {float(s["step"]) for s in after_fit["optimizer_states"][0]["state"].values()} == {4.0}
 
 
+def test_a_save_killed_halfway_keeps_the_previous_checkpoint(two_processes: Any) -> None:
+    """Rank 0 is SIGKILLed halfway through writing the second last.ckpt: the first one (step 1) stays whole.
+
+    The strategy's default CheckpointIO, ``ShardedCheckpointIO``, writes a hidden ``.last.ckpt.partial`` beside the
+    target, flushes it to disk and renames it into place. (Lightning's own ``TorchCheckpointIO`` serializes into
+    memory first, which this kill does not reach: the run would finish and the test fail.)
+    """
+    _, workdir = two_processes
+    args = ["--out", str(workdir / "unused.pt"), "--cases", "killed-save", "--workdir", str(workdir)]
+    proc = run_script([str(SCRIPT), *args, "--kill-during-save", "2"], cwd=workdir, expect_ok=False)
+    assert proc.returncode != 0
+    folder = workdir / "last"
+    # Killed while writing the new file beside the target, which is untouched.
+    assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.partial", "last.ckpt"]
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 1
+    # The same run without the kill saved the same step-1 checkpoint: "straight" (one file per epoch).
+    first = torch.load(workdir / "checkpoints" / "epoch=0-step=1.ckpt", weights_only=True)
+    assert max_difference(last["state_dict"], first["state_dict"]) == 0.0
+    (state,), (expected,) = last["optimizer_states"], first["optimizer_states"]
+    assert all(torch.equal(state["state"][i]["exp_avg"], expected["state"][i]["exp_avg"]) for i in expected["state"])
+
+
 def test_evaluation_after_fit_runs_unwrapped(two_processes: Any) -> None:
     result = two_processes[0]["eval-after-fit"]
     assert result["eval_wrapper"] == "RegressionModel"
@@ -188,7 +247,13 @@ def test_spawn_strategy_trains_in_process(tmp_path: Path, restore_environment: N
     ],
 )
 def test_registry_names_select_the_strategy(name: str, cls: type) -> None:
-    assert name in StrategyRegistry
+    # Not `name in StrategyRegistry`, which the Trainer below checks by itself: what the name selects, and with which
+    # arguments, registered by `register_strategies` on any registry, twice without an "already present" error.
+    fresh = _StrategyRegistry()
+    for _ in range(2):
+        cls.register_strategies(fresh)
+    assert fresh[name]["strategy"] is cls and fresh[name]["init_params"] == {"find_unused_parameters": False}
+    assert StrategyRegistry[name]["strategy"] is cls  # done by `import lightning_fairscale`
     trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert type(trainer.strategy) is cls
     assert trainer.strategy._start_method == ("spawn" if "spawn" in name else "popen")

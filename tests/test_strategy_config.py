@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning_fabric.strategies.registry import _StrategyRegistry
 from pytorch_lightning import Trainer
 from pytorch_lightning.strategies import FSDPStrategy, StrategyRegistry
 
@@ -15,9 +16,17 @@ from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
 @pytest.mark.parametrize("name", ["fsdp_fairscale", "ddp_fully_sharded"])
 def test_registry_names_select_the_strategy(name: str) -> None:
-    assert name in StrategyRegistry
+    # Not `name in StrategyRegistry`: the Trainer below refuses an unregistered name by itself, and membership says
+    # nothing about what the name selects. `register_strategies` must register our class on any registry, and again
+    # without the registry's "already present" error (the lightning flavour and re-imports call it again).
+    fresh = _StrategyRegistry()
+    for _ in range(2):
+        DDPFullyShardedStrategy.register_strategies(fresh)
+    assert sorted(fresh) == ["ddp_fully_sharded", "fsdp_fairscale"]
+    assert fresh[name]["strategy"] is DDPFullyShardedStrategy and fresh[name]["init_params"] == {}
+    assert StrategyRegistry[name]["strategy"] is DDPFullyShardedStrategy  # done by `import lightning_fairscale`
     trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
-    assert isinstance(trainer.strategy, DDPFullyShardedStrategy)
+    assert type(trainer.strategy) is DDPFullyShardedStrategy
 
 
 def test_lightnings_fsdp_stays_lightnings() -> None:

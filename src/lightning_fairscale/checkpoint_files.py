@@ -2,17 +2,48 @@
 
 These functions do not depend on Lightning; :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO` (the
 CheckpointIO plugin), the strategy and the offline consolidation all use them, for either Lightning package.
+
+**How a checkpoint is replaced.** A checkpoint ``NAME`` is a file (full) or a directory (sharded, complete once it
+holds ``meta.pt``), and either kind may replace either kind. Two hidden siblings take part, each a file or a
+directory:
+
+* ``.NAME.partial``: the new checkpoint while it is written; never read, and cleared by the next save of ``NAME``.
+* ``.NAME.replaced``: the previous checkpoint, parked while the new one is renamed into place.
+
+The **invariant**: at every instant, ``NAME`` is complete if it exists, and if it does not exist,
+``.NAME.replaced`` holds the last complete checkpoint (if there ever was one). :func:`find_checkpoint` returns
+whichever it is, so a process killed at any point leaves the old or the new checkpoint loadable. Each step keeps it:
+
+1. *Stage*: the new checkpoint is written completely to ``.NAME.partial`` and flushed to disk (for a directory:
+   every shard, then ``meta.pt`` last). ``NAME`` and ``.NAME.replaced`` are not touched.
+2. *Park*: only while ``NAME`` exists (so it is the newest complete checkpoint), a stale ``.NAME.replaced`` is
+   deleted and ``NAME`` is renamed to ``.NAME.replaced``. When ``NAME`` is missing, ``.NAME.replaced`` is the only
+   complete checkpoint and stays. A file replacing a file skips this step: one ``os.replace`` swaps them.
+3. *Swap*: ``.NAME.partial`` is renamed to ``NAME`` (``os.replace``, atomic on POSIX file systems), the directory
+   entry is flushed, and only then is ``.NAME.replaced`` deleted.
+
+A directory that is not a sharded checkpoint (no ``meta.pt``) and not empty is never replaced: it may hold anything.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-__all__ = ["META_FILE", "CheckpointFileError", "MapLocation", "read_file", "shard_file_name", "write_atomically"]
+__all__ = [
+    "META_FILE",
+    "CheckpointFileError",
+    "MapLocation",
+    "find_checkpoint",
+    "move_into_place",
+    "read_file",
+    "shard_file_name",
+    "write_atomically",
+]
 
 #: The file of a sharded checkpoint directory that holds everything but the shards; written last.
 META_FILE = "meta.pt"
@@ -51,16 +82,84 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def remove_path(path: Path) -> None:
+    """Delete the file or directory ``path``, if there is one."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint file, or a sharded checkpoint directory with its ``meta.pt`` (written last)."""
+    return path.is_file() or (path / META_FILE).is_file()
+
+
+def find_checkpoint(path: Path) -> Path:
+    """``path``, or the previous checkpoint parked beside it when a save was interrupted between its renames."""
+    replaced = hidden_path(path, "replaced")
+    if not path.exists() and is_complete(replaced):
+        return replaced
+    return path
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to save over a directory that is not a sharded checkpoint: replacing it would delete what it holds.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory that is neither empty nor a sharded checkpoint.
+    """
+    if path.is_dir() and not (path / META_FILE).is_file() and any(path.iterdir()):
+        raise IsADirectoryError(
+            f"Cannot save a checkpoint to {path}: it is a directory that is not a sharded checkpoint (it has no"
+            f" {META_FILE}), so it may hold other files. Move or delete it, or save under another name."
+        )
+
+
+def move_into_place(staged: Path, path: Path) -> None:
+    """Rename the complete checkpoint ``staged`` (file or directory) to ``path``, replacing whatever kind is there.
+
+    Steps 2 and 3 of the protocol in this module's docstring: at every instant ``path`` or its parked
+    ``.<name>.replaced`` sibling holds a complete checkpoint.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory that is neither empty nor a sharded checkpoint.
+    """
+    check_replaceable(path)
+    replaced = hidden_path(path, "replaced")
+    if path.is_file() and staged.is_file():
+        os.replace(staged, path)  # a file over a file: one atomic rename, nothing to park
+    elif path.exists():
+        # `path` is complete, so whatever is parked is older: drop it, then park `path` (a rename cannot replace
+        # a directory, nor put a file where a directory is).
+        remove_path(replaced)
+        os.replace(path, replaced)
+        os.replace(staged, path)
+    else:
+        # Nothing at `path`: a parked `.replaced`, if any, is the last complete checkpoint and stays until the swap.
+        os.replace(staged, path)
+    fsync_directory(path.parent)  # the new entry is on disk before the previous checkpoint goes
+    remove_path(replaced)
+
+
 def write_atomically(obj: Any, path: Path) -> None:
-    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one."""
+    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one.
+
+    ``path`` may hold a file or a sharded checkpoint directory; either is replaced (see the module docstring).
+    """
+    check_replaceable(path)  # before writing anything
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = hidden_path(path, "partial")
-    with open(partial, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-    fsync_directory(path.parent)
+    remove_path(partial)  # left by a save that was killed: a file, or the staging directory of a sharded save
+    try:
+        with open(partial, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed save leaves nothing behind; the previous checkpoint is untouched
+        raise
+    move_into_place(partial, path)
 
 
 def read_file(path: Path, map_location: MapLocation = "cpu", weights_only: Optional[bool] = None) -> Any:

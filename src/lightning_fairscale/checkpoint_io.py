@@ -8,14 +8,18 @@ rank 0. A **sharded** checkpoint (``DDPFullyShardedStrategy(state_dict_type="sha
         shard-00000-of-00002.pt    # rank 0's parameter shard, optimizer shard and FairScale's shard metadata
         shard-00001-of-00002.pt    # rank 1's
 
-Nothing a user saved is lost when a save fails or the process is killed mid-write:
+Nothing a user saved is lost when a save fails or the process is killed mid-write, whichever kind of checkpoint
+replaces whichever kind:
 
-* A file is written to a hidden ``.<name>.partial`` file beside its target, flushed to disk and then renamed over the
-  target (``os.replace``, atomic on POSIX file systems). The target is the old file or the new one, never a mix.
-* A directory is assembled under a hidden ``.<name>.partial`` directory; ``meta.pt`` is written last, once every
-  rank's shard is on disk, and only then is the directory renamed into place. An old checkpoint of the same name is
-  first renamed to ``.<name>.replaced`` and deleted after the swap; if a crash falls between the two renames,
-  :meth:`ShardedCheckpointIO.load_checkpoint` finds the old one there.
+* A file is written to a hidden ``.<name>.partial`` file beside its target, flushed to disk and then renamed into
+  place. The target is the old checkpoint or the new one, never a mix.
+* A directory is saved in three phases, each ending with an agreement of all ranks: rank 0 *prepares* an empty
+  ``.<name>.partial`` directory; every rank *writes* its shard into it; rank 0 *commits*: it checks every shard is
+  there, writes ``meta.pt`` last, and renames the directory into place.
+* Renaming into place parks an old checkpoint of the same name as ``.<name>.replaced`` when a single rename cannot
+  replace it, and deletes it only once the new one is in place. At every instant ``<name>`` is a complete checkpoint,
+  or it is missing and ``.<name>.replaced`` is the last complete one: :meth:`ShardedCheckpointIO.recover` (and so
+  loading) finds it there. :mod:`lightning_fairscale.checkpoint_files` has the protocol step by step.
 
 Remote paths (``s3://`` ...) go through fsspec as in Lightning's ``TorchCheckpointIO``, without these guarantees.
 """
@@ -37,9 +41,12 @@ from lightning_fairscale.checkpoint_files import (
     META_FILE,
     CheckpointFileError,
     MapLocation,
-    fsync_directory,
+    check_replaceable,
+    find_checkpoint,
     hidden_path,
+    move_into_place,
     read_file,
+    remove_path,
     shard_file_name,
     write_atomically,
 )
@@ -95,14 +102,14 @@ class ShardedCheckpointIO(TorchCheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Delete a checkpoint file or directory (what ``ModelCheckpoint(save_top_k=...)`` calls)."""
+        """Delete a checkpoint file or directory (what ``ModelCheckpoint(save_top_k=...)`` calls).
+
+        A previous version parked beside it by an interrupted save goes too, so that it cannot come back as ``path``.
+        """
         if not _is_local(path):
             return super().remove_checkpoint(path)
-        target = Path(path)
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
+        remove_path(Path(path))
+        remove_path(hidden_path(Path(path), "replaced"))
         return None
 
     # --------------------------------------------------------------------------------------------------------------
@@ -115,11 +122,8 @@ class ShardedCheckpointIO(TorchCheckpointIO):
 
     @staticmethod
     def recover(path: Path) -> Path:
-        """``path``, or the checkpoint it replaced when a crash fell between the two renames of a save."""
-        replaced = hidden_path(path, "replaced")
-        if not path.exists() and replaced.is_dir() and (replaced / META_FILE).is_file():
-            return replaced
-        return path
+        """``path``, or the checkpoint (file or directory) it replaced when a save was interrupted between renames."""
+        return find_checkpoint(path)
 
     @staticmethod
     def staging_directory(path: _PATH) -> Path:
@@ -130,9 +134,9 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         """Prepare an empty staging directory for ``path`` (rank 0, before the shards are written)."""
         if not _is_local(path):
             raise ValueError(f"Sharded checkpoints are written to a local or mounted file system, got {path}.")
+        check_replaceable(Path(path))  # before any rank writes its shard
         staging = self.staging_directory(path)
-        if staging.exists():  # left over from a save that was killed
-            shutil.rmtree(staging)
+        remove_path(staging)  # left by a save that was killed: a staging directory, or a full save's partial file
         staging.mkdir(parents=True)
 
     def save_shard(self, shard: dict[str, Any], path: _PATH, rank: int, world_size: int) -> None:
@@ -147,20 +151,19 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         ]
         if missing:
             raise CheckpointFileError(f"Shards {missing} of the checkpoint {target} were not written.")
-        write_atomically(meta, staging / META_FILE)
-        replaced = hidden_path(target, "replaced")
-        if replaced.exists():
-            shutil.rmtree(replaced) if replaced.is_dir() else replaced.unlink()
-        if target.exists():
-            os.replace(target, replaced)
-        os.replace(staging, target)
-        fsync_directory(target.parent)
-        if replaced.exists():
-            shutil.rmtree(replaced) if replaced.is_dir() else replaced.unlink()
+        write_atomically(meta, staging / META_FILE)  # the directory is complete from here on
+        move_into_place(staging, target)
 
     def abort_sharded(self, path: _PATH) -> None:
-        """Remove the staging directory of a save that failed (rank 0); the previous checkpoint stays as it was."""
+        """Remove the staging directory of a save that failed (rank 0); the previous checkpoint stays as it was.
+
+        If the commit failed after parking the previous checkpoint, it is renamed back to ``path``.
+        """
+        target = Path(path)
         shutil.rmtree(self.staging_directory(path), ignore_errors=True)
+        replaced = hidden_path(target, "replaced")
+        if not target.exists() and find_checkpoint(target) == replaced:
+            os.replace(replaced, target)
 
     def load_meta(self, path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The metadata of the sharded checkpoint directory ``path``."""

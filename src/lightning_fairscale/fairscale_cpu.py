@@ -1,8 +1,9 @@
 """CPU compatibility layer for FairScale 0.4.13's ``FullyShardedDataParallel``.
 
 FairScale's FSDP was written for CUDA and NCCL. It runs unchanged on GPUs, but on a CPU process group (gloo) it
-fails in several places. FairScale is frozen, so the fixes live here, in one place, and each one is bounded:
-nothing in this module changes what happens on a CUDA device, and no installed file is edited.
+fails in several places. FairScale is frozen, so the fixes live here, in one place, and each one is bounded: the
+CPU-only ones (1 to 3) change nothing on a CUDA device, the others say where they apply, and no installed file is
+edited.
 
 The workarounds, and why each is needed:
 
@@ -21,11 +22,16 @@ The workarounds, and why each is needed:
    aborts. :class:`GlooReduceScatterBucketer` passes the same memory as a 1-D view, which is the layout gloo
    expects and gives the identical result. It is used only when the reduce-scatter group's backend is gloo.
 4. **``clip_grad_norm_`` calls ``.cuda()``** on the local norm. :class:`FullyShardedDataParallel` computes the global
-   norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA.
-5. **fp16 loss scaling.** FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and its
-   CPU path moves the inf/NaN flags to CUDA for the all-reduce. :class:`ShardedGradScaler` here is PyTorch's
-   device-generic ``torch.amp.GradScaler`` plus the one thing sharding needs: the "found inf" flags are combined
-   across ranks, so every rank skips the same steps. The precision plugin uses it on CPU only.
+   norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA. The
+   precision plugins clip with :func:`clip_grad_norm_` on every device; its all-reduce goes through
+   :mod:`lightning_fairscale.collectives`, which moves the norm to CUDA for NCCL when the gradients are in CPU memory
+   (``move_grads_to_cpu``).
+5. **fp16 loss scaling.** FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and for
+   gradients in CPU memory it all-reduces a CUDA copy of the inf/NaN flags and then drops the result.
+   :class:`ShardedGradScaler` here is PyTorch's device-generic ``torch.amp.GradScaler`` plus the one thing sharding
+   needs: the "found inf" flags are combined across ranks, in place, wherever they are (through
+   :mod:`lightning_fairscale.collectives`), so every rank skips the same steps. The FSDP precision plugin uses it on
+   every device (this one is not CPU-specific), the sharded-DDP plugin off CUDA.
 6. **bf16 compute (all devices).** With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to
    fp16, whatever ``compute_dtype`` is, which breaks bf16 compute. :class:`FullyShardedDataParallel` casts them to
    the unit's ``compute_dtype`` first, which FairScale then leaves alone. This one is not CPU-specific.
@@ -70,6 +76,8 @@ from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_module
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor
+
+from lightning_fairscale import collectives
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -211,7 +219,7 @@ class _GlooBucket(_rs_bucketer.Bucket):
         # Row r of ``data`` holds the chunk destined for rank r, so the row-major 1-D view is exactly the
         # concatenation of chunks that ``_reduce_scatter_base`` expects.
         flat_input = self.data[:, : self.offset].contiguous().view(-1)
-        dist.reduce_scatter_tensor(self.output_shard[: self.offset], flat_input, group=self.group)
+        collectives.reduce_scatter_tensor(self.output_shard[: self.offset], flat_input, group=self.group)
         for callback_fn in self.callbacks:
             callback_fn()
         self.data[:, : self.offset].zero_()
@@ -250,7 +258,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            dist.all_reduce(found_inf, group=self.process_group)
+            collectives.all_reduce(found_inf, group=self.process_group)  # in place, on the flag's device
 
 
 def _is_gloo(group: Any) -> bool:
@@ -330,14 +338,14 @@ def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: 
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if norm_type == math.inf:
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
     if grads:
         local = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
         local = (local**norm_type).sum()
     else:
         local = torch.zeros((), device=device)
-    dist.all_reduce(local, group=group)
+    collectives.all_reduce(local, group=group)
     return local ** (1.0 / norm_type)
 
 

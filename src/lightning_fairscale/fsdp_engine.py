@@ -15,7 +15,6 @@ Lightning; the strategies pass what they know (options, ranks, the CheckpointIO 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +66,6 @@ __all__ = [
     "wrapping_context",
 ]
 
-log = logging.getLogger(__name__)
 
 
 class Ranks(Protocol):
@@ -107,11 +105,11 @@ def wrapping_context(options: FullyShardedOptions) -> Generator[None, None, None
         yield
 
 
-def wrap_model(options: FullyShardedOptions, module: Module, describe: bool) -> WrappedModel:
+def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[Callable[[str], Any]]) -> WrappedModel:
     """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit).
 
     The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
-    ``layout.forget_originals()``. With ``describe``, the units are logged (rank 0).
+    ``layout.forget_originals()``. ``describe`` gets the summary of the units (the front end's way to log it).
     """
     layout = ParameterLayout.before_wrapping(module)
     checkpointed = apply_activation_checkpointing(
@@ -122,8 +120,8 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: bool) -> 
         root = wrap_module(module, policy, **options.fsdp_kwargs())
     layout.after_wrapping(root)
     remember_root(module, root)
-    if describe:
-        log.info("%s: %s", type(options).__name__, unit_summary(root))
+    if describe is not None:
+        describe(f"{type(options).__name__}: {unit_summary(root)}")
     return WrappedModel(root, layout, checkpointed)
 
 

@@ -21,6 +21,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
+from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
 from lightning_fairscale import fairscale_cpu
 from lightning_fairscale.mixed_precision import compute_dtype
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
@@ -85,8 +86,10 @@ class FullyShardedOptions:
         timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         precision: Optional[Any] = None,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
         **kwargs: Any,
     ) -> None:
+        self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         base = lightning_arguments(locals(), self._precision_name)
         self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")

@@ -13,7 +13,14 @@ import torch
 
 from lightning_fairscale.fairscale_cpu import ShardedGradScaler
 
-__all__ = ["SUPPORTED_PRECISION", "compute_dtype", "is_sharded_grad_scaler", "sharded_grad_scaler", "unsupported"]
+__all__ = [
+    "SUPPORTED_PRECISION",
+    "compute_dtype",
+    "fsdp_grad_scaler",
+    "is_sharded_grad_scaler",
+    "sharded_grad_scaler",
+    "unsupported",
+]
 
 #: The precision settings both strategies support: FairScale keeps FP32 parameters (or FP32 master shards) and
 #: computes in fp16 or bf16 under mixed precision.
@@ -30,9 +37,20 @@ def compute_dtype(precision: str) -> Optional[torch.dtype]:
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
 
 
+def fsdp_grad_scaler(device: str) -> ShardedGradScaler:
+    """FSDP's loss scaler for fp16: ours on every device, CUDA included.
+
+    Not FairScale's: with ``cpu_offload`` the gradients, and so the inf/NaN flags, are in CPU memory; FairScale's scaler
+    all-reduces a CUDA copy of such a flag and drops the result (``v_on_cuda.cpu()``), so a rank that found an inf
+    skips its step while the others step theirs. Ours reduces the flags in place.
+    """
+    return ShardedGradScaler(device=device)
+
+
 def sharded_grad_scaler(device: str) -> Any:
-    """A loss scaler for fp16 whose inf/NaN checks are combined across ranks: FairScale's ``ShardedGradScaler`` on
-    CUDA, the device-generic one of :mod:`lightning_fairscale.fairscale_cpu` elsewhere."""
+    """Sharded DDP's loss scaler for fp16, whose inf/NaN checks are combined across ranks: FairScale's
+    ``ShardedGradScaler`` on CUDA (OSS keeps gradients on the GPU), the device-generic one of
+    :mod:`lightning_fairscale.fairscale_cpu` elsewhere."""
     if device == "cuda":
         from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
 
@@ -47,14 +65,23 @@ def is_sharded_grad_scaler(scaler: Any) -> bool:
     return isinstance(scaler, (FairScaleShardedGradScaler, ShardedGradScaler))
 
 
-def unsupported(strategy: str, plugin: Any, how: str) -> ValueError:
+def unsupported(strategy: str, plugin: Any, how: str, own: Optional[str] = None) -> ValueError:
     """The error for a precision plugin that ``strategy`` cannot train with; ``how`` says where to set another.
+
+    ``own`` names the strategy's own plugin classes: a plugin of another class for a supported precision is refused
+    for its class, not its precision.
 
     Example:
         >>> str(unsupported("DDPShardedStrategy", "16-true", "`Fabric(precision=...)`")).split(". ")[0]
         "`DDPShardedStrategy` does not support precision='16-true'"
     """
     precision = plugin if isinstance(plugin, str) else getattr(plugin, "precision", type(plugin).__name__)
+    if own is not None and precision in SUPPORTED_PRECISION:
+        return ValueError(
+            f"`{strategy}` cannot use the precision plugin {type(plugin).__name__} (precision={precision!r}): only its"
+            " own plugins clip gradients by the norm of all shards and scale fp16 losses with checks that agree across"
+            f" ranks. Pass {how} without this plugin, or make your plugin a subclass of {own}."
+        )
     return ValueError(
         f"`{strategy}` does not support precision={precision!r}. Use one of"
         f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} ({how}): FairScale keeps FP32 parameters and computes in"

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_fairscale import collectives
 from lightning_fairscale.fairscale_cpu import fsdp_instances
 from lightning_fairscale.resharding import copy_overlaps, local_range
 from lightning_fairscale.wrapping import clean_path
@@ -220,10 +220,13 @@ def _is_elementwise(value: Any, like: Tensor) -> bool:
     return isinstance(value, Tensor) and value.shape == like.shape and value.dim() > 0
 
 
-def _gather_full(shard: Tensor, numel: int, rank: int, world_size: int, group: Any) -> Tensor | None:
-    """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks."""
-    gathered = [torch.empty_like(shard) for _ in range(world_size)] if rank == 0 else None
-    dist.gather(shard.contiguous(), gathered, dst=0, group=group)
+def _gather_full(shard: Tensor, numel: int, group: Any) -> Tensor | None:
+    """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks.
+
+    The shards may be in CPU memory (``cpu_offload``) where the backend takes CUDA tensors only (NCCL):
+    :func:`~lightning_fairscale.collectives.gather` moves them for the transfer.
+    """
+    gathered = collectives.gather(shard, dst=0, group=group)
     if gathered is None:
         return None
     return torch.cat([t.reshape(-1).cpu() for t in gathered])[:numel]
@@ -238,7 +241,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
     saved = optimizer.state_dict()
     managed_params = [p for group in optimizer.param_groups for p in group["params"]]
     unit = layout.managed[managed_params[0]].unit  # every unit of the strategy shares one process group
-    rank, world_size, group = unit.rank, unit.world_size, unit.process_group
+    rank, group = unit.rank, unit.process_group
     _check_same_state_keys(optimizer, managed_params, group)
 
     full_states: list[dict[str, Any]] = []
@@ -248,7 +251,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
         keys = {key for key, value in state.items() if _is_elementwise(value, param)}
         full_states.append(
             {
-                key: _gather_full(value, layout.managed[param].numel, rank, world_size, group) if key in keys else value
+                key: _gather_full(value, layout.managed[param].numel, group) if key in keys else value
                 for key, value in sorted(state.items())
             }
         )
@@ -332,8 +335,7 @@ def plain_state_dict(
 
 def _check_same_state_keys(optimizer: Optimizer, params: list[nn.Parameter], group: Any) -> None:
     signature = [sorted(optimizer.state.get(p, {})) for p in params]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, signature, group=group)
+    everyone = collectives.all_gather_object(signature, group=group)
     if any(other != signature for other in everyone):
         raise RuntimeError(
             "The ranks hold different optimizer state entries, so the state cannot be consolidated. This happens when"
@@ -378,6 +380,19 @@ def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLay
     return {"state": out_state, "param_groups": out_groups}
 
 
+def _is_elementwise_over(key: str, states: list[dict[str, Any]], pieces: Sequence[Piece]) -> bool:
+    """Whether ``key`` holds one value per element of each piece (``exp_avg``...) rather than one per parameter
+    (``step``): its values have the pieces' shapes, all of them. Judged over every piece, since one piece alone can
+    be a scalar parameter whose ``exp_avg`` looks like a ``step``. In a unit of scalar parameters only, shapes cannot
+    tell: there every entry but ``step`` (torch's only per-parameter scalar state) is element-wise."""
+    values = [state.get(key) for state in states]
+    if not all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(values, pieces)):
+        if any(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+            raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
+        return False
+    return any(p.shape != torch.Size() for p in pieces) or key != "step"
+
+
 def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
     """This rank's shard of a managed parameter's state, from the plain state of the pieces it holds: only the
     slices this rank owns are read (see :mod:`lightning_fairscale.resharding`)."""
@@ -388,9 +403,7 @@ def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, 
     merged: dict[str, Any] = {}
     start, _, _ = local_range(managed, info.unit)
     for key, value in present[0].items():
-        if isinstance(value, Tensor) and value.shape == info.pieces[0].shape and value.dim() > 0:
-            if [s[key].numel() for s in present] != [p.numel for p in info.pieces]:
-                raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
+        if _is_elementwise_over(key, present, info.pieces):
             segments = [(piece.offset, s[key].reshape(-1)) for piece, s in zip(info.pieces, present)]
             merged[key] = copy_overlaps(value.new_empty(managed.numel()), start, segments).view(managed.shape)
         else:

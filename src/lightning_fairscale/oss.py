@@ -26,6 +26,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
 
@@ -77,8 +78,10 @@ class ShardedDDPOptions:
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         find_unused_parameters: bool = False,
         precision: Optional[Any] = None,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
         **kwargs: Any,
     ) -> None:
+        self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         validate_arguments(type(self).__name__, find_unused_parameters, kwargs)
         base = lightning_arguments(locals(), self._precision_name)
         super().__init__(**base, **kwargs)  # type: ignore[call-arg]  # `kwargs` go to `self._ddp_kwargs`, for SDP

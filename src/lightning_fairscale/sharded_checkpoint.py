@@ -161,7 +161,7 @@ def consolidate(
         shards.append(io.load_shard(path, rank, world_size, weights_only=False))
     say("consolidating parameters")
     state_dict = _FairScaleFSDP.consolidate_shard_weights(
-        [s["state_dict"] for s in shards], [s["shard_metadata"] for s in shards]
+        [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards], [s["shard_metadata"] for s in shards]
     )
     state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, info.get("aliases", []))
     checkpoint = {**meta, "state_dict": state_dict}
@@ -200,7 +200,7 @@ def _consolidate_optimizer(
         pads = [per_rank[r][2]["padding"] for r in ranks]
         shard_numel = (sum(numels) + sum(pads)) // len(pads)
         state = states[0]["state"].get(m, {})
-        keys = {k for k, v in state.items() if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == shard_numel}
+        keys = {k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == shard_numel}
         full: dict[str, Any] = {}
         for key, value in state.items():
             if key in keys:
@@ -210,6 +210,17 @@ def _consolidate_optimizer(
         full_states.append(full)
         elementwise.append(keys)
     return plain_state_dict(full_states, pieces, layout["orders"], states[0]["param_groups"], elementwise)
+
+
+def _flat_shards(state_dict: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every managed parameter 1-D, as FairScale's consolidation expects its shards: a unit of
+    one rank does not shard, so ``flatten_parameters=False`` leaves its parameters in their own shapes there."""
+    managed = {
+        (f"{unit['fsdp_path']}." if unit["fsdp_path"] else "") + name
+        for unit in metadata["param_metadata"]
+        for name in unit["params"]
+    }
+    return {k: v.reshape(-1) if k in managed else v for k, v in state_dict.items()}
 
 
 def _param_metadata(metadata: dict[str, Any], unit: int, index: int) -> tuple[str, str, dict[str, Any]]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from scenarios.flavor import LightningModule
+from scenarios.flavor import Callback, LightningModule
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 GLOBAL_BATCH = 8
@@ -44,11 +44,20 @@ def dataset(num_samples: int = NUM_SAMPLES) -> TensorDataset:
 def make_optimizer(name: str, params_or_groups: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params_or_groups, lr=0.05, momentum=0.9)
+    if name == "plain_sgd":  # no momentum: an optimizer without per-parameter state
+        return torch.optim.SGD(params_or_groups, lr=0.05)
     if name == "adam":
         return torch.optim.Adam(params_or_groups, lr=1e-2)
     if name == "adamw":
         return torch.optim.AdamW(params_or_groups, lr=1e-2, weight_decay=0.1)
     raise ValueError(name)
+
+
+def split_param_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """Weights and biases in two param groups whose hyperparameters change the result (``params="split"``)."""
+    weights = [p for n, p in module.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in module.named_parameters() if n.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.01}]
 
 
 class RegressionModel(LightningModule):
@@ -99,9 +108,7 @@ class RegressionModel(LightningModule):
         elif kind == "stray":  # a parameter that is not part of the module: must be refused
             source = [*self.parameters(), nn.Parameter(torch.zeros(3))]
         elif kind == "split":  # two groups inside one FSDP unit: must be refused with flattened parameters
-            weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
-            biases = [p for n, p in self.named_parameters() if n.endswith("bias")]
-            source = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
+            source = split_param_groups(self)
         else:
             raise ValueError(kind)
         optimizer = make_optimizer(self.hparams.optimizer, source)
@@ -124,6 +131,19 @@ class RegressionModel(LightningModule):
     val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
 
+class LazyModel(RegressionModel):
+    """Builds its network in ``configure_model``, so inside the strategy's ``tensor_init_context`` (on the CPU, with
+    the weights of ``build_network()``, unless that context puts it elsewhere)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.net
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = build_network(self.hparams.depth)
+
+
 class ManualWrapModel(RegressionModel):
     """Wraps each block itself in ``configure_model`` with ``fairscale.nn.wrap`` or torch's ``wrap``."""
 
@@ -144,6 +164,22 @@ class ManualWrapModel(RegressionModel):
         self._wrap_blocks()
 
 
+class CountTrainBatches(Callback):
+    """A callback with state: the number of training batches it has seen, checkpointed, so it counts across resumes."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches = state_dict["batches"]
+
+
 def reference_training(
     steps: int,
     optimizer: str = "adam",
@@ -155,13 +191,21 @@ def reference_training(
     step_offset: int = 0,
     num_samples: int = NUM_SAMPLES,
     freeze: Optional[str] = None,
+    params: str = "self",
+    lr: Optional[float] = None,
 ) -> dict[str, torch.Tensor]:
-    """Single-process training on the full global batch, without any wrapper."""
+    """Single-process training on the full global batch, without any wrapper (``params="split"``: with the param
+    groups of ``split_param_groups``); from the weights ``start`` if given (else ``build_network``'s), with a fresh
+    optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too)."""
     net = build_network(depth)
     model = RegressionModelWrapper(net)
+    if start is not None:
+        model.load_state_dict(start)
     if freeze:
         model.get_parameter(freeze).requires_grad_(False)
-    opt = make_optimizer(optimizer, model.parameters())
+    opt = make_optimizer(optimizer, split_param_groups(model) if params == "split" else model.parameters())
+    for group in opt.param_groups if lr is not None else ():
+        group["lr"] = lr
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if scheduler else None
     loader = DataLoader(dataset(num_samples), batch_size=GLOBAL_BATCH)
     batches = list(loader)

@@ -23,6 +23,8 @@ LightningModule = pl.LightningModule
 Trainer = pl.Trainer
 seed_everything = pl.seed_everything
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
+ModelPruning = pl.callbacks.ModelPruning
+StochasticWeightAveraging = pl.callbacks.StochasticWeightAveraging
 
 #: Where our classes for ``PACKAGE`` are (the Trainer's; Fabric's are in its ``fabric`` submodule).
 OURS = "lightning_fairscale.lightning" if PACKAGE == "lightning" else "lightning_fairscale"

@@ -22,12 +22,15 @@ import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from scenarios import common  # noqa: E402
+from scenarios.train import KillDuringSave  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     Callback,
     DDPShardedStrategy,
     LightningModule,
     ModelCheckpoint,
+    ModelPruning,
     ShardedMixedPrecisionPlugin,
+    StochasticWeightAveraging,
     Trainer,
     seed_everything,
 )
@@ -52,7 +55,15 @@ CASES: dict[str, dict[str, Any]] = {
     # Four steps with a checkpoint after each (one epoch is one step), then a resume from the second.
     "straight": {**RESUME, "checkpoints": True, "save_after_fit": True},
     "resume": {**RESUME, "resume_from": "checkpoints/epoch=1-step=2.ckpt"},
+    # As "straight", saving "last.ckpt" after each step; run alone, with --kill-during-save (the run dies).
+    "killed-save": {**RESUME, "checkpoints": "last", "alone": True},
     "eval-after-fit": {"optimizer": "adam", "steps": 2, "eval_after": True},
+    # Lightning's StochasticWeightAveraging over 3 epochs of 2 steps, and the same under Lightning's own "ddp".
+    "swa": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True},
+    "swa-ddp": {"optimizer": "sgd", "steps": -1, "epochs": 3, "swa": True, "ddp": True},
+    # Lightning's ModelPruning (half the weights by magnitude after each epoch), without its lottery-ticket reset.
+    "pruning": {"optimizer": "sgd", "steps": -1, "epochs": 3, "pruning": True},
+    "pruning-ddp": {"optimizer": "sgd", "steps": -1, "epochs": 3, "pruning": True, "ddp": True},
 }
 
 
@@ -90,11 +101,12 @@ class Record(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         (optimizer,) = trainer.strategy.optimizers
+        shard = getattr(optimizer, "optim", optimizer)  # OSS's optimizer of this rank's shard
         self.info.update(
             wrapper=type(trainer.strategy.model).__name__,
             optimizer=type(optimizer).__name__,
-            shard_optimizer=type(optimizer.optim).__name__,
-            shard_params=sum(len(g["params"]) for g in optimizer.optim.param_groups),
+            shard_optimizer=type(shard).__name__,
+            shard_params=sum(len(g["params"]) for g in shard.param_groups),
             all_params=sum(len(g["params"]) for g in optimizer.param_groups),
             precision_plugin=type(trainer.precision_plugin).__name__,
             scaler=type(getattr(trainer.precision_plugin, "scaler", None)).__name__,
@@ -104,7 +116,9 @@ class Record(Callback):
         self.info["eval_wrapper"] = type(trainer.strategy.model).__name__
 
 
-def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path, accelerator: str = "cpu") -> dict[str, Any]:
+def run_case(
+    name: str, case: dict[str, Any], devices: int, workdir: Path, accelerator: str = "cpu", kill_during_save: int = 0
+) -> dict[str, Any]:
     seed_everything(7, workers=True)
     steps = case.get("steps", 3)
     model = common.RegressionModel(
@@ -112,16 +126,27 @@ def run_case(name: str, case: dict[str, Any], devices: int, workdir: Path, accel
     )
     record = Record()
     callbacks: list[Callback] = [record]
-    if case.get("checkpoints"):
+    if case.get("checkpoints") == "last":
+        callbacks.append(
+            ModelCheckpoint(dirpath=workdir / "last", filename="last", enable_version_counter=False, every_n_epochs=1)
+        )
+    elif case.get("checkpoints"):
         callbacks.append(
             ModelCheckpoint(dirpath=workdir / "checkpoints", filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1)
         )
+    if kill_during_save:
+        callbacks.append(KillDuringSave(kill_during_save, rank=0, how="kill"))
+    if case.get("swa"):
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1))
+    if case.get("pruning"):
+        callbacks.append(ModelPruning("l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=False))
     clip_val, clip_algorithm = case.get("clip", (None, None))
     trainer = Trainer(
         accelerator=accelerator,
         devices=devices,
-        strategy=DDPShardedStrategy(**case.get("strategy", {})),
+        strategy="ddp" if case.get("ddp") else DDPShardedStrategy(**case.get("strategy", {})),
         max_steps=steps,
+        max_epochs=case.get("epochs"),
         precision=None if "plugin" in case else case.get("precision", "32-true"),
         plugins=[ShardedMixedPrecisionPlugin(case["plugin"], "cuda" if accelerator == "gpu" else "cpu")] if "plugin" in case else None,
         accumulate_grad_batches=case.get("accumulate", 1),
@@ -167,9 +192,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--workdir", default=".", help="checkpoints are written and read here")
+    parser.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL rank 0 halfway through its n-th file")
     args = parser.parse_args()
     workdir = Path(args.workdir)
-    results = {name: run_case(name, CASES[name], args.devices, workdir, args.accelerator) for name in args.cases.split(",")}
+    results = {
+        name: run_case(name, CASES[name], args.devices, workdir, args.accelerator, args.kill_during_save)
+        for name in args.cases.split(",")
+    }
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, args.out)
     torch.distributed.destroy_process_group()  # a clean exit for the threads of gloo

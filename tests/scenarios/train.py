@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import io
 import os
 import signal
@@ -20,13 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.common import Block, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import IN_FEATURES, Block, CountTrainBatches, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
     DDPFullyShardedStrategy,
     FullyShardedMixedPrecisionPlugin,
     ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
     Trainer,
     seed_everything,
 )
@@ -52,6 +55,8 @@ class KillDuringSave(Callback):
         real_save, calls = torch.save, [0]
 
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            if isinstance(f, io.BytesIO):  # no file: tensors pickled for a collective (OSS's state consolidation)
+                return real_save(obj, f, *args, **kwargs)
             calls[0] += 1
             if calls[0] < self.nth or not hasattr(f, "write"):
                 return real_save(obj, f, *args, **kwargs)
@@ -99,6 +104,34 @@ class RecordUnits(Callback):
         self.memory = getattr(trainer.strategy, "memory_figures", dict)()
 
 
+class RecordSummary(Callback):
+    """Records each rank's ``FullyShardedSummary`` of the whole model (every rank builds one: the example input, if
+    any, runs through the root unit on all ranks); rank 0 keeps them all."""
+
+    def __init__(self) -> None:
+        self.summaries: list[dict[str, Any]] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        from scenarios.flavor import OURS
+
+        summary = importlib.import_module(f"{OURS}.model_summary").FullyShardedSummary(pl_module, max_depth=-1)
+        mine = {
+            "names": summary.layer_names,
+            "types": summary.layer_types,
+            "params": summary.param_nums,
+            "shard": [layer.shard_parameters for layer in summary._layer_summary.values()],
+            "in_sizes": summary.in_sizes,
+            "out_sizes": summary.out_sizes,
+            "flops": {k: sum(v.values()) for k, v in summary.flop_counts.items()},
+            "total": summary.total_parameters,
+            "trainable": summary.trainable_parameters,
+            "total_shard": summary.shard_parameters,
+            "modes": summary.total_training_modes,
+        }
+        self.summaries = [{} for _ in range(trainer.world_size)]
+        torch.distributed.all_gather_object(self.summaries, mine)
+
+
 class RecordTraining(Callback):
     """Records, on rank 0, each step's loss and the dtypes a block's Linear layer computes with."""
 
@@ -127,7 +160,8 @@ class RecordTraining(Callback):
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="regression", choices=["regression", "manual"])
+    p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy"])
+    p.add_argument("--model-on-gpu", action="store_true", help="move the model to the GPU before `fit`")
     p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
     p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
     p.add_argument("--policy", default="size", choices=["size", "blocks", "callable"])
@@ -159,6 +193,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
     p.add_argument("--save-last", action="store_true", help="the ModelCheckpoint overwrites last.ckpt")
     p.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
+    p.add_argument("--lightning-1x-optimizer-state", default="error", choices=["error", "reset"])
     p.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL this rank halfway through its n-th file")
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--kill-how", default="kill", choices=["kill", "enospc"])
@@ -170,6 +205,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--move-grads-to-cpu", type=int, default=None)
     p.add_argument("--lose-rank", type=int, default=None, help="this rank is lost at --lose-at-step")
     p.add_argument("--lose-at-step", type=int, default=3)
+    p.add_argument("--model-summary", action="store_true", help="the Trainer's model summary, and each rank's record")
+    p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
+    p.add_argument("--callback", default=None, choices=["swa", "pruning"], help="add Lightning's SWA or ModelPruning")
     p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
     return p.parse_args()
 
@@ -183,8 +221,14 @@ def main() -> None:
         if args.hook == "configure_sharded_model":
             ManualWrapModel.configure_sharded_model = ManualWrapModel._wrap_blocks  # type: ignore[method-assign]
             del ManualWrapModel.configure_model
+    elif args.model == "lazy":  # the network is built in `configure_model`
+        model = LazyModel(depth=args.depth, **common)
     else:
         model = RegressionModel(depth=args.depth, **common)
+    if args.model_on_gpu:
+        model.cuda()
+    if args.example_input:
+        model.example_input_array = torch.zeros(2, IN_FEATURES)
     if args.freeze:
         model.get_parameter(args.freeze).requires_grad_(False)
     policy: Any = None
@@ -205,15 +249,24 @@ def main() -> None:
         activation_checkpointing=Block if args.checkpointing else None,
         activation_checkpointing_offload=args.checkpointing_offload,
         state_dict_type=args.state_dict_type,
+        lightning_1x_optimizer_state=args.lightning_1x_optimizer_state,
         compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
         move_grads_to_cpu=None if args.move_grads_to_cpu is None else bool(args.move_grads_to_cpu),
         **({"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}),
     )
     recorder = RecordUnits()
     training = RecordTraining()
-    callbacks: list[Callback] = [recorder, training]
+    counter = CountTrainBatches()
+    callbacks: list[Callback] = [recorder, training, counter]
+    summaries = RecordSummary()
+    if args.model_summary:
+        callbacks.append(summaries)
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
+    if args.callback:
+        callbacks.append(
+            StochasticWeightAveraging(swa_lrs=0.01) if args.callback == "swa" else ModelPruning("l1_unstructured")
+        )
     if args.kill_during_save:
         callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank, args.kill_how))
     if args.checkpoint_dir:
@@ -240,7 +293,7 @@ def main() -> None:
         logger=False,
         enable_checkpointing=bool(args.checkpoint_dir),
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=args.model_summary,
         limit_val_batches=1.0 if args.eval_after else 0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
@@ -255,6 +308,9 @@ def main() -> None:
         "memory": getattr(recorder, "memory", {}),
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
+        "batches_counted": counter.batches,
+        "lr": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
         "package": PACKAGE,
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
@@ -262,6 +318,7 @@ def main() -> None:
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
+        "summaries": summaries.summaries,
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

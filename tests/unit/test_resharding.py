@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_fairscale import fairscale_cpu
@@ -66,16 +65,6 @@ def test_a_rank_opens_only_the_saved_files_that_overlap_its_slice() -> None:
     assert sorted(shards._files) == [0, 1]
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    fairscale_cpu.install()
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _wrapped(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2)))
@@ -84,7 +73,7 @@ def _wrapped(seed: int) -> nn.Module:
     return fairscale_cpu.FullyShardedDataParallel(net, compute_device=cpu)
 
 
-def test_a_checkpoint_of_two_ranks_loads_into_one(one_rank_group: None) -> None:
+def test_a_checkpoint_of_two_ranks_loads_into_one(process_group: None) -> None:
     """The shards two ranks would have saved (FairScale's layout) load into a one-rank model exactly."""
     source, target = _wrapped(0), _wrapped(1)
     metadata = source.local_metadata_dict()

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_fairscale.fabric_checkpoint import Roles, convert, restore, to_checkpoint
 from lightning_fairscale.fsdp_engine import is_sharded_checkpoint
-from lightning_fairscale.mixed_precision import is_sharded_grad_scaler, sharded_grad_scaler, unsupported
+from lightning_fairscale.mixed_precision import unsupported
 
 __all__ = ["FabricAdapter", "NoBackwardSync", "fabric_precision"]
 
@@ -38,6 +38,8 @@ class FabricAdapter:
     checkpoint_io: Any
     is_global_zero: bool
     load_module_state_dict: Callable[..., None]
+    #: Makes the strategy's fp16 loss scaler for a device (its inf/NaN checks agree across ranks).
+    _grad_scaler: Callable[[str], Any]
 
     def _init_adapter(self) -> None:
         self._backward_sync_control = NoBackwardSync()
@@ -59,7 +61,7 @@ class FabricAdapter:
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
-        self._precision = fabric_precision(precision, type(self).__name__)
+        self._precision = fabric_precision(precision, type(self).__name__, self._grad_scaler)
 
     def clip_gradients_norm(
         self,
@@ -194,7 +196,7 @@ class NoBackwardSync(_BackwardSyncControl):
         return module.no_sync()
 
 
-def fabric_precision(plugin: Optional[Precision], strategy: str) -> Optional[Precision]:
+def fabric_precision(plugin: Optional[Precision], strategy: str, scaler: Callable[[str], Any]) -> Optional[Precision]:
     """The precision plugin ``strategy`` trains with, for one Fabric made from its ``precision`` flag.
 
     Full precision and mixed precision (``"16-mixed"``, ``"bf16-mixed"``) are Fabric's own plugins; fp16 gets a
@@ -208,7 +210,9 @@ def fabric_precision(plugin: Optional[Precision], strategy: str) -> Optional[Pre
     if plugin is None or type(plugin) is Precision:
         return plugin
     if isinstance(plugin, MixedPrecision):
-        if plugin.scaler is not None and not is_sharded_grad_scaler(plugin.scaler):
-            plugin.scaler = sharded_grad_scaler(plugin.device)
+        if plugin.scaler is not None:
+            wanted = scaler(plugin.device)
+            if type(plugin.scaler) is not type(wanted):
+                plugin.scaler = wanted
         return plugin
     raise unsupported(strategy, plugin, "`Fabric(precision=...)`")

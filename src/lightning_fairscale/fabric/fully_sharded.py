@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.strategies.strategy import _Sharded
 from lightning_fabric.utilities.init import _EmptyInit
+from lightning_fabric.utilities.rank_zero import rank_zero_info
 from lightning_fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module, Parameter
@@ -24,6 +25,7 @@ from typing_extensions import override
 from lightning_fairscale import fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fabric._common import FabricAdapter
+from lightning_fairscale.mixed_precision import fsdp_grad_scaler
 from lightning_fairscale.fabric_checkpoint import Roles, optimizer_positions, restore
 from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp_options import FullyShardedOptions
@@ -74,6 +76,8 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
         >>> DDPFullyShardedStrategy(min_num_params=1_000, state_dict_type="sharded").state_dict_type
         'sharded'
     """
+
+    _grad_scaler = staticmethod(fsdp_grad_scaler)
 
     strategy_name = "fsdp_fairscale"
     _precision_name = "precision"
@@ -128,7 +132,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
         originals: weakref.WeakValueDictionary[int, Parameter] = weakref.WeakValueDictionary(
             {id(param): param for param in module.parameters()}
         )
-        wrapped = fsdp_engine.wrap_model(self, module, describe=self.is_global_zero)
+        wrapped = fsdp_engine.wrap_model(self, module, describe=rank_zero_info)
         wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
         self._roots.add(wrapped.root)
         return wrapped.root

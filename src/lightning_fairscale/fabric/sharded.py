@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_fairscale import oss
 from lightning_fairscale.fabric._common import FabricAdapter
+from lightning_fairscale.mixed_precision import sharded_grad_scaler
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -48,6 +49,8 @@ class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, DDPStrategy):
         >>> DDPShardedStrategy(reduce_buffer_size=2**20).reduce_buffer_size
         1048576
     """
+
+    _grad_scaler = staticmethod(sharded_grad_scaler)
 
     strategy_name = "ddp_sharded"
     _precision_name = "precision"

@@ -41,10 +41,12 @@ BOUND = (
     "fabric._common",
     "fabric.fully_sharded",
     "fabric.sharded",
+    "model_summary",
     "precision",
     "precision.fully_sharded",
     "precision.sharded",
     "strategies",
+    "strategies._callbacks",
     "strategies.fully_sharded",
     "strategies.sharded",
 )

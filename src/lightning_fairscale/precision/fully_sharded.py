@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 import torch
+from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.fairscale_cpu import clip_grad_norm_
-from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, sharded_grad_scaler, unsupported
+from lightning_fairscale.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, fsdp_grad_scaler, unsupported
 
 __all__ = [
     "SUPPORTED_PRECISION",
@@ -39,13 +41,18 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     """Mixed precision (``"16-mixed"`` or ``"bf16-mixed"``) for FairScale FSDP.
 
     FSDP keeps FP32 parameter shards and computes in ``compute_dtype`` (fp16 or bf16, following ``precision``),
-    under ``torch.autocast``. For fp16 the loss is scaled with a sharded grad scaler (FairScale's
-    ``ShardedGradScaler`` on CUDA), whose inf/NaN checks agree across ranks; gradients are unscaled before clipping.
+    under ``torch.autocast``. For fp16 the loss is scaled with a sharded grad scaler
+    (:class:`~lightning_fairscale.fairscale_cpu.ShardedGradScaler`, on every device), whose inf/NaN checks agree across
+    ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled before clipping.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
         device: ``"cuda"`` or ``"cpu"``.
-        scaler: a grad scaler for fp16 (default: a sharded one); must be ``None`` for bf16.
+        scaler: a :class:`~lightning_fairscale.fairscale_cpu.ShardedGradScaler` for fp16 (default: one for
+            ``device``); must be ``None`` for bf16.
+
+    Raises:
+        TypeError: ``scaler`` is another grad scaler, whose inf/NaN checks would not agree across ranks.
 
     Example:
         >>> plugin = FullyShardedMixedPrecisionPlugin("bf16-mixed", "cpu")
@@ -57,7 +64,19 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
         self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
     ) -> None:
         if scaler is None and precision == "16-mixed":
-            scaler = sharded_grad_scaler(device)
+            scaler = fsdp_grad_scaler(device)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            why = (
+                "FairScale's drops the combined inf/NaN checks of gradients in CPU memory (`cpu_offload`)"
+                if isinstance(scaler, _FairScaleShardedGradScaler)
+                else "each rank would check only its own gradient shards for inf/NaN"
+            )
+            raise TypeError(
+                f"`FullyShardedMixedPrecisionPlugin` needs a sharded grad scaler, got {type(scaler).__module__}."
+                f"{type(scaler).__qualname__}: {why}, so the ranks would skip different steps and their models drift"
+                " apart. Leave `scaler=None` (the default: a sharded one), or pass"
+                f" `lightning_fairscale.fairscale_cpu.ShardedGradScaler(device={device!r})`."
+            )
         super().__init__(precision=precision, device=device, scaler=scaler)
 
     @property
@@ -72,7 +91,8 @@ def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
     """The FSDP plugin for a plugin the Trainer made from its ``precision`` flag.
 
     Raises:
-        ValueError: the precision is not one FSDP supports; the message names those that are.
+        ValueError: the precision is not one FSDP supports (the message names those that are), or the plugin is
+            another class for a supported one (e.g. a subclass of Lightning's ``Precision``).
     """
     if isinstance(plugin, (FullyShardedPrecisionPlugin, FullyShardedMixedPrecisionPlugin)):
         return plugin
@@ -80,4 +100,9 @@ def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
         return FullyShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return FullyShardedMixedPrecisionPlugin(plugin.precision, plugin.device, scaler=None)  # type: ignore[arg-type]
-    raise unsupported("DDPFullyShardedStrategy", plugin, "`Trainer(precision=...)`")
+    raise unsupported(
+        "DDPFullyShardedStrategy",
+        plugin,
+        "`Trainer(precision=...)`",
+        own="`FullyShardedPrecisionPlugin` (32-true) or `FullyShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed)",
+    )

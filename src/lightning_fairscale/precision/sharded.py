@@ -86,7 +86,8 @@ def sharded_precision_plugin(plugin: Precision) -> Precision:
     plugins are kept as they are.
 
     Raises:
-        ValueError: the precision is not one the strategy supports; the message names those that are.
+        ValueError: the precision is not one the strategy supports (the message names those that are), or the plugin
+            is another class for a supported one (e.g. a subclass of Lightning's ``Precision``).
 
     Example:
         >>> type(sharded_precision_plugin(Precision())).__name__
@@ -99,5 +100,8 @@ def sharded_precision_plugin(plugin: Precision) -> Precision:
     if type(plugin) is MixedPrecision:
         return ShardedMixedPrecisionPlugin(plugin.precision, plugin.device)  # type: ignore[arg-type]
     raise unsupported(
-        "DDPShardedStrategy", plugin, "`Trainer(precision=...)`, or a `ShardedMixedPrecisionPlugin` in `plugins`"
+        "DDPShardedStrategy",
+        plugin,
+        "`Trainer(precision=...)`",
+        own="`ShardedPrecisionPlugin` (32-true) or `ShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed)",
     )

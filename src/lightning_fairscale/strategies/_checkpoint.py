@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
+
+from lightning_fairscale.legacy_checkpoint import CurrentOptimizer, OptimizerStatePolicy, adopt_optimizer_states
 
 
 def optimizer_states(checkpoint: Mapping[str, Any], optimizers: Sequence[Any]) -> list[dict[str, Any]]:
@@ -20,6 +22,28 @@ def check_optimizer_count(saved: int, optimizers: int) -> None:
             f"The checkpoint holds {saved} optimizer states but `configure_optimizers` returned"
             f" {optimizers} optimizers. Resume with the optimizers the checkpoint was saved with."
         )
+
+
+def resumable_optimizer_states(
+    checkpoint: Mapping[str, Any],
+    optimizers: Sequence[Any],
+    shapes: Sequence[Sequence[Sequence[Sequence[int]]]],
+    policy: OptimizerStatePolicy,
+    owner: str,
+    warn: Callable[[str], Any],
+) -> list[dict[str, Any]]:
+    """:func:`optimizer_states`, those of a Lightning 1.x FairScale checkpoint in the plain layout (see
+    :mod:`lightning_fairscale.legacy_checkpoint`); ``warn`` gets the message saying what was adopted.
+
+    ``optimizers`` are the user's optimizers (their class names go into the messages) and ``shapes``, for each, the
+    shapes of its parameters by param group, in the order the user listed them.
+    """
+    optimizer_states(checkpoint, optimizers)
+    current = [CurrentOptimizer(type(opt).__name__, groups) for opt, groups in zip(optimizers, shapes)]
+    states, note = adopt_optimizer_states(checkpoint, current, policy, owner)
+    if note:
+        warn(note)
+    return states
 
 
 def check_state_dict_fits(saved: Mapping[str, Any], expected: Mapping[str, Any], strict: bool) -> None:

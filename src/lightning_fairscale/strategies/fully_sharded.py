@@ -16,7 +16,7 @@ from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -28,7 +28,9 @@ from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.fsdp_options import FullyShardedOptions
 from lightning_fairscale.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
-from lightning_fairscale.strategies._checkpoint import check_optimizer_count, optimizer_states
+from lightning_fairscale.model_summary import use_for_model_summaries
+from lightning_fairscale.strategies._callbacks import check_callbacks
+from lightning_fairscale.strategies._checkpoint import check_optimizer_count, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.summary import memory_figures
 from lightning_fairscale.wrapping import (
@@ -80,6 +82,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
         timeout: how long collectives wait for the other ranks before failing.
         start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
         precision: another name for ``precision_plugin`` (Fabric's).
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
+            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
+            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
+            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -127,6 +133,13 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
         return fsdp_engine.wrapping_context(self)
 
     @override
+    def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
+            check_callbacks(module.trainer.callbacks, type(self).__name__)
+        super().setup_environment()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
@@ -137,6 +150,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
             self._setup_sharded_again(trainer, root, fitting)
         else:
             self._setup_unwrapped(trainer, fitting)
+        use_for_model_summaries(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -152,7 +166,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
             # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
             self.setup_optimizers(trainer)
         self.model_to_device()
-        wrapped = fsdp_engine.wrap_model(self, self.model, describe=self.is_global_zero)
+        # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
+        wrapped = fsdp_engine.wrap_model(self, self.model, describe=rank_zero_info)
         self.model, self._layout, self._checkpointed = wrapped.root, wrapped.layout, wrapped.checkpointed
         optimizers = [_unwrap(opt) for opt in self.optimizers] if fitting else []
         self._group_orders = [fsdp_engine.repoint(optimizer, self._layout) for optimizer in optimizers]
@@ -170,11 +185,26 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
                 self.setup_optimizers(trainer)
             self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``.
+
+        ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
+        parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
+        were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
+        model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
+        """
+        with super().tensor_init_context(empty_init):
+            with torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else contextlib.nullcontext():
+                yield
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not self.fsdp_kwargs()["cpu_offload"]:
-            self.model.to(self.root_device)
+        # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
+        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs.
+        self.model.to(torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device)
 
     def memory_figures(self) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
@@ -272,7 +302,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
             return fsdp_engine.load_sharded(self, io, checkpoint_path, self._wrapped(), restored, weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         assert self.lightning_module is not None and self._layout is not None
-        states = optimizer_states(checkpoint, optimizers) if optimizers else []
+        states = self._resumable_states(checkpoint, optimizers) if optimizers else []
         fsdp_engine.load_full(
             self._wrapped(),
             checkpoint.pop("state_dict"),
@@ -281,6 +311,16 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
         )
         checkpoint.pop("optimizer_states", None)
         return checkpoint
+
+    def _resumable_states(self, checkpoint: dict[str, Any], optimizers: list[Optimizer]) -> list[dict[str, Any]]:
+        """The checkpoint's optimizer states in the plain layout (Lightning 1.x's are adopted, see
+        :mod:`lightning_fairscale.legacy_checkpoint`)."""
+        assert self._layout is not None
+        # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
+        managed = self._layout.managed
+        shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
+        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
 
     def _restores_optimizers(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
+from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.core.optimizer import LightningOptimizer, _MockOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -37,7 +39,9 @@ from lightning_fairscale.oss import (
     sync_module_states,
 )
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.strategies._checkpoint import optimizer_states
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks
+from lightning_fairscale.strategies._checkpoint import resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
@@ -57,7 +61,8 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
         accelerator: the accelerator; the Trainer sets it.
         parallel_devices: the devices of this node; the Trainer sets them.
         cluster_environment: the cluster environment; the Trainer sets it.
-        checkpoint_io: the checkpoint IO plugin.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which
+            writes each checkpoint file atomically).
         precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
         process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
         timeout: how long collectives wait for the other ranks before failing.
@@ -66,6 +71,9 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
             parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
             supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
         precision: another name for ``precision_plugin`` (Fabric's).
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
+            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
 
@@ -161,10 +169,35 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
             optimizer = optimizer._optimizer
         return full_state(optimizer, self.is_global_zero)
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_fairscale.ShardedCheckpointIO` unless the Trainer got another: checkpoint files are
+        written beside their target and renamed into place, so a save killed midway keeps the previous one."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
+            check_sharded_ddp_callbacks(module.trainer.callbacks, type(self).__name__)
+        super().setup_environment()
+
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load full optimizer state dicts (saved with any number of processes); each rank keeps its shard."""
-        states = optimizer_states(checkpoint, self.optimizers)
+        # The user's optimizer (OSS builds it on each rank) names the class; OSS's param groups hold every parameter.
+        users = [opt.optim if isinstance(opt, OSS) else opt for opt in self.optimizers]
+        shapes = [[[p.shape for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers]
+        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        states = resumable_optimizer_states(checkpoint, users, shapes, policy, owner, rank_zero_warn)
         for optimizer, state in zip(self.optimizers, states):
             if isinstance(optimizer, OSS):
                 load_full_state(optimizer, state)

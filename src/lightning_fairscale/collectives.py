@@ -1,0 +1,109 @@
+"""The collectives this package issues, with their tensors on the device the process group's backend needs.
+
+NCCL takes CUDA tensors only (a CPU tensor fails with "No backend type associated with device type cpu"), but some
+of the tensors that take part in our collectives live on the CPU: with ``cpu_offload`` FairScale keeps the parameter
+shards, their gradients and therefore the optimizer state in CPU memory. Gloo takes tensors where they are. So every
+collective of this package goes through the functions here, which
+
+1. move the tensors to :func:`group_device` (for NCCL the current CUDA device, where Lightning has put this rank;
+   for gloo the tensor's own device: nothing moves), and
+2. bring the results back to where the caller had them: in place for ``all_reduce`` and ``reduce_scatter_tensor``,
+   on the input's device for ``gather``.
+
+Object collectives (``all_gather_object``) need nothing of this: PyTorch serialises the object into a tensor on the
+group's device itself. They are here too, so that this module is the one list of our collectives. Collectives of
+FairScale (FSDP's all-gathers and reduce-scatters, OSS's consolidation) and of Lightning (``barrier``,
+``reduce_boolean_decision``) choose their devices themselves.
+
+This module does not import Lightning: both Lightning packages share it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_gather_object", "all_reduce", "gather", "group_device", "reduce_scatter_tensor"]
+
+
+def _device_types(group: Any) -> set[str]:
+    """The device types ``group``'s backends take tensors of, e.g. ``{"cuda"}`` for NCCL, ``{"cpu", "cuda"}`` for
+    gloo, from its backend configuration (``"cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``, ``"cpu:gloo,cuda:nccl"``)."""
+    config = dist.get_backend_config(group)
+    return {pair.split(":", 1)[0].strip() for pair in config.split(",") if ":" in pair}
+
+
+def _current_device(device_type: str) -> torch.device:
+    """This process's current device of ``device_type``: ``cuda:<torch.cuda.current_device()>`` for CUDA."""
+    module = getattr(torch, device_type, None)
+    current = getattr(module, "current_device", None)
+    return torch.device(device_type, current()) if callable(current) else torch.device(device_type)
+
+
+def group_device(group: Any, device: torch.device) -> torch.device:
+    """Where a tensor on ``device`` must be for a collective on ``group``: ``device`` itself when the group's backend
+    takes tensors there (gloo: any; NCCL: CUDA), else the current device of the type the backend takes (CUDA first).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> group_device(None, torch.device("cpu"))
+        device(type='cpu')
+        >>> dist.destroy_process_group()
+    """
+    types = _device_types(group)
+    if device.type in types or not types:
+        return device
+    return _current_device("cuda" if "cuda" in types else sorted(types)[0])
+
+
+def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
+    """``dist.all_reduce`` of ``tensor``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
+    device = group_device(group, tensor.device)
+    if device == tensor.device:
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    tensor.copy_(moved)
+    return tensor
+
+
+def gather(tensor: Tensor, dst: int = 0, group: Any = None) -> Optional[list[Tensor]]:
+    """Every rank's ``tensor`` (all of one shape), in rank order, on rank ``dst`` (a global rank); ``None`` on the
+    other ranks. The results are on ``tensor``'s device.
+
+    Where the group's device is another one (CPU shards on NCCL), the gathered tensors are there only until each
+    has been copied back: the largest that our callers gather is one optimizer-state entry of one FSDP unit, no more
+    than FSDP's own all-gather of that unit's parameters in the forward pass.
+    """
+    device = group_device(group, tensor.device)
+    moved = tensor.to(device).contiguous()
+    is_dst = dist.get_rank() == dst
+    received = [torch.empty_like(moved) for _ in range(dist.get_world_size(group))] if is_dst else None
+    dist.gather(moved, received, dst=dst, group=group)
+    if received is None:
+        return None
+    return [t.to(tensor.device) for t in received]
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
+    """``dist.reduce_scatter_tensor`` into ``output`` (in place), wherever ``output`` and ``input`` live."""
+    device = group_device(group, input.device)
+    if device == input.device == output.device:
+        dist.reduce_scatter_tensor(output, input, op=op, group=group)
+        return output
+    moved_output = output.to(device)
+    dist.reduce_scatter_tensor(moved_output, input.to(device), op=op, group=group)
+    output.copy_(moved_output)
+    return output
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank. PyTorch picks the device for the group."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone

@@ -1,0 +1,222 @@
+"""fairscale_cpu.py on one rank: the CPU patches, the bucketers, global-norm clipping and the sharded grad scaler.
+
+(Their behaviour across ranks is in test_multirank.py.)
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fairscale.internal import reduce_scatter_bucketer as fairscale_bucketer
+from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+from torch import nn
+
+from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.fairscale_cpu import (
+    GlooReduceScatterBucketer,
+    ReduceScatterBucketer,
+    ShardedGradScaler,
+    clip_grad_norm_,
+    global_grad_norm,
+)
+
+from .helpers import Block, Net, batches, parameters_of, step, wrap
+
+pytestmark = [
+    pytest.mark.usefixtures("process_group"),
+    pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),  # inside FairScale's bucketer
+]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are not installed where CUDA is")
+
+
+@no_cuda
+def test_install_gives_fsdp_a_torch_whose_streams_do_nothing() -> None:
+    patched = fsdp_module.torch
+    fairscale_cpu.install()  # idempotent
+    assert fairscale_cpu.is_installed() and fsdp_module.torch is patched
+    stream = patched.cuda.current_stream()
+    assert stream.device == torch.device("cpu") and patched.cuda.Stream() is stream
+    stream.wait_stream(stream)
+    stream.synchronize()
+    with patched.cuda.stream(stream):
+        patched.cuda.synchronize()
+    # Everything else is the real torch, and only FairScale's FSDP module sees the patched one.
+    assert patched.float32 is torch.float32 and patched.cuda.is_available is torch.cuda.is_available
+    assert torch.cuda.current_stream is not patched.cuda.current_stream
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_stream()
+
+
+@no_cuda
+def test_record_stream_on_a_cpu_tensor_does_nothing() -> None:
+    tensor = torch.arange(4.0)
+    assert tensor.record_stream(fsdp_module.torch.cuda.current_stream()) is None
+    assert torch.equal(tensor, torch.arange(4.0))
+
+
+def test_fsdp_on_gloo_uses_one_shared_gloo_bucketer() -> None:
+    root = wrap(Net(), policy={Block})
+    step(root, torch.optim.SGD(root.parameters(), lr=0.1), batches(1)[0])
+    units = [m for m in root.modules() if isinstance(m, fairscale_cpu.FullyShardedDataParallel)]
+    assert len(units) == 3
+    assert type(root._reducer) is GlooReduceScatterBucketer
+    assert all(unit._reducer is root._reducer for unit in units)
+
+
+def test_gloo_bucketer_equals_a_plain_reduce_scatter_on_one_rank() -> None:
+    bucketer, results = GlooReduceScatterBucketer(bucket_cap_mb=1), []
+    small, large = torch.randn(5), torch.randn(300_000)  # the large one does not fit a 1 MB bucket: sent at once
+    for tensor in (small, large, 2 * small):
+        bucketer.reduce_scatter_async([tensor], group=dist.group.WORLD, callback_fn=results.append)
+    assert len(results) == 1  # only the large one so far; the small ones wait in the bucket
+    bucketer.flush()
+    expected = []
+    for tensor in (large, small, 2 * small):
+        out = torch.empty_like(tensor)
+        dist.reduce_scatter_tensor(out, tensor)
+        expected.append(out)
+    assert [r.shape for r in results] == [e.shape for e in expected]
+    assert all(torch.equal(r, e) for r, e in zip(results, expected))
+
+
+def test_fairscales_bucketer_fails_on_gloo_where_ours_works() -> None:
+    """Why GlooReduceScatterBucketer exists: gloo refuses FairScale's 2-d bucket input."""
+    tensor = torch.randn(5)
+    fairscale = fairscale_bucketer.ReduceScatterBucketer(bucket_cap_mb=1)
+    try:
+        fairscale.reduce_scatter_async([tensor], group=dist.group.WORLD)
+        with pytest.raises(RuntimeError, match="(?i)shape"):  # gloo: outputShape[0] * worldSize == inputShape[0]
+            fairscale.flush()
+    finally:
+        fairscale_bucketer.ReduceScatterBucketer._get_shard_size.cache_clear()
+
+
+@pytest.mark.parametrize("bucketer", [ReduceScatterBucketer, GlooReduceScatterBucketer])
+def test_our_bucketers_are_freed_with_their_last_reference(bucketer: type) -> None:
+    ours = bucketer(bucket_cap_mb=1)
+    assert ours._get_shard_size(4, 2) == 2**20 // 4 // 2
+    alive = weakref.ref(ours)
+    del ours
+    assert alive() is None, "something (FairScale's lru_cache) still holds the bucketer and its buffers"
+
+
+def test_fairscales_bucketer_is_kept_alive_by_its_cache() -> None:
+    """The leak our bucketers avoid, shown on FairScale's class."""
+    theirs = fairscale_bucketer.ReduceScatterBucketer(bucket_cap_mb=1)
+    theirs._get_shard_size(4, 2)
+    alive = weakref.ref(theirs)
+    del theirs
+    try:
+        assert alive() is not None
+    finally:
+        fairscale_bucketer.ReduceScatterBucketer._get_shard_size.cache_clear()
+
+
+@pytest.mark.parametrize(("cap", "element_size", "shards"), [(25, 4, 2), (1, 2, 3), (3, 8, 7), (0, 4, 2), (-1, 4, 2)])
+def test_shard_sizes_are_fairscales(cap: int, element_size: int, shards: int) -> None:
+    theirs = fairscale_bucketer.ReduceScatterBucketer(cap)
+    try:
+        assert ReduceScatterBucketer(cap)._get_shard_size(element_size, shards) == theirs._get_shard_size(
+            element_size, shards
+        )
+    finally:
+        fairscale_bucketer.ReduceScatterBucketer._get_shard_size.cache_clear()
+
+
+def gradients(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for shape in [(3, 4), (5,), (2, 2, 2)]]
+
+
+def with_grads(grads: list[torch.Tensor]) -> list[nn.Parameter]:
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+@pytest.mark.parametrize("max_norm", [0.1, 1e4], ids=["clipped", "unclipped"])
+def test_clip_grad_norm_equals_torchs(norm_type: float, max_norm: float) -> None:
+    grads = gradients()
+    ours, theirs = with_grads(grads), with_grads(grads)
+    ours.append(nn.Parameter(torch.ones(2)))  # no gradient: left out, as torch does
+    total = clip_grad_norm_(ours, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(global_grad_norm(with_grads(grads), norm_type), expected, rtol=1e-6, atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    changed = any(not torch.equal(p.grad, g) for p, g in zip(theirs, grads))
+    assert changed == (max_norm == 0.1)
+
+
+def test_global_grad_norm_of_nothing_is_zero() -> None:
+    assert global_grad_norm([], 2.0).item() == 0.0
+    assert global_grad_norm([], math.inf).item() == 0.0
+
+
+def test_fsdp_clip_grad_norm_on_cpu_equals_torch_on_the_plain_model() -> None:
+    model, reference = Net(), Net()
+    root = wrap(model, policy={Block})
+    x, y = batches(1)[0]
+    for m in (root, reference):
+        nn.functional.mse_loss(m(x), y).backward()
+    total = root.clip_grad_norm_(0.05)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    assert expected > 0.05
+    flat = torch.cat([p.grad.reshape(-1) for p in root.parameters()])
+    torch.testing.assert_close(flat.norm(), torch.tensor(0.05), rtol=1e-4, atol=0)
+
+
+def scaled_steps(scaler: Any, poison: list[bool]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Steps with loss scaling; where ``poison`` says so, one gradient is inf. The parameters and scales after."""
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales = []
+    for batch, bad in zip(batches(len(poison)), poison):
+        x, y = batch
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if bad:
+            model.out.bias.grad[0] = math.inf
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return parameters_of(model), scales
+
+
+def test_sharded_grad_scaler_on_one_rank_equals_torchs_grad_scaler() -> None:
+    poison = [False, True, False, True, True]
+    ours = scaled_steps(ShardedGradScaler(device="cpu", init_scale=2.0**8), poison)
+    theirs = scaled_steps(torch.amp.GradScaler("cpu", init_scale=2.0**8), poison)
+    assert ours[1] == theirs[1] == [2.0**8, 2.0**7, 2.0**7, 2.0**6, 2.0**5]
+    for name, value in theirs[0].items():
+        assert torch.equal(ours[0][name], value), name
+
+
+def test_sharded_grad_scaler_disabled_does_not_scale() -> None:
+    scaler = ShardedGradScaler(device="cpu", enabled=False)
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss
+    params, _ = scaled_steps(scaler, [False])
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, optimizer, batches(1)[0])
+    assert all(torch.equal(params[n], v) for n, v in parameters_of(model).items())
+
+
+def test_bf16_compute_really_computes_in_bf16() -> None:
+    """FairScale casts the root's float32 inputs to fp16 whatever compute_dtype is; ours casts to compute_dtype."""
+    root = wrap(Net(), policy={Block}, mixed_precision=True, compute_dtype=torch.bfloat16)
+    x = batches(1)[0][0]
+    out = root(x)
+    assert out.dtype == torch.bfloat16
+    reference = Net().to(torch.bfloat16)
+    torch.testing.assert_close(out, reference(x.to(torch.bfloat16)), rtol=0, atol=0)

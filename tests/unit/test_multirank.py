@@ -1,0 +1,271 @@
+"""The engine on 2 and 3 real ranks: one forked run per world size, whose results the tests below check.
+
+Sharding proper (shards, padding, reduce-scatter, norms and inf checks across ranks) needs several ranks. Each
+world size is one run of forked processes (well under a second) shared by this module's tests, all compared with
+references computed in this process without sharding.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.fairscale_cpu import GlooReduceScatterBucketer, ShardedGradScaler, clip_grad_norm_
+from lightning_fairscale.optim import describe_layout
+from lightning_fairscale.wrapping import unwrap_module
+
+from .helpers import (
+    OPTIMIZERS,
+    Block,
+    Net,
+    assert_optimizer_states_equal,
+    assert_tensors_equal,
+    batches,
+    param_groups,
+    parameters_of,
+    run_ranks,
+    shard,
+    split_by_hand,
+    step,
+    wrap,
+)
+
+#: Three units (the root holds inp and out, each Block is one): few units, few collectives, fast ranks.
+POLICY = {True: {Block}, False: {Block}}
+CASES = [("sgd", True), ("adam", True), ("sgd", False), ("adam", False)]
+NORM_TYPES = [2.0, 1.0, math.inf]
+CLIP = 0.05
+
+
+def references() -> dict[Any, Any]:
+    """Plain training on the whole global batch: the optimizer states and parameters the ranks must reproduce."""
+    out: dict[Any, Any] = {}
+    for optimizer, flatten in CASES:
+        model = Net()
+        plain = OPTIMIZERS[optimizer](param_groups(model, flatten))
+        for batch in batches(2):
+            step(model, plain, batch)
+        out[optimizer, flatten] = {"optimizer": plain.state_dict(), "parameters": parameters_of(model)}
+    model = Net()
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    out["norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    out["clipped"] = parameters_of(model)
+    return out
+
+
+def rank_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    """This rank's equal share of a global batch: FSDP's averaged gradients are those of the whole batch."""
+    return tuple(t[rank::world_size] for t in batch)
+
+
+def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
+    fairscale_cpu.install()
+    out: dict[str, Any] = {}
+    for optimizer, flatten in CASES:
+        model = Net()
+        sharded = shard(model, OPTIMIZERS[optimizer](param_groups(model, flatten)), POLICY[flatten], flatten)
+        for batch in batches(2):
+            step(sharded.root, sharded.optimizer, rank_batch(batch, rank, world_size))
+        case: dict[str, Any] = {
+            "local": {
+                "state_dict": sharded.root.local_state_dict(),
+                "metadata": sharded.root.local_metadata_dict(),
+                "optimizer": sharded.optimizer.state_dict(),
+                "layout": describe_layout(sharded.optimizer, sharded.orders, sharded.root),
+            },
+            "consolidated": sharded.consolidate(),
+        }
+        # Every rank shards a full state it was given (as when resuming from a full checkpoint), then consolidates.
+        fresh_model = Net()
+        fresh = shard(fresh_model, OPTIMIZERS[optimizer](param_groups(fresh_model, flatten)), POLICY[flatten], flatten)
+        fresh.load(expected[optimizer, flatten]["optimizer"])
+        case["reloaded"] = fresh.consolidate()
+        # A sharded checkpoint's parameters, loaded into units that never ran a forward (as on resuming).
+        unused = wrap(Net(seed=5), policy=POLICY[flatten], flatten=flatten)
+        unused.load_local_state_dict(sharded.root.local_state_dict())
+        case["parameters"] = parameters_of(unwrap_module(sharded.root))
+        case["loaded_parameters"] = parameters_of(unwrap_module(unused))
+        out[f"{optimizer}-{flatten}"] = case
+
+    # Gradient clipping by the global norm of all shards (FSDP's clip_grad_norm_ on CPU).
+    model = Net()
+    root = shard(model, torch.optim.SGD(model.parameters(), lr=0.5), {Block}).root
+    x, y = rank_batch(batches(1)[0], rank, world_size)
+    nn.functional.mse_loss(root(x), y).backward()
+    # Gradient shards reduced through a bucket are compact copies, not views that keep the bucket's buffer alive.
+    out["grad_bytes"] = [(p.grad.untyped_storage().nbytes(), p.grad.numel() * 4) for p in root.parameters()]
+    out["norm"] = root.clip_grad_norm_(CLIP)
+    torch.optim.SGD(root.parameters(), lr=0.5).step()
+    out["clipped"] = parameters_of(unwrap_module(root))
+
+    # Global norms of disjoint gradient shards, against torch's norm of them all.
+    g = torch.Generator().manual_seed(100 + rank)
+    grads = [torch.randn(n, generator=g) for n in (3, 5)]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, grads)
+    out["norms"] = {}
+    for norm_type in NORM_TYPES:
+        params = [nn.Parameter(torch.zeros_like(t)) for t in grads]
+        for p, t in zip(params, grads):
+            p.grad = t.clone()
+        total = clip_grad_norm_(params, 0.5, norm_type)
+        reference = [nn.Parameter(torch.zeros_like(t)) for rank_grads in everyone for t in rank_grads]
+        for p, t in zip(reference, [t for rank_grads in everyone for t in rank_grads]):
+            p.grad = t.clone()
+        expected_total = torch.nn.utils.clip_grad_norm_(reference, 0.5, norm_type)
+        mine = reference[len(grads) * rank : len(grads) * (rank + 1)]
+        out["norms"][norm_type] = (total, expected_total, [p.grad for p in params], [p.grad for p in mine])
+
+    # Reduce-scatter through the gloo bucketer, against a plain reduce-scatter of the same inputs.
+    inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
+    plain = []
+    for chunks in inputs:
+        result = torch.empty(4)
+        dist.reduce_scatter_tensor(result, torch.cat(chunks))
+        plain.append(result)
+    bucketed: list[torch.Tensor] = []
+    bucketer = GlooReduceScatterBucketer(bucket_cap_mb=1)
+    for chunks in inputs:  # three small inputs share one bucket
+        bucketer.reduce_scatter_async(chunks, group=dist.group.WORLD, callback_fn=bucketed.append)
+    assert not bucketed, "small inputs should wait in the bucket until it is flushed"
+    bucketer.flush()
+    out["reduce_scatter"] = (bucketed, plain)
+
+    # Loss scaling: an inf in the last rank's gradients makes every rank skip the step and back off the scale.
+    weight = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=4.0)
+    scaler.scale(weight.sum()).backward()
+    if rank == world_size - 1:
+        weight.grad[0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    out["scaler"] = (weight.detach().clone(), scaler.get_scale())
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[Any, Any]:
+    return references()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, expected: Any) -> list[Any]:
+    directory: Path = tmp_path_factory.mktemp(f"ranks-{request.param}")
+    return run_ranks(rank_checks, request.param, directory, expected)
+
+
+@pytest.mark.parametrize(("optimizer", "flatten"), CASES)
+def test_consolidated_state_and_parameters_equal_plain_training(
+    ranks: list[Any], expected: Any, optimizer: str, flatten: bool
+) -> None:
+    case = ranks[0][f"{optimizer}-{flatten}"]
+    assert_optimizer_states_equal(case["consolidated"], expected[optimizer, flatten]["optimizer"])
+    assert_tensors_equal(case["parameters"], expected[optimizer, flatten]["parameters"])
+    assert_tensors_equal(case["loaded_parameters"], expected[optimizer, flatten]["parameters"])
+    assert all(r[f"{optimizer}-{flatten}"]["consolidated"] == {} for r in ranks[1:])  # rank 0 only
+
+
+@pytest.mark.parametrize(("optimizer", "flatten"), CASES)
+def test_a_full_state_sharded_on_every_rank_consolidates_back(
+    ranks: list[Any], expected: Any, optimizer: str, flatten: bool
+) -> None:
+    reloaded = ranks[0][f"{optimizer}-{flatten}"]["reloaded"]
+    assert_optimizer_states_equal(reloaded, expected[optimizer, flatten]["optimizer"], atol=0)
+
+
+@pytest.mark.parametrize(("optimizer", "flatten"), CASES)
+def test_the_hand_built_shards_of_the_offline_tests_are_those_of_real_ranks(
+    ranks: list[Any], optimizer: str, flatten: bool
+) -> None:
+    """``split_by_hand`` (FairScale's chunking rule) applied to one rank's state gives each real rank's state."""
+    local = [r[f"{optimizer}-{flatten}"]["local"] for r in ranks]
+    whole = {
+        "state_dict": _unsharded_local_state(local),
+        "shard_metadata": {**local[0]["metadata"], "param_metadata": _one_rank_metadata(local)},
+        "optimizer_states": [_unsharded_optimizer_state(local)],
+    }
+    for rank, built in enumerate(split_by_hand(whole, len(ranks))):
+        assert built["shard_metadata"] == local[rank]["metadata"]
+        assert_tensors_equal(built["state_dict"], local[rank]["state_dict"], atol=0)
+        assert_optimizer_states_equal(built["optimizer_states"][0], local[rank]["optimizer"], atol=0)
+
+
+def _unsharded_local_state(local: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Each rank's flat shards put together, padding dropped: what one rank would hold."""
+    out = {}
+    for unit in local[0]["metadata"]["param_metadata"]:
+        for name, info in unit["params"].items():
+            key = f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
+            out[key] = torch.cat([r["state_dict"][key] for r in local])[: sum(info["numels"])]
+    return out
+
+
+def _one_rank_metadata(local: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    metadata = copy.deepcopy(local[0]["metadata"]["param_metadata"])
+    for unit in metadata:
+        for info in unit["params"].values():
+            info["padding"] = 0
+    return metadata
+
+
+def _unsharded_optimizer_state(local: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rank's optimizer state put together, padding dropped."""
+    units = local[0]["metadata"]["param_metadata"]
+    sizes = [sum(list(units[u]["params"].values())[i]["numels"]) for u, i in local[0]["layout"]["params"]]
+    first = local[0]["optimizer"]
+    state = {
+        m: {
+            key: torch.cat([r["optimizer"]["state"][m][key] for r in local])[: sizes[m]] if value.dim() else value
+            for key, value in entry.items()
+        }
+        for m, entry in first["state"].items()
+    }
+    return {"state": state, "param_groups": first["param_groups"]}
+
+
+def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[Any], expected: Any) -> None:
+    for result in ranks:
+        torch.testing.assert_close(result["norm"], expected["norm"], rtol=1e-6, atol=0)
+        assert_tensors_equal(result["clipped"], expected["clipped"])
+    assert expected["norm"] > CLIP, "the clip value should bite"
+
+
+def test_gradient_shards_do_not_pin_the_reduce_scatter_buckets(ranks: list[Any]) -> None:
+    for result in ranks:
+        assert len(result["grad_bytes"]) == 3
+        assert all(storage == own for storage, own in result["grad_bytes"]), result["grad_bytes"]
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_global_grad_norm_of_disjoint_shards_equals_torchs_norm_of_them_all(ranks: list[Any], norm_type: float) -> None:
+    for rank, result in enumerate(ranks):
+        total, expected_total, clipped, expected_clipped = result["norms"][norm_type]
+        torch.testing.assert_close(total, expected_total, rtol=1e-6, atol=0, msg=f"rank {rank}")
+        for got, want in zip(clipped, expected_clipped):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"rank {rank}")
+
+
+def test_gloo_bucketer_reduces_like_a_plain_reduce_scatter(ranks: list[Any]) -> None:
+    for result in ranks:
+        bucketed, plain = result["reduce_scatter"]
+        assert len(bucketed) == len(plain) == 3
+        for got, want in zip(bucketed, plain):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> None:
+    for rank, result in enumerate(ranks):
+        weight, scale = result["scaler"]
+        assert torch.equal(weight, torch.ones(3)), f"rank {rank} stepped despite another rank's inf gradient"
+        assert scale == 2.0, f"rank {rank} did not back off the scale"

@@ -1,0 +1,235 @@
+"""optim.py on one rank: the parameter layout, re-pointing optimizers, and optimizer state in the plain layout.
+
+References are plain optimizers over an unwrapped copy of the model, trained on the same batches: with one rank FSDP
+keeps whole parameters, so states and parameters must agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fairscale.optim import (
+    ParameterLayout,
+    Piece,
+    plain_state_dict,
+    repoint_to_unwrapped,
+    shard_state,
+)
+from lightning_fairscale.wrapping import unwrap_module
+
+from .helpers import (
+    OPTIMIZERS,
+    Block,
+    Net,
+    Sharded,
+    assert_optimizer_states_equal,
+    batches,
+    param_groups,
+    parameters_of,
+    shard,
+    step,
+    wrap,
+)
+
+pytestmark = pytest.mark.usefixtures("process_group")
+
+#: For flattened parameters every Linear is a unit, so that the two param groups hold whole units.
+POLICY = {True: {nn.Linear}, False: {Block}}
+
+
+def trained_pair(optimizer: str, flatten: bool, steps: int = 2) -> tuple[Sharded, nn.Module, torch.optim.Optimizer]:
+    """The same model and param groups trained ``steps`` steps wrapped (one rank) and plain."""
+    model, reference = Net(), Net()
+    plain = OPTIMIZERS[optimizer](param_groups(reference, flatten))
+    sharded = shard(model, OPTIMIZERS[optimizer](param_groups(model, flatten)), policy=POLICY[flatten], flatten=flatten)
+    for batch in batches(steps):
+        step(sharded.root, sharded.optimizer, batch)
+        step(reference, plain, batch)
+    return sharded, reference, plain
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_layout_locates_every_original_parameter(flatten: bool) -> None:
+    model = Net()
+    originals = dict(model.named_parameters())
+    values = parameters_of(model)
+    layout = ParameterLayout.before_wrapping(model)
+    root = wrap(model, policy={Block}, flatten=flatten)
+    layout.after_wrapping(root)
+    assert len(layout.managed) == (3 if flatten else len(originals))  # one flat parameter per unit
+    for name, original in originals.items():
+        [(managed, k)] = layout.locate(original)
+        piece = layout.managed[managed].pieces[k]
+        assert (piece.name, piece.shape) == (name, original.shape)
+        data = managed.detach().reshape(-1)[piece.offset : piece.offset + piece.numel].view(piece.shape)
+        assert torch.equal(data, values[name]), name  # one rank: the managed parameter holds the whole tensor
+    layout.forget_originals()
+    for managed, info in layout.managed.items():
+        assert layout.locate(managed) == [(managed, k) for k in range(len(info.pieces))]
+    if flatten:
+        assert all(layout.locate(original) == [] for original in originals.values())
+    assert layout.locate(nn.Parameter(torch.zeros(2))) == []
+
+
+def test_layout_keeps_no_original_parameter_alive() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    originals = [weakref.ref(p) for p in model.parameters()]
+    sharded = shard(model, optimizer, policy={Block})
+    # No garbage collection: freed by reference counting, as soon as nothing holds them (a full collection of
+    # this process's heap would take half a second).
+    assert sum(ref() is not None for ref in originals) == 0, "the unsharded parameters are still referenced"
+    assert sharded.layout.managed  # still usable: it knows the managed parameters
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_repoint_optimizer_keeps_groups_hyperparameters_and_the_users_order(flatten: bool) -> None:
+    model = Net()
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = param_groups(model, flatten)
+    listed = [[names[id(p)] for p in group["params"]] for group in groups]
+    optimizer = OPTIMIZERS["sgd"](groups)
+    hyperparameters = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    sharded = shard(model, optimizer, policy=POLICY[flatten], flatten=flatten)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == hyperparameters
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    assert len(held) == len({id(p) for p in held}) == len(sharded.layout.managed)
+    assert all(p in sharded.layout.managed for p in held)
+    pieces = [[sharded.layout.managed[m].pieces[k].name for m, k in order] for order in sharded.orders]
+    assert pieces == listed
+
+
+def test_repoint_optimizer_refuses_a_parameter_outside_the_module() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(3, 4))], lr=0.1)
+    with pytest.raises(ValueError, match=r"shape \(3, 4\) that is not part of the LightningModule.*self.parameters"):
+        shard(model, optimizer)
+
+
+def test_repoint_optimizer_refuses_a_flat_parameter_split_between_groups() -> None:
+    model = Net()
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if "weight" in n]}, {"params": [p for n, p in named if "bias" in n]}]
+    with pytest.raises(ValueError, match=r"\[inp.weight, inp.bias, .*\] is split between param groups"):
+        shard(model, torch.optim.SGD(groups, lr=0.1))
+
+
+def test_repoint_optimizer_refuses_a_flat_parameter_partly_in_the_optimizer() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD([model.inp.weight, model.out.weight, model.out.bias], lr=0.1)
+    with pytest.raises(ValueError, match=r"holding \[inp.weight, inp.bias\] is only partly in the optimizer"):
+        shard(model, optimizer, policy={nn.Linear})  # inp's unit holds inp.weight and inp.bias
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_repoint_to_unwrapped_gives_each_group_the_modules_parameters_in_the_users_order(flatten: bool) -> None:
+    sharded, _, _ = trained_pair("sgd", flatten, steps=1)
+    model = unwrap_module(sharded.root)
+    expected = [[id(p) for p in group["params"]] for group in param_groups(model, flatten)]
+    repoint_to_unwrapped(sharded.optimizer, sharded.layout, sharded.orders, dict(model.named_parameters()))
+    assert [[id(p) for p in group["params"]] for group in sharded.optimizer.param_groups] == expected
+    assert len(sharded.optimizer.state) == 0  # the state is loaded again by the caller (consolidated before)
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_consolidated_state_equals_a_plain_optimizers(optimizer: str, flatten: bool) -> None:
+    sharded, _, plain = trained_pair(optimizer, flatten)
+    consolidated = sharded.consolidate()
+    assert_optimizer_states_equal(consolidated, plain.state_dict())
+    assert len(consolidated["param_groups"]) == 2 and consolidated["param_groups"][0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_consolidate_shard_consolidate_is_the_identity(optimizer: str, flatten: bool) -> None:
+    sharded, _, _ = trained_pair(optimizer, flatten)
+    first = sharded.consolidate()
+    model = Net()
+    fresh = shard(model, OPTIMIZERS[optimizer](param_groups(model, flatten)), policy=POLICY[flatten], flatten=flatten)
+    fresh.load(first)
+    assert_optimizer_states_equal(fresh.consolidate(), first, atol=0)
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_training_resumes_exactly_from_a_plain_optimizers_state(optimizer: str, flatten: bool) -> None:
+    """A full checkpoint's state (a plain optimizer's) is sharded and training goes on as it would have."""
+    _, reference, plain = trained_pair(optimizer, flatten)
+    resumed = Net()
+    resumed.load_state_dict(reference.state_dict())
+    sharded = shard(resumed, OPTIMIZERS[optimizer](param_groups(resumed, flatten)), POLICY[flatten], flatten)
+    sharded.load(plain.state_dict())
+    for batch in batches(4)[2:]:
+        step(sharded.root, sharded.optimizer, batch)
+        step(reference, plain, batch)
+    assert_optimizer_states_equal(sharded.consolidate(), plain.state_dict())
+    expected = parameters_of(reference)
+    for name, value in unwrap_module(sharded.root).named_parameters():
+        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_shard_state_refuses_a_state_of_other_groups_or_parameters() -> None:
+    sharded, _, plain = trained_pair("sgd", flatten=True, steps=1)
+    state = plain.state_dict()
+    one_group = {"state": state["state"], "param_groups": state["param_groups"][:1]}
+    with pytest.raises(ValueError, match="has 1 param groups but the optimizer has 2"):
+        shard_state(one_group, sharded.optimizer, sharded.layout, sharded.orders)
+    shorter = {**state, "param_groups": [state["param_groups"][0], {**state["param_groups"][1], "params": [0, 1]}]}
+    with pytest.raises(ValueError, match="holds 2 parameters, the optimizer's holds 12"):
+        shard_state(shorter, sharded.optimizer, sharded.layout, sharded.orders)
+    missing = {**state, "state": {k: v for k, v in state["state"].items() if k != 0}}  # out.weight: out's unit
+    with pytest.raises(ValueError, match=r"no entry for \['out.weight'\], but has for their FSDP unit"):
+        shard_state(missing, sharded.optimizer, sharded.layout, sharded.orders)
+
+
+def test_plain_state_dict_slices_each_piece_in_the_users_order() -> None:
+    pieces = [
+        [Piece("a", 0, 4, torch.Size([2, 2])), Piece("b", 4, 3, torch.Size([3]))],
+        [Piece("c", 0, 2, torch.Size([2]))],
+    ]
+    full_states: list[dict[str, Any]] = [
+        {"momentum_buffer": torch.arange(7.0), "step": torch.tensor(3.0)},
+        {"momentum_buffer": torch.tensor([10.0, 11.0]), "step": torch.tensor(3.0)},
+    ]
+    orders = [[(0, 1), (1, 0)], [(0, 0)]]
+    groups = [{"lr": 0.1, "params": [7, 8]}, {"lr": 0.2, "params": [9]}]
+    result = plain_state_dict(full_states, pieces, orders, groups, [{"momentum_buffer"}, {"momentum_buffer"}])
+    assert result["param_groups"] == [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]
+    assert torch.equal(result["state"][0]["momentum_buffer"], torch.tensor([4.0, 5.0, 6.0]))  # b
+    assert torch.equal(result["state"][1]["momentum_buffer"], torch.tensor([10.0, 11.0]))  # c
+    assert torch.equal(result["state"][2]["momentum_buffer"], torch.tensor([[0.0, 1.0], [2.0, 3.0]]))  # a
+    assert all(torch.equal(result["state"][i]["step"], torch.tensor(3.0)) for i in range(3))
+    result["state"][0]["momentum_buffer"].add_(1)
+    assert torch.equal(full_states[0]["momentum_buffer"], torch.arange(7.0)), "the result must not share memory"
+
+
+class ScaledLinear(nn.Module):
+    """A 0-dimensional parameter first in its module, as a learned temperature or residual gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.linear(x)
+
+
+def test_a_scalar_parameter_first_in_a_flat_unit_resumes_from_a_plain_state() -> None:
+    model, reference = ScaledLinear(), ScaledLinear()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 3)
+    step(reference, plain, (x, torch.zeros(4, 2)))
+    model.load_state_dict(reference.state_dict())
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    sharded.load(plain.state_dict())
+    step(sharded.root, sharded.optimizer, (x, torch.zeros(4, 2)))
+    step(reference, plain, (x, torch.zeros(4, 2)))
+    assert_optimizer_states_equal(sharded.consolidate(), plain.state_dict())

@@ -1,0 +1,174 @@
+"""Precision plugins: which one each strategy makes of Lightning's, and clipping by the norm of all shards."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from fairscale.optim import OSS
+from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
+from pytorch_lightning import Trainer
+from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch import nn
+
+from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy
+from lightning_fairscale.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.precision import (
+    FullyShardedMixedPrecisionPlugin,
+    FullyShardedPrecisionPlugin,
+    ShardedMixedPrecisionPlugin,
+    ShardedPrecisionPlugin,
+)
+from lightning_fairscale.precision.fully_sharded import fully_sharded_precision_plugin
+from lightning_fairscale.precision.sharded import sharded_precision_plugin
+
+from .helpers import Block, Net, batches, shard
+
+SELECT: dict[str, Callable[[Precision], Precision]] = {
+    "fsdp": fully_sharded_precision_plugin,
+    "sharded": sharded_precision_plugin,
+}
+PLAIN = {"fsdp": FullyShardedPrecisionPlugin, "sharded": ShardedPrecisionPlugin}
+MIXED = {"fsdp": FullyShardedMixedPrecisionPlugin, "sharded": ShardedMixedPrecisionPlugin}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+def test_full_precision_becomes_the_strategys_plugin(strategy: str) -> None:
+    plugin = SELECT[strategy](Precision())
+    assert type(plugin) is PLAIN[strategy] and plugin.precision == "32-true"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+@pytest.mark.parametrize(("precision", "scaler"), [("16-mixed", ShardedGradScaler), ("bf16-mixed", type(None))])
+def test_mixed_precision_gets_a_sharded_scaler_for_fp16_only(strategy: str, precision: str, scaler: type) -> None:
+    lightnings = MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
+    plugin = SELECT[strategy](lightnings)
+    assert type(plugin) is MIXED[strategy]
+    assert (plugin.precision, plugin.device) == (precision, "cpu")
+    assert type(plugin.scaler) is scaler  # Lightning's plain GradScaler would let the ranks' inf checks disagree
+    if strategy == "fsdp":
+        assert plugin.compute_dtype == (torch.float16 if precision == "16-mixed" else torch.bfloat16)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+def test_the_strategys_own_plugins_are_kept(strategy: str) -> None:
+    for plugin in (PLAIN[strategy](), MIXED[strategy]("bf16-mixed", "cpu")):
+        assert SELECT[strategy](plugin) is plugin
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_fp16_on_cuda_uses_fairscales_scaler_under_sharded_ddp() -> None:
+    # FSDP uses ours on every device (see test_gpu_paths): FairScale's drops the all-reduced inf flags of CPU shards.
+    assert type(MIXED["sharded"]("16-mixed", "cuda").scaler) is FairScaleShardedGradScaler
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+@pytest.mark.parametrize(
+    "plugin",
+    [DoublePrecision(), HalfPrecision("16-true"), HalfPrecision("bf16-true")],
+    ids=["64-true", "16-true", "bf16-true"],
+)
+def test_other_precisions_are_refused_naming_the_supported_ones(strategy: str, plugin: Precision) -> None:
+    with pytest.raises(ValueError, match=f"does not support precision='{plugin.precision}'.*"
+                                         "'32-true', '16-mixed', 'bf16-mixed'"):
+        SELECT[strategy](plugin)
+
+
+@pytest.mark.filterwarnings("ignore:.*AMP with fp16 is not supported on CPU")
+@pytest.mark.parametrize("strategy", ["fsdp_fairscale", "ddp_sharded"])
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [("32-true", "32-true"), (32, "32-true"), ("bf16-mixed", "bf16-mixed"), ("16-mixed", "bf16-mixed")],
+)
+def test_trainer_flags_reach_the_strategys_plugin(strategy: str, flag: Any, expected: str) -> None:
+    """Lightning turns "16-mixed" into bf16 on CPU; the strategy's setter turns its plugin into ours."""
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=flag, logger=False)
+    plugin = trainer.strategy.precision_plugin
+    kind = "fsdp" if strategy == "fsdp_fairscale" else "sharded"
+    assert type(plugin) is (PLAIN if expected == "32-true" else MIXED)[kind]
+    assert plugin.precision == expected
+
+
+@pytest.mark.parametrize(
+    ("strategy", "plugin"),
+    [(DDPFullyShardedStrategy, FullyShardedPrecisionPlugin), (DDPShardedStrategy, ShardedPrecisionPlugin)],
+)
+def test_a_strategy_without_a_plugin_has_the_full_precision_one(strategy: type, plugin: type) -> None:
+    assert type(strategy().precision_plugin) is plugin
+
+
+@pytest.mark.parametrize(
+    ("scaler", "why"),
+    [
+        (lambda: torch.amp.GradScaler("cpu"), "torch.amp.grad_scaler.GradScaler: each rank would check only its own"),
+        (FairScaleShardedGradScaler, "ShardedGradScaler: FairScale's drops the combined inf/NaN checks"),
+    ],
+    ids=["torch", "fairscale"],
+)
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_fsdp_mixed_precision_refuses_a_plain_grad_scaler(scaler: Callable[[], Any], why: str) -> None:
+    with pytest.raises(TypeError, match=f"sharded grad scaler, got .*{why}.*Leave `scaler=None`"):
+        FullyShardedMixedPrecisionPlugin("16-mixed", "cpu", scaler=scaler())
+    ours = ShardedGradScaler(device="cpu", init_scale=8.0)
+    assert FullyShardedMixedPrecisionPlugin("16-mixed", "cpu", scaler=ours).scaler is ours
+
+
+class OwnPrecision(Precision):
+    """A user's plugin for a precision the strategies support."""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+@pytest.mark.parametrize(
+    "plugin", [OwnPrecision(), type("OwnMixed", (MixedPrecision,), {})("bf16-mixed", "cpu")], ids=["32", "bf16"]
+)
+def test_another_plugin_for_a_supported_precision_is_refused_saying_what_to_pass(
+    strategy: str, plugin: Precision
+) -> None:
+    with pytest.raises(ValueError, match="Strategy` cannot use the precision plugin Own") as refusal:
+        SELECT[strategy](plugin)
+    message = str(refusal.value)
+    assert f"precision={plugin.precision!r}" in message and "does not support" not in message
+    assert f"a subclass of `{PLAIN[strategy].__name__}` (32-true) or `{MIXED[strategy].__name__}`" in message
+
+
+def plain_gradients() -> nn.Module:
+    model = Net()
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    return model
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize(
+    "plugin", [FullyShardedPrecisionPlugin(), FullyShardedMixedPrecisionPlugin("bf16-mixed", "cpu")], ids=["32", "bf16"]
+)
+def test_fsdp_plugins_clip_by_the_norm_of_all_shards(plugin: Precision) -> None:
+    model, reference = Net(), plain_gradients()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(sharded.root(x), y).backward()
+    plugin.clip_grad_by_norm(sharded.optimizer, 0.05)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    expected = dict(reference.named_parameters())
+    for managed, info in sharded.layout.managed.items():
+        for piece in info.pieces:  # one rank: each flat gradient holds the whole gradients of its pieces
+            got = managed.grad[piece.offset : piece.offset + piece.numel].view(piece.shape)
+            torch.testing.assert_close(got, expected[piece.name].grad, rtol=1e-5, atol=1e-8, msg=piece.name)
+    assert sum(len(info.pieces) for info in sharded.layout.managed.values()) == len(expected)
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize("plugin", [ShardedPrecisionPlugin(), ShardedMixedPrecisionPlugin("bf16-mixed", "cpu")])
+def test_sharded_plugins_clip_through_oss_and_plain_optimizers(plugin: Precision) -> None:
+    for optimizer_class in (OSS, None):
+        model, reference = plain_gradients(), plain_gradients()
+        if optimizer_class is OSS:
+            optimizer: torch.optim.Optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        plugin.clip_grad_by_norm(optimizer, 0.05)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+        assert any(not torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain_gradients().parameters()))
