@@ -13,7 +13,8 @@ on ``lightning.pytorch`` (:mod:`lightning_fairscale.lightning`).
 """
 
 import importlib
-import importlib.util
+
+from lightning_utilities.core.imports import module_available
 
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
@@ -42,5 +43,5 @@ __all__ = [
 
 # ``L.Trainer(strategy="fsdp_fairscale")`` should work after ``import lightning_fairscale`` as well; importing our
 # classes for ``lightning.pytorch`` registers them with its registry. Skipped when ``lightning`` is not installed.
-if importlib.util.find_spec("lightning") is not None:
+if module_available("lightning"):
     importlib.import_module("lightning_fairscale.lightning")

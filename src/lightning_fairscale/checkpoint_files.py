@@ -38,10 +38,18 @@ __all__ = [
     "META_FILE",
     "CheckpointFileError",
     "MapLocation",
+    "abort_sharded",
+    "begin_sharded",
+    "commit_sharded",
     "find_checkpoint",
+    "is_sharded",
+    "load_meta",
+    "load_shard",
     "move_into_place",
     "read_file",
+    "save_shard",
     "shard_file_name",
+    "staging_directory",
     "write_atomically",
 ]
 
@@ -177,3 +185,71 @@ def read_file(path: Path, map_location: MapLocation = "cpu", weights_only: Optio
             " checkpoints written by lightning-fairscale are never left half-written, so this file was damaged or"
             " replaced afterwards."
         ) from error
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharded checkpoint directories: the three-phase commit (prepare, write, commit), each phase ended by an agreement of
+# all ranks (the strategy's), and their reading. Local paths only.
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint directory."""
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+def staging_directory(path: Path) -> Path:
+    """Where the shards of a checkpoint for ``path`` are assembled before it is renamed into place."""
+    return hidden_path(path, "partial")
+
+
+def begin_sharded(path: Path) -> None:
+    """Phase 1, rank 0: an empty staging directory for ``path``, after checking that ``path`` may be replaced."""
+    check_replaceable(path)  # before any rank writes its shard
+    staging = staging_directory(path)
+    remove_path(staging)  # left by a save that was killed: a staging directory, or a full save's partial file
+    staging.mkdir(parents=True)
+
+
+def save_shard(shard: dict[str, Any], path: Path, rank: int, world_size: int) -> None:
+    """Phase 2, every rank: write this rank's shard into the staging directory of ``path``."""
+    write_atomically(shard, staging_directory(path) / shard_file_name(rank, world_size))
+
+
+def commit_sharded(meta: dict[str, Any], path: Path, world_size: int) -> None:
+    """Phase 3, rank 0: write ``meta.pt`` after checking every shard is there, then move the directory into place."""
+    staging = staging_directory(path)
+    names = [shard_file_name(r, world_size) for r in range(world_size)]
+    missing = [name for name in names if not (staging / name).is_file()]
+    if missing:
+        raise CheckpointFileError(f"Shards {missing} of the checkpoint {path} were not written.")
+    write_atomically(meta, staging / META_FILE)  # the directory is complete from here on
+    move_into_place(staging, path)
+
+
+def abort_sharded(path: Path) -> None:
+    """Rank 0, after a failed phase: remove the staging directory; the previous checkpoint stays as it was.
+
+    If the commit failed after parking the previous checkpoint, it is renamed back to ``path``.
+    """
+    shutil.rmtree(staging_directory(path), ignore_errors=True)
+    replaced = hidden_path(path, "replaced")
+    if not path.exists() and find_checkpoint(path) == replaced:
+        os.replace(replaced, path)
+
+
+def load_meta(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """The metadata of the sharded checkpoint directory ``path`` (or of the one an interrupted save parked)."""
+    directory = find_checkpoint(path)
+    if not (directory / META_FILE).is_file():
+        raise CheckpointFileError(
+            f"{directory} is not a complete sharded checkpoint: it has no {META_FILE} (written last by every save)."
+        )
+    return read_file(directory / META_FILE, weights_only=weights_only)
+
+
+def load_shard(
+    path: Path, rank: int, world_size: int, map_location: MapLocation = "cpu", weights_only: Optional[bool] = None
+) -> dict[str, Any]:
+    """``rank``'s file of the sharded checkpoint directory ``path``, memory-mapped."""
+    file = find_checkpoint(path) / shard_file_name(rank, world_size)
+    return read_file(file, map_location=map_location, weights_only=weights_only)

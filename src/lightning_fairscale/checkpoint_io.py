@@ -26,25 +26,21 @@ Remote paths (``s3://`` ...) go through fsspec as in Lightning's ``TorchCheckpoi
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
-from lightning_fabric.utilities.types import _PATH
+from lightning_fairscale._compat import _PATH
 from typing_extensions import override
 
+from lightning_fairscale import checkpoint_files as files
 from lightning_fairscale.checkpoint_files import (
     META_FILE,
     CheckpointFileError,
     MapLocation,
-    check_replaceable,
-    find_checkpoint,
     hidden_path,
-    move_into_place,
     read_file,
     remove_path,
     shard_file_name,
@@ -118,61 +114,39 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     @staticmethod
     def is_sharded(path: _PATH) -> bool:
         """Whether ``path`` is a sharded checkpoint directory."""
-        return _is_local(path) and Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+        return _is_local(path) and files.is_sharded(Path(path))
 
     @staticmethod
     def recover(path: Path) -> Path:
         """``path``, or the checkpoint (file or directory) it replaced when a save was interrupted between renames."""
-        return find_checkpoint(path)
+        return files.find_checkpoint(path)
 
     @staticmethod
     def staging_directory(path: _PATH) -> Path:
         """Where the shards of a checkpoint for ``path`` are assembled before it is renamed into place."""
-        return hidden_path(Path(path), "partial")
+        return files.staging_directory(Path(path))
 
     def begin_sharded(self, path: _PATH) -> None:
         """Prepare an empty staging directory for ``path`` (rank 0, before the shards are written)."""
         if not _is_local(path):
             raise ValueError(f"Sharded checkpoints are written to a local or mounted file system, got {path}.")
-        check_replaceable(Path(path))  # before any rank writes its shard
-        staging = self.staging_directory(path)
-        remove_path(staging)  # left by a save that was killed: a staging directory, or a full save's partial file
-        staging.mkdir(parents=True)
+        files.begin_sharded(Path(path))
 
     def save_shard(self, shard: dict[str, Any], path: _PATH, rank: int, world_size: int) -> None:
         """Write this rank's shard into the staging directory of ``path`` (every rank)."""
-        write_atomically(shard, self.staging_directory(path) / shard_file_name(rank, world_size))
+        files.save_shard(shard, Path(path), rank, world_size)
 
     def commit_sharded(self, meta: dict[str, Any], path: _PATH, world_size: int) -> None:
         """Write ``meta.pt`` after checking every shard is there, then move the directory into place (rank 0)."""
-        staging, target = self.staging_directory(path), Path(path)
-        missing = [
-            name for name in (shard_file_name(r, world_size) for r in range(world_size)) if not (staging / name).is_file()
-        ]
-        if missing:
-            raise CheckpointFileError(f"Shards {missing} of the checkpoint {target} were not written.")
-        write_atomically(meta, staging / META_FILE)  # the directory is complete from here on
-        move_into_place(staging, target)
+        files.commit_sharded(meta, Path(path), world_size)
 
     def abort_sharded(self, path: _PATH) -> None:
-        """Remove the staging directory of a save that failed (rank 0); the previous checkpoint stays as it was.
-
-        If the commit failed after parking the previous checkpoint, it is renamed back to ``path``.
-        """
-        target = Path(path)
-        shutil.rmtree(self.staging_directory(path), ignore_errors=True)
-        replaced = hidden_path(target, "replaced")
-        if not target.exists() and find_checkpoint(target) == replaced:
-            os.replace(replaced, target)
+        """Remove the staging directory of a save that failed (rank 0); the previous checkpoint stays as it was."""
+        files.abort_sharded(Path(path))
 
     def load_meta(self, path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The metadata of the sharded checkpoint directory ``path``."""
-        directory = self.recover(Path(path))
-        if not (directory / META_FILE).is_file():
-            raise CheckpointFileError(
-                f"{directory} is not a complete sharded checkpoint: it has no {META_FILE} (written last by every save)."
-            )
-        return read_file(directory / META_FILE, weights_only=weights_only)
+        return files.load_meta(Path(path), weights_only=weights_only)
 
     def load_shard(
         self,
@@ -183,5 +157,4 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """``rank``'s file of the sharded checkpoint directory ``path``."""
-        directory = self.recover(Path(path))
-        return read_file(directory / shard_file_name(rank, world_size), map_location=map_location, weights_only=weights_only)
+        return files.load_shard(Path(path), rank, world_size, map_location=map_location, weights_only=weights_only)

@@ -72,6 +72,18 @@ def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -
     return tensor
 
 
+def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+    """``dist.broadcast`` of ``tensor`` from rank ``src``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
+    device = group_device(group, tensor.device)
+    if device == tensor.device:
+        dist.broadcast(tensor, src=src, group=group)
+        return tensor
+    moved = tensor.to(device)
+    dist.broadcast(moved, src=src, group=group)
+    tensor.copy_(moved)
+    return tensor
+
+
 def gather(tensor: Tensor, dst: int = 0, group: Any = None) -> Optional[list[Tensor]]:
     """Every rank's ``tensor`` (all of one shape), in rank order, on rank ``dst`` (a global rank); ``None`` on the
     other ranks. The results are on ``tensor``'s device.

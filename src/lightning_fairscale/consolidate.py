@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lightning_fairscale.checkpoint_files import CheckpointFileError, write_atomically
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.checkpoint_files import CheckpointFileError, find_checkpoint, is_sharded, write_atomically
 from lightning_fairscale.sharded_checkpoint import consolidate
 
 __all__ = ["main"]
@@ -43,8 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.quiet:
             print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
 
-    io = ShardedCheckpointIO()
-    if not io.is_sharded(io.recover(args.source)):
+    if not is_sharded(find_checkpoint(args.source)):
         print(
             f"error: {args.source} is not a sharded checkpoint directory (a directory with meta.pt and one"
             " shard-XXXXX-of-YYYYY.pt per rank, as DDPFullyShardedStrategy(state_dict_type='sharded') writes).",
@@ -55,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: the output must not be the sharded checkpoint directory itself.", file=sys.stderr)
         return 2
     try:
-        checkpoint = consolidate(args.source, progress=say, io=io)
+        checkpoint = consolidate(args.source, progress=say)
     except (CheckpointFileError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

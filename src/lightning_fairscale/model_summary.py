@@ -26,7 +26,7 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from fairscale.nn.misc import FlattenParamsWrapper
 from pytorch_lightning.callbacks import ModelSummary as ModelSummaryCallback
-from pytorch_lightning.utilities.model_helpers import _ModuleMode
+from lightning_fairscale._compat import _ModuleMode
 from pytorch_lightning.utilities.model_summary.model_summary import (
     NOT_APPLICABLE,
     LayerSummary,

@@ -26,6 +26,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale import collectives
 from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
@@ -157,13 +158,16 @@ def full_state(optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
     return optimizer.state_dict() if is_global_zero else {}
 
 
+@torch.no_grad()
 def sync_module_states(module: Module) -> None:
-    """Give every rank rank 0's parameters and buffers (what DDP does when it wraps a module)."""
-    from torch.distributed.distributed_c10d import _get_default_group
-    from torch.distributed.utils import _sync_module_states
+    """Give every rank rank 0's parameters and buffers (what DDP does when it wraps a module). A collective call.
 
+    One broadcast per tensor, once per set-up: torch's bucketed version is private (``_sync_module_states``).
+    """
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-    _sync_module_states(module, _get_default_group(), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=ignored)
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if name not in ignored:
+            collectives.broadcast(tensor.data, src=0)
 
 
 @torch.no_grad()

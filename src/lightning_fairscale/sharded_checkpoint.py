@@ -11,7 +11,7 @@ A sharded checkpoint (``DDPFullyShardedStrategy(state_dict_type="sharded")``) sp
 :func:`consolidate` turns the files back into the checkpoint a full save would have written, in one process with
 no process group: parameters through FairScale's ``consolidate_shard_weights``, optimizer states through the same
 plain-layout code the online consolidation uses. The file work (atomic writes, directories) is in
-:mod:`lightning_fairscale.checkpoint_io`.
+:mod:`lightning_fairscale.checkpoint_files`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
@@ -27,11 +27,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale.__about__ import __version__
+from lightning_fairscale.checkpoint_files import load_meta, load_shard
 from lightning_fairscale.optim import GroupOrder, Piece, describe_layout, plain_state_dict
 from lightning_fairscale.wrapping import apply_aliases, module_aliases
 
-if TYPE_CHECKING:  # the CheckpointIO plugin is Lightning-bound; this module serves both Lightning packages
-    from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 
 __all__ = [
     "FORMAT_KEY",
@@ -136,9 +135,7 @@ def check_wrapping(shard: dict[str, Any], root: nn.Module, path: Any) -> None:
 # Offline consolidation
 
 
-def consolidate(
-    path: Any, progress: Optional[Callable[[str], None]] = None, io: Optional[ShardedCheckpointIO] = None
-) -> dict[str, Any]:
+def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """The full checkpoint equivalent to the sharded checkpoint directory ``path``, built in this process alone.
 
     The result is what ``state_dict_type="full"`` would have saved: ``state_dict`` with the unwrapped module's keys
@@ -146,11 +143,7 @@ def consolidate(
     trainer state. It loads on any number of processes, and with ``LightningModule.load_from_checkpoint``.
     """
     say = progress or (lambda message: None)
-    if io is None:
-        from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
-
-        io = ShardedCheckpointIO()
-    meta = io.load_meta(path, weights_only=False)
+    meta = load_meta(Path(path), weights_only=False)
     info = meta.pop(FORMAT_KEY, None)
     if not isinstance(info, dict) or "world_size" not in info:
         raise ValueError(f"{path} is not a sharded checkpoint written by lightning-fairscale.")
@@ -158,7 +151,7 @@ def consolidate(
     shards = []
     for rank in range(world_size):
         say(f"reading shard {rank + 1}/{world_size}")
-        shards.append(io.load_shard(path, rank, world_size, weights_only=False))
+        shards.append(load_shard(Path(path), rank, world_size, weights_only=False))
     say("consolidating parameters")
     state_dict = _FairScaleFSDP.consolidate_shard_weights(
         [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards], [s["shard_metadata"] for s in shards]

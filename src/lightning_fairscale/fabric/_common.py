@@ -11,8 +11,8 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from lightning_fabric import __version__ as lightning_version
 from lightning_fabric.plugins.precision import MixedPrecision, Precision
-from lightning_fabric.strategies.strategy import _BackwardSyncControl
-from lightning_fabric.utilities.types import _PATH
+from lightning_fairscale._compat import _BackwardSyncControl
+from lightning_fairscale._compat import _PATH
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer

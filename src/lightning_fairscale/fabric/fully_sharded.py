@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fabric.strategies.strategy import _Sharded
-from lightning_fabric.utilities.init import _EmptyInit
+from lightning_fairscale._compat import _Sharded
+from lightning_fairscale._compat import _EmptyInit
 from lightning_fabric.utilities.rank_zero import rank_zero_info
-from lightning_fabric.utilities.types import _PATH
+from lightning_fairscale._compat import _PATH
 from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
@@ -33,7 +33,7 @@ from lightning_fairscale.optim import GroupOrder, ParameterLayout, shard_state
 from lightning_fairscale.summary import memory_figures
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import _LRScheduler
+    from lightning_fairscale._compat import _LRScheduler
 
 __all__ = ["DDPFullyShardedStrategy"]
 

@@ -14,7 +14,7 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_fairscale._compat import _optimizers_to_device
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -25,7 +25,7 @@ from lightning_fairscale.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import sharded_grad_scaler
 
 if TYPE_CHECKING:
-    from torch.optim.lr_scheduler import _LRScheduler
+    from lightning_fairscale._compat import _LRScheduler
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
 

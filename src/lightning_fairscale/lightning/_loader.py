@@ -36,6 +36,7 @@ TARGET_PACKAGE = "lightning_fairscale.lightning"
 #: The modules of the package that subclass or register with Lightning (relative names), packages marked by being
 #: prefixes of others. Everything else is shared by both Lightning packages.
 BOUND = (
+    "_compat",
     "checkpoint_io",
     "fabric",
     "fabric._common",

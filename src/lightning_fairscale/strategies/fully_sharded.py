@@ -10,8 +10,8 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from lightning_fabric.utilities.types import _PATH
+from lightning_fairscale._compat import _optimizers_to_device
+from lightning_fairscale._compat import _PATH
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy

@@ -17,8 +17,9 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning_fabric.plugins import CheckpointIO
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from pytorch_lightning.core.optimizer import LightningOptimizer, _MockOptimizer
+from lightning_fairscale._compat import _optimizers_to_device
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from lightning_fairscale._compat import _MockOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
