@@ -12,7 +12,7 @@ What runs:
 1. **Integration overhead.** ``Trainer(strategy=DDPFullyShardedStrategy(auto_wrap_policy={Block}))`` ("ours")
    against a hand-written FairScale FSDP loop: ``torch.distributed`` initialised with gloo by hand, one process per
    rank started like Lightning's launcher starts them (``_common.start_ranks``), ``fairscale_cpu.install()``, each
-   ``Block`` wrapped in ``lightning_fairscale.fairscale_cpu.FullyShardedDataParallel`` and then the root, with the
+   ``Block`` wrapped in ``lightning_fairscale.fsdp.fairscale_cpu.FullyShardedDataParallel`` and then the root, with the
    strategy's default FSDP arguments; Adam over the wrapped parameters. Target: ours at most 5% slower.
 2. **Alternatives**, on the middle size and 2 ranks: Lightning's ``strategy="ddp"``, our ``strategy="ddp_sharded"``
    (OSS + ShardedDataParallel) and a hand-written loop with PyTorch's own FSDP
@@ -71,9 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import Block  # noqa: E402
 
-from lightning_fairscale import fairscale_cpu  # noqa: E402
+from lightning_fairscale.fsdp import fairscale_cpu  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
-from lightning_fairscale.summary import memory_figures  # noqa: E402
+from lightning_fairscale.fsdp.summary import memory_figures  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "results" / "training.md"
@@ -190,7 +190,7 @@ class StepClock:
 def held_bytes(module: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, int]:
     """The bytes this rank holds for parameters, gradients and optimizer state, counted by distinct storage.
 
-    :func:`lightning_fairscale.summary.memory_figures` counts them (for every implementation alike): a tensor counts
+    :func:`lightning_fairscale.fsdp.summary.memory_figures` counts them (for every implementation alike): a tensor counts
     with the whole storage it keeps alive, each storage once, so a shard that were a view into a full-size buffer
     would count as the full buffer and the figure cannot look smaller than what is really held.
     """

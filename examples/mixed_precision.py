@@ -55,6 +55,7 @@ if __name__ == "__main__":
         enable_progress_bar=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=16))
+    trainer.strategy.unshard_module()  # every rank: the module stays sharded after fit; rank 0 gets the full one
     if trainer.is_global_zero:
         dtypes = sorted(str(d) for d in model.compute_dtypes)
         print(f"OK precision={trainer.precision} computed in {dtypes}; FP32 weights kept: {model.net[0].weight.dtype}")

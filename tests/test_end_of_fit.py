@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TESTS, run_script
-from lightning_fairscale.checkpoint_files import META_FILE, shard_file_name
+from lightning_fairscale.checkpoint.files import META_FILE, shard_file_name
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak resident set from /proc")
 

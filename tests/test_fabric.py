@@ -18,8 +18,8 @@ import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
 from conftest import TESTS, TRAIN_SCRIPT, run_script
 from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
-from lightning_fairscale.fabric_checkpoint import FABRIC_KEYS, Roles, restore, to_checkpoint
-from lightning_fairscale.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, Roles, restore, to_checkpoint
+from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 
 FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"
 #: Adam over clipped gradients amplifies the float differences between one batch and two half-batches (a 2-rank

@@ -11,7 +11,7 @@ import torch
 from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
 
 from conftest import TRAIN_SCRIPT, run_script
-from lightning_fairscale.wrapping import clean_path
+from lightning_fairscale.fsdp.wrapping import clean_path
 
 ATOL = 1e-5
 Train = Callable[..., dict[str, Any]]

@@ -21,7 +21,7 @@ from scenarios.common import max_difference, reference_training
 import lightning_fairscale
 import lightning_fairscale.lightning as for_lightning
 from conftest import TESTS, TRAIN_SCRIPT, run_script
-from lightning_fairscale.fsdp_options import FullyShardedOptions
+from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.lightning import _loader
 
 Train = Callable[..., dict[str, Any]]
@@ -133,7 +133,7 @@ def test_the_bound_modules_are_those_that_import_lightning() -> None:
         ("import pytorch_lightning", "import lightning.pytorch as pytorch_lightning"),
         ("from lightning_fabric.plugins import CheckpointIO", "from lightning.fabric.plugins import CheckpointIO"),
         ("from lightning_fairscale.precision import X", "from lightning_fairscale.lightning.precision import X"),
-        ("from lightning_fairscale.wrapping import X", "from lightning_fairscale.wrapping import X"),
+        ("from lightning_fairscale.fsdp.wrapping import X", "from lightning_fairscale.fsdp.wrapping import X"),
         ("from lightning_fairscale import fairscale_cpu", "from lightning_fairscale import fairscale_cpu"),
         ("import torch.distributed as dist", "import torch.distributed as dist"),
     ],

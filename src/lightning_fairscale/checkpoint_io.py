@@ -19,7 +19,7 @@ replaces whichever kind:
 * Renaming into place parks an old checkpoint of the same name as ``.<name>.replaced`` when a single rename cannot
   replace it, and deletes it only once the new one is in place. At every instant ``<name>`` is a complete checkpoint,
   or it is missing and ``.<name>.replaced`` is the last complete one: :meth:`ShardedCheckpointIO.recover` (and so
-  loading) finds it there. :mod:`lightning_fairscale.checkpoint_files` has the protocol step by step.
+  loading) finds it there. :mod:`lightning_fairscale.checkpoint.files` has the protocol step by step.
 
 Remote paths (``s3://`` ...) go through fsspec as in Lightning's ``TorchCheckpointIO``, without these guarantees.
 """
@@ -35,8 +35,8 @@ from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fairscale._compat import _PATH
 from typing_extensions import override
 
-from lightning_fairscale import checkpoint_files as files
-from lightning_fairscale.checkpoint_files import (
+from lightning_fairscale.checkpoint import files as files
+from lightning_fairscale.checkpoint.files import (
     META_FILE,
     CheckpointFileError,
     MapLocation,

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lightning_fairscale.checkpoint_files import CheckpointFileError, find_checkpoint, is_sharded, write_atomically
-from lightning_fairscale.sharded_checkpoint import consolidate
+from lightning_fairscale.checkpoint.files import CheckpointFileError, find_checkpoint, is_sharded, write_atomically
+from lightning_fairscale.checkpoint.sharded import consolidate
 
 __all__ = ["main"]
 

@@ -2,7 +2,7 @@
 state.
 
 Lightning 1.x's ``DDPFullyShardedStrategy`` saved only rank 0's shard of the optimizer state (see
-:mod:`lightning_fairscale.legacy_checkpoint`). The command writes a copy of such a checkpoint without that state,
+:mod:`lightning_fairscale.checkpoint.legacy`). The command writes a copy of such a checkpoint without that state,
 keeping the weights, loops, LR schedulers, callbacks and the optimizers' hyperparameters; this package's strategies
 resume the copy with a fresh optimizer state. Runs in one CPU process; the write is atomic. Also runs as
 ``python -m lightning_fairscale.convert_1x``.
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lightning_fairscale.checkpoint_files import CheckpointFileError, read_file, write_atomically
-from lightning_fairscale.legacy_checkpoint import convert_checkpoint, written_version
+from lightning_fairscale.checkpoint.files import CheckpointFileError, read_file, write_atomically
+from lightning_fairscale.checkpoint.legacy import convert_checkpoint, written_version
 
 __all__ = ["main"]
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_fairscale.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 
 __all__ = [
     "SUPPORTED_PRECISION",
@@ -50,7 +50,7 @@ def fsdp_grad_scaler(device: str) -> ShardedGradScaler:
 def sharded_grad_scaler(device: str) -> Any:
     """Sharded DDP's loss scaler for fp16, whose inf/NaN checks are combined across ranks: FairScale's
     ``ShardedGradScaler`` on CUDA (OSS keeps gradients on the GPU), the device-generic one of
-    :mod:`lightning_fairscale.fairscale_cpu` elsewhere."""
+    :mod:`lightning_fairscale.fsdp.fairscale_cpu` elsewhere."""
     if device == "cuda":
         from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
 

@@ -27,8 +27,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale import collectives
-from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
-from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
+from lightning_fairscale.process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
 
 __all__ = [

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from jsonargparse import ArgumentParser  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from lightning_fairscale.wrapping import clean_path  # noqa: E402
+from lightning_fairscale.fsdp.wrapping import clean_path  # noqa: E402
 from scenarios.common import RegressionModel  # noqa: E402
 from scenarios.flavor import PACKAGE, Callback, Trainer  # noqa: E402
 
@@ -61,6 +61,7 @@ class CLI(LightningCLI):
         self.trainer.callbacks.append(self.recorder)
 
     def after_fit(self) -> None:
+        self.trainer.strategy.unshard_module()  # every rank: the module stays sharded after fit; rank 0 gets it whole
         if self.trainer.global_rank == 0:
             state_dict = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             result = {"state_dict": state_dict, "global_step": self.trainer.global_step, **self.recorder.info}

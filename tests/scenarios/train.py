@@ -96,7 +96,7 @@ class RecordUnits(Callback):
             for name, m in trainer.strategy.model.named_modules()
             if isinstance(m, FullyShardedDataParallel)
         ]
-        from lightning_fairscale.summary import unit_summary
+        from lightning_fairscale.fsdp.summary import unit_summary
 
         self.summary = unit_summary(trainer.strategy.model)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.fsdp import fairscale_cpu
 from unit.fake_nccl import FakeNccl
 
 

@@ -13,8 +13,9 @@ from torch import nn
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, ShardedCheckpointIO
 from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin
-from lightning_fairscale import fsdp_options, oss
-from lightning_fairscale.strategies._checkpoint import check_state_dict_fits
+from lightning_fairscale import oss
+from lightning_fairscale.fsdp import options as fsdp_options
+from lightning_fairscale.checkpoint.checks import check_state_dict_fits
 
 FSDP_ARGUMENTS = {"min_num_params": 0, "bucket_cap_mb": 25, "compute_dtype": None, "policy": None, "kwargs": {}}
 

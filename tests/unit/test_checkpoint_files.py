@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from lightning_fairscale.checkpoint_files import (
+from lightning_fairscale.checkpoint.files import (
     CheckpointFileError,
     hidden_path,
     read_file,

@@ -16,8 +16,8 @@ from fairscale.internal import reduce_scatter_bucketer as fairscale_bucketer
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 from torch import nn
 
-from lightning_fairscale import fairscale_cpu
-from lightning_fairscale.fairscale_cpu import (
+from lightning_fairscale.fsdp import fairscale_cpu
+from lightning_fairscale.fsdp.fairscale_cpu import (
     GlooReduceScatterBucketer,
     ReduceScatterBucketer,
     ShardedGradScaler,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,25 +16,27 @@ LIGHTNING = ("pytorch_lightning", "lightning_fabric", "lightning")
 #: The engine: FairScale glue, wrapping, optimizer layouts, loading and the checkpoint format, shared by the
 #: Trainer's and Fabric's strategies. Testable without Lightning.
 ENGINE = (
-    "checkpoint_files",
+    "checkpoint",
+    "checkpoint.checks",
+    "checkpoint.fabric",
+    "checkpoint.files",
+    "checkpoint.legacy",
+    "checkpoint.sharded",
     "collectives",
     "consolidate",
     "convert_1x",
-    "fabric_checkpoint",
-    "fairscale_cpu",
-    "fsdp_engine",
-    "fsdp_options",
-    "legacy_checkpoint",
+    "fsdp",
+    "fsdp.engine",
+    "fsdp.fairscale_cpu",
+    "fsdp.optim",
+    "fsdp.options",
+    "fsdp.resharding",
+    "fsdp.summary",
+    "fsdp.wrapping",
     "mixed_precision",
-    "optim",
     "oss",
-    "resharding",
-    "sharded_checkpoint",
-    "strategies._lost_ranks",
-    "strategies._process_exit",
+    "process_exit",
     "strategy_arguments",
-    "summary",
-    "wrapping",
 )
 
 
@@ -55,14 +59,17 @@ def imports(name: str) -> set[str]:
 
 
 def own_modules(names: set[str]) -> set[str]:
-    """The modules of this package among ``names``, relative to it (modules only, not the names inside them)."""
+    """The modules of this package among ``names``, relative to it (modules only, not the names inside them), with
+    the subpackages that contain them: importing ``a.b.c`` runs ``a/b/__init__.py`` first. (The package's own
+    ``__init__`` registers the strategies with Lightning; the engine's code never needs it.)"""
     inside = {n.removeprefix("lightning_fairscale.") for n in names if n.startswith("lightning_fairscale.")}
-    return {n for n in inside if _module_file(n).is_file()}
+    modules = {n for n in inside if _module_file(n).is_file()}
+    return modules | {m.rsplit(".", k)[0] for m in modules for k in range(1, m.count(".") + 1)}
 
 
 def closure(name: str) -> set[str]:
     """``name`` and every module of the package it imports, directly or not."""
-    seen, todo = set(), [name]
+    seen, todo = set(), [name, *own_modules({f"lightning_fairscale.{name}"})]
     while todo:
         module = todo.pop()
         if module not in seen:
@@ -94,3 +101,18 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
                 if private or any(part.startswith("_") for part in node.module.split(".")):
                     offenders.append(f"{path.relative_to(SOURCE)}: from {node.module} import {private}")
     assert not offenders, offenders
+
+
+def test_the_engine_runs_where_lightning_cannot_be_imported() -> None:
+    """The same, at run time: every engine module imports in a process where no Lightning package can be imported
+    (the package's ``__init__``, which registers the strategies with Lightning, is bypassed)."""
+    script = (
+        "import importlib, sys, types\n"
+        "for name in ('pytorch_lightning', 'lightning_fabric', 'lightning'): sys.modules[name] = None\n"
+        "package = types.ModuleType('lightning_fairscale'); package.__path__ = [sys.argv[1]]\n"
+        "sys.modules['lightning_fairscale'] = package\n"
+        "for name in sys.argv[2:]: importlib.import_module('lightning_fairscale.' + name)\n"
+    )
+    command = [sys.executable, "-c", script, str(SOURCE), *ENGINE]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]

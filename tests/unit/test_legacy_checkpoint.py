@@ -17,7 +17,7 @@ from pytorch_lightning.utilities.migration import migrate_checkpoint
 from scenarios.common import RegressionModelWrapper, build_network
 
 from lightning_fairscale.convert_1x import main
-from lightning_fairscale.legacy_checkpoint import (
+from lightning_fairscale.checkpoint.legacy import (
     CONVERTED_KEY,
     CurrentOptimizer,
     Lightning1xOptimizerStateError,

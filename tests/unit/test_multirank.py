@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fairscale import fairscale_cpu
-from lightning_fairscale.fairscale_cpu import GlooReduceScatterBucketer, ShardedGradScaler, clip_grad_norm_
-from lightning_fairscale.optim import describe_layout
-from lightning_fairscale.wrapping import unwrap_module
+from lightning_fairscale.fsdp import fairscale_cpu
+from lightning_fairscale.fsdp.fairscale_cpu import GlooReduceScatterBucketer, ShardedGradScaler, clip_grad_norm_
+from lightning_fairscale.fsdp.optim import describe_layout
+from lightning_fairscale.fsdp.wrapping import unwrap_module
 
 from .helpers import (
     OPTIMIZERS,

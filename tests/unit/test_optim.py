@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.optim import (
+from lightning_fairscale.fsdp.optim import (
     ParameterLayout,
     Piece,
     plain_state_dict,
     repoint_to_unwrapped,
     shard_state,
 )
-from lightning_fairscale.wrapping import unwrap_module
+from lightning_fairscale.fsdp.wrapping import unwrap_module
 
 from .helpers import (
     OPTIMIZERS,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.wrapping import (
+from lightning_fairscale.fsdp.wrapping import (
     add_aliases,
     apply_activation_checkpointing,
     apply_aliases,

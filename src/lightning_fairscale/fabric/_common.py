@@ -18,8 +18,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.fabric_checkpoint import Roles, convert, restore, to_checkpoint
-from lightning_fairscale.fsdp_engine import is_sharded_checkpoint
+from lightning_fairscale.checkpoint.fabric import Roles, convert, restore, to_checkpoint
+from lightning_fairscale.fsdp.engine import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision import unsupported
 
 __all__ = ["FabricAdapter", "NoBackwardSync", "fabric_precision"]
@@ -90,7 +90,7 @@ class FabricAdapter:
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """Save the state as the Trainer's strategy saves a checkpoint (see
-        :mod:`lightning_fairscale.fabric_checkpoint`): a full file written by rank 0, or, for a model sharded with
+        :mod:`lightning_fairscale.checkpoint.fabric`): a full file written by rank 0, or, for a model sharded with
         ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing."""
         roles = Roles.of(state, self._is_ours)
         model = state[roles.model] if roles.model else None

@@ -1,8 +1,8 @@
 """``DDPFullyShardedStrategy`` for Fabric: FairScale's FSDP in loops you write yourself.
 
-The same engine as the Trainer's strategy (:mod:`lightning_fairscale.fsdp_engine`), behind Fabric's strategy API:
+The same engine as the Trainer's strategy (:mod:`lightning_fairscale.fsdp.engine`), behind Fabric's strategy API:
 ``fabric.setup`` wraps the model and re-points its optimizers, ``fabric.save``/``fabric.load`` write and read the
-checkpoints the Trainer's strategy writes (:mod:`lightning_fairscale.fabric_checkpoint`).
+checkpoints the Trainer's strategy writes (:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale import fsdp_engine
+from lightning_fairscale.fsdp import engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import fsdp_grad_scaler
-from lightning_fairscale.fabric_checkpoint import Roles, optimizer_positions, restore
-from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
-from lightning_fairscale.fsdp_options import FullyShardedOptions
-from lightning_fairscale.optim import GroupOrder, ParameterLayout, shard_state
-from lightning_fairscale.summary import memory_figures
+from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
+from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
+from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, shard_state
+from lightning_fairscale.fsdp.summary import memory_figures
 
 if TYPE_CHECKING:
     from lightning_fairscale._compat import _LRScheduler
@@ -68,7 +68,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
       uninitialized, for a checkpoint to fill.
     * ``fabric.clip_gradients``: by norm, the global norm of all shards (after unscaling fp16 gradients); by value.
     * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters.
-    * ``fabric.save``/``fabric.load``: the Trainer's files (see :mod:`lightning_fairscale.fabric_checkpoint`):
+    * ``fabric.save``/``fabric.load``: the Trainer's files (see :mod:`lightning_fairscale.checkpoint.fabric`):
       ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
 
     Example:

@@ -67,8 +67,8 @@ def renamed_module(module: str) -> str:
         'lightning.pytorch.strategies'
         >>> renamed_module("lightning_fairscale.strategies.fully_sharded")
         'lightning_fairscale.lightning.strategies.fully_sharded'
-        >>> renamed_module("lightning_fairscale.fairscale_cpu")
-        'lightning_fairscale.fairscale_cpu'
+        >>> renamed_module("lightning_fairscale.fsdp.fairscale_cpu")
+        'lightning_fairscale.fsdp.fairscale_cpu'
     """
     top, _, rest = module.partition(".")
     if top in RENAMED:

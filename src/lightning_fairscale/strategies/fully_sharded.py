@@ -22,18 +22,18 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale import fsdp_engine
+from lightning_fairscale.fsdp import engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.fsdp_options import FullyShardedOptions
-from lightning_fairscale.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.model_summary import use_for_model_summaries
 from lightning_fairscale.strategies._callbacks import check_callbacks
-from lightning_fairscale.strategies._checkpoint import check_optimizer_count, resumable_optimizer_states
+from lightning_fairscale.checkpoint.checks import check_optimizer_count, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
-from lightning_fairscale.summary import memory_figures
-from lightning_fairscale.wrapping import (
+from lightning_fairscale.fsdp.summary import memory_figures
+from lightning_fairscale.fsdp.wrapping import (
     forget_root,
     remove_activation_checkpointing,
     root_parameters_visible,
@@ -286,7 +286,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
 
         Either kind of checkpoint loads without gathering anything: a full file is memory-mapped and each rank reads
         the slices of each parameter that it owns, unit by unit; a sharded directory saved by any number of
-        processes is read the same way from the saved shards (see :mod:`lightning_fairscale.resharding`).
+        processes is read the same way from the saved shards (see :mod:`lightning_fairscale.fsdp.resharding`).
         """
         if not self._is_wrapped():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -314,7 +314,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
 
     def _resumable_states(self, checkpoint: dict[str, Any], optimizers: list[Optimizer]) -> list[dict[str, Any]]:
         """The checkpoint's optimizer states in the plain layout (Lightning 1.x's are adopted, see
-        :mod:`lightning_fairscale.legacy_checkpoint`)."""
+        :mod:`lightning_fairscale.checkpoint.legacy`)."""
         assert self._layout is not None
         # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
         managed = self._layout.managed

@@ -42,7 +42,7 @@ from lightning_fairscale.oss import (
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks
-from lightning_fairscale.strategies._checkpoint import resumable_optimizer_states
+from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]

@@ -4,11 +4,11 @@ The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and
 (:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
 
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing, and the
-  :class:`~lightning_fairscale.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
+  :class:`~lightning_fairscale.fsdp.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
 * :func:`module_state_dict`, :func:`optimizer_state`, :func:`save_sharded`: the two checkpoint formats;
 * :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing.
 
-Their options and set-up are :class:`~lightning_fairscale.fsdp_options.FullyShardedOptions`. Nothing here imports
+Their options and set-up are :class:`~lightning_fairscale.fsdp.options.FullyShardedOptions`. Nothing here imports
 Lightning; the strategies pass what they know (options, ranks, the CheckpointIO plugin).
 """
 
@@ -26,9 +26,9 @@ from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.fsdp_options import FullyShardedOptions
-from lightning_fairscale.optim import (
+from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.optim import (
     GroupOrder,
     ParameterLayout,
     consolidate_state,
@@ -36,11 +36,11 @@ from lightning_fairscale.optim import (
     repoint_optimizer,
     shard_state,
 )
-from lightning_fairscale.resharding import SavedShards, load_full_state_dict
-from lightning_fairscale.sharded_checkpoint import FORMAT_KEY, check_fits, check_wrapping, split_checkpoint
-from lightning_fairscale.strategies._checkpoint import check_state_dict_fits
-from lightning_fairscale.summary import unit_summary
-from lightning_fairscale.wrapping import (
+from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
+from lightning_fairscale.checkpoint.sharded import FORMAT_KEY, check_fits, check_wrapping, split_checkpoint
+from lightning_fairscale.checkpoint.checks import check_state_dict_fits
+from lightning_fairscale.fsdp.summary import unit_summary
+from lightning_fairscale.fsdp.wrapping import (
     add_aliases,
     apply_activation_checkpointing,
     apply_aliases,

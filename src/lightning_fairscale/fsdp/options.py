@@ -21,12 +21,12 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 
-from lightning_fairscale.legacy_checkpoint import OptimizerStatePolicy, validate_policy
-from lightning_fairscale import fairscale_cpu
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
+from lightning_fairscale.fsdp import fairscale_cpu
 from lightning_fairscale.mixed_precision import compute_dtype
-from lightning_fairscale.strategies._process_exit import close_process_group_at_exit
+from lightning_fairscale.process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
-from lightning_fairscale.wrapping import (
+from lightning_fairscale.fsdp.wrapping import (
     AutoWrapPolicy,
     auto_wrap_policy,
     validate_auto_wrap_policy,

@@ -9,7 +9,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fairscale.wrapping import clean_path
+from lightning_fairscale.fsdp.wrapping import clean_path
 
 __all__ = ["memory_figures", "unit_summary"]
 

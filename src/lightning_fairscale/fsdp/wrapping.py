@@ -22,7 +22,7 @@ from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
 from torch import nn
 
-from lightning_fairscale.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
 
 __all__ = [
     "AutoWrapPolicy",

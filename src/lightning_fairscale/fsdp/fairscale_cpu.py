@@ -164,7 +164,7 @@ def install() -> None:
     use :class:`FullyShardedDataParallel` directly on CPU, outside the Trainer.
 
     Example:
-        >>> from lightning_fairscale import fairscale_cpu
+        >>> from lightning_fairscale.fsdp import fairscale_cpu
         >>> fairscale_cpu.install()
         >>> fairscale_cpu.is_installed() or torch.cuda.is_available()
         True

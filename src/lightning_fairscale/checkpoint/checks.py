@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-from lightning_fairscale.legacy_checkpoint import CurrentOptimizer, OptimizerStatePolicy, adopt_optimizer_states
+from lightning_fairscale.checkpoint.legacy import CurrentOptimizer, OptimizerStatePolicy, adopt_optimizer_states
 
 
 def optimizer_states(checkpoint: Mapping[str, Any], optimizers: Sequence[Any]) -> list[dict[str, Any]]:
@@ -33,7 +33,7 @@ def resumable_optimizer_states(
     warn: Callable[[str], Any],
 ) -> list[dict[str, Any]]:
     """:func:`optimizer_states`, those of a Lightning 1.x FairScale checkpoint in the plain layout (see
-    :mod:`lightning_fairscale.legacy_checkpoint`); ``warn`` gets the message saying what was adopted.
+    :mod:`lightning_fairscale.checkpoint.legacy`); ``warn`` gets the message saying what was adopted.
 
     ``optimizers`` are the user's optimizers (their class names go into the messages) and ``shapes``, for each, the
     shapes of its parameters by param group, in the order the user listed them.

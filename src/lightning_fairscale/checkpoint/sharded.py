@@ -4,14 +4,14 @@ A sharded checkpoint (``DDPFullyShardedStrategy(state_dict_type="sharded")``) sp
 
 * each rank's **shard** (:func:`split_checkpoint`): its parameter shards (FairScale's ``local_state_dict``), its
   optimizer states over those shards, FairScale's ``local_metadata_dict`` (names, shapes and padding of every
-  flattened parameter) and where each optimizer entry lives (:func:`lightning_fairscale.optim.describe_layout`);
+  flattened parameter) and where each optimizer entry lives (:func:`lightning_fairscale.fsdp.optim.describe_layout`);
 * the **meta** dict: everything else (loops, callbacks, hparams, LR schedulers, versions), the world size, and the
   extra keys of layers reachable under several names.
 
 :func:`consolidate` turns the files back into the checkpoint a full save would have written, in one process with
 no process group: parameters through FairScale's ``consolidate_shard_weights``, optimizer states through the same
 plain-layout code the online consolidation uses. The file work (atomic writes, directories) is in
-:mod:`lightning_fairscale.checkpoint_files`.
+:mod:`lightning_fairscale.checkpoint.files`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale.__about__ import __version__
-from lightning_fairscale.checkpoint_files import load_meta, load_shard
-from lightning_fairscale.optim import GroupOrder, Piece, describe_layout, plain_state_dict
-from lightning_fairscale.wrapping import apply_aliases, module_aliases
+from lightning_fairscale.checkpoint.files import load_meta, load_shard
+from lightning_fairscale.fsdp.optim import GroupOrder, Piece, describe_layout, plain_state_dict
+from lightning_fairscale.fsdp.wrapping import apply_aliases, module_aliases
 
 
 __all__ = [
@@ -109,7 +109,7 @@ def _comparable(metadata: dict[str, Any]) -> list[Any]:
 def check_fits(meta: dict[str, Any], path: Any) -> int:
     """The number of processes that saved the sharded checkpoint; a ``ValueError`` when ``meta`` is not ours.
 
-    Any number of processes can resume it (:class:`lightning_fairscale.resharding.SavedShards`).
+    Any number of processes can resume it (:class:`lightning_fairscale.fsdp.resharding.SavedShards`).
     """
     info = meta.get(FORMAT_KEY)
     if not isinstance(info, dict) or "world_size" not in info:

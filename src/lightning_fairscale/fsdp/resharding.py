@@ -7,7 +7,7 @@ loading is therefore the same operation: for each managed parameter, copy into t
 saved tensors that overlap its slice. Two sources exist:
 
 * a **full** checkpoint (the unwrapped module's state dict and plain optimizer states): the saved tensors are the
-  original parameters, each at its offset inside the flat parameter (:class:`~lightning_fairscale.optim.Piece`);
+  original parameters, each at its offset inside the flat parameter (:class:`~lightning_fairscale.fsdp.optim.Piece`);
 * a **sharded** checkpoint saved by any number of processes (:class:`SavedShards`): the saved tensors are the
   flat shards of the saving ranks, rank ``r``'s at offset ``r * s_saved``.
 
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from lightning_fairscale.fairscale_cpu import fsdp_instances
+from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
 
 __all__ = [
     "SavedShards",
@@ -157,7 +157,7 @@ class SavedShards:
         world_size: the number of processes that saved the checkpoint.
 
     The saved units must be the current model's (same units, same parameters): check with
-    :func:`lightning_fairscale.sharded_checkpoint.check_wrapping` first.
+    :func:`lightning_fairscale.checkpoint.sharded.check_wrapping` first.
     """
 
     def __init__(self, read: Callable[[int], dict[str, Any]], world_size: int) -> None:
@@ -210,7 +210,7 @@ class SavedShards:
         Args:
             index: which of the saved optimizers.
             current: ``(unit, parameter)`` of each parameter the optimizer holds, in its order
-                (:func:`lightning_fairscale.optim.managed_positions`).
+                (:func:`lightning_fairscale.fsdp.optim.managed_positions`).
             root: the wrapped model.
 
         Raises:
@@ -272,7 +272,7 @@ def load_full_state_dict(root: nn.Module, pieces_of: Callable[[nn.Parameter], Se
 
     Args:
         root: the wrapped model.
-        pieces_of: the original parameters (:class:`~lightning_fairscale.optim.Piece`) a managed parameter holds.
+        pieces_of: the original parameters (:class:`~lightning_fairscale.fsdp.optim.Piece`) a managed parameter holds.
         state_dict: the full state dict, with the unwrapped module's keys (checked beforehand).
         clean: the unwrapped name of a buffer of ``root``.
     """

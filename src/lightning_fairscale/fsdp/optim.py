@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale import collectives
-from lightning_fairscale.fairscale_cpu import fsdp_instances
-from lightning_fairscale.resharding import copy_overlaps, local_range
-from lightning_fairscale.wrapping import clean_path
+from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
+from lightning_fairscale.fsdp.resharding import copy_overlaps, local_range
+from lightning_fairscale.fsdp.wrapping import clean_path
 
 __all__ = [
     "ParameterLayout",
@@ -395,7 +395,7 @@ def _is_elementwise_over(key: str, states: list[dict[str, Any]], pieces: Sequenc
 
 def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
     """This rank's shard of a managed parameter's state, from the plain state of the pieces it holds: only the
-    slices this rank owns are read (see :mod:`lightning_fairscale.resharding`)."""
+    slices this rank owns are read (see :mod:`lightning_fairscale.fsdp.resharding`)."""
     present = [s for s in states if s]
     if len(present) != len(states):
         missing = [p.name for p, s in zip(info.pieces, states) if not s]
