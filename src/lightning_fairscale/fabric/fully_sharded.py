@@ -22,7 +22,7 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.fsdp import engine
+from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import fsdp_grad_scaler

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-import torch
 import torch.distributed.fsdp.wrap as torch_wrap
 from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module

@@ -8,7 +8,6 @@ import torch
 from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler

@@ -22,7 +22,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.fsdp import engine
+from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.fsdp.options import FullyShardedOptions
