@@ -20,7 +20,7 @@ This module does not import Lightning: both Lightning packages share it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,28 +60,24 @@ def group_device(group: Any, device: torch.device) -> torch.device:
     return _current_device("cuda" if "cuda" in types else sorted(types)[0])
 
 
+def _in_place(tensor: Tensor, group: Any, collective: Callable[[Tensor], Any]) -> Tensor:
+    """Run an in-place ``collective`` on ``tensor``, moved to the group's device and back when it must be."""
+    device = group_device(group, tensor.device)
+    moved = tensor if device == tensor.device else tensor.to(device)
+    collective(moved)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
 def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
     """``dist.all_reduce`` of ``tensor``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
-    device = group_device(group, tensor.device)
-    if device == tensor.device:
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
-    moved = tensor.to(device)
-    dist.all_reduce(moved, op=op, group=group)
-    tensor.copy_(moved)
-    return tensor
+    return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
     """``dist.broadcast`` of ``tensor`` from rank ``src``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
-    device = group_device(group, tensor.device)
-    if device == tensor.device:
-        dist.broadcast(tensor, src=src, group=group)
-        return tensor
-    moved = tensor.to(device)
-    dist.broadcast(moved, src=src, group=group)
-    tensor.copy_(moved)
-    return tensor
+    return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
 
 
 def gather(tensor: Tensor, dst: int = 0, group: Any = None) -> Optional[list[Tensor]]:

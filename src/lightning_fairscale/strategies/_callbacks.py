@@ -10,6 +10,7 @@ tested), which alone is refused there.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.callbacks import Callback, ModelPruning, StochasticWeightAveraging
@@ -66,3 +67,10 @@ def check_callbacks(callbacks: Iterable[Callback], strategy: str) -> None:
                     f"`{type(callback).__name__}` does not work with `{strategy}`: {why}. Remove the callback from the"
                     f" Trainer (or from `configure_callbacks`){instead}."
                 )
+
+
+def trainer_callbacks(strategy: Any) -> list[Callback]:
+    """The callbacks of the Trainer running ``strategy``: known in ``setup_environment``, before any process group
+    exists, so that every rank refuses a callback alike; none before the LightningModule is connected."""
+    module = strategy.lightning_module
+    return list(module.trainer.callbacks) if module is not None and module._trainer is not None else []

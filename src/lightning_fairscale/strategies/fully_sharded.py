@@ -29,7 +29,7 @@ from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.model_summary import use_for_model_summaries
-from lightning_fairscale.strategies._callbacks import check_callbacks
+from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import check_optimizer_count, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
@@ -134,9 +134,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
-            check_callbacks(module.trainer.callbacks, type(self).__name__)
+        check_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
         super().setup_environment()
 
     @override

@@ -41,7 +41,7 @@ from lightning_fairscale.oss import (
 )
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks
+from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 
@@ -186,9 +186,7 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:  # before any process group: every rank refuses alike
-            check_sharded_ddp_callbacks(module.trainer.callbacks, type(self).__name__)
+        check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
         super().setup_environment()
 
     @override
