@@ -319,9 +319,12 @@ def plain_state_dict(
         for m, k in order:
             piece, state = pieces[m][k], full_states[m]
             if state:
+                # Views into the gathered tensor, not copies: a copy per piece, made while every gathered tensor is
+                # still alive, doubled rank 0's optimizer memory during a full save (20Ψ instead of 12Ψ with Adam).
+                # torch.save writes a storage shared by several views once.
                 out_state[index] = {
                     key: (
-                        value[piece.offset : piece.offset + piece.numel].view(piece.shape).clone()
+                        value[piece.offset : piece.offset + piece.numel].view(piece.shape)
                         if key in elementwise[m]
                         else copy.deepcopy(value)
                     )
