@@ -189,11 +189,14 @@ def test_a_save_killed_halfway_keeps_the_previous_checkpoint(two_processes: Any)
     assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.partial", "last.ckpt"]
     last = torch.load(folder / "last.ckpt", weights_only=True)
     assert last["global_step"] == 1
-    # The same run without the kill saved the same step-1 checkpoint: "straight" (one file per epoch).
+    # The same run without the kill saved the same step-1 checkpoint: "straight" (one file per epoch). It ran in
+    # another process, after other cases: CPU kernels may sum in another order there (memory alignment), so the two
+    # agree to float rounding (measured: up to 4.7e-10), while a step-2 file differs by a whole update (~1e-2).
     first = torch.load(workdir / "checkpoints" / "epoch=0-step=1.ckpt", weights_only=True)
-    assert max_difference(last["state_dict"], first["state_dict"]) == 0.0
+    assert max_difference(last["state_dict"], first["state_dict"]) < 1e-7
     (state,), (expected,) = last["optimizer_states"], first["optimizer_states"]
-    assert all(torch.equal(state["state"][i]["exp_avg"], expected["state"][i]["exp_avg"]) for i in expected["state"])
+    for i in expected["state"]:
+        assert torch.allclose(state["state"][i]["exp_avg"], expected["state"][i]["exp_avg"], rtol=0, atol=1e-7)
 
 
 def test_evaluation_after_fit_runs_unwrapped(two_processes: Any) -> None:
