@@ -46,13 +46,12 @@ from typing import Any, Optional
 
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
-from torch import Tensor, nn
-from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import Block  # noqa: E402
+from training import BlockStack, parameter_count  # noqa: E402  (the model the CPU benchmark trains)
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "results" / "gpu.md"
@@ -71,32 +70,6 @@ CONFIGURATIONS: dict[str, str] = {
 
 warnings.filterwarnings("ignore", message=".*(TypedStorage|_all_gather_base|_reduce_scatter_base|reduce_scatter_tensor"
                         "|LeafSpec|workers|number of training batches|deprecated).*")
-
-
-class BlockStack(LightningModule):
-    """An input projection, ``depth`` blocks, a final norm and a head, regressing random targets with Adam."""
-
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.stem = nn.Linear(width, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.norm(self.blocks(self.stem(x))))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-4)
-
-
-def parameter_count(width: int, depth: int) -> int:
-    """The number of parameters of ``BlockStack(width, depth)``, without building it."""
-    return depth * (8 * width * width + 7 * width) + 2 * width * width + 4 * width
 
 
 class GpuProbe(Callback):
