@@ -1,20 +1,71 @@
-"""DDPFullyShardedStrategy on 2 CPU processes (gloo), against single-process training without any wrapper."""
+"""DDPFullyShardedStrategy on 2 CPU processes (gloo), against single-process training without any wrapper.
+
+Every training of this module runs in one launch (``conftest.run_jobs``): :data:`JOBS` lists them by name.
+"""
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
 
-from conftest import TRAIN_SCRIPT, run_script
+from conftest import Jobs, run_jobs
 from lightning_fairscale.fsdp.wrapping import clean_path
 
 ATOL = 1e-5
-Train = Callable[..., dict[str, Any]]
+
+POLICIES = {"size": 5, "blocks": 3, "callable": 7}  # policy -> FSDP units
+CONTROLS = {
+    # The size policy looks inside every large module; each Linear of the blocks is big enough.
+    "size": ((), ["", "net.1.up", "net.1.down", "net.2.up", "net.2.down"]),
+    # Force-leaf: auto wrap does not descend into the blocks, so their parameters go to the enclosing unit.
+    "size-force-leaf": (("--force-leaf", "Block"), ["", "net"]),
+    # Exclude: the Linears never become units, so what holds them does once it is large enough.
+    "size-exclude": (("--exclude", "Linear"), ["", "net.1", "net.2"]),
+    # The same controls apply to a callable policy (here: every Linear), but only when given.
+    "callable-force-leaf": (("--policy", "callable", "--force-leaf", "Block"), ["", "net.0", "net.3"]),
+    "callable-exclude": (
+        ("--policy", "callable", "--exclude", "Sequential", "Block"),
+        ["", "net.0", *[f"net.{b}.{layer}" for b in (1, 2) for layer in ("up", "down")], "net.3"],
+    ),
+}
+MANUAL = [("torch", "configure_sharded_model"), ("fairscale", "configure_model"), ("torch", "configure_model")]
+CLIP_AND_ACCUMULATE = {
+    "clip-norm": (["--clip-val", "0.05", "--clip-alg", "norm"], {"clip": (0.05, "norm")}),  # the clip value bites
+    "clip-value": (["--clip-val", "0.002", "--clip-alg", "value"], {"clip": (0.002, "value")}),
+    "accumulate-2": (["--accumulate", "2", "--samples", "32"], {"accumulate": 2, "num_samples": 32}),
+    "accumulate-4": (["--accumulate", "4", "--samples", "32"], {"accumulate": 4, "num_samples": 32}),
+}
+MIXED = {  # Lightning maps the "16-mixed" flag to bf16 on CPU: the fp16 case passes the plugin itself
+    "bf16-mixed": (["--precision", "bf16-mixed"], "torch.bfloat16"),
+    "16-mixed": (["--precision-plugin", "16-mixed"], "torch.float16"),
+}
+CLIP_MIXED = {"16": ["--precision-plugin", "16-mixed"], "bf16": ["--precision", "bf16-mixed"]}
+UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
+
+JOBS: dict[str, list[str]] = {
+    **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
+    **{f"controls-{name}": [*args, "--steps", "2"] for name, (args, _) in CONTROLS.items()},
+    **{f"manual-{w}-{h}": ["--model", "manual", "--wrap-with", w, "--hook", h, "--optimizer", "sgd"] for w, h in MANUAL},
+    **{f"params-{p}": ["--params", p, "--optimizer", "adamw", "--scheduler", "--steps", "3"] for p in ("self", "trainer")},
+    "unflattened": ["--flatten", "0", "--steps", "3"],
+    "eval-after": ["--strategy-name", "fsdp_fairscale", "--eval-after", "--steps", "2"],
+    "groups-unflattened": ["--params", "split", "--flatten", "0", "--optimizer", "sgd", "--steps", "2"],
+    **{f"clip-accumulate-{n}": ["--optimizer", "sgd", "--steps", "3", *a] for n, (a, _) in CLIP_AND_ACCUMULATE.items()},
+    **{f"mixed-{name}": ["--steps", "6", "--samples", "8", *args] for name, (args, _) in MIXED.items()},
+    **{f"clip-mixed-{n}": ["--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *a] for n, a in CLIP_MIXED.items()},
+    **{f"unsupported-{precision}": ["--precision", precision, "--steps", "1"] for precision in UNSUPPORTED},
+    "cpu-offload": ["--cpu-offload", "--steps", "2"],
+    "summary": ["--policy", "blocks", "--steps", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    failing = [f"unsupported-{precision}" for precision in UNSUPPORTED]
+    return run_jobs(tmp_path_factory.mktemp("fully_sharded"), JOBS, failing=failing)
 
 
 def assert_sharded(result: dict[str, Any], min_units: int) -> None:
@@ -24,68 +75,45 @@ def assert_sharded(result: dict[str, Any], min_units: int) -> None:
     assert all("_fsdp_wrapped_module" not in key for key in result["state_dict"]), "wrapper names leaked"
 
 
-@pytest.mark.parametrize(
-    ("policy", "units"),
-    [
-        ("size", 5),  # min_num_params=1000: each Linear of the blocks, plus the root
-        ("blocks", 3),  # each Block, plus the root
-        ("callable", 7),  # all six nn.Linear layers, plus the root
-    ],
-)
-def test_auto_wrap_equals_unsharded_training(train: Train, policy: str, units: int) -> None:
-    result = train("--policy", policy, "--steps", "3")
+# size (min_num_params=1000): each Linear of the blocks, plus the root; blocks: each Block, plus the root;
+# callable: all six nn.Linear layers, plus the root.
+@pytest.mark.parametrize(("policy", "units"), POLICIES.items())
+def test_auto_wrap_equals_unsharded_training(runs: Jobs, policy: str, units: int) -> None:
+    result = runs[f"policy-{policy}"]
     assert_sharded(result, units)
     assert len(result["units"]) == units
     assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
 
 
-@pytest.mark.parametrize(
-    ("args", "paths"),
-    [
-        # The size policy looks inside every large module; each Linear of the blocks is big enough.
-        ((), ["", "net.1.up", "net.1.down", "net.2.up", "net.2.down"]),
-        # Force-leaf: auto wrap does not descend into the blocks, so their parameters go to the enclosing unit.
-        (("--force-leaf", "Block"), ["", "net"]),
-        # Exclude: the Linears never become units, so what holds them does once it is large enough.
-        (("--exclude", "Linear"), ["", "net.1", "net.2"]),
-        # The same controls apply to a callable policy (here: every Linear), but only when given.
-        (("--policy", "callable", "--force-leaf", "Block"), ["", "net.0", "net.3"]),
-        (("--policy", "callable", "--exclude", "Sequential", "Block"), ["", "net.0", *[
-            f"net.{b}.{layer}" for b in (1, 2) for layer in ("up", "down")], "net.3"]),
-    ],
-    ids=["size", "size-force-leaf", "size-exclude", "callable-force-leaf", "callable-exclude"],
-)
-def test_exclude_and_force_leaf_controls_choose_the_units(train: Train, args: tuple[str, ...], paths: list[str]) -> None:
-    result = train(*args, "--steps", "2")
+@pytest.mark.parametrize("name", CONTROLS)
+def test_exclude_and_force_leaf_controls_choose_the_units(runs: Jobs, name: str) -> None:
+    result, paths = runs[f"controls-{name}"], CONTROLS[name][1]
     assert sorted(clean_path(u["path"] + ".").rstrip(".") for u in result["units"]) == sorted(paths)
     assert max_difference(result["state_dict"], reference_training(2, "adam")) < ATOL
 
 
-@pytest.mark.parametrize(
-    ("wrap_with", "hook"),
-    [("torch", "configure_sharded_model"), ("fairscale", "configure_model"), ("torch", "configure_model")],
-)
-def test_manual_wrap_equals_unsharded_training(train: Train, wrap_with: str, hook: str) -> None:
-    result = train("--model", "manual", "--wrap-with", wrap_with, "--hook", hook, "--optimizer", "sgd")
+@pytest.mark.parametrize(("wrap_with", "hook"), MANUAL)
+def test_manual_wrap_equals_unsharded_training(runs: Jobs, wrap_with: str, hook: str) -> None:
+    result = runs[f"manual-{wrap_with}-{hook}"]
     assert_sharded(result, 3)  # the two blocks and the root: auto wrap stays off once the user wrapped
     assert len(result["units"]) == 3
     assert max_difference(result["state_dict"], reference_training(4, "sgd")) < ATOL
 
 
 @pytest.mark.parametrize("params", ["self", "trainer"])
-def test_optimizer_from_either_parameter_source_keeps_scheduler(train: Train, params: str) -> None:
-    result = train("--params", params, "--optimizer", "adamw", "--scheduler", "--steps", "3")
+def test_optimizer_from_either_parameter_source_keeps_scheduler(runs: Jobs, params: str) -> None:
+    result = runs[f"params-{params}"]
     assert max_difference(result["state_dict"], reference_training(3, "adamw", scheduler=True)) < ATOL
 
 
-def test_unflattened_parameters_equal_unsharded_training(train: Train) -> None:
-    result = train("--flatten", "0", "--steps", "3")
+def test_unflattened_parameters_equal_unsharded_training(runs: Jobs) -> None:
+    result = runs["unflattened"]
     assert_sharded(result, 2)
     assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
 
 
-def test_same_instance_validates_tests_and_predicts_after_fit(train: Train) -> None:
-    result = train("--strategy-name", "fsdp_fairscale", "--eval-after", "--steps", "2")
+def test_same_instance_validates_tests_and_predicts_after_fit(runs: Jobs) -> None:
+    result = runs["eval-after"]
     assert result["strategy"] == "DDPFullyShardedStrategy"
     trained = result["state_dict"]
     assert max_difference(trained, reference_training(2, "adam")) < ATOL
@@ -101,28 +129,17 @@ def test_same_instance_validates_tests_and_predicts_after_fit(train: Train) -> N
     assert result["predict"].shape == (NUM_SAMPLES // 2, OUT_FEATURES)  # rank 0's half of the samples
 
 
-def test_param_groups_work_without_flattening(train: Train) -> None:
-    result = train("--params", "split", "--flatten", "0", "--optimizer", "sgd", "--steps", "2")
+def test_param_groups_work_without_flattening(runs: Jobs) -> None:
+    result = runs["groups-unflattened"]
     expected = reference_training(2, "sgd", params="split")
     assert max_difference(result["state_dict"], expected) < ATOL
     # The groups' own hyperparameters change the result, so the equality shows that each group kept them.
     assert max_difference(expected, reference_training(2, "sgd")) > 100 * ATOL
 
 
-@pytest.mark.parametrize(
-    ("args", "reference"),
-    [
-        (["--clip-val", "0.05", "--clip-alg", "norm"], {"clip": (0.05, "norm")}),  # the clip value bites
-        (["--clip-val", "0.002", "--clip-alg", "value"], {"clip": (0.002, "value")}),
-        (["--accumulate", "2", "--samples", "32"], {"accumulate": 2, "num_samples": 32}),
-        (["--accumulate", "4", "--samples", "32"], {"accumulate": 4, "num_samples": 32}),
-    ],
-    ids=["clip-norm", "clip-value", "accumulate-2", "accumulate-4"],
-)
-def test_clipping_and_accumulation_equal_unsharded_training(
-    train: Train, args: list[str], reference: dict[str, Any]
-) -> None:
-    result = train("--optimizer", "sgd", "--steps", "3", *args)
+@pytest.mark.parametrize("name", CLIP_AND_ACCUMULATE)
+def test_clipping_and_accumulation_equal_unsharded_training(runs: Jobs, name: str) -> None:
+    result, reference = runs[f"clip-accumulate-{name}"], CLIP_AND_ACCUMULATE[name][1]
     accumulate = reference.get("accumulate", 1)
     # Only the micro-batch that steps reduce-scatters gradients; the others run inside FSDP's `no_sync`.
     assert result["grad_sync"] == ([False] * (accumulate - 1) + [True]) * 3
@@ -131,16 +148,9 @@ def test_clipping_and_accumulation_equal_unsharded_training(
     assert max_difference(expected, reference_training(3, "sgd")) > 100 * ATOL  # the feature changed the result
 
 
-@pytest.mark.parametrize(
-    ("args", "dtype"),
-    [
-        (["--precision", "bf16-mixed"], "torch.bfloat16"),
-        (["--precision-plugin", "16-mixed"], "torch.float16"),  # Lightning maps the "16-mixed" flag to bf16 on CPU
-    ],
-    ids=["bf16-mixed", "16-mixed"],
-)
-def test_mixed_precision_trains_in_the_requested_dtype(train: Train, args: list[str], dtype: str) -> None:
-    result = train("--steps", "6", "--samples", "8", *args)
+@pytest.mark.parametrize("name", MIXED)
+def test_mixed_precision_trains_in_the_requested_dtype(runs: Jobs, name: str) -> None:
+    result, dtype = runs[f"mixed-{name}"], MIXED[name][1]
     assert result["compute"] == [(dtype, dtype)]  # full parameters and outputs of an FSDP unit's Linear layer
     losses = result["losses"]
     assert losses[-1] < losses[0] / 5, losses
@@ -148,32 +158,31 @@ def test_mixed_precision_trains_in_the_requested_dtype(train: Train, args: list[
     assert all(v.dtype == torch.float32 for v in result["state_dict"].values())
 
 
-@pytest.mark.parametrize("precision", ["64-true", "16-true", "bf16-true"])
-def test_unsupported_precision_is_refused_clearly(
-    train_failing: Callable[..., subprocess.CompletedProcess], precision: str
-) -> None:
-    proc = train_failing("--precision", precision, "--steps", "1")
-    assert "does not support precision" in proc.stderr
-    assert "'32-true', '16-mixed', 'bf16-mixed'" in proc.stderr
+@pytest.mark.parametrize("precision", UNSUPPORTED)
+def test_unsupported_precision_is_refused_clearly(runs: Jobs, precision: str) -> None:
+    for error in runs.errors(f"unsupported-{precision}"):  # every rank refuses it, before training
+        assert "does not support precision" in error["message"]
+        assert "'32-true', '16-mixed', 'bf16-mixed'" in error["message"]
+        assert error["trained_batches"] in (0, None)
 
 
-@pytest.mark.parametrize("args", [["--precision-plugin", "16-mixed"], ["--precision", "bf16-mixed"]], ids=["16", "bf16"])
-def test_clip_by_norm_under_mixed_precision_uses_unscaled_gradients(train: Train, args: list[str]) -> None:
+@pytest.mark.parametrize("name", CLIP_MIXED)
+def test_clip_by_norm_under_mixed_precision_uses_unscaled_gradients(runs: Jobs, name: str) -> None:
     """A scaled fp16 gradient (x 65536) would be clipped to almost nothing; unscaled, it matches FP32 clipping."""
-    result = train("--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *args)
+    result = runs[f"clip-mixed-{name}"]
     assert max_difference(result["state_dict"], reference_training(3, "sgd", clip=(0.05, "norm"))) < 1e-4
 
 
-def test_cpu_offload_on_a_cpu_run_warns_and_trains_normally(tmp_path: Path) -> None:
-    out = tmp_path / "result.pt"
-    proc = run_script([str(TRAIN_SCRIPT), "--out", str(out), "--cpu-offload", "--steps", "2"], cwd=tmp_path)
-    assert "`DDPFullyShardedStrategy(cpu_offload=True)` has no effect when training on the CPU" in proc.stderr
-    result = torch.load(out, weights_only=False)
+def test_cpu_offload_on_a_cpu_run_warns_and_trains_normally(runs: Jobs) -> None:
+    warning = "`DDPFullyShardedStrategy(cpu_offload=True)` has no effect when training on the CPU"
+    assert warning in runs.stderr("cpu-offload")
+    assert warning not in runs.stderr("summary")  # only when asked for
+    result = runs["cpu-offload"]
     assert max_difference(result["state_dict"], reference_training(2, "adam")) < ATOL
 
 
-def test_unit_summary_and_memory_figures_show_the_sharding(train: Train) -> None:
-    result = train("--policy", "blocks", "--steps", "2")
+def test_unit_summary_and_memory_figures_show_the_sharding(runs: Jobs) -> None:
+    result = runs["summary"]
     summary = result["summary"]
     assert summary.splitlines()[0].startswith("3 FSDP units")
     assert "net.1" in summary and "net.2" in summary and "(root)" in summary

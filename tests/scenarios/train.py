@@ -1,7 +1,8 @@
 """A training scenario run as its own script, so Lightning's launcher can start one process per rank.
 
 Rank 0 writes ``--out`` (torch.save): the trained module's state dict (after the strategy unwrapped it), the FSDP
-units seen during training, and whatever the evaluation stages returned.
+units seen during training, and whatever the evaluation stages returned. ``train.py --jobs FILE`` runs several such
+command lines one after another in the same processes (``scenarios/jobs.py``).
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ import os
 import signal
 import sys
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from scenarios.jobs import run_jobs  # noqa: E402
 from scenarios.common import IN_FEATURES, Block, CountTrainBatches, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
     DDPFullyShardedStrategy,
+    LightningModule,
     FullyShardedMixedPrecisionPlugin,
     ModelCheckpoint,
     ModelPruning,
@@ -157,7 +160,7 @@ class RecordTraining(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy"])
@@ -209,18 +212,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
     p.add_argument("--callback", default=None, choices=["swa", "pruning"], help="add Lightning's SWA or ModelPruning")
     p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse()
+class OldHookModel(ManualWrapModel):
+    """Wraps its blocks in Lightning 1.x's ``configure_sharded_model`` instead of ``configure_model``."""
+
+    configure_model = LightningModule.configure_model  # not overridden, as Lightning sees it
+    configure_sharded_model = ManualWrapModel._wrap_blocks
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse(argv)
     seed_everything(7, workers=True)
     common = dict(optimizer=args.optimizer, params=args.params, scheduler=args.scheduler, num_samples=args.samples)
     if args.model == "manual":
-        model = ManualWrapModel(wrap_with=args.wrap_with, **common)
-        if args.hook == "configure_sharded_model":
-            ManualWrapModel.configure_sharded_model = ManualWrapModel._wrap_blocks  # type: ignore[method-assign]
-            del ManualWrapModel.configure_model
+        model_class = OldHookModel if args.hook == "configure_sharded_model" else ManualWrapModel
+        model = model_class(wrap_with=args.wrap_with, **common)
     elif args.model == "lazy":  # the network is built in `configure_model`
         model = LazyModel(depth=args.depth, **common)
     else:
@@ -299,7 +307,11 @@ def main() -> None:
         use_distributed_sampler=False,
     )
     print(f"rank={trainer.global_rank} cluster={type(trainer.strategy.cluster_environment).__name__}", flush=True)
-    trainer.fit(model, ckpt_path=args.ckpt_path)
+    try:
+        trainer.fit(model, ckpt_path=args.ckpt_path)
+    except Exception as error:
+        error.trained_batches = len(training.losses)  # type: ignore[attr-defined]  (read by scenarios/jobs.py)
+        raise
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     result: dict[str, Any] = {
@@ -336,4 +348,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--jobs"]:
+        run_jobs(sys.argv[2], main)
+    else:
+        main()

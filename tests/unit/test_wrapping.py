@@ -257,6 +257,23 @@ def test_unwrapped_module_after_training_equals_plain_training(flatten: bool) ->
     assert max((value - Net().state_dict()[name]).abs().max() for name, value in expected.items()) > 1e-3
 
 
+@pytest.mark.parametrize(("policy", "flatten"), [({Block}, True), ({Block}, False), (None, False)])
+def test_a_rank_that_keeps_nothing_gets_meta_parameters(policy: Any, flatten: bool) -> None:
+    """``keep=False`` (``unshard_module(rank_zero_only=True)`` on ranks > 0): parameters of every shape on ``meta``,
+    flattened or not (torch refuses ``param.data = <meta tensor>``, so unflattened parameters are replaced)."""
+    model = Net()
+    tied = policy is None  # one unit: a parameter shared by two layers stays shared
+    if tied:
+        model.blocks[1].down.weight = model.blocks[0].down.weight
+    shapes = {name: (p.shape, p.requires_grad) for name, p in model.named_parameters()}
+    back = unwrap_module(wrap(model, policy=policy, flatten=flatten), keep=False)
+    assert back is model and not is_wrapped(back)
+    after = dict(back.named_parameters())
+    assert {name: (p.shape, p.requires_grad) for name, p in after.items()} == shapes
+    assert all(p.device.type == "meta" and type(p) is nn.Parameter for p in after.values())
+    assert (back.blocks[1].down.weight is back.blocks[0].down.weight) == tied
+
+
 def test_tied_weights_stay_tied_through_wrap_and_unwrap() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:

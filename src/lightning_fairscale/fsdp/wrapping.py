@@ -349,11 +349,30 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
                 # The flat parameter's gradient hook refers back to its unit through autograd, a cycle that Python's
                 # garbage collector cannot see: without this, every unwrapped unit (and its shards) would live on.
                 _forget_fsdp_attributes(flat)
-        for param, data in zip(unit.params[flat_count:], tensors[flat_count:]):
-            param.data = data
+        plain = unit.params[flat_count:]
+        owners = _owners(unit.module, plain) if plain and not keep else {}
+        for param, data in zip(plain, tensors[flat_count:]):
             param.grad = None
             _forget_fsdp_attributes(param)
+            if keep:
+                param.data = data
+                continue
+            # torch refuses `param.data = <meta tensor>` for a CPU or CUDA parameter: replace the parameter.
+            replacement = nn.Parameter(data, requires_grad=param.requires_grad)
+            for owner, name in owners[id(param)]:
+                owner._parameters[name] = replacement
     return _replace_units(root)
+
+
+def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """For each of ``params`` (by ``id``), the modules that hold it and under which name (shared ones: several)."""
+    wanted = {id(p) for p in params}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {id(p): [] for p in params}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and id(param) in wanted:
+                owners[id(param)].append((owner, name))
+    return owners
 
 
 #: The attribute of a LightningModule that holds its root FSDP unit while the module stays sharded between stages.
