@@ -1,17 +1,25 @@
-"""Activation checkpointing composed with auto and manual wrap, on 2 CPU processes."""
+"""Activation checkpointing composed with auto and manual wrap, on 2 CPU processes (all trainings in one launch)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
+from conftest import Jobs, run_jobs
 from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
-Train = Callable[..., dict[str, Any]]
 STEPS = 3
+CASES = {  # name -> (arguments, the FSDP units expected)
+    "size": ([], ["", "net.1", "net.2"]),  # size policy: each checkpointed Block becomes one unit, nothing inside it
+    "offload": (["--checkpointing-offload"], ["", "net.1", "net.2"]),
+    "default-size": (["--min-num-params", "100000000"], ["", "net.1", "net.2"]),  # too small: still a unit per block
+    "callable": (["--policy", "callable"], ["", "net.0", "net.1", "net.2", "net.3"]),  # other Linears wrapped as asked
+    "blocks": (["--policy", "blocks"], ["", "net.1", "net.2"]),
+    "manual": (["--model", "manual"], ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
+}
 
 
 @pytest.fixture(scope="module")
@@ -19,22 +27,16 @@ def expected() -> dict[str, torch.Tensor]:
     return reference_training(STEPS, "adam")
 
 
-@pytest.mark.parametrize(
-    ("args", "units"),
-    [
-        ([], ["", "net.1", "net.2"]),  # size policy: each checkpointed Block becomes one unit, nothing inside it
-        (["--checkpointing-offload"], ["", "net.1", "net.2"]),
-        (["--min-num-params", "100000000"], ["", "net.1", "net.2"]),  # too small to wrap: still one unit per block
-        (["--policy", "callable"], ["", "net.0", "net.1", "net.2", "net.3"]),  # other Linears wrapped as asked
-        (["--policy", "blocks"], ["", "net.1", "net.2"]),
-        (["--model", "manual"], ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
-    ],
-    ids=["size", "offload", "default-size", "callable", "blocks", "manual"],
-)
-def test_checkpointed_blocks_recompute_and_stay_exact(
-    train: Train, expected: dict[str, torch.Tensor], args: list[str], units: list[str]
-) -> None:
-    result = train("--checkpointing", "--steps", str(STEPS), *args)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    jobs = {name: ["--checkpointing", "--steps", str(STEPS), *args] for name, (args, _) in CASES.items()}
+    jobs["without"] = ["--policy", "blocks", "--steps", str(STEPS)]
+    return run_jobs(tmp_path_factory.mktemp("activation_checkpointing"), jobs)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_checkpointed_blocks_recompute_and_stay_exact(runs: Jobs, expected: dict[str, torch.Tensor], name: str) -> None:
+    result, units = runs[name], CASES[name][1]
     # A Linear inside a checkpointed block runs twice per step: forward, and again in backward.
     assert result["block_linear_calls"] == 2 * STEPS
     paths = [u["path"].replace("_fsdp_wrapped_module._fpw_module.", "").replace("_fpw_module.", "") for u in result["units"]]
@@ -43,8 +45,8 @@ def test_checkpointed_blocks_recompute_and_stay_exact(
     assert max_difference(result["state_dict"], expected) < 1e-5
 
 
-def test_without_checkpointing_nothing_is_recomputed(train: Train, expected: dict[str, torch.Tensor]) -> None:
-    result = train("--policy", "blocks", "--steps", str(STEPS))
+def test_without_checkpointing_nothing_is_recomputed(runs: Jobs, expected: dict[str, torch.Tensor]) -> None:
+    result = runs["without"]
     assert result["block_linear_calls"] == STEPS
     assert max_difference(result["state_dict"], expected) < 1e-5
 
