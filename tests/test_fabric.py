@@ -16,7 +16,7 @@ from scenarios.common import RegressionModelWrapper, build_network, max_differen
 
 import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
-from conftest import TESTS, TRAIN_SCRIPT, run_script
+from conftest import TESTS, TRAIN_SCRIPT, Jobs, run_jobs, run_script
 from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
 from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, Roles, restore, to_checkpoint
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
@@ -34,24 +34,37 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return reference_training(steps, "adam", accumulate=2, clip=(0.05, "norm"))
 
 
-def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning") -> dict[str, Any]:
+def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning", ranks: int = 2) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "out.pt"
-    run_script([str(FABRIC_SCRIPT), "--out", str(out), *args], cwd=folder, package=package)
+    run_script([str(FABRIC_SCRIPT), "--out", str(out), *args], cwd=folder, package=package, ranks=ranks)
     return torch.load(out, weights_only=False)
 
 
+MIXED = [
+    ("fsdp", "bf16-mixed", "bfloat16"),
+    ("ddp_sharded", "bf16-mixed", "bfloat16"),
+    ("fsdp", "plugin-16-mixed", "float16"),  # Fabric maps the "16-mixed" flag to bf16 on CPUs
+]
+
+
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """FSDP (each Block a unit, activation checkpointing): 4 steps, checkpoints of step 2 in both formats, resumed in
-    the same processes into models set up otherwise (optimizer made after `setup_module`; made first, then set up
-    separately)."""
-    folder = tmp_path_factory.mktemp("fsdp")
-    result = fabric_run(
-        folder, *LOOP, *BLOCKS, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck"),
-        "--resume-setup", "after,separate",
-    )
-    return {**result, "checkpoints": folder / "ck"}
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """The loops on 2 processes, in one launch. ``fsdp``: FSDP (each Block a unit, activation checkpointing), 4 steps,
+    checkpoints of step 2 in both formats, resumed in the same processes into models set up otherwise (optimizer made
+    after `setup_module`; made first, then set up separately). ``mixed-*``: 2 steps in a lower precision."""
+    folder = tmp_path_factory.mktemp("fabric")
+    jobs = {
+        "fsdp": [*LOOP, *BLOCKS, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck"),
+                 "--resume-setup", "after,separate"],
+        **{f"mixed-{s}-{p}": [*LOOP, "--strategy", s, "--steps", "2", "--precision", p] for s, p, _ in MIXED},
+    }  # fmt: skip
+    return run_jobs(folder, jobs, script=FABRIC_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(runs: Jobs) -> dict[str, Any]:
+    return {**runs["fsdp"], "checkpoints": runs.folder / "ck"}
 
 
 def test_fsdp_loop_equals_unsharded_training(fsdp_run: dict[str, Any]) -> None:
@@ -91,7 +104,7 @@ def test_fabric_checkpoints_are_the_trainers_files(fsdp_run: dict[str, Any], tmp
 def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     sharded = fsdp_run["checkpoints"] / "sharded.ckpt"
     result = fabric_run(
-        tmp_path, *LOOP, *BLOCKS, "--devices", "1", "--load", str(sharded), "--load-step", "2", "--steps", "4"
+        tmp_path, *LOOP, *BLOCKS, "--devices", "1", "--load", str(sharded), "--load-step", "2", "--steps", "4", ranks=1
     )
     assert result["world_size"] == 1
     assert max_difference(result["final"], reference(4)) < ATOL
@@ -109,7 +122,7 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
             "--steps", "2", "--accumulate", "2", "--clip-val", "0.05", "--clip-alg", "norm",
             "--checkpoint-dir", str(trainer_ckpts),  # other units than Fabric's: full checkpoints load into any
         ],
-        cwd=tmp_path,
+        cwd=tmp_path, ranks=2,
     )
     trained = torch.load(trainer_out, weights_only=False)
     assert trained["global_step"] == 2
@@ -144,25 +157,18 @@ def test_sharded_ddp_spawn_loop_clipping_by_value(tmp_path: Path) -> None:
     """`"ddp_sharded_spawn"`: the strategy is pickled into processes started by multiprocessing."""
     # SGD, as the Trainer's test of clipping by value: Adam would magnify the float differences at the clip bound.
     result = fabric_run(tmp_path, "--accumulate", "2", "--clip-val", "0.002", "--strategy", "ddp_sharded_spawn",
-                        "--steps", "2", "--optimizer", "sgd")
+                        "--steps", "2", "--optimizer", "sgd", ranks=1)
     assert result["strategy"] == "lightning_fairscale.fabric.sharded.DDPSpawnShardedStrategy"
     expected = reference_training(2, "sgd", accumulate=2, clip=(0.002, "value"))
     assert max_difference(result["final"], expected) < 1e-5
     assert max_difference(expected, reference_training(2, "sgd", accumulate=2)) > 100 * 1e-5  # the clip value bites
 
 
-@pytest.mark.parametrize(
-    ("strategy", "precision", "dtype"),
-    [
-        ("fsdp", "bf16-mixed", "bfloat16"),
-        ("ddp_sharded", "bf16-mixed", "bfloat16"),
-        ("fsdp", "plugin-16-mixed", "float16"),  # Fabric maps the "16-mixed" flag to bf16 on CPUs
-    ],
-)
+@pytest.mark.parametrize(("strategy", "precision", "dtype"), MIXED)
 def test_mixed_precision_computes_in_the_low_precision(
-    tmp_path: Path, fsdp_run: dict[str, Any], strategy: str, precision: str, dtype: str
+    runs: Jobs, fsdp_run: dict[str, Any], strategy: str, precision: str, dtype: str
 ) -> None:
-    result = fabric_run(tmp_path, *LOOP, "--strategy", strategy, "--steps", "2", "--precision", precision)
+    result = runs[f"mixed-{strategy}-{precision}"]
     # FSDP gathers low-precision copies of its FP32 shards; sharded DDP keeps FP32 weights and autocasts.
     weights = f"torch.{dtype}" if strategy == "fsdp" else "torch.float32"
     assert result["compute"] == {(weights, f"torch.{dtype}")}

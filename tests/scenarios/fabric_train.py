@@ -9,6 +9,8 @@ with each rank computing on its slice of the global batch. Rank 0 writes ``--out
   and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``--resume-setup``
   says) that loaded it in this process and trained the remaining steps;
 * with ``--load PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``--load-step``.
+
+``fabric_train.py --jobs FILE`` runs several such command lines one after another in the same processes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,9 +38,10 @@ from scenarios.common import (  # noqa: E402
     make_optimizer,
 )
 from scenarios.flavor import PACKAGE, Fabric  # noqa: E402
+from scenarios.jobs import run_jobs  # noqa: E402
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="fsdp_fairscale", help="a registry name, or 'fsdp'/'sharded' for an instance")
@@ -62,7 +65,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-dir", default=None)
     p.add_argument("--load", default=None)
     p.add_argument("--load-step", type=int, default=0, help="the step the --load checkpoint was saved at")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def make_strategy(args: argparse.Namespace) -> Any:
@@ -142,8 +145,8 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
     return {k: v.clone() for k, v in torch.load(path, weights_only=True)["state_dict"].items()}
 
 
-def main() -> None:
-    args = parse()
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse(argv)
     if args.precision == "plugin-16-mixed":  # Fabric maps the "16-mixed" flag to bf16 on CPUs; a plugin keeps fp16
         from lightning_fabric.plugins import MixedPrecision
 
@@ -206,4 +209,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--jobs"]:  # several loops one after another in these processes (scenarios/jobs.py)
+        run_jobs(sys.argv[2], main)
+    else:
+        main()
