@@ -125,6 +125,10 @@ class Jobs:
         """What the job printed to standard error, on every rank."""
         return _section(self.proc.stderr, name)
 
+    def output(self, name: str) -> str:
+        """What the job printed to standard output and error, on every rank."""
+        return _section(self.proc.stdout, name) + _section(self.proc.stderr, name)
+
 
 def _section(output: str, name: str) -> str:
     chunks = output.split(MARK)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
-from conftest import TRAIN_SCRIPT, run_script
+from conftest import Jobs, run_jobs
 from lightning_fairscale.convert_1x import main as convert
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lightning_1x"
@@ -31,11 +31,25 @@ def straight_1x(name: str) -> dict[str, torch.Tensor]:
     return torch.load(FIXTURES / "reference.pt", weights_only=True)["runs"][name]["straight"]
 
 
-def resume(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
-    """Rank 0's result of ``train.py`` resumed with ``args``, and everything the run printed."""
-    out = tmp_path / "result.pt"
-    proc = run_script([str(TRAIN_SCRIPT), "--out", str(out), *RESUME, *args], cwd=tmp_path)
-    return torch.load(out, weights_only=False), proc.stdout + proc.stderr
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """Every resume of this module, one after another in one 2-process launch of ``train.py``."""
+    folder = tmp_path_factory.mktemp("lightning_1x")
+    converted = folder / "converted.ckpt"
+    assert convert([str(FIXTURES / "fsdp_adam.ckpt"), str(converted)]) == 0
+    jobs = {
+        "fsdp-sgd": ["--optimizer", "plain_sgd", "--ckpt-path", str(FIXTURES / "fsdp_sgd.ckpt")],
+        "fsdp-adam": ["--optimizer", "adam", "--ckpt-path", str(FIXTURES / "fsdp_adam.ckpt")],
+        "fsdp-adam-reset": [
+            "--optimizer", "adam", "--lightning-1x-optimizer-state", "reset", "--ckpt-path",
+            str(FIXTURES / "fsdp_adam.ckpt"),
+        ],
+        "converted-ddp-sharded": ["--optimizer", "adam", "--strategy-name", "ddp_sharded", "--ckpt-path", str(converted)],
+        "ddp-sharded": [
+            "--optimizer", "adam", "--strategy-name", "ddp_sharded", "--ckpt-path", str(FIXTURES / "sharded_adam.ckpt"),
+        ],
+    }  # fmt: skip
+    return run_jobs(folder, {name: [*RESUME, *args] for name, args in jobs.items()}, failing=["fsdp-adam"])
 
 
 def assert_went_on_from_the_checkpoint(result: dict[str, Any], checkpoint: dict[str, Any]) -> None:
@@ -55,9 +69,9 @@ def fresh_optimizer_reference(checkpoint: dict[str, Any], optimizer: str) -> dic
     )
 
 
-def test_fsdp_checkpoint_of_a_stateless_optimizer_resumes_exactly(tmp_path: Path) -> None:
+def test_fsdp_checkpoint_of_a_stateless_optimizer_resumes_exactly(runs: Jobs) -> None:
     checkpoint = fixture("fsdp_sgd")
-    result, output = resume(tmp_path, "--optimizer", "plain_sgd", "--ckpt-path", str(FIXTURES / "fsdp_sgd.ckpt"))
+    result, output = runs["fsdp-sgd"], runs.output("fsdp-sgd")
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "resumes exactly" in output
     # As 1.9.5 went on itself, and as unsharded training from the checkpoint's weights (SGD has nothing else).
@@ -65,43 +79,38 @@ def test_fsdp_checkpoint_of_a_stateless_optimizer_resumes_exactly(tmp_path: Path
     assert max_difference(result["state_dict"], fresh_optimizer_reference(checkpoint, "plain_sgd")) < 1e-6
 
 
-def test_fsdp_checkpoint_of_adam_fails_before_training(tmp_path: Path) -> None:
-    args = [*RESUME, "--optimizer", "adam", "--ckpt-path", str(FIXTURES / "fsdp_adam.ckpt")]
-    proc = run_script([str(TRAIN_SCRIPT), "--out", str(tmp_path / "unused.pt"), *args], cwd=tmp_path, expect_ok=False)
-    assert proc.returncode != 0
-    assert "Lightning1xOptimizerStateError" in proc.stderr
-    assert "only rank 0's shard" in proc.stderr and 'lightning_1x_optimizer_state="reset"' in proc.stderr
-    assert "lightning-fairscale-convert-1x" in proc.stderr
-    assert "Restored all states" not in proc.stdout + proc.stderr  # failed while restoring, before any step
+def test_fsdp_checkpoint_of_adam_fails_before_training(runs: Jobs) -> None:
+    for error in runs.errors("fsdp-adam"):  # every rank
+        assert error["type"] == "Lightning1xOptimizerStateError"
+        message = error["message"]
+        assert "only rank 0's shard" in message and 'lightning_1x_optimizer_state="reset"' in message
+        assert "lightning-fairscale-convert-1x" in message
+        assert error["trained_batches"] == 0
+    assert "Restored all states" not in runs.output("fsdp-adam")  # failed while restoring, before any step
 
 
-def test_fsdp_checkpoint_of_adam_resumes_with_a_fresh_state_when_asked(tmp_path: Path) -> None:
+def test_fsdp_checkpoint_of_adam_resumes_with_a_fresh_state_when_asked(runs: Jobs) -> None:
     checkpoint = fixture("fsdp_adam")
-    args = ["--optimizer", "adam", "--lightning-1x-optimizer-state", "reset"]
-    result, output = resume(tmp_path, *args, "--ckpt-path", str(FIXTURES / "fsdp_adam.ckpt"))
+    result, output = runs["fsdp-adam-reset"], runs.output("fsdp-adam-reset")
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "dropped exp_avg, exp_avg_sq, step" in output
     assert max_difference(result["state_dict"], fresh_optimizer_reference(checkpoint, "adam")) < 1e-6
 
 
-def test_converted_fsdp_checkpoint_resumes_with_ddp_sharded(tmp_path: Path) -> None:
+def test_converted_fsdp_checkpoint_resumes_with_ddp_sharded(runs: Jobs) -> None:
     """``lightning-fairscale-convert-1x`` output resumes with a fresh state, without any option, in either strategy."""
-    converted = tmp_path / "converted.ckpt"
-    assert convert([str(FIXTURES / "fsdp_adam.ckpt"), str(converted)]) == 0
     checkpoint = fixture("fsdp_adam")
-    args = ["--optimizer", "adam", "--strategy-name", "ddp_sharded", "--ckpt-path", str(converted)]
-    result, output = resume(tmp_path, *args)
+    result, output = runs["converted-ddp-sharded"], runs.output("converted-ddp-sharded")
     assert result["strategy"] == "DDPShardedStrategy"
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "converted from Lightning 1.9.5" in output
     assert max_difference(result["state_dict"], fresh_optimizer_reference(checkpoint, "adam")) < 1e-6
 
 
-def test_ddp_sharded_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+def test_ddp_sharded_checkpoint_resumes_exactly(runs: Jobs) -> None:
     """1.9.5's ``"ddp_sharded"`` consolidated the full optimizer state: Adam goes on exactly as under 1.9.5."""
     checkpoint = fixture("sharded_adam")
-    args = ["--optimizer", "adam", "--strategy-name", "ddp_sharded", "--ckpt-path", str(FIXTURES / "sharded_adam.ckpt")]
-    result, output = resume(tmp_path, *args)
+    result, output = runs["ddp-sharded"], runs.output("ddp-sharded")
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "FairScale checkpoint" not in output  # nothing adopted: the plain layout loads as it is
     assert max_difference(result["state_dict"], straight_1x("sharded_adam")) < 1e-6
