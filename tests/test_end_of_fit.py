@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 def test_end_of_fit_gathers_nothing_and_the_instance_keeps_working(tmp_path: Path, state_dict_type: str) -> None:
     run_script(
         [str(TESTS / "scenarios" / "end_of_fit.py"), "--out-dir", str(tmp_path), "--state-dict-type", state_dict_type],
-        cwd=tmp_path,
+        cwd=tmp_path, ranks=2,
     )
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())

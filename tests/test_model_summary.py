@@ -22,7 +22,7 @@ def test_summaries_show_the_full_model_and_each_ranks_shard(tmp_path: Path, flat
     the unit summary is logged once, where Lightning's messages go, with no logging set up by the script."""
     out = tmp_path / "result.pt"
     args = ["--steps", "1", "--policy", "blocks", "--flatten", str(flatten), "--model-summary", "--example-input"]
-    proc = run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path, package=package)
+    proc = run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path, package=package, ranks=2)
     result = torch.load(out, weights_only=False)
 
     unsharded = RegressionModel()
@@ -48,7 +48,7 @@ def test_summaries_show_the_full_model_and_each_ranks_shard(tmp_path: Path, flat
     blocks = [i for i, kind in enumerate(reference.layer_types) if kind == "Block"]
     assert all(0 < shards[0][i] < reference.param_nums[i] for i in blocks)  # a unit is split across the ranks
 
-    output = proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr  # every rank's
     # The Trainer's default summary (ModelSummary callback, rank 0): the full model and rank 0's column.
     assert output.count(f"{get_human_readable_count(total):<10}Total params") == 1, output[-4000:]
     assert output.count("| Params on rank 0 |") == 1

@@ -36,7 +36,7 @@ TWO_PROCESS_CASES = [name for name in CASES if name != "resume" and not CASES[na
 def run_cases(workdir: Path, cases: list[str], devices: int = 2) -> dict[str, dict[str, Any]]:
     out = workdir / f"results-{devices}.pt"
     args = ["--out", str(out), "--cases", ",".join(cases), "--devices", str(devices), "--workdir", str(workdir)]
-    run_script([str(SCRIPT), *args], cwd=workdir)
+    run_script([str(SCRIPT), *args], cwd=workdir, ranks=devices)
     return torch.load(out, weights_only=False)
 
 
