@@ -2,11 +2,13 @@
 
 ``demo.py`` is what ``make demo`` runs; ``docs_*.py`` are the examples of the original extension's documentation
 page (``shared/seeds/000_*.md``). Each script trains with two processes (Lightning's launcher runs the script again
-for rank 1), so each test costs a few seconds.
+for rank 1), as a user runs it. Two examples run at a time: a launch keeps about one core busy (rank 1 starts only
+once rank 0 has imported everything), so on 2 cores two launches take little longer than one.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib.util
 import math
@@ -58,6 +60,14 @@ class Run:
         return sorted(self.cwd.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
 
 
+#: Every example script, and how long it may take (seconds, two examples running at a time on 2 cores).
+TIMEOUTS = {
+    "demo.py": 180, "docs_auto_wrap.py": 150, "docs_manual_wrap.py": 150, "docs_cpu_offload.py": 150,
+    "docs_activation_checkpointing.py": 150, "sharded_checkpoint.py": 180, "mixed_precision.py": 150,
+    "sharded_ddp.py": 150, "multi_node.py": 240, "fabric_fsdp.py": 240,
+}  # fmt: skip
+
+
 def _run_script(name: str, cwd: Path, timeout: float) -> Run:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
@@ -77,21 +87,31 @@ def _run_script(name: str, cwd: Path, timeout: float) -> Run:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{name} did not finish in {timeout} s\n--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-6000:]}")
+        stderr += f"\n{name} did not finish in {timeout} s"
     return Run(name, cwd, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
-def run_example(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
-    """Runs an example once per module (in a fresh folder, where Lightning writes its logs and checkpoints)."""
+def run_example(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    """The run of an example (each in a fresh folder, where Lightning writes its logs and checkpoints). The first
+    call runs every example of :data:`TIMEOUTS`, two at a time."""
     runs: dict[str, Run] = {}
 
-    def run(name: str, timeout: float = 120) -> Run:
-        if name not in runs:
-            runs[name] = _run_script(name, tmp_path_factory.mktemp(Path(name).stem), timeout)
+    def run(name: str) -> Run:
+        if not runs:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+                futures = {
+                    script: pool.submit(_run_script, script, tmp_path_factory.mktemp(Path(script).stem), timeout)
+                    for script, timeout in TIMEOUTS.items()
+                }
+                runs.update({script: future.result() for script, future in futures.items()})
         return runs[name]
 
     return run
+
+
+def test_every_example_is_run() -> None:
+    assert sorted(TIMEOUTS) == sorted(p.name for p in EXAMPLES.glob("*.py"))
 
 
 def _load_example(name: str):
@@ -111,7 +131,7 @@ _SHARDS = re.compile(
 )
 
 
-def test_demo_trains_and_shards(run_example: Callable[..., Run]) -> None:
+def test_demo_trains_and_shards(run_example: Callable[[str], Run]) -> None:
     run = run_example("demo.py")
     run.assert_ok()
     assert "done" in run.stdout, run.describe()
@@ -156,9 +176,9 @@ DOCS = [
 
 @pytest.mark.parametrize(("script", "expected", "checkpoint_keys", "mixed_precision"), DOCS)
 def test_docs_example(
-    run_example: Callable[..., Run], script: str, expected: str, checkpoint_keys, mixed_precision: bool
+    run_example: Callable[[str], Run], script: str, expected: str, checkpoint_keys, mixed_precision: bool
 ) -> None:
-    run = run_example(script, timeout=90)
+    run = run_example(script)
     run.assert_ok()
     assert re.search(expected, run.stdout), run.describe()
     assert (_AMP in run.output) == mixed_precision, run.describe()  # `precision=16` as in the doc
@@ -171,14 +191,14 @@ def test_docs_example(
 
 
 @pytest.mark.skipif(CUDA, reason="cpu_offload is honoured on GPUs")
-def test_docs_cpu_offload_warns_on_cpu(run_example: Callable[..., Run]) -> None:
-    run = run_example("docs_cpu_offload.py", timeout=90)
+def test_docs_cpu_offload_warns_on_cpu(run_example: Callable[[str], Run]) -> None:
+    run = run_example("docs_cpu_offload.py")
     run.assert_ok()
     assert "`DDPFullyShardedStrategy(cpu_offload=True)` has no effect when training on the CPU" in run.stderr
 
 
-def test_docs_manual_wrap_checkpoint_loads_into_the_model(run_example: Callable[..., Run]) -> None:
-    run = run_example("docs_manual_wrap.py", timeout=90)
+def test_docs_manual_wrap_checkpoint_loads_into_the_model(run_example: Callable[[str], Run]) -> None:
+    run = run_example("docs_manual_wrap.py")
     run.assert_ok()
     checkpoints = run.checkpoints()
     assert len(checkpoints) == 1, run.describe()
@@ -188,8 +208,8 @@ def test_docs_manual_wrap_checkpoint_loads_into_the_model(run_example: Callable[
     model.load_state_dict(state_dict, strict=True)
 
 
-def test_sharded_checkpoint_example_resumes_and_consolidates(run_example: Callable[..., Run]) -> None:
-    run = run_example("sharded_checkpoint.py", timeout=120)
+def test_sharded_checkpoint_example_resumes_and_consolidates(run_example: Callable[[str], Run]) -> None:
+    run = run_example("sharded_checkpoint.py")
     run.assert_ok()
     assert "['meta.pt', 'shard-00000-of-00002.pt', 'shard-00001-of-00002.pt']" in run.stdout, run.describe()
     assert "OK resumed to global_step=12; consolidated BoringModel" in run.stdout, run.describe()
@@ -197,30 +217,30 @@ def test_sharded_checkpoint_example_resumes_and_consolidates(run_example: Callab
     assert full["global_step"] == 12 and set(full["state_dict"]) == {"layer.weight", "layer.bias"}
 
 
-def test_mixed_precision_example_computes_in_low_precision(run_example: Callable[..., Run]) -> None:
-    run = run_example("mixed_precision.py", timeout=90)
+def test_mixed_precision_example_computes_in_low_precision(run_example: Callable[[str], Run]) -> None:
+    run = run_example("mixed_precision.py")
     run.assert_ok()
     low = "torch.float16" if CUDA else "torch.bfloat16"
     assert f"computed in ['{low}']; FP32 weights kept: torch.float32" in run.stdout, run.describe()
 
 
-def test_sharded_ddp_example_splits_the_optimizer(run_example: Callable[..., Run]) -> None:
-    run = run_example("sharded_ddp.py", timeout=90)
+def test_sharded_ddp_example_splits_the_optimizer(run_example: Callable[[str], Run]) -> None:
+    run = run_example("sharded_ddp.py")
     run.assert_ok()
     for rank in (0, 1):  # BoringModel has a weight and a bias: one each
         assert f"rank {rank}: OSS updates 1 of 2 parameters" in run.stdout, run.describe()
     assert "OK strategy=DDPShardedStrategy global_step=4" in run.stdout, run.describe()
 
 
-def test_multi_node_example_runs_two_torchrun_nodes(run_example: Callable[..., Run]) -> None:
-    run = run_example("multi_node.py", timeout=150)
+def test_multi_node_example_runs_two_torchrun_nodes(run_example: Callable[[str], Run]) -> None:
+    run = run_example("multi_node.py")
     run.assert_ok()
     for node in (0, 1):
         assert f"OK node {node} rank {node} of 2 (TorchElasticEnvironment)" in run.stdout, run.describe()
 
 
-def test_fabric_fsdp_example_trains_and_resumes_exactly(run_example: Callable[..., Run]) -> None:
-    run = run_example("fabric_fsdp.py", timeout=150)
+def test_fabric_fsdp_example_trains_and_resumes_exactly(run_example: Callable[[str], Run]) -> None:
+    run = run_example("fabric_fsdp.py")
     run.assert_ok()
     assert "FSDP units: 3" in run.stdout, run.describe()  # each Block, plus the root
     losses = [(int(step), float(loss)) for step, loss in _LOSS.findall(run.stdout)]
