@@ -72,9 +72,13 @@ def test_each_trainer_takes_its_own_classes_in_one_process(package: str) -> None
 def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     top, mirror = lightning_fairscale.strategies.fully_sharded, for_lightning.strategies.fully_sharded
     assert top is not mirror and top.__file__ == mirror.__file__  # one source file, compiled twice
-    # The options (shared) come first, then each package's Lightning base class.
-    assert mirror.DDPFullyShardedStrategy.__mro__[1:3] == (FullyShardedOptions, L.strategies.DDPStrategy)
-    assert top.DDPFullyShardedStrategy.__mro__[1:3] == (FullyShardedOptions, pl.strategies.DDPStrategy)
+    # The options (shared) come first, then each package's access to Lightning's internals and its base class.
+    assert mirror.DDPFullyShardedStrategy.__mro__[1:4] == (
+        FullyShardedOptions, for_lightning._compat.StrategyInternals, L.strategies.DDPStrategy
+    )
+    assert top.DDPFullyShardedStrategy.__mro__[1:4] == (
+        FullyShardedOptions, lightning_fairscale._compat.StrategyInternals, pl.strategies.DDPStrategy
+    )
     # Modules without Lightning classes are the same module objects in both.
     assert mirror.fsdp_engine is top.fsdp_engine
     assert mirror.FullyShardedDataParallel is top.FullyShardedDataParallel

@@ -26,7 +26,7 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from fairscale.nn.misc import FlattenParamsWrapper
 from pytorch_lightning.callbacks import ModelSummary as ModelSummaryCallback
-from lightning_fairscale._compat import _ModuleMode
+from lightning_fairscale._compat import _ModuleMode, attached_trainer
 from pytorch_lightning.utilities.model_summary.model_summary import (
     NOT_APPLICABLE,
     LayerSummary,
@@ -154,7 +154,7 @@ def user_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
 
 
 def _fsdp_root(model: pl.LightningModule) -> Optional[nn.Module]:
-    trainer = model._trainer
+    trainer = attached_trainer(model)
     wrapped = trainer.strategy.model if trainer is not None else None
     return wrapped if isinstance(wrapped, _FairScaleFSDP) else None
 
@@ -229,7 +229,7 @@ class FullyShardedSummary(ModelSummary):
     @override
     def _forward_example_input(self) -> None:
         """Run the example input through the root FSDP unit (the LightningModule alone lacks the root's parameters)."""
-        model, trainer = self._model, self._model._trainer
+        model, trainer = self._model, attached_trainer(self._model)
         batch = model._apply_batch_transfer_handler(model._on_before_batch_transfer(model.example_input_array))
         mode = _ModuleMode()
         mode.capture(self._root)

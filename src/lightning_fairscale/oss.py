@@ -85,7 +85,7 @@ class ShardedDDPOptions:
         self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         validate_arguments(type(self).__name__, find_unused_parameters, kwargs)
         base = lightning_arguments(locals(), self._precision_name)
-        super().__init__(**base, **kwargs)  # type: ignore[call-arg]  # `kwargs` go to `self._ddp_kwargs`, for SDP
+        super().__init__(**base, **kwargs)  # type: ignore[call-arg]  # `kwargs` go to Lightning's DDP kwargs, for SDP
         self._init_adapter()
 
     def _init_adapter(self) -> None:
@@ -100,7 +100,8 @@ class ShardedDDPOptions:
     def reduce_buffer_size(self) -> int:
         """Size of ``ShardedDataParallel``'s gradient buckets in elements: ``0`` (no buckets) on one node by default."""
         default = 0 if self.num_nodes == 1 else _MULTI_NODE_REDUCE_BUFFER_SIZE  # type: ignore[attr-defined]
-        return int(self._ddp_kwargs.get("reduce_buffer_size", default))  # type: ignore[attr-defined]
+        kwargs = self._ddp_keyword_arguments()  # type: ignore[attr-defined]  # _compat.StrategyInternals
+        return int(kwargs.get("reduce_buffer_size", default))
 
     @property
     def broadcast_fp16(self) -> bool:
@@ -110,7 +111,8 @@ class ShardedDDPOptions:
 
     def sharded_ddp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
-        return {**self._ddp_kwargs, "reduce_buffer_size": self.reduce_buffer_size}  # type: ignore[attr-defined]
+        kwargs = self._ddp_keyword_arguments()  # type: ignore[attr-defined]  # _compat.StrategyInternals
+        return {**kwargs, "reduce_buffer_size": self.reduce_buffer_size}
 
     def _wrap(self, module: Module, optimizers: list[OSS]) -> ShardedDataParallel:
         return ShardedDataParallel(module, sharded_optimizer=optimizers, **self.sharded_ddp_kwargs())

@@ -103,6 +103,34 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
     assert not offenders, offenders
 
 
+#: Lightning's private attributes (see ``_compat.PRIVATE_ATTRIBUTES``), read here from the source so that this test
+#: needs no Lightning import; ``_precision`` is also the name of a class attribute of ours (``_precision_name``).
+PRIVATE_ATTRIBUTES = {"_timeout", "_checkpoint_io", "_ddp_kwargs", "_layer_sync", "_precision_plugin", "_precision",
+                      "_trainer", "_launcher"}  # fmt: skip
+
+
+def test_the_private_attribute_list_is_compats() -> None:
+    tree = ast.parse((SOURCE / "_compat.py").read_text())
+    (listed,) = [
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PRIVATE_ATTRIBUTES"
+    ]
+    assert set(ast.literal_eval(listed)) | {"_launcher"} == PRIVATE_ATTRIBUTES
+
+
+def test_only_the_compatibility_module_touches_private_lightning_attributes() -> None:
+    """``obj._timeout``, ``self._checkpoint_io = ...``: only ``_compat`` reads or writes them."""
+    offenders = []
+    for path in SOURCE.rglob("*.py"):
+        if path.name == "_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRIBUTES:
+                offenders.append(f"{path.relative_to(SOURCE)}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in PRIVATE_ATTRIBUTES:  # getattr(obj, "_launcher")
+                offenders.append(f"{path.relative_to(SOURCE)}:{node.lineno}: {node.value!r}")
+    assert not offenders, offenders
+
+
 def test_the_engine_runs_where_lightning_cannot_be_imported() -> None:
     """The same, at run time: every engine module imports in a process where no Lightning package can be imported
     (the package's ``__init__``, which registers the strategies with Lightning, is bypassed)."""

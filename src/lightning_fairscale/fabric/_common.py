@@ -57,11 +57,13 @@ class FabricAdapter:
 
     @property
     def precision(self) -> Precision:
-        return self._precision if self._precision is not None else Precision()
+        precision = self._fabric_precision_slot()  # type: ignore[attr-defined]  # _compat.StrategyInternals
+        return precision if precision is not None else Precision()
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
-        self._precision = fabric_precision(precision, type(self).__name__, self._grad_scaler)
+        plugin = fabric_precision(precision, type(self).__name__, self._grad_scaler)
+        self._set_fabric_precision_slot(plugin)  # type: ignore[attr-defined]
 
     def clip_gradients_norm(
         self,

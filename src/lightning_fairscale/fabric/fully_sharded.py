@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fairscale._compat import _Sharded
+from lightning_fairscale._compat import StrategyInternals, _Sharded
 from lightning_fairscale._compat import _EmptyInit
 from lightning_fabric.utilities.rank_zero import rank_zero_info
 from lightning_fairscale._compat import _PATH
@@ -53,7 +53,7 @@ class _Model:
         return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
 
 
-class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _Sharded):
+class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyInternals, DDPStrategy, _Sharded):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
@@ -153,7 +153,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
             " `fabric.setup_module` returned), and keep every trained module inside that model."
         )
 
-    def _model(self, module: Any) -> Optional[_Model]:
+    def _fsdp_model(self, module: Any) -> Optional[_Model]:
         """What the strategy knows of ``module``, when it is (the root unit of) a model it set up."""
         return module.__dict__.get(_RECORD) if isinstance(module, FullyShardedDataParallel) else None
 
@@ -183,14 +183,14 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, on rank 0 (a collective call)."""
-        if self._model(module) is None:
+        if self._fsdp_model(module) is None:
             return super().get_module_state_dict(module)
         return fsdp_engine.module_state_dict(module, sharded=False, is_global_zero=self.is_global_zero)
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices."""
-        model = self._model(module)
+        model = self._fsdp_model(module)
         if model is None:
             return super().load_module_state_dict(module, state_dict, strict=strict)
         fsdp_engine.load_full(model.wrapped, state_dict, strict)
@@ -211,7 +211,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
 
     @override
     def _is_ours(self, module: Module) -> bool:
-        return self._model(module) is not None
+        return self._fsdp_model(module) is not None
 
     @override
     def _saves_sharded(self, module: Module) -> bool:
@@ -231,7 +231,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
 
     @override
     def _save_sharded(self, checkpoint: dict[str, Any], path: _PATH, module: Module, optimizers: list[Any]) -> None:
-        model = self._model(module)
+        model = self._fsdp_model(module)
         assert model is not None
         orders = [self._order(optimizer)[1] for optimizer in optimizers]
         fsdp_engine.save_sharded(self, self._sharded_io(), checkpoint, path, model.wrapped, optimizers, orders)
@@ -240,7 +240,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, DDPStrategy, _
     def _load_sharded(
         self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
     ) -> dict[str, Any]:
-        model = self._model(state[roles.model]) if roles.model else None
+        model = self._fsdp_model(state[roles.model]) if roles.model else None
         if model is None:
             raise ValueError(
                 f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"

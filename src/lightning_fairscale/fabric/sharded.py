@@ -14,7 +14,7 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fairscale._compat import _optimizers_to_device
+from lightning_fairscale._compat import StrategyInternals, _optimizers_to_device
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
 
 
-class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, DDPStrategy):
+class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals, DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
 
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric

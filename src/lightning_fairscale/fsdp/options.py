@@ -136,7 +136,7 @@ class FullyShardedOptions:
             fairscale_cpu.install()
         # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
         # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
-        timeout = self._timeout  # type: ignore[attr-defined]
+        timeout = self._collective_timeout()  # type: ignore[attr-defined]  # _compat.StrategyInternals
         self._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
         self._check_settings(device)
         if self.state_dict_type == "sharded":
@@ -145,13 +145,13 @@ class FullyShardedOptions:
     @property
     def checkpoint_io(self) -> Any:
         """The CheckpointIO plugin: a :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO` by default."""
-        if self._checkpoint_io is None:  # type: ignore[has-type]  # the Lightning base strategy's
-            self._checkpoint_io = self._checkpoint_io_class()
+        if self._checkpoint_io_slot() is None:  # type: ignore[attr-defined]  # _compat.StrategyInternals
+            self._set_checkpoint_io_slot(self._checkpoint_io_class())  # type: ignore[attr-defined]
         return super().checkpoint_io  # type: ignore[misc]
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Optional[Any]) -> None:
-        self._checkpoint_io = io
+        self._set_checkpoint_io_slot(io)  # type: ignore[attr-defined]
 
     def _sharded_io(self) -> Any:
         """The CheckpointIO plugin, which must write sharded checkpoint directories."""

@@ -15,6 +15,8 @@ from typing import Any
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.callbacks import Callback, ModelPruning, StochasticWeightAveraging
 
+from lightning_fairscale._compat import attached_trainer
+
 #: Callback classes, why they cannot work under FSDP, and what to do instead.
 _UNSUPPORTED: dict[type[Callback], tuple[str, str]] = {
     StochasticWeightAveraging: (
@@ -73,4 +75,4 @@ def trainer_callbacks(strategy: Any) -> list[Callback]:
     """The callbacks of the Trainer running ``strategy``: known in ``setup_environment``, before any process group
     exists, so that every rank refuses a callback alike; none before the LightningModule is connected."""
     module = strategy.lightning_module
-    return list(module.trainer.callbacks) if module is not None and module._trainer is not None else []
+    return list(module.trainer.callbacks) if module is not None and attached_trainer(module) is not None else []

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale._compat import _optimizers_to_device
-from lightning_fairscale._compat import _PATH
+from lightning_fairscale._compat import _PATH, StrategyInternals
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -42,7 +42,7 @@ from lightning_fairscale.fsdp.wrapping import (
 )
 
 
-class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
+class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
@@ -116,13 +116,13 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin
+        plugin = self._precision_plugin_slot()
         return plugin if plugin is not None else FullyShardedPrecisionPlugin()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else fully_sharded_precision_plugin(plugin)
+        self._set_precision_plugin_slot(None if plugin is None else fully_sharded_precision_plugin(plugin))
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -156,8 +156,9 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
 
     def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool) -> None:
         assert self.model is not None
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+        layer_sync = self._layer_sync_plugin()
+        if fitting and layer_sync:
+            self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         if fitting:
             # Optimizers are created on the unwrapped module, so `self.parameters()` works in
@@ -338,7 +339,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may be gone: teardown must not start collectives that would wait for it.
         self._failed = True
-        report_collective_failure(exception, self._timeout, getattr(self, "_launcher", None))
+        report_collective_failure(exception, self._collective_timeout(), self.launcher)
         super().on_exception(exception)
 
     @override

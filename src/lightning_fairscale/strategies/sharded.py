@@ -19,7 +19,7 @@ from fairscale.optim import OSS
 from lightning_fabric.plugins import CheckpointIO
 from lightning_fairscale._compat import _optimizers_to_device
 from pytorch_lightning.core.optimizer import LightningOptimizer
-from lightning_fairscale._compat import _MockOptimizer
+from lightning_fairscale._compat import _MockOptimizer, StrategyInternals
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -48,7 +48,7 @@ from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
 
-class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
+class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Lightning 2.x.
 
     Lightning 1.x's ``DDPShardedStrategy``: the optimizers that ``configure_optimizers`` returns (any
@@ -94,13 +94,13 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin
+        plugin = self._precision_plugin_slot()
         return plugin if plugin is not None else ShardedPrecisionPlugin()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if plugin is None else sharded_precision_plugin(plugin)
+        self._set_precision_plugin_slot(None if plugin is None else sharded_precision_plugin(plugin))
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -111,8 +111,9 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+        layer_sync = self._layer_sync_plugin()
+        if fitting and layer_sync:
+            self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
@@ -175,14 +176,14 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
     def checkpoint_io(self) -> CheckpointIO:
         """:class:`~lightning_fairscale.ShardedCheckpointIO` unless the Trainer got another: checkpoint files are
         written beside their target and renamed into place, so a save killed midway keeps the previous one."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = ShardedCheckpointIO()
+        if self._checkpoint_io_slot() is None:
+            self._set_checkpoint_io_slot(ShardedCheckpointIO())
         return super().checkpoint_io
 
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
+        self._set_checkpoint_io_slot(io)
 
     @override
     def setup_environment(self) -> None:
@@ -206,7 +207,7 @@ class DDPShardedStrategy(ShardedDDPOptions, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        report_collective_failure(exception, self._timeout, getattr(self, "_launcher", None))
+        report_collective_failure(exception, self._collective_timeout(), self.launcher)
         super().on_exception(exception)
 
     @override
