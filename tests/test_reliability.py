@@ -46,7 +46,9 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, time
     for (command, env), log in zip(commands, logs):
         with open(log, "w") as out:
             processes.append(
-                subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
             )
     try:
         codes = [p.wait(timeout=timeout) for p in processes]
@@ -148,7 +150,10 @@ def _group_alive(pgid: int) -> bool:
 #: before training, on every rank, with a message that says what to do. (Constructor arguments are checked without
 #: processes in tests/test_strategy_config.py.)
 MISCONFIGURATIONS = [
-    (("--params", "stray"), "not part of the LightningModule, so FSDP does not shard or update it. Create the optimizer"),
+    (
+        ("--params", "stray"),
+        "not part of the LightningModule, so FSDP does not shard or update it. Create the optimizer",
+    ),
     (("--params", "split"), "split between param groups"),
     (("--freeze", "net.1.up.weight"), "both frozen and trainable parameters"),
     (("--compute-dtype", "float16"), "needs mixed precision"),
