@@ -10,7 +10,6 @@ import ast
 import importlib
 import subprocess
 from pathlib import Path
-from typing import Any, Callable
 
 import lightning.pytorch as L
 import pytest
@@ -20,11 +19,10 @@ from scenarios.common import max_difference, reference_training
 
 import lightning_fairscale
 import lightning_fairscale.lightning as for_lightning
-from conftest import TESTS, TRAIN_SCRIPT, run_script
+from conftest import TESTS, Jobs, run_jobs, run_script
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.lightning import _loader
 
-Train = Callable[..., dict[str, Any]]
 PACKAGES = ["pytorch_lightning", "lightning"]
 LIGHTNING = {"pytorch_lightning": pl, "lightning": L}
 OURS = {"pytorch_lightning": lightning_fairscale, "lightning": for_lightning}
@@ -165,8 +163,8 @@ def test_imports_that_cannot_be_renamed_are_refused(source: str, match: str) -> 
 
 
 @pytest.mark.parametrize("package", PACKAGES)
-def test_fully_sharded_training_equals_unsharded_training(train: Train, package: str) -> None:
-    result = train("--policy", "blocks", "--steps", "3")
+def test_fully_sharded_training_equals_unsharded_training(request: pytest.FixtureRequest, package: str) -> None:
+    result = _launch(request, package)["fully-sharded"]
     assert result["package"] == package
     assert len(result["units"]) == 3
     assert max_difference(result["state_dict"], reference_training(3, "adam")) < 1e-5
@@ -176,7 +174,8 @@ def test_fully_sharded_training_equals_unsharded_training(train: Train, package:
 def test_sharded_ddp_training_equals_unsharded_training(tmp_path: Path, package: str) -> None:
     out = tmp_path / "results.pt"
     args = ["--out", str(out), "--cases", "adamw,sgd-groups", "--devices", "2", "--workdir", str(tmp_path)]
-    run_script([str(TESTS / "scenarios" / "sharded_train.py"), *args], cwd=tmp_path, package=package)
+    # Both ranks start at once (a cluster launcher's variables), importing in parallel: Lightning launches nothing.
+    run_script([str(TESTS / "scenarios" / "sharded_train.py"), *args], cwd=tmp_path, package=package, ranks=2)
     results = torch.load(out, weights_only=False)
     from test_sharded import assert_sharded, reference
 
@@ -189,36 +188,75 @@ def test_sharded_ddp_training_equals_unsharded_training(tmp_path: Path, package:
 # Checkpoints across the packages
 
 
-def _straight(folder: Path, package: str, state_dict_type: str) -> dict[str, Any]:
-    folder.mkdir(exist_ok=True)
-    out = folder / "result.pt"
-    args = ["--out", str(out), *STEPS, "--checkpoint-dir", str(folder / "ck"), "--state-dict-type", state_dict_type]
-    run_script([str(TRAIN_SCRIPT), *args], cwd=folder, package=package)
-    return {"result": torch.load(out, weights_only=False), "checkpoints": folder / "ck"}
+STATE_DICT_TYPES = ["full", "sharded"]
 
 
-@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def _straight_jobs(folder: Path) -> dict[str, list[str]]:
+    """Four steps with a checkpoint at every epoch end, saved full and sharded."""
+    return {
+        f"straight-{kind}": [*STEPS, "--checkpoint-dir", str(folder / f"ck-{kind}"), "--state-dict-type", kind]
+        for kind in STATE_DICT_TYPES
+    }
+
+
+def _resume_jobs(written: Jobs) -> dict[str, list[str]]:
+    """Resumes from the step-2 checkpoints that the straight jobs of ``written`` (another package's launch) wrote."""
+    return {
+        f"resume-{kind}": [*STEPS, "--ckpt-path", str(_checkpoint(written, kind, 2)), "--state-dict-type", kind]
+        for kind in STATE_DICT_TYPES
+    }
+
+
+def _checkpoint(jobs: Jobs, kind: str, step: int) -> Path:
+    return jobs.folder / f"ck-{kind}" / f"epoch={step - 1}-step={step}.ckpt"
+
+
+# Each package trains in one launch; the resumes of the other package's checkpoints go where they can, in dependency
+# order: pytorch_lightning writes, lightning resumes and writes, pytorch_lightning resumes those in a last launch.
+@pytest.fixture(scope="module")
+def pl_runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    folder = tmp_path_factory.mktemp("pytorch_lightning")
+    jobs = {**_straight_jobs(folder), "fully-sharded": ["--policy", "blocks", "--steps", "3"]}
+    return run_jobs(folder, jobs, package="pytorch_lightning")
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory: pytest.TempPathFactory, pl_runs: Jobs) -> Jobs:
+    folder = tmp_path_factory.mktemp("lightning")
+    jobs = {**_resume_jobs(pl_runs), **_straight_jobs(folder), "fully-sharded": ["--policy", "blocks", "--steps", "3"]}
+    return run_jobs(folder, jobs, package="lightning")
+
+
+@pytest.fixture(scope="module")
+def pl_resumes(tmp_path_factory: pytest.TempPathFactory, lightning_runs: Jobs) -> Jobs:
+    return run_jobs(tmp_path_factory.mktemp("pytorch_lightning-resumes"), _resume_jobs(lightning_runs))
+
+
+def _launch(request: pytest.FixtureRequest, package: str, resumes: bool = False) -> Jobs:
+    """The launch that trains through ``package`` (with ``resumes``: the one that resumes the other's checkpoints)."""
+    if package == "lightning":
+        return request.getfixturevalue("lightning_runs")
+    return request.getfixturevalue("pl_resumes" if resumes else "pl_runs")
+
+
+@pytest.mark.parametrize("state_dict_type", STATE_DICT_TYPES)
 @pytest.mark.parametrize(("writer", "reader"), [("pytorch_lightning", "lightning"), ("lightning", "pytorch_lightning")])
 def test_a_checkpoint_written_through_one_package_resumes_through_the_other(
-    tmp_path: Path, writer: str, reader: str, state_dict_type: str
+    request: pytest.FixtureRequest, writer: str, reader: str, state_dict_type: str
 ) -> None:
-    straight = _straight(tmp_path / "straight", writer, state_dict_type)
-    assert straight["result"]["package"] == writer
-    checkpoint = straight["checkpoints"] / "epoch=1-step=2.ckpt"
-    out = tmp_path / "resumed.pt"
-    args = ["--out", str(out), *STEPS, "--ckpt-path", str(checkpoint), "--state-dict-type", state_dict_type]
-    run_script([str(TRAIN_SCRIPT), *args], cwd=tmp_path, package=reader)
-    resumed = torch.load(out, weights_only=False)
+    straight = _launch(request, writer)[f"straight-{state_dict_type}"]
+    assert straight["package"] == writer
+    resumed = _launch(request, reader, resumes=True)[f"resume-{state_dict_type}"]
     assert (resumed["package"], resumed["global_step"]) == (reader, 4)
-    assert max_difference(resumed["state_dict"], straight["result"]["state_dict"]) == 0.0
+    assert max_difference(resumed["state_dict"], straight["state_dict"]) == 0.0
 
 
-def test_a_consolidated_checkpoint_loads_through_lightning(tmp_path: Path) -> None:
-    straight = _straight(tmp_path, "lightning", "sharded")
+def test_a_consolidated_checkpoint_loads_through_lightning(lightning_runs: Jobs, tmp_path: Path) -> None:
     target = tmp_path / "full.ckpt"
-    source = straight["checkpoints"] / "epoch=3-step=4.ckpt"
+    source = _checkpoint(lightning_runs, "sharded", 4)
     command = ["-m", "lightning_fairscale.consolidate", str(source), str(target)]
     run_script(command, cwd=tmp_path)
+    expected = lightning_runs.folder / "straight-sharded.pt"
     script = tmp_path / "load.py"
     script.write_text(
         "import sys, torch\n"
@@ -227,7 +265,7 @@ def test_a_consolidated_checkpoint_loads_through_lightning(tmp_path: Path) -> No
         "from scenarios.flavor import LightningModule\n"
         "assert issubclass(RegressionModel, LightningModule) and LightningModule.__module__.startswith('lightning.')\n"
         f"model = RegressionModel.load_from_checkpoint({str(target)!r})\n"
-        f"expected = torch.load({str(tmp_path / 'result.pt')!r}, weights_only=False)['state_dict']\n"
+        f"expected = torch.load({str(expected)!r}, weights_only=False)['state_dict']\n"
         "assert max_difference(model.state_dict(), expected) == 0.0\n"
         "print('loaded through lightning')\n"
     )

@@ -16,16 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
-from conftest import TRAIN_SCRIPT, run_script
+from conftest import TRAIN_SCRIPT, Jobs, run_jobs
 
-Train = Callable[..., dict[str, Any]]
-TrainFailing = Callable[..., subprocess.CompletedProcess]
 ATOL = 1e-5
 _LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK", "RANK")
 
@@ -49,7 +46,9 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, time
     for (command, env), log in zip(commands, logs):
         with open(log, "w") as out:
             processes.append(
-                subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
             )
     try:
         codes = [p.wait(timeout=timeout) for p in processes]
@@ -147,17 +146,14 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def test_same_seed_gives_identical_parameters(train: Train) -> None:
-    first = train("--steps", "3")
-    second = train("--steps", "3")
-    assert max_difference(first["state_dict"], second["state_dict"]) == 0.0
-
-
 #: Misconfigurations that only show once the model, the optimizer or the Trainer's precision is known. Each must fail
 #: before training, on every rank, with a message that says what to do. (Constructor arguments are checked without
 #: processes in tests/test_strategy_config.py.)
 MISCONFIGURATIONS = [
-    (("--params", "stray"), "not part of the LightningModule, so FSDP does not shard or update it. Create the optimizer"),
+    (
+        ("--params", "stray"),
+        "not part of the LightningModule, so FSDP does not shard or update it. Create the optimizer",
+    ),
     (("--params", "split"), "split between param groups"),
     (("--freeze", "net.1.up.weight"), "both frozen and trainable parameters"),
     (("--compute-dtype", "float16"), "needs mixed precision"),
@@ -167,31 +163,60 @@ MISCONFIGURATIONS = [
     (("--callback", "swa"), "`StochasticWeightAveraging` does not work with `DDPFullyShardedStrategy`"),
     (("--callback", "pruning", "--devices", "1"), "`ModelPruning` does not work with `DDPFullyShardedStrategy`"),
 ]
+MISCONFIGURATION_IDS = [m[1][:24] for m in MISCONFIGURATIONS]
 
 
-@pytest.mark.parametrize(("args", "message"), MISCONFIGURATIONS, ids=[m[1][:24] for m in MISCONFIGURATIONS])
-def test_misconfiguration_fails_early_with_a_hint(train_failing: TrainFailing, args: tuple[str, ...], message: str) -> None:
-    proc = train_failing(*args, "--timeout", "30")
-    assert message in proc.stderr, proc.stderr[-4000:]
-    assert "global_step" not in proc.stdout  # nothing trained
+def _misconfiguration(index: int) -> str:
+    return f"misconfiguration-{index}"
 
 
-def test_freezing_works_without_flattening(train: Train) -> None:
-    result = train("--freeze", "net.1.up.weight", "--flatten", "0", "--steps", "2")
-    reference = reference_training(2, "adam", freeze="net.1.up.weight")
-    assert max_difference(result["state_dict"], reference) < ATOL
+def _processes(args: tuple[str, ...]) -> int:
+    return int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+
+
+DAMAGED = [
+    ("full", "", "truncated", "truncated, corrupt or not a PyTorch checkpoint"),
+    ("full", "", "zeroed", "truncated, corrupt or not a PyTorch checkpoint"),
+    ("sharded", "shard-00001-of-00002.pt", "truncated", "shard-00001-of-00002.pt: it is truncated"),
+    ("sharded", "meta.pt", "zeroed", "meta.pt: it is truncated"),
+]
+DAMAGED_IDS = ["full-truncated", "full-zeroed", "sharded-one-shard-truncated", "sharded-meta-zeroed"]
+KINDS = ["full", "sharded"]
+#: A failing job whose ranks wait for each other must not wait for the strategy's collective timeout (30 s).
+TIMEOUT = ("--timeout", "30")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A full and a sharded checkpoint of the same two steps."""
-    folder = tmp_path_factory.mktemp("saved")
-    paths = {}
-    for kind in ("full", "sharded"):
-        args = ["--out", str(folder / f"{kind}.pt"), "--steps", "2", "--samples", "8", "--state-dict-type", kind]
-        run_script([str(TRAIN_SCRIPT), *args, "--checkpoint-dir", str(folder / kind)], cwd=folder)
-        paths[kind] = folder / kind / "epoch=1-step=2.ckpt"
-    return paths
+def first(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """One launch of 2 processes: the first of two same-seed runs (the first job, in fresh processes), the
+    misconfigurations (failing), a full and a sharded checkpoint of the same two steps, and freezing unflattened."""
+    folder = tmp_path_factory.mktemp("first")
+    jobs: dict[str, list[str]] = {"seed": ["--steps", "3"]}
+    for index, (args, _) in enumerate(MISCONFIGURATIONS):
+        if _processes(args) == 2:
+            jobs[_misconfiguration(index)] = [*args, *TIMEOUT]
+    for kind in KINDS:
+        jobs[f"saved-{kind}"] = [
+            "--steps", "2", "--samples", "8", "--state-dict-type", kind, "--checkpoint-dir", str(folder / kind)
+        ]  # fmt: skip
+    jobs["freeze-unflattened"] = ["--freeze", "net.1.up.weight", "--flatten", "0", "--steps", "2"]
+    failing = [name for name in jobs if name.startswith("misconfiguration-")]
+    return run_jobs(folder, jobs, failing=failing)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """One launch of 1 process: the misconfigurations that only show on one process (failing)."""
+    jobs = {
+        _misconfiguration(index): [*args, *TIMEOUT]
+        for index, (args, _) in enumerate(MISCONFIGURATIONS)
+        if _processes(args) == 1
+    }
+    return run_jobs(tmp_path_factory.mktemp("single"), jobs, failing=list(jobs))
+
+
+def _saved(first: Jobs, kind: str) -> Path:
+    return first.folder / kind / "epoch=1-step=2.ckpt"
 
 
 def _damage(path: Path, how: str) -> None:
@@ -199,34 +224,75 @@ def _damage(path: Path, how: str) -> None:
     path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"\0" * len(data))
 
 
-@pytest.mark.parametrize(
-    ("kind", "damaged", "how", "message"),
-    [
-        ("full", "", "truncated", "truncated, corrupt or not a PyTorch checkpoint"),
-        ("full", "", "zeroed", "truncated, corrupt or not a PyTorch checkpoint"),
-        ("sharded", "shard-00001-of-00002.pt", "truncated", "shard-00001-of-00002.pt: it is truncated"),
-        ("sharded", "meta.pt", "zeroed", "meta.pt: it is truncated"),
-    ],
-    ids=["full-truncated", "full-zeroed", "sharded-one-shard-truncated", "sharded-meta-zeroed"],
-)
+@pytest.fixture(scope="module")
+def second(first: Jobs, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """A later launch of 2 processes: the second same-seed run (the first job, in fresh processes), resumes from
+    damaged copies of ``first``'s checkpoints and from its checkpoints into another model (all failing)."""
+    folder = tmp_path_factory.mktemp("second")
+    jobs: dict[str, list[str]] = {"seed": ["--steps", "3"]}
+    for name, (kind, damaged, how, _) in zip(DAMAGED_IDS, DAMAGED):
+        copy = folder / f"{name}.ckpt"
+        (shutil.copytree if _saved(first, kind).is_dir() else shutil.copy)(_saved(first, kind), copy)
+        _damage(copy / damaged if damaged else copy, how)
+        jobs[f"damaged-{name}"] = ["--steps", "4", "--samples", "8", "--ckpt-path", str(copy), *TIMEOUT]
+    for kind in KINDS:
+        jobs[f"other-model-{kind}"] = [
+            "--steps", "4", "--samples", "8", "--depth", "3", "--ckpt-path", str(_saved(first, kind)), *TIMEOUT
+        ]  # fmt: skip
+    return run_jobs(folder, jobs, failing=[name for name in jobs if name != "seed"])
+
+
+def _job_seconds(jobs: Jobs, name: str) -> float:
+    """How long the job ``name`` took on its slowest rank: from the last file the job before it wrote (its result or
+    its error records) to the last error record of this one."""
+    before = jobs.names[jobs.names.index(name) - 1]
+    ended = max(path.stat().st_mtime for path in jobs.folder.glob(f"{before}.pt*"))
+    return max(path.stat().st_mtime for path in jobs.folder.glob(f"{name}.pt.error-rank*.json")) - ended
+
+
+def test_same_seed_gives_identical_parameters(first: Jobs, second: Jobs) -> None:
+    # Two launches: the same seed gives the same parameters in other processes too.
+    assert max_difference(first["seed"]["state_dict"], second["seed"]["state_dict"]) == 0.0
+
+
+@pytest.mark.parametrize(("args", "message"), MISCONFIGURATIONS, ids=MISCONFIGURATION_IDS)
+def test_misconfiguration_fails_early_with_a_hint(
+    request: pytest.FixtureRequest, args: tuple[str, ...], message: str
+) -> None:
+    processes = _processes(args)
+    runs: Jobs = request.getfixturevalue("first" if processes == 2 else "single")
+    name = _misconfiguration(MISCONFIGURATIONS.index((args, message)))
+    for error in runs.errors(name, ranks=processes):  # every rank refuses it
+        assert message in error["message"], error["traceback"][-4000:]
+        assert error["trained_batches"] in (0, None)  # nothing trained
+
+
+def test_freezing_works_without_flattening(first: Jobs) -> None:
+    result = first["freeze-unflattened"]
+    reference = reference_training(2, "adam", freeze="net.1.up.weight")
+    assert max_difference(result["state_dict"], reference) < ATOL
+
+
+@pytest.mark.parametrize(("kind", "damaged", "how", "message"), DAMAGED, ids=DAMAGED_IDS)
 def test_a_damaged_checkpoint_fails_every_rank_clearly(
-    train_failing: TrainFailing, saved: dict[str, Path], tmp_path: Path, kind: str, damaged: str, how: str, message: str
+    second: Jobs, kind: str, damaged: str, how: str, message: str
 ) -> None:
-    copy = tmp_path / "copy.ckpt"
-    (shutil.copytree if saved[kind].is_dir() else shutil.copy)(saved[kind], copy)
-    _damage(copy / damaged if damaged else copy, how)
-    started = time.monotonic()
-    proc = train_failing("--steps", "4", "--samples", "8", "--ckpt-path", str(copy), "--timeout", "30")
-    assert message in proc.stderr, proc.stderr[-4000:]
-    if kind == "sharded" and damaged.startswith("shard-00001"):  # only rank 1 read it; rank 0 must know too
-        assert "Another process failed to read the sharded checkpoint" in proc.stderr, proc.stderr[-4000:]
-    assert time.monotonic() - started < 60
+    name = f"damaged-{DAMAGED_IDS[DAMAGED.index((kind, damaged, how, message))]}"
+    errors = second.errors(name)
+    if kind == "sharded" and damaged.startswith("shard-00001"):
+        # Only rank 1 read the damaged shard and names it; rank 0 must know too, and says so.
+        assert message in errors[1]["message"], errors[1]["traceback"][-4000:]
+        assert "Another process failed to read the sharded checkpoint" in errors[0]["message"], errors[0]["traceback"]
+    else:
+        for error in errors:
+            assert message in error["message"], error["traceback"][-4000:]
+    assert all(error["trained_batches"] in (0, None) for error in errors)
+    # No rank waited for the collective timeout (30 s) to learn of another's failure.
+    assert _job_seconds(second, name) < 30
 
 
-@pytest.mark.parametrize("kind", ["full", "sharded"])
-def test_a_checkpoint_of_another_model_is_refused_clearly(
-    train_failing: TrainFailing, saved: dict[str, Path], kind: str
-) -> None:
-    proc = train_failing("--steps", "4", "--samples", "8", "--depth", "3", "--ckpt-path", str(saved[kind]))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_of_another_model_is_refused_clearly(second: Jobs, kind: str) -> None:
     expected = "does not fit the model: missing keys [net.3." if kind == "full" else "wrapped differently"
-    assert expected in proc.stderr, proc.stderr[-4000:]
+    for error in second.errors(f"other-model-{kind}"):
+        assert expected in error["message"], error["traceback"][-4000:]
