@@ -1,40 +1,60 @@
-"""Full checkpoints: standard Lightning files, exact resume (also on another number of processes), no fairscale needed."""
+"""Full checkpoints: standard Lightning files, exact resume (also on another number of processes), no fairscale needed.
+
+The trainings of this module share two launches (``conftest.run_jobs``): :func:`two_processes` (the straight run,
+its resume, the FSDP/DDP comparison and the file loaded without FairScale) and :func:`one_process` (the resume on
+one process).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
 from scenarios.common import build_network, max_difference
 
-from conftest import TESTS, assert_loads_without_fairscale, run_script
+from conftest import Jobs, assert_loads_without_fairscale, run_jobs
 
-Train = Callable[..., dict[str, Any]]
+STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # Adam + StepLR, one step per epoch
+CHECKPOINT = "epoch=1-step=2.ckpt"  # the straight run's checkpoint that the resumes start from
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Four steps in one go (Adam + StepLR), with a ModelCheckpoint every epoch (one epoch is one step here)."""
-    folder = tmp_path_factory.mktemp("straight")
-    out = folder / "result.pt"
-    args = ["--out", str(out), "--steps", "4", "--samples", "8", "--scheduler", "--checkpoint-dir", str(folder / "ck")]
-    run_script([str(TESTS / "scenarios" / "train.py"), *args], cwd=folder)
-    return {"result": torch.load(out, weights_only=False), "checkpoints": folder / "ck"}
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoint")
+
+
+@pytest.fixture(scope="module")
+def two_processes(folder: Path) -> Jobs:
+    """The straight run: four steps in one go, with a ModelCheckpoint every epoch (one epoch is one step here); then
+    its resume from step 2, two steps saved by FSDP and by Lightning's DDP, and the file for the fairscale-free load."""
+    jobs = {
+        "straight": [*STEPS, "--checkpoint-dir", str(folder / "ck")],
+        "resumed-2": [*STEPS, "--ckpt-path", str(folder / "ck" / CHECKPOINT), "--devices", "2"],
+        "fsdp": ["--steps", "2", "--samples", "8", "--save-ckpt", str(folder / "fsdp.ckpt")],
+        "ddp": ["--steps", "2", "--samples", "8", "--save-ckpt", str(folder / "ddp.ckpt"), "--strategy-name", "ddp"],
+        "final": ["--steps", "2", "--save-ckpt", str(folder / "final.ckpt")],
+    }
+    return run_jobs(folder / "two_processes", jobs)
+
+
+@pytest.fixture(scope="module")
+def one_process(two_processes: Jobs, folder: Path) -> Jobs:
+    jobs = {"resumed-1": [*STEPS, "--ckpt-path", str(folder / "ck" / CHECKPOINT), "--devices", "1"]}
+    return run_jobs(folder / "one_process", jobs)
 
 
 @pytest.mark.parametrize("devices", [2, 1])
-def test_resume_is_exact(train: Train, straight_run: dict[str, Any], devices: int) -> None:
-    checkpoint = straight_run["checkpoints"] / "epoch=1-step=2.ckpt"
-    resumed = train("--steps", "4", "--samples", "8", "--scheduler", "--ckpt-path", str(checkpoint), "--devices", str(devices))
+def test_resume_is_exact(request: pytest.FixtureRequest, two_processes: Jobs, devices: int) -> None:
+    launch = two_processes if devices == 2 else request.getfixturevalue("one_process")
+    resumed = launch[f"resumed-{devices}"]
     assert resumed["global_step"] == 4
     tolerance = 0.0 if devices == 2 else 1e-6  # one process sums the gradient in another order
-    assert max_difference(resumed["state_dict"], straight_run["result"]["state_dict"]) <= tolerance
+    assert max_difference(resumed["state_dict"], two_processes["straight"]["state_dict"]) <= tolerance
 
 
-def test_checkpoint_is_a_standard_lightning_checkpoint(straight_run: dict[str, Any]) -> None:
-    checkpoint = torch.load(straight_run["checkpoints"] / "epoch=1-step=2.ckpt", weights_only=False)
+def test_checkpoint_is_a_standard_lightning_checkpoint(two_processes: Jobs, folder: Path) -> None:
+    checkpoint = torch.load(folder / "ck" / CHECKPOINT, weights_only=False)
     plain = {"net." + k: v for k, v in build_network().state_dict().items()}
     assert {k: v.shape for k, v in checkpoint["state_dict"].items()} == {k: v.shape for k, v in plain.items()}
     (optimizer,) = checkpoint["optimizer_states"]
@@ -47,12 +67,12 @@ def test_checkpoint_is_a_standard_lightning_checkpoint(straight_run: dict[str, A
         assert float(state["step"]) == 2.0
 
 
-def test_checkpoint_matches_plain_ddp(train: Train, tmp_path: Path) -> None:
+def test_checkpoint_matches_plain_ddp(two_processes: Jobs, folder: Path) -> None:
     """The same two steps under Lightning's DDP write the same model and optimizer state."""
-    ours, theirs = tmp_path / "fsdp.ckpt", tmp_path / "ddp.ckpt"
-    train("--steps", "2", "--samples", "8", "--save-ckpt", str(ours))
-    train("--steps", "2", "--samples", "8", "--save-ckpt", str(theirs), "--strategy-name", "ddp")
-    a, b = torch.load(ours, weights_only=False), torch.load(theirs, weights_only=False)
+    assert two_processes["fsdp"]["strategy"] == "DDPFullyShardedStrategy"
+    assert two_processes["ddp"]["strategy"] == "DDPStrategy"
+    a = torch.load(folder / "fsdp.ckpt", weights_only=False)
+    b = torch.load(folder / "ddp.ckpt", weights_only=False)
     assert max_difference(a["state_dict"], b["state_dict"]) < 1e-6
     sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
     assert sa.keys() == sb.keys()
@@ -61,7 +81,5 @@ def test_checkpoint_matches_plain_ddp(train: Train, tmp_path: Path) -> None:
             torch.testing.assert_close(sa[index][key], sb[index][key], atol=1e-6, rtol=0)
 
 
-def test_checkpoint_loads_without_fairscale(train: Train, tmp_path: Path) -> None:
-    path = tmp_path / "final.ckpt"
-    result = train("--steps", "2", "--save-ckpt", str(path))
-    assert_loads_without_fairscale(path, result["state_dict"], tmp_path)
+def test_checkpoint_loads_without_fairscale(two_processes: Jobs, folder: Path, tmp_path: Path) -> None:
+    assert_loads_without_fairscale(folder / "final.ckpt", two_processes["final"]["state_dict"], tmp_path)

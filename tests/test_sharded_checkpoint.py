@@ -1,4 +1,12 @@
-"""Sharded checkpoints: one file per rank, exact resume, offline consolidation, and nothing lost when a save dies."""
+"""Sharded checkpoints: one file per rank, exact resume, offline consolidation, and nothing lost when a save dies.
+
+The trainings of this module share launches (``conftest.run_jobs``), one per number of processes, in the order their
+checkpoints need: :func:`first` (2 processes: the straight runs, the first resume, the other setups, the first
+resharding hop), :func:`one_process` (1 process: what loads the source checkpoint or a 2-process hop on one process)
+and :func:`last` (2 processes: the hop back from one process, and the resumes of the killed saves with the straight
+run they are compared with). A killed or write-failing save keeps a launch of its own through Lightning's launcher,
+whose rank 0 is what notices a lost child.
+"""
 
 from __future__ import annotations
 
@@ -11,32 +19,128 @@ import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
-from conftest import TRAIN_SCRIPT, assert_loads_without_fairscale, run_script
+from conftest import TRAIN_SCRIPT, Jobs, assert_loads_without_fairscale, run_jobs, run_script
+from lightning_fairscale import consolidate as consolidate_tool
 from lightning_fairscale.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
-Train = Callable[..., dict[str, Any]]
 TrainFailing = Callable[..., Any]
 STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # one step per epoch: every epoch end is a clean resume point
-
-
-def _straight(folder: Path, state_dict_type: str) -> dict[str, Any]:
-    out = folder / "result.pt"
-    args = ["--out", str(out), *STEPS, "--checkpoint-dir", str(folder / "ck"), "--state-dict-type", state_dict_type]
-    run_script([str(TRAIN_SCRIPT), *args], cwd=folder)
-    return {"result": torch.load(out, weights_only=False), "checkpoints": folder / "ck"}
+SOURCE = "epoch=1-step=2.ckpt"  # the checkpoint of the straight runs that the other runs load
+# Resumes at step 2 and stops there: the hop only loads and saves again.
+NO_MORE_STEPS = ("--steps", "2", "--samples", "8", "--scheduler", "--state-dict-type", "sharded")
+SETUPS = {
+    "unflattened": ("--flatten", "0"),
+    "manual-wrap-aliases": ("--model", "manual", "--optimizer", "sgd"),
+    "bf16-mixed": ("--precision", "bf16-mixed"),
+}
+# Rank 0 writes its shard, then meta.pt, for each sharded checkpoint: 3 is its second shard, 4 the second meta.pt.
+KILLS = {
+    "full-rank0": ("full", 0, 2),
+    "sharded-rank1-shard": ("sharded", 1, 2),
+    "sharded-rank0-shard": ("sharded", 0, 3),
+    "sharded-rank0-meta": ("sharded", 0, 4),
+}
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _straight(tmp_path_factory.mktemp("sharded"), "sharded")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sharded_checkpoint")
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _straight(tmp_path_factory.mktemp("full"), "full")
+def first(folder: Path) -> Jobs:
+    """2 processes: the straight runs (sharded and full), then what starts from them or needs nothing else."""
+    source = str(folder / "ck-sharded" / SOURCE)
+    jobs: dict[str, list[str]] = {
+        "sharded": [*STEPS, "--checkpoint-dir", str(folder / "ck-sharded"), "--state-dict-type", "sharded"],
+        "full": [*STEPS, "--checkpoint-dir", str(folder / "ck-full"), "--state-dict-type", "full"],
+        # Also the resharding test's run that goes on from the source on 2 processes: the same command line.
+        "resumed": [*STEPS, "--ckpt-path", source, "--state-dict-type", "sharded"],
+        "hop-2": [*NO_MORE_STEPS, "--ckpt-path", source, "--devices", "2", "--save-ckpt", str(folder / "hop-2.ckpt")],
+        "save-top-k": [
+            *STEPS, "--checkpoint-dir", str(folder / "ck-top-k"), "--save-top-k", "2", "--state-dict-type", "sharded"
+        ],
+    }
+    for name, variant in SETUPS.items():
+        for kind in ("full", "sharded"):
+            directory = str(folder / f"setup-{name}-{kind}")
+            jobs[f"setup-{name}-{kind}"] = [
+                "--steps", "2", "--samples", "8", *variant, "--checkpoint-dir", directory, "--state-dict-type", kind
+            ]
+    return run_jobs(folder / "first", jobs)
 
 
-def consolidate(source: Path, target: Path, how: str = "script") -> str:
+@pytest.fixture(scope="module")
+def source(first: Jobs, folder: Path) -> Path:
+    """The sharded checkpoint at step 2 (2 processes), which the other runs load."""
+    return folder / "ck-sharded" / SOURCE
+
+
+@pytest.fixture(scope="module")
+def consolidated(source: Path, folder: Path) -> dict[str, Any]:
+    """The source consolidated once, with the command-line tool: its output and the file."""
+    target = folder / "consolidated.ckpt"
+    return {"output": consolidate(source, target, "script"), "path": target}
+
+
+@pytest.fixture(scope="module")
+def one_process(source: Path, consolidated: dict[str, Any], folder: Path) -> Jobs:
+    """1 process: the consolidated checkpoint, the source and the 2-process hop loaded on one process."""
+    source_path, devices = str(source), ("--devices", "1")
+    jobs = {
+        "consolidated-resumed": [*STEPS, "--ckpt-path", str(consolidated["path"]), *devices],
+        "hop-1": [*NO_MORE_STEPS, "--ckpt-path", source_path, *devices, "--save-ckpt", str(folder / "hop-1.ckpt")],
+        "back-2": [
+            *NO_MORE_STEPS, "--ckpt-path", str(folder / "hop-2.ckpt"), *devices,
+            "--save-ckpt", str(folder / "back-2.ckpt"),
+        ],
+        "continued-1": [*STEPS, "--ckpt-path", source_path, *devices, "--state-dict-type", "sharded"],
+        "another-wrapping": [*STEPS, "--ckpt-path", source_path, "--policy", "blocks", *devices],
+    }
+    return run_jobs(folder / "one_process", jobs, failing=["another-wrapping"])
+
+
+def _kill_common(folder: Path, state_dict_type: str) -> tuple[str, ...]:
+    return ("--checkpoint-dir", str(folder), "--save-last", "--state-dict-type", state_dict_type)
+
+
+@pytest.fixture(scope="module")
+def killed(folder: Path) -> dict[str, subprocess.CompletedProcess]:
+    """A rank is SIGKILLed halfway through a file of the second last.ckpt: one launch each (Lightning's launcher)."""
+    procs = {}
+    for name, (state_dict_type, rank, nth) in KILLS.items():
+        workdir = folder / f"killed-{name}"
+        workdir.mkdir()
+        args = [*STEPS, *_kill_common(workdir / "ck", state_dict_type), "--kill-during-save", str(nth)]
+        args += ["--kill-rank", str(rank), "--timeout", "60"]
+        procs[name] = run_script(
+            [str(TRAIN_SCRIPT), "--out", str(workdir / "unused.pt"), *args], cwd=workdir, expect_ok=False
+        )
+    return procs
+
+
+@pytest.fixture(scope="module")
+def last(one_process: Jobs, killed: dict[str, subprocess.CompletedProcess], folder: Path) -> Jobs:
+    """2 processes: the hop back from one process, the straight run, and the resumes of the killed saves."""
+    jobs = {
+        "back-1": [
+            *NO_MORE_STEPS, "--ckpt-path", str(folder / "hop-1.ckpt"), "--devices", "2",
+            "--save-ckpt", str(folder / "back-1.ckpt"),
+        ],
+        "straight": [*STEPS],
+    }
+    for name, (state_dict_type, _, _) in KILLS.items():
+        checkpoint = folder / f"killed-{name}" / "ck" / "last.ckpt"
+        if checkpoint.exists():  # otherwise the test fails on the checkpoint, and the other tests go on
+            jobs[f"resumed-{name}"] = [*STEPS, "--ckpt-path", str(checkpoint), "--state-dict-type", state_dict_type]
+    return run_jobs(folder / "last", jobs)
+
+
+def consolidate(source: Path, target: Path, how: str = "in-process") -> str:
+    """Consolidate with the installed script, ``python -m`` or (the same code, without starting Python) in-process."""
+    if how == "in-process":
+        assert consolidate_tool.main([str(source), str(target)]) == 0
+        return ""
     if how == "script":
         command = [str(Path(sys.executable).parent / "lightning-fairscale-consolidate"), str(source), str(target)]
     else:
@@ -46,10 +150,10 @@ def consolidate(source: Path, target: Path, how: str = "script") -> str:
     return proc.stdout
 
 
-def test_each_rank_writes_its_own_shard(sharded_run: dict[str, Any], full_run: dict[str, Any]) -> None:
-    directory = sharded_run["checkpoints"] / "epoch=1-step=2.ckpt"
+def test_each_rank_writes_its_own_shard(first: Jobs, folder: Path) -> None:
+    directory = folder / "ck-sharded" / SOURCE
     assert sorted(p.name for p in directory.iterdir()) == [META_FILE, shard_file_name(0, 2), shard_file_name(1, 2)]
-    full = torch.load(full_run["checkpoints"] / "epoch=1-step=2.ckpt", weights_only=False)
+    full = torch.load(folder / "ck-full" / SOURCE, weights_only=False)
     full_numel = sum(t.numel() for t in full["state_dict"].values())
     for rank in range(2):
         shard = torch.load(directory / shard_file_name(rank, 2), weights_only=True)
@@ -59,54 +163,49 @@ def test_each_rank_writes_its_own_shard(sharded_run: dict[str, Any], full_run: d
     meta = torch.load(directory / META_FILE, weights_only=False)
     assert "state_dict" not in meta and meta["global_step"] == 2 and meta["lightning_fairscale"]["world_size"] == 2
     # Saving sharded changes nothing in training itself.
-    assert max_difference(sharded_run["result"]["state_dict"], full_run["result"]["state_dict"]) == 0.0
+    assert max_difference(first["sharded"]["state_dict"], first["full"]["state_dict"]) == 0.0
 
 
-def test_resume_from_sharded_checkpoint_is_exact(train: Train, sharded_run: dict[str, Any]) -> None:
-    directory = sharded_run["checkpoints"] / "epoch=1-step=2.ckpt"
-    resumed = train(*STEPS, "--ckpt-path", str(directory), "--state-dict-type", "sharded")
+def test_resume_from_sharded_checkpoint_is_exact(first: Jobs) -> None:
+    resumed = first["resumed"]
     assert resumed["global_step"] == 4
-    assert max_difference(resumed["state_dict"], sharded_run["result"]["state_dict"]) == 0.0
+    assert max_difference(resumed["state_dict"], first["sharded"]["state_dict"]) == 0.0
 
 
 @pytest.mark.parametrize("how", ["script", "module"])
 def test_consolidated_checkpoint_equals_the_full_one(
-    sharded_run: dict[str, Any], full_run: dict[str, Any], tmp_path: Path, how: str
+    source: Path, consolidated: dict[str, Any], folder: Path, tmp_path: Path, how: str
 ) -> None:
-    target = tmp_path / "consolidated.ckpt"
-    output = consolidate(sharded_run["checkpoints"] / "epoch=1-step=2.ckpt", target, how)
+    if how == "script":  # the module fixture's consolidation
+        output, target = consolidated["output"], consolidated["path"]
+    else:
+        target = tmp_path / "consolidated.ckpt"
+        output = consolidate(source, target, how)
     assert "reading shard 2/2" in output and "done" in output  # progress is printed
     ours = torch.load(target, weights_only=False)
-    full = torch.load(full_run["checkpoints"] / "epoch=1-step=2.ckpt", weights_only=False)
+    full = torch.load(folder / "ck-full" / SOURCE, weights_only=False)
     assert ours.keys() == full.keys()
     _assert_same_checkpoint(ours, full)
     assert ours["hyper_parameters"] == full["hyper_parameters"]
 
 
-def test_consolidated_checkpoint_loads_without_fairscale(sharded_run: dict[str, Any], tmp_path: Path) -> None:
-    target = tmp_path / "consolidated.ckpt"
-    consolidate(sharded_run["checkpoints"] / "epoch=1-step=2.ckpt", target)
+def test_consolidated_checkpoint_loads_without_fairscale(consolidated: dict[str, Any], tmp_path: Path) -> None:
+    target = consolidated["path"]
     expected = torch.load(target, weights_only=False)["state_dict"]
     assert_loads_without_fairscale(target, expected, tmp_path)
 
 
-def test_consolidated_checkpoint_resumes_on_one_process(
-    train: Train, sharded_run: dict[str, Any], tmp_path: Path
-) -> None:
-    target = tmp_path / "consolidated.ckpt"
-    consolidate(sharded_run["checkpoints"] / "epoch=1-step=2.ckpt", target)
-    resumed = train(*STEPS, "--ckpt-path", str(target), "--devices", "1")
+def test_consolidated_checkpoint_resumes_on_one_process(first: Jobs, one_process: Jobs) -> None:
+    resumed = one_process["consolidated-resumed"]
     assert resumed["global_step"] == 4
-    assert max_difference(resumed["state_dict"], sharded_run["result"]["state_dict"]) < 1e-6
+    assert max_difference(resumed["state_dict"], first["sharded"]["state_dict"]) < 1e-6
 
 
-def test_another_wrapping_names_the_consolidation_command(
-    train_failing: TrainFailing, sharded_run: dict[str, Any]
-) -> None:
-    directory = sharded_run["checkpoints"] / "epoch=1-step=2.ckpt"
-    proc = train_failing(*STEPS, "--ckpt-path", str(directory), "--policy", "blocks", "--devices", "1")
-    assert "wrapped differently" in proc.stderr
-    assert "lightning-fairscale-consolidate" in proc.stderr
+def test_another_wrapping_names_the_consolidation_command(one_process: Jobs) -> None:
+    (error,) = one_process.errors("another-wrapping", ranks=1)
+    assert "wrapped differently" in error["message"]
+    assert "lightning-fairscale-consolidate" in error["message"]
+    assert error["trained_batches"] in (0, None)  # refused before any batch trained
 
 
 def _assert_same_checkpoint(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
@@ -125,54 +224,49 @@ def _assert_same_checkpoint(ours: dict[str, Any], theirs: dict[str, Any]) -> Non
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_resharding_resume_is_exact(train: Train, sharded_run: dict[str, Any], tmp_path: Path, devices: int) -> None:
+def test_resharding_resume_is_exact(
+    request: pytest.FixtureRequest, first: Jobs, one_process: Jobs, consolidated: dict[str, Any], folder: Path,
+    tmp_path: Path, devices: int,
+) -> None:
     """Saved by 2 processes, resumed on ``devices`` and saved again there, then resumed on the other number and
     saved again: each hop consolidates to exactly what the original consolidates to (2 -> 1 -> 2, 2 -> 2 -> 1)."""
-    source = sharded_run["checkpoints"] / "epoch=1-step=2.ckpt"
-    no_more_steps = ("--steps", "2", "--samples", "8", "--scheduler", "--state-dict-type", "sharded")
-    hop = tmp_path / "hop.ckpt"
-    train(*no_more_steps, "--ckpt-path", str(source), "--devices", str(devices), "--save-ckpt", str(hop))
+    if devices == 1:
+        request.getfixturevalue("last")  # the hop back to 2 processes
+    hop, back = folder / f"hop-{devices}.ckpt", folder / f"back-{devices}.ckpt"
     assert sorted(p.name for p in hop.iterdir()) == [META_FILE, *(shard_file_name(r, devices) for r in range(devices))]
-    back = tmp_path / "back.ckpt"
-    train(*no_more_steps, "--ckpt-path", str(hop), "--devices", str(3 - devices), "--save-ckpt", str(back))
-    consolidate(source, tmp_path / "source.full")
-    expected = torch.load(tmp_path / "source.full", weights_only=False)
+    assert sorted(p.name for p in back.iterdir()) == [
+        META_FILE, *(shard_file_name(r, 3 - devices) for r in range(3 - devices))
+    ]
+    expected = torch.load(consolidated["path"], weights_only=False)
     for saved in (hop, back):
         consolidate(saved, tmp_path / f"{saved.stem}.full")
         _assert_same_checkpoint(torch.load(tmp_path / f"{saved.stem}.full", weights_only=False), expected)
     # Training goes on from the resharded state as the unsharded reference does.
-    continued = train(*STEPS, "--ckpt-path", str(source), "--devices", str(devices), "--state-dict-type", "sharded")
+    continued = one_process["continued-1"] if devices == 1 else first["resumed"]
     assert continued["global_step"] == 4
     reference = reference_training(4, scheduler=True, num_samples=8)
     assert max_difference(continued["state_dict"], reference) < 1e-5
 
 
-def test_save_top_k_removes_old_checkpoint_directories(train: Train, tmp_path: Path) -> None:
-    train(*STEPS, "--checkpoint-dir", str(tmp_path / "ck"), "--save-top-k", "2", "--state-dict-type", "sharded")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=2-step=3.ckpt", "epoch=3-step=4.ckpt"]
+def test_save_top_k_removes_old_checkpoint_directories(first: Jobs, folder: Path) -> None:
+    assert first["save-top-k"]["global_step"] == 4
+    assert sorted(p.name for p in (folder / "ck-top-k").iterdir()) == ["epoch=2-step=3.ckpt", "epoch=3-step=4.ckpt"]
 
 
-@pytest.mark.parametrize(
-    ("state_dict_type", "rank", "nth"),
-    [("full", 0, 2), ("sharded", 1, 2), ("sharded", 0, 3), ("sharded", 0, 4)],
-    # Rank 0 writes its shard, then meta.pt, for each sharded checkpoint: 3 is its second shard, 4 the second meta.pt.
-    ids=["full-rank0", "sharded-rank1-shard", "sharded-rank0-shard", "sharded-rank0-meta"],
-)
+@pytest.mark.parametrize("name", KILLS)
 def test_killed_save_keeps_the_previous_checkpoint(
-    train: Train, train_failing: TrainFailing, tmp_path: Path, state_dict_type: str, rank: int, nth: int
+    killed: dict[str, subprocess.CompletedProcess], last: Jobs, folder: Path, name: str
 ) -> None:
     """A rank is SIGKILLed halfway through a file of the second last.ckpt: the first stays whole and resumes exactly."""
-    folder = tmp_path / "ck"
-    common = ("--checkpoint-dir", str(folder), "--save-last", "--state-dict-type", state_dict_type)
-    proc = train_failing(*STEPS, *common, "--kill-during-save", str(nth), "--kill-rank", str(rank), "--timeout", "60")
-    assert proc.returncode != 0
-    last = folder / "last.ckpt"
-    meta = torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)
+    proc = killed[name]
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    checkpoints = folder / f"killed-{name}" / "ck"
+    checkpoint = checkpoints / "last.ckpt"
+    meta = torch.load(checkpoint / META_FILE if checkpoint.is_dir() else checkpoint, weights_only=False)
     assert meta["global_step"] == 1  # the checkpoint written before the killed one, untouched
-    assert [p.name for p in folder.iterdir() if not p.name.startswith(".")] == ["last.ckpt"]
-    resumed = train(*STEPS, "--ckpt-path", str(last), "--state-dict-type", state_dict_type)
-    straight = train(*STEPS)
-    assert max_difference(resumed["state_dict"], straight["state_dict"]) == 0.0
+    assert [p.name for p in checkpoints.iterdir() if not p.name.startswith(".")] == ["last.ckpt"]
+    resumed = last[f"resumed-{name}"]
+    assert max_difference(resumed["state_dict"], last["straight"]["state_dict"]) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -244,20 +338,13 @@ def test_remove_checkpoint_removes_files_and_directories(tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [("--flatten", "0"), ("--model", "manual", "--optimizer", "sgd"), ("--precision", "bf16-mixed")],
-    ids=["unflattened", "manual-wrap-aliases", "bf16-mixed"],
-)
+@pytest.mark.parametrize("name", SETUPS)
 def test_consolidation_matches_full_checkpoints_of_other_setups(
-    train: Train, tmp_path: Path, variant: tuple[str, ...]
+    first: Jobs, folder: Path, tmp_path: Path, name: str
 ) -> None:
-    steps = ("--steps", "2", "--samples", "8")
-    train(*steps, *variant, "--checkpoint-dir", str(tmp_path / "full"))
-    train(*steps, *variant, "--checkpoint-dir", str(tmp_path / "sharded"), "--state-dict-type", "sharded")
-    consolidate(tmp_path / "sharded" / "epoch=1-step=2.ckpt", tmp_path / "consolidated.ckpt")
+    consolidate(folder / f"setup-{name}-sharded" / SOURCE, tmp_path / "consolidated.ckpt")
     ours = torch.load(tmp_path / "consolidated.ckpt", weights_only=False)
-    full = torch.load(tmp_path / "full" / "epoch=1-step=2.ckpt", weights_only=False)
+    full = torch.load(folder / f"setup-{name}-full" / SOURCE, weights_only=False)
     assert set(ours["state_dict"]) == set(full["state_dict"])
     assert max_difference(ours["state_dict"], full["state_dict"]) == 0.0
     (a,), (b,) = ours["optimizer_states"], full["optimizer_states"]
