@@ -18,7 +18,7 @@ TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 LIGHTNING_PINS := $(if $(LIGHTNING_VERSION),"pytorch-lightning==$(LIGHTNING_VERSION)" "lightning==$(LIGHTNING_VERSION)")
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSION)),newest)
 
-.PHONY: install demo test unit doctest docs bench clean
+.PHONY: install demo test unit doctest docs bench stubs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ BENCHMARKS ?=
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]" "torch==$(TORCH_VERSION)"
 	$(PY) benchmarks/run.py $(BENCHMARKS)
+
+# The type stubs of the `lightning` flavour (src/lightning_fairscale/lightning/**/*.pyi), after a change to a module
+# that subclasses or registers with Lightning; `make unit` fails while one is out of date.
+stubs: $(STAMP)
+	$(PY) -c "from lightning_fairscale.lightning._loader import write_stubs; write_stubs()"
 
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
