@@ -27,6 +27,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from fairscale.nn.misc import FlattenParamsWrapper
 from pytorch_lightning.callbacks import ModelSummary as ModelSummaryCallback
 from lightning_fairscale._compat import _ModuleMode, attached_trainer
+from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
 from pytorch_lightning.utilities.model_summary.model_summary import (
     NOT_APPLICABLE,
     LayerSummary,
@@ -80,9 +81,7 @@ class ParameterCounts:
         self._owned: dict[int, list[_Key]] = {}  # id(module) -> the keys of the parameters it owns
         pieces: dict[tuple[int, str], _Key] = {}  # (id(owner), name) -> key, for the pieces of flat parameters
         flat: set[int] = set()
-        for unit in root.modules():
-            if not isinstance(unit, _FairScaleFSDP):
-                continue
+        for unit in fsdp_instances(root):
             self.rank = unit.rank
             for index, param in enumerate(unit.params):
                 if index >= unit._num_flatten_params:  # sharded in place: counted with its owner below

@@ -294,10 +294,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         bucketer = GlooReduceScatterBucketer if _is_gloo(self.process_group_reduce_scatter) else ReduceScatterBucketer
         reducer = bucketer(self.bucket_cap_mb)
         self._reducer = reducer
-        for module in self.modules():
-            if isinstance(module, _FairScaleFSDP):
-                module._streams = self._streams
-                module._reducer = reducer
+        for module in fsdp_instances(self):
+            module._streams = self._streams
+            module._reducer = reducer
 
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
@@ -365,6 +364,13 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, norm_type
 
 
 def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:
-    """Every FairScale FSDP instance in ``module``, outermost first."""
-    return (m for m in module.modules() if isinstance(m, _FairScaleFSDP))
+    """Every FairScale FSDP instance in ``module`` (itself included), outermost first: the one scan for the FSDP
+    units of a module that the package uses."""
+    return (unit for _, unit in named_fsdp_instances(module))
+
+
+def named_fsdp_instances(module: torch.nn.Module) -> Iterator[tuple[str, _FairScaleFSDP]]:
+    """:func:`fsdp_instances` with each unit's path in ``module`` (``""`` for ``module`` itself, wrapper names
+    included: ``lightning_fairscale.fsdp.wrapping.clean_path`` removes them)."""
+    return ((path, m) for path, m in module.named_modules() if isinstance(m, _FairScaleFSDP))
 

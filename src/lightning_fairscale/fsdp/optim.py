@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale import collectives
-from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
+from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.resharding import copy_overlaps, local_range
 from lightning_fairscale.fsdp.wrapping import clean_path
 
@@ -97,9 +97,7 @@ class ParameterLayout:
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
         self.root = root
-        for path, unit in root.named_modules():
-            if not isinstance(unit, _FairScaleFSDP):
-                continue
+        for path, unit in named_fsdp_instances(root):
             prefix = clean_path(path + ".") if path else ""
             flat_count = unit._num_flatten_params
             for managed in unit.params[:flat_count]:

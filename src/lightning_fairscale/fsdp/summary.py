@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_fairscale.fsdp.fairscale_cpu import named_fsdp_instances
 from lightning_fairscale.fsdp.wrapping import clean_path
 
 __all__ = ["memory_figures", "unit_summary"]
@@ -16,11 +16,10 @@ __all__ = ["memory_figures", "unit_summary"]
 
 def _unit_rows(root: nn.Module) -> list[tuple[str, int, int]]:
     rows = []
-    for path, unit in root.named_modules():
-        if isinstance(unit, _FairScaleFSDP):
-            full = sum(torch.Size(p._orig_size).numel() for p in unit.params)
-            local = sum(p.numel() for p in unit.params)
-            rows.append((clean_path(path + ".").rstrip(".") or "(root)", full, local))
+    for path, unit in named_fsdp_instances(root):
+        full = sum(torch.Size(p._orig_size).numel() for p in unit.params)
+        local = sum(p.numel() for p in unit.params)
+        rows.append((clean_path(path + ".").rstrip(".") or "(root)", full, local))
     return rows
 
 

@@ -22,7 +22,7 @@ from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
 from torch import nn
 
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, fsdp_instances
 
 __all__ = [
     "AutoWrapPolicy",
@@ -65,7 +65,7 @@ def clean_path(path: str) -> str:
 
 def is_wrapped(module: nn.Module) -> bool:
     """Whether ``module`` is, or contains, a FairScale FSDP unit."""
-    return any(isinstance(m, _FairScaleFSDP) for m in module.modules())
+    return next(fsdp_instances(module), None) is not None
 
 
 def _wrap_layer_classes(
@@ -231,7 +231,7 @@ def apply_activation_checkpointing(
         return []
     checkpointed = []
     for submodule in module.modules():
-        if isinstance(submodule, classes) and any(isinstance(m, _FairScaleFSDP) for m in submodule.modules()):
+        if isinstance(submodule, classes) and is_wrapped(submodule):
             raise ValueError(
                 f"`activation_checkpointing` includes {type(submodule).__name__}, but an instance of it contains FSDP"
                 " units (wrapped in `configure_model`). Checkpointing must happen inside one FSDP unit: wrap the"
@@ -329,7 +329,7 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
     ``meta`` device (so that one rank alone can hold the full model). Returns the unwrapped root (``root`` itself when
     it is not an FSDP unit).
     """
-    units = [m for m in root.modules() if isinstance(m, _FairScaleFSDP)]
+    units = list(fsdp_instances(root))
     if not units:
         return root
     full = {}
