@@ -55,7 +55,7 @@ bench: $(STAMP)
 # The type stubs of the `lightning` flavour (src/lightning_fairscale/lightning/**/*.pyi), after a change to a module
 # that subclasses or registers with Lightning; `make unit` fails while one is out of date.
 stubs: $(STAMP)
-	$(PY) -c "from lightning_fairscale.lightning._loader import write_stubs; write_stubs()"
+	$(PY) -c "from lightning_fairscale.lightning._stubs import write_stubs; write_stubs()"
 
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html

@@ -148,7 +148,7 @@ def test_the_engine_runs_where_lightning_cannot_be_imported() -> None:
 def test_the_type_stubs_of_the_lightning_flavour_are_current() -> None:
     """``lightning_fairscale/lightning/**/*.pyi`` is what ``make stubs`` writes from the sources: type checkers
     and IDEs see the ``lightning`` flavour's classes (built by an import hook they cannot follow) as they are."""
-    from lightning_fairscale.lightning._loader import stubs
+    from lightning_fairscale.lightning._stubs import stubs
 
     written = stubs()
     stale = [str(p.relative_to(SOURCE)) for p, text in written.items() if not p.is_file() or p.read_text() != text]

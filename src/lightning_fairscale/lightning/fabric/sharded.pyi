@@ -21,7 +21,6 @@ from lightning_fairscale import oss
 from lightning_fairscale.lightning.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import sharded_grad_scaler
 from lightning_fairscale.lightning._compat import _LRScheduler
-...
 __all__ = ...
 
 class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals, DDPStrategy):
