@@ -27,10 +27,27 @@ TRAIN_SCRIPT = TESTS / "scenarios" / "train.py"
 from scenarios.jobs import MARK, error_file  # noqa: E402
 
 
-def _free_port() -> int:
+#: Variables that would make a script think it is a rank started by a launcher or a cluster, and their prefixes.
+LAUNCHER_VARIABLES = (
+    "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT",
+)  # fmt: skip
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_")
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a run's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's or cluster's variables, unbuffered, quiet about
+    deprecations, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore::FutureWarning,ignore::DeprecationWarning", **extra)
+    return env
 
 
 def run_script(
@@ -51,13 +68,10 @@ def run_script(
     (~6 s instead of ~10 s on 2 cores). The output is every rank's, in rank order; the return code the first
     non-zero one.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
-    env["TEST_LIGHTNING_PACKAGE"] = package
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK", "RANK"):
-        env.pop(name, None)
+    env = clean_env(TEST_LIGHTNING_PACKAGE=package)
     command = [sys.executable, *args]
     if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
     processes, outputs = [], []
     try:
         for rank in range(ranks):
@@ -65,7 +79,9 @@ def run_script(
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             outputs.append((out, err))
             processes.append(
-                subprocess.Popen(command, cwd=cwd, env=rank_env, stdout=out, stderr=err, text=True, start_new_session=True)
+                subprocess.Popen(
+                    command, cwd=cwd, env=rank_env, stdout=out, stderr=err, text=True, start_new_session=True
+                )
             )
         deadline = time.monotonic() + timeout
         for process in processes:

@@ -23,15 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import clean_env
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CUDA = torch.cuda.is_available()
-
-#: Variables that would make a script think it is a rank started by a launcher or a cluster.
-_LAUNCHER_VARIABLES = {
-    "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT",
-}  # fmt: skip
-_LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_")
 
 
 class Run:
@@ -69,8 +64,7 @@ TIMEOUTS = {
 
 
 def _run_script(name: str, cwd: Path, timeout: float) -> Run:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = clean_env()
     # A session of its own: on a timeout the whole group goes, rank 1 (started by rank 0) included.
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLES / name)],

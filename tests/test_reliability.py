@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,22 +20,9 @@ import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
-from conftest import TRAIN_SCRIPT, Jobs, run_jobs
+from conftest import TRAIN_SCRIPT, Jobs, clean_env, free_port, run_jobs
 
 ATOL = 1e-5
-_LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK", "RANK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    env.update(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore::FutureWarning,ignore::DeprecationWarning", **extra)
-    return env
 
 
 def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, timeout: float = 240) -> list[str]:
@@ -66,7 +52,7 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, time
 def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) -> None:
     out = tmp_path / "result.pt"
     script = [str(TRAIN_SCRIPT), "--out", str(out), "--devices", "1", "--num-nodes", "2", "--steps", "3"]
-    port = str(_free_port())
+    port = str(free_port())
     commands = []
     for node in range(2):
         if launcher == "torchrun":
@@ -74,10 +60,10 @@ def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) 
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port, *script,
             ]  # fmt: skip
-            env = _clean_env()
+            env = clean_env()
         else:
             command = [sys.executable, *script]
-            env = _clean_env(
+            env = clean_env(
                 SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(node), SLURM_LOCALID="0",
                 SLURM_NODEID=str(node), SLURM_JOB_ID="4242", SLURM_JOB_NAME="fsdp-test", SLURM_NODELIST="127.0.0.1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -111,7 +97,7 @@ def test_a_lost_rank_ends_the_run_quickly_and_is_named(tmp_path: Path, rank: int
     started = time.monotonic()
     with open(log, "w") as out:
         process = subprocess.Popen(
-            command, cwd=tmp_path, env=_clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         process.wait(timeout=120)
