@@ -25,7 +25,7 @@ from fairscale.nn.wrap import enable_wrap
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, consolidate_state, repoint_optimizer, shard_state
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, consolidate_state, load_plain_state, repoint_optimizer
 from lightning_fairscale.fsdp.wrapping import auto_wrap_policy, clean_path, wrap_module
 
 #: Samples per global batch: divisible by the world sizes 1, 2 and 3 the tests use.
@@ -131,7 +131,7 @@ class Sharded:
 
     def load(self, full: dict[str, Any]) -> None:
         """Load a plain optimizer's state dict: this rank's part of it."""
-        self.optimizer.load_state_dict(shard_state(full, self.optimizer, self.layout, self.orders))
+        load_plain_state(full, self.optimizer, self.layout, self.orders)
 
 
 def shard(
@@ -215,6 +215,37 @@ def fairscale_chunk(tensor: Tensor, rank: int, world_size: int) -> tuple[Tensor,
     return nn.functional.pad(chunks[rank], [0, padding]), padding
 
 
+def _numels(metadata: dict[str, Any], layout: dict[str, Any]) -> list[int]:
+    """The number of real elements of each managed parameter of an optimizer layout."""
+    units = metadata["param_metadata"]
+    return [sum(list(units[u]["params"].values())[i]["numels"]) for u, i in layout["params"]]
+
+
+def _split_views(
+    state: dict[str, Any], layout: dict[str, Any], rank: int, world_size: int, numels: list[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``rank``'s optimizer state and layout from one rank's (whose views cover whole original parameters): each
+    view cut to ``rank``'s shard, by FairScale's rule, and numbered in the same order, group by group."""
+    views, entries, groups = [], {}, []
+    for group in state["param_groups"]:
+        indices = []
+        for j in group["params"]:
+            m, piece, start, stop = layout["views"][j]
+            size = -(-numels[m] // world_size)
+            lo, hi = max(start, rank * size), min(stop, (rank + 1) * size)
+            if lo >= hi:
+                continue
+            if j in state["state"]:
+                entries[len(views)] = {
+                    k: v[lo - start : hi - start] if isinstance(v, Tensor) and v.dim() else v
+                    for k, v in state["state"][j].items()
+                }
+            indices.append(len(views))
+            views.append((m, piece, lo - rank * size, hi - rank * size))
+        groups.append({**group, "params": indices})
+    return {"state": entries, "param_groups": groups}, {**layout, "views": views}
+
+
 def split_by_hand(shard_: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """The shards ``world_size`` ranks would have saved, from the shard of one rank (which holds everything)."""
     shards = []
@@ -225,25 +256,17 @@ def split_by_hand(shard_: dict[str, Any], world_size: int) -> list[dict[str, Any
             for name, info in unit["params"].items():
                 key = f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
                 state_dict[key], info["padding"] = fairscale_chunk(shard_["state_dict"][key], rank, world_size)
-        optimizer_states = [
-            {
-                "state": {
-                    m: {
-                        k: fairscale_chunk(v, rank, world_size)[0] if isinstance(v, Tensor) and v.dim() else v
-                        for k, v in entry.items()
-                    }
-                    for m, entry in state["state"].items()
-                },
-                "param_groups": state["param_groups"],
-            }
-            for state in shard_["optimizer_states"]
-        ]
+        split = [_split_views(state, layout, rank, world_size, _numels(shard_["shard_metadata"], layout))
+                 for state, layout in zip(shard_["optimizer_states"], shard_["optimizer_layouts"])]
+        optimizer_states = [state for state, _ in split]
+        layouts = [layout for _, layout in split]
         shards.append(
             {
                 **shard_,
                 "state_dict": state_dict,
                 "shard_metadata": metadata,
                 "optimizer_states": optimizer_states,
+                "optimizer_layouts": layouts,
                 "world_size": world_size,
             }
         )

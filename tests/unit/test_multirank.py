@@ -81,7 +81,7 @@ def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[st
                 "state_dict": sharded.root.local_state_dict(),
                 "metadata": sharded.root.local_metadata_dict(),
                 "optimizer": sharded.optimizer.state_dict(),
-                "layout": describe_layout(sharded.optimizer, sharded.orders, sharded.root),
+                "layout": describe_layout(sharded.optimizer, sharded.orders, sharded.root, sharded.layout),
             },
             "consolidated": sharded.consolidate(),
         }
@@ -193,12 +193,14 @@ def test_the_hand_built_shards_of_the_offline_tests_are_those_of_real_ranks(
     whole = {
         "state_dict": _unsharded_local_state(local),
         "shard_metadata": {**local[0]["metadata"], "param_metadata": _one_rank_metadata(local)},
-        "optimizer_states": [_unsharded_optimizer_state(local)],
     }
+    whole["optimizer_states"], layout = (list(x) for x in zip(_unsharded_optimizer_state(local)))
+    whole["optimizer_layouts"] = layout
     for rank, built in enumerate(split_by_hand(whole, len(ranks))):
         assert built["shard_metadata"] == local[rank]["metadata"]
         assert_tensors_equal(built["state_dict"], local[rank]["state_dict"], atol=0)
         assert_optimizer_states_equal(built["optimizer_states"][0], local[rank]["optimizer"], atol=0)
+        assert [tuple(v) for v in built["optimizer_layouts"][0]["views"]] == local[rank]["layout"]["views"]
 
 
 def _unsharded_local_state(local: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -219,19 +221,32 @@ def _one_rank_metadata(local: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return metadata
 
 
-def _unsharded_optimizer_state(local: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each rank's optimizer state put together, padding dropped."""
+def _unsharded_optimizer_state(local: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each rank's optimizer state put together (the views of each original parameter, in rank order), and the
+    layout one rank would have described: what one rank would hold."""
     units = local[0]["metadata"]["param_metadata"]
-    sizes = [sum(list(units[u]["params"].values())[i]["numels"]) for u, i in local[0]["layout"]["params"]]
+    params = [list(units[u]["params"].values())[i] for u, i in local[0]["layout"]["params"]]
     first = local[0]["optimizer"]
-    state = {
-        m: {
-            key: torch.cat([r["optimizer"]["state"][m][key] for r in local])[: sizes[m]] if value.dim() else value
-            for key, value in entry.items()
-        }
-        for m, entry in first["state"].items()
-    }
-    return {"state": state, "param_groups": first["param_groups"]}
+    state, views, groups = {}, [], []
+    for group, order in zip(first["param_groups"], local[0]["layout"]["orders"]):
+        indices = []
+        for m, piece in order:
+            parts = [
+                r["optimizer"]["state"].get(j, {})
+                for r in local
+                for j, view in enumerate(r["layout"]["views"])
+                if tuple(view[:2]) == (m, piece)
+            ]
+            if all(parts):
+                state[len(views)] = {
+                    key: torch.cat([part[key] for part in parts]) if value.dim() else value
+                    for key, value in parts[0].items()
+                }
+            offset = sum(params[m]["numels"][:piece])
+            indices.append(len(views))
+            views.append((m, piece, offset, offset + params[m]["numels"][piece]))
+        groups.append({**group, "params": indices})
+    return {"state": state, "param_groups": groups}, {**local[0]["layout"], "views": views}
 
 
 def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[Any], expected: Any) -> None:

@@ -16,9 +16,8 @@ from torch import nn
 from lightning_fairscale.fsdp.optim import (
     ParameterLayout,
     Piece,
+    load_plain_state,
     plain_state_dict,
-    repoint_to_unwrapped,
-    shard_state,
 )
 from lightning_fairscale.fsdp.wrapping import unwrap_module
 
@@ -98,8 +97,9 @@ def test_repoint_optimizer_keeps_groups_hyperparameters_and_the_users_order(flat
     sharded = shard(model, optimizer, policy=POLICY[flatten], flatten=flatten)
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == hyperparameters
     held = [p for g in optimizer.param_groups for p in g["params"]]
-    assert len(held) == len({id(p) for p in held}) == len(sharded.layout.managed)
-    assert all(p in sharded.layout.managed for p in held)
+    assert len(held) == len({id(p) for p in held}) == len(names)  # one rank: a view of every original parameter
+    located = [sharded.layout.locate(p) for p in held]
+    assert all(len(pair) == 1 and pair[0][0] in sharded.layout.managed for pair in located)
     pieces = [[sharded.layout.managed[m].pieces[k].name for m, k in order] for order in sharded.orders]
     assert pieces == listed
 
@@ -111,29 +111,77 @@ def test_repoint_optimizer_refuses_a_parameter_outside_the_module() -> None:
         shard(model, optimizer)
 
 
-def test_repoint_optimizer_refuses_a_flat_parameter_split_between_groups() -> None:
-    model = Net()
-    named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if "weight" in n]}, {"params": [p for n, p in named if "bias" in n]}]
-    with pytest.raises(ValueError, match=r"\[inp.weight, inp.bias, .*\] is split between param groups"):
-        shard(model, torch.optim.SGD(groups, lr=0.1))
+def test_param_groups_may_split_units_and_name_any_subset() -> None:
+    """Decay on weights, none on biases, one unit for the whole model, and one Linear left out: exact."""
+    model, reference = Net(), Net()
+
+    def groups(net: nn.Module) -> list[dict[str, Any]]:
+        named = [(n, p) for n, p in net.named_parameters() if not n.startswith("out.")]
+        return [
+            {"params": [p for n, p in named if "weight" in n], "weight_decay": 0.1},
+            {"params": [p for n, p in named if "bias" in n], "weight_decay": 0.0, "lr": 0.02},
+        ]
+
+    sharded = shard(model, torch.optim.AdamW(groups(model), lr=0.05), policy=set(), flatten=True)
+    plain = torch.optim.AdamW(groups(reference), lr=0.05)
+    assert len(sharded.layout.managed) == 1  # every parameter in the root's one flat parameter
+    for batch in batches(3):
+        step(sharded.root, sharded.optimizer, batch)
+        step(reference, plain, batch)
+    assert_optimizer_states_equal(sharded.consolidate(), plain.state_dict())
+    expected = parameters_of(reference)
+    for name, value in unwrap_module(sharded.root).named_parameters():
+        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_repoint_optimizer_refuses_a_flat_parameter_partly_in_the_optimizer() -> None:
-    model = Net()
-    optimizer = torch.optim.SGD([model.inp.weight, model.out.weight, model.out.bias], lr=0.1)
-    with pytest.raises(ValueError, match=r"holding \[inp.weight, inp.bias\] is only partly in the optimizer"):
-        shard(model, optimizer, policy={nn.Linear})  # inp's unit holds inp.weight and inp.bias
+def test_frozen_parameters_share_a_unit_with_trainable_ones() -> None:
+    """Frozen ``inp``: bit-equal after training, no optimizer state, left out of the gradient norm."""
+    model, reference = Net(), Net()
+    for net in (model, reference):
+        net.inp.requires_grad_(False)
+    initial = {n: v.clone() for n, v in parameters_of(model).items()}
+    sharded = shard(model, torch.optim.Adam(model.parameters(), lr=0.05), policy=set(), flatten=True)
+    plain = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for batch in batches(3):
+        step(sharded.root, sharded.optimizer, batch)
+        step(reference, plain, batch)
+    frozen = [p for g in sharded.optimizer.param_groups for p in g["params"] if not p.requires_grad]
+    assert len(frozen) == 2 and all(p.grad is None and p not in sharded.optimizer.state for p in frozen)
+    consolidated = sharded.consolidate()
+    assert sorted(consolidated["state"]) == sorted(plain.state_dict()["state"])  # no entries for inp.*
+    assert_optimizer_states_equal(consolidated, plain.state_dict())
+    # The norm of the trainable gradients only, as torch's of the unsharded model.
+    x, y = batches(4)[3]
+    nn.functional.mse_loss(sharded.root(x), y).backward()
+    nn.functional.mse_loss(reference(x), y).backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 1e9)
+    torch.testing.assert_close(sharded.root.clip_grad_norm_(1e9), expected_norm, rtol=1e-6, atol=0)
+    values = parameters_of(unwrap_module(sharded.root))
+    assert torch.equal(values["inp.weight"], initial["inp.weight"])
+    assert torch.equal(values["inp.bias"], initial["inp.bias"])
+    expected = parameters_of(reference)
+    for name, value in values.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("flatten", [True, False])
-def test_repoint_to_unwrapped_gives_each_group_the_modules_parameters_in_the_users_order(flatten: bool) -> None:
-    sharded, _, _ = trained_pair("sgd", flatten, steps=1)
-    model = unwrap_module(sharded.root)
-    expected = [[id(p) for p in group["params"]] for group in param_groups(model, flatten)]
-    repoint_to_unwrapped(sharded.optimizer, sharded.layout, sharded.orders, dict(model.named_parameters()))
-    assert [[id(p) for p in group["params"]] for group in sharded.optimizer.param_groups] == expected
-    assert len(sharded.optimizer.state) == 0  # the state is loaded again by the caller (consolidated before)
+def test_zero_grad_reaches_the_flat_gradient_and_accumulation_without_it_adds() -> None:
+    model, reference = Net(), Net()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=set(), flatten=True)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    first, second = batches(2)
+    for batch in (first, second):  # two backwards without zero_grad: the gradients add up, as unsharded
+        nn.functional.mse_loss(sharded.root(batch[0]), batch[1]).backward()
+        nn.functional.mse_loss(reference(batch[0]), batch[1]).backward()
+    sharded.optimizer.step()
+    plain.step()
+    sharded.optimizer.zero_grad()
+    plain.zero_grad()
+    for opt, net in ((sharded.optimizer, sharded.root), (plain, reference)):
+        nn.functional.mse_loss(net(first[0]), first[1]).backward()
+        opt.step()
+    expected = parameters_of(reference)
+    for name, value in unwrap_module(sharded.root).named_parameters():
+        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("flatten", [True, False])
@@ -174,18 +222,15 @@ def test_training_resumes_exactly_from_a_plain_optimizers_state(optimizer: str, 
         torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_shard_state_refuses_a_state_of_other_groups_or_parameters() -> None:
+def test_load_plain_state_refuses_a_state_of_other_groups_or_parameters() -> None:
     sharded, _, plain = trained_pair("sgd", flatten=True, steps=1)
     state = plain.state_dict()
     one_group = {"state": state["state"], "param_groups": state["param_groups"][:1]}
     with pytest.raises(ValueError, match="has 1 param groups but the optimizer has 2"):
-        shard_state(one_group, sharded.optimizer, sharded.layout, sharded.orders)
+        load_plain_state(one_group, sharded.optimizer, sharded.layout, sharded.orders)
     shorter = {**state, "param_groups": [state["param_groups"][0], {**state["param_groups"][1], "params": [0, 1]}]}
     with pytest.raises(ValueError, match="holds 2 parameters, the optimizer's holds 12"):
-        shard_state(shorter, sharded.optimizer, sharded.layout, sharded.orders)
-    missing = {**state, "state": {k: v for k, v in state["state"].items() if k != 0}}  # out.weight: out's unit
-    with pytest.raises(ValueError, match=r"no entry for \['out.weight'\], but has for their FSDP unit"):
-        shard_state(missing, sharded.optimizer, sharded.layout, sharded.orders)
+        load_plain_state(shorter, sharded.optimizer, sharded.layout, sharded.orders)
 
 
 def test_plain_state_dict_slices_each_piece_in_the_users_order() -> None:

@@ -44,7 +44,9 @@ def split(sharded: Sharded) -> tuple[dict[str, Any], dict[str, Any]]:
         "state_dict": sharded.root.local_state_dict(),
         "optimizer_states": [sharded.optimizer.state_dict()],
     }
-    return split_checkpoint(checkpoint, sharded.root, [sharded.optimizer], [sharded.orders], world_size=1)
+    return split_checkpoint(
+        checkpoint, sharded.root, sharded.layout, [sharded.optimizer], [sharded.orders], world_size=1
+    )
 
 
 def write(path: Path, meta: dict[str, Any], shards: list[dict[str, Any]]) -> Path:
@@ -61,7 +63,7 @@ def test_split_checkpoint_puts_the_shards_apart_from_the_trainer_state() -> None
     meta, shard_ = split(sharded)
     assert {k: v for k, v in meta.items() if k != FORMAT_KEY} == TRAINER_STATE
     info = meta[FORMAT_KEY]
-    assert (info["format_version"], info["world_size"]) == (1, 1)
+    assert (info["format_version"], info["world_size"]) == (2, 1)
     assert info["aliases"] == module_aliases(sharded.root)
     assert set(info["versions"]) == {"lightning_fairscale", "torch", "fairscale"}
     assert shard_["world_size"] == 1
@@ -73,6 +75,7 @@ def test_split_checkpoint_puts_the_shards_apart_from_the_trainer_state() -> None
     [layout] = shard_["optimizer_layouts"]
     assert len(layout["params"]) == len(sharded.layout.managed) == 7
     assert [len(order) for order in layout["orders"]] == [4, 12]
+    assert len(layout["views"]) == 16  # one rank: one view per original parameter, over the whole of it
 
 
 

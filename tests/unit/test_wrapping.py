@@ -289,12 +289,27 @@ def test_tied_weights_stay_tied_through_wrap_and_unwrap() -> None:
     assert torch.equal(back.embed.weight, before)
 
 
-def test_a_frozen_and_trainable_mix_in_one_flat_unit_is_refused_with_a_way_out() -> None:
+def test_a_unit_flattens_frozen_and_trainable_parameters_together_and_records_which_were_frozen() -> None:
     model = Net()
     model.inp.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"Frozen: inp\.weight\..*flatten_parameters=False"):
-        wrap(model, policy={Block})
-    assert unit_paths(wrap(Net(), policy={Block}, flatten=False)) == ["", "blocks.0", "blocks.1"]
+    for block in model.blocks:
+        block.requires_grad_(False)
+    original = model.inp.weight
+    root = wrap(model, policy={Block})
+    flat = {path: unit.params[0] for path, unit in unit_paths_and_units(root)}
+    assert flat[""].requires_grad and flat[""].__dict__["_lightning_fairscale_frozen"] == [True, False, False, False]
+    assert not flat["blocks.0"].requires_grad and "_lightning_fairscale_frozen" not in flat["blocks.0"].__dict__
+    assert not original.requires_grad  # the user's parameter object keeps its flag
+    back = unwrap_module(root)
+    assert [n for n, p in back.named_parameters() if not p.requires_grad] == [
+        "inp.weight", *[n for n, _ in back.named_parameters() if n.startswith("blocks.")]
+    ]
+
+
+def unit_paths_and_units(root: nn.Module) -> list[tuple[str, Any]]:
+    from lightning_fairscale.fsdp.fairscale_cpu import named_fsdp_instances
+
+    return [(clean_path(path + ".").rstrip("."), unit) for path, unit in named_fsdp_instances(root)]
 
 
 def test_unwrap_of_a_plain_module_returns_it_unchanged() -> None:

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint.files import load_meta, load_shard
-from lightning_fairscale.fsdp.optim import GroupOrder, Piece, describe_layout, plain_state_dict
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece, describe_layout, plain_state_dict
 from lightning_fairscale.fsdp.wrapping import apply_aliases, module_aliases
 
 
@@ -43,7 +43,9 @@ __all__ = [
 
 #: The key of the meta dict that describes the sharded checkpoint itself.
 FORMAT_KEY = "lightning_fairscale"
-FORMAT_VERSION = 1
+#: 2: each rank's optimizer state is over its views of the original parameters (``optimizer_layouts[j]["views"]``);
+#: 1: over its whole shards of the managed parameters. Both load.
+FORMAT_VERSION = 2
 
 
 def consolidation_hint(path: Any) -> str:
@@ -58,8 +60,8 @@ def consolidation_hint(path: Any) -> str:
 
 
 def split_checkpoint(
-    checkpoint: dict[str, Any], root: nn.Module, optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder],
-    world_size: int,
+    checkpoint: dict[str, Any], root: nn.Module, layout: ParameterLayout, optimizers: Sequence[Optimizer],
+    orders: Sequence[GroupOrder], world_size: int,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(meta, shard)``: Lightning's checkpoint dict, made with local state dicts, split for a sharded save."""
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -80,7 +82,7 @@ def split_checkpoint(
     }
     if "optimizer_states" in checkpoint:
         shard["optimizer_states"] = checkpoint["optimizer_states"]
-        shard["optimizer_layouts"] = [describe_layout(opt, order, root) for opt, order in zip(optimizers, orders)]
+        shard["optimizer_layouts"] = [describe_layout(opt, order, root, layout) for opt, order in zip(optimizers, orders)]
     return meta, shard
 
 
@@ -166,7 +168,7 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
             checkpoint["optimizer_states"].append(
                 _consolidate_optimizer(
                     [s["optimizer_states"][j] for s in shards],
-                    shards[0]["optimizer_layouts"][j],
+                    [s["optimizer_layouts"][j] for s in shards],
                     [s["shard_metadata"] for s in shards],
                 )
             )
@@ -174,12 +176,15 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
 
 
 def _consolidate_optimizer(
-    states: list[dict[str, Any]], layout: dict[str, Any], metadata: list[dict[str, Any]]
+    states: list[dict[str, Any]], layouts: list[dict[str, Any]], metadata: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """One optimizer's state over the unwrapped module, from every rank's state over its shards."""
+    """One optimizer's state over the unwrapped module, from every rank's state over its views (or, in checkpoints
+    written before views, over its whole shards)."""
+    layout = layouts[0]
     full_states: list[dict[str, Any]] = []
     elementwise: list[set[str]] = []
     pieces: list[list[Piece]] = []
+    stateful: list[set[int]] = []
     for m, (u, i) in enumerate(layout["params"]):
         per_rank = [_param_metadata(meta, u, i) for meta in metadata]
         unit_path, name, info = per_rank[0]
@@ -192,17 +197,53 @@ def _consolidate_optimizer(
         ranks = range(1 if metadata[0]["param_metadata"][u]["no_broadcast_optim_state"] else len(states))
         pads = [per_rank[r][2]["padding"] for r in ranks]
         shard_numel = (sum(numels) + sum(pads)) // len(pads)
-        state = states[0]["state"].get(m, {})
-        keys = {k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == shard_numel}
-        full: dict[str, Any] = {}
-        for key, value in state.items():
-            if key in keys:
-                full[key] = torch.cat([_unpad(states[r]["state"][m][key], pads[k]) for k, r in enumerate(ranks)])
-            else:
-                full[key] = copy.deepcopy(value)
+        if "views" in layout:
+            full, keys, with_state = _from_views(m, sum(numels), shard_numel, [(states[r], layouts[r]) for r in ranks])
+        else:
+            full, keys = _from_managed_shards(m, shard_numel, [(states[r], pads[k]) for k, r in enumerate(ranks)])
+            with_state = set(range(len(numels))) if full else set()
         full_states.append(full)
         elementwise.append(keys)
-    return plain_state_dict(full_states, pieces, layout["orders"], states[0]["param_groups"], elementwise)
+        stateful.append(with_state)
+    return plain_state_dict(full_states, pieces, layout["orders"], states[0]["param_groups"], elementwise, stateful)
+
+
+def _from_views(
+    m: int, numel: int, shard_numel: int, ranks: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> tuple[dict[str, Any], set[str], set[int]]:
+    """Managed parameter ``m``'s whole state, its element-wise keys and the pieces with state, from every rank's
+    views of it (rank ``r``'s view ``[start, stop)`` of its shard is ``[r * shard_numel + start, ...)`` overall)."""
+    full: dict[str, Any] = {}
+    keys: set[str] = set()
+    with_state: set[int] = set()
+    for r, (state, layout) in enumerate(ranks):
+        for j, (owner, piece, start, stop) in enumerate(layout["views"]):
+            entry = state["state"].get(j)
+            if owner != m or not entry:
+                continue
+            with_state.add(piece)
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == stop - start:
+                    keys.add(key)
+                    if key not in full:
+                        full[key] = value.new_zeros(numel)
+                    at = r * shard_numel + start
+                    full[key][at : at + stop - start] = value
+                else:
+                    full.setdefault(key, copy.deepcopy(value))
+    return full, keys, with_state
+
+
+def _from_managed_shards(m: int, shard_numel: int, ranks: list[tuple[dict[str, Any], int]]) -> tuple[dict[str, Any], set[str]]:
+    """Managed parameter ``m``'s whole state and its element-wise keys, from every rank's state over its whole shard
+    (``(state dict, padding)`` per rank)."""
+    state = ranks[0][0]["state"].get(m, {})
+    keys = {k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == shard_numel}
+    full = {
+        key: torch.cat([_unpad(s["state"][m][key], pad) for s, pad in ranks]) if key in keys else copy.deepcopy(value)
+        for key, value in state.items()
+    }
+    return full, keys
 
 
 def _flat_shards(state_dict: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from lightning_fairscale.mixed_precision import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp.options import FullyShardedOptions
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, shard_state
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
 from lightning_fairscale.fsdp.summary import memory_figures
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
             optimizer.load_state_dict(state)
             return
         layout, order = self._order(optimizer)
-        optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
+        load_plain_state(state, optimizer, layout, order)
 
     @override
     def _is_ours(self, module: Module) -> bool:
@@ -247,8 +247,9 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
                 " `fabric.load(path, {'model': model, ...})`."
             )
 
-        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
-            return [(position, state[key]) for position, key in optimizer_positions(meta, roles, saved, strict)]
+        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
+            positions = optimizer_positions(meta, roles, saved, strict)
+            return [(position, state[key], self._order(state[key])[1]) for position, key in positions]
 
         meta = fsdp_engine.load_sharded(self, self.checkpoint_io, path, model.wrapped, restored, weights_only)
         return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)

@@ -31,9 +31,11 @@ from lightning_fairscale.fsdp.optim import (
     GroupOrder,
     ParameterLayout,
     consolidate_state,
+    load_plain_state,
+    load_view_states,
+    managed_params,
     managed_positions,
     repoint_optimizer,
-    shard_state,
 )
 from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
 from lightning_fairscale.checkpoint.sharded import FORMAT_KEY, check_fits, check_wrapping, split_checkpoint
@@ -125,7 +127,7 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[
 
 
 def repoint(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:
-    """Make ``optimizer`` hold the FSDP-managed parameters; returns the order of its state in checkpoints.
+    """Make ``optimizer`` hold this rank's views of its parameters; returns the order of its state in checkpoints.
 
     An optimizer made over the original parameters keeps the order the user listed them in. One made over the
     managed parameters (after wrapping) has no such order: its state is saved in the order of the unwrapped module's
@@ -151,7 +153,7 @@ def module_state_dict(root: FullyShardedDataParallel, sharded: bool, is_global_z
 
 def optimizer_state(optimizer: Optimizer, layout: ParameterLayout, order: GroupOrder, sharded: bool) -> dict:
     """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks); with
-    ``sharded``, this rank's state over its shards. A collective call."""
+    ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective call."""
     return optimizer.state_dict() if sharded else consolidate_state(optimizer, layout, order)
 
 
@@ -186,7 +188,7 @@ def save_sharded(
 ) -> None:
     """Every rank writes its shard of ``checkpoint`` (made with :func:`module_state_dict` and
     :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last."""
-    meta, shard = split_checkpoint(checkpoint, model.root, optimizers, orders, ranks.world_size)
+    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, ranks.world_size)
     # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
     # previous checkpoint untouched, instead of leaving the others waiting for it.
     zero = ranks.is_global_zero
@@ -225,12 +227,13 @@ def load_full(
     layout = model.layout
     load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
     for optimizer, order, state in optimizers:
-        optimizer.load_state_dict(shard_state(state, optimizer, layout, order))
+        load_plain_state(state, optimizer, layout, order)
 
 
 def load_sharded(
     ranks: Ranks, io: Any, path: Any, model: WrappedModel,
-    optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]], weights_only: Optional[bool],
+    optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer, GroupOrder]]],
+    weights_only: Optional[bool],
 ) -> dict[str, Any]:
     """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict.
 
@@ -240,7 +243,8 @@ def load_sharded(
         path: the checkpoint directory.
         model: the wrapped model.
         optimizers: given the meta dict and the number of optimizer states saved, the optimizers to restore, each
-            with the position of its state in the checkpoint; raises when they do not fit.
+            with the position of its state in the checkpoint and its order (:func:`repoint`); raises when they do
+            not fit.
         weights_only: passed to ``torch.load``.
     """
     meta = io.load_meta(path, weights_only=weights_only)
@@ -253,9 +257,13 @@ def load_sharded(
     def read() -> None:
         check_wrapping(shards.file(0), model.root, path)
         shards.load_into(model.root)
-        for index, optimizer in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
-            positions = managed_positions(optimizer, model.root)
-            optimizer.load_state_dict(shards.optimizer_state(index, positions, model.root))
+        for index, optimizer, order in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
+            params = managed_params(order)
+            groups, source = shards.optimizer_source(index, managed_positions(params, model.root))
+            position = {id(param): m for m, param in enumerate(params)}
+            load_view_states(
+                optimizer, model.layout, groups, lambda managed, *at: source(position[id(managed)], *at)
+            )
 
     together(ranks, io, read, path, "read")
     meta.pop(FORMAT_KEY)

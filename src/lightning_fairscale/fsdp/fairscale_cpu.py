@@ -56,6 +56,17 @@ The workarounds, and why each is needed:
 10. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
     CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
     :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
+11. **Frozen and trainable parameters in one unit (all devices).** FairScale flattens a unit's parameters into one
+    tensor with one ``requires_grad`` and asserts that they all agree. :class:`FullyShardedDataParallel` flattens
+    them as trainable and records which original parameters were frozen (``requires_grad`` of the flat parameter
+    is then ``False`` only when all of them were): the optimizer's view parameters
+    (:mod:`lightning_fairscale.fsdp.param_views`) keep each one's own ``requires_grad``. The backward computes a
+    gradient for the frozen elements too (as PyTorch's FSDP with ``use_orig_params=True`` does); nothing uses it.
+12. **Optimizers over the original parameters (all devices).** The optimizer holds views into the flat shards
+    (:mod:`lightning_fairscale.fsdp.param_views`). :class:`FullyShardedDataParallel` hands them their gradient
+    slices at the end of every synchronising backward (``_wait_for_post_backward``), and before every backward
+    lets ``zero_grad`` on the views reach the flat gradient (``_prep_grads_for_backward``), which FairScale would
+    otherwise accumulate into.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """
@@ -78,6 +89,7 @@ from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedD
 from torch import Tensor
 
 from lightning_fairscale import collectives
+from lightning_fairscale.fsdp import param_views
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -276,6 +288,15 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     (after :func:`install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
     """
 
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        frozen = _unfreeze_own_parameters(module)  # workaround 11
+        try:
+            super().__init__(module, *args, **kwargs)
+        finally:
+            for param in frozen.values():
+                param.requires_grad_(False)
+        _record_frozen(self, frozen)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root is not False:  # the root (or not yet known): inputs enter here
@@ -298,6 +319,18 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             module._streams = self._streams
             module._reducer = reducer
 
+    def _prep_grads_for_backward(self) -> None:
+        for param in self.params:  # workaround 12
+            param_views.take_back_gradients(param)
+        super()._prep_grads_for_backward()
+
+    def _wait_for_post_backward(self) -> None:
+        super()._wait_for_post_backward()
+        if self._require_backward_grad_sync:  # workaround 12
+            for unit in fsdp_instances(self):
+                for param in unit.params:
+                    param_views.share_gradients(param)
+
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
         for unit in fsdp_instances(self):
@@ -315,15 +348,54 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> Tensor:
         """Clip the gradients of all shards by their global norm, like :func:`torch.nn.utils.clip_grad_norm_`.
 
-        Must be called on the root instance, on all ranks. On CUDA this is FairScale's own implementation.
+        Must be called on the root instance, on all ranks. On CUDA this is FairScale's own implementation, unless an
+        optimizer holds the original parameters' views (then frozen parameters are left out, as unsharded).
         """
-        if self.compute_device.type == "cuda":
+        if self.compute_device.type == "cuda" and not param_views.trainable_views(self.parameters()):
             return super().clip_grad_norm_(max_norm, norm_type)
         self._lazy_init()
         assert self._is_root, "clip_grad_norm_ must be called on the root FullyShardedDataParallel instance"
-        return clip_grad_norm_(
-            [p for p in self.parameters() if p.grad is not None], max_norm, norm_type, group=self.process_group
-        )
+        return clip_grad_norm_(self.gradient_holders(), max_norm, norm_type, group=self.process_group)
+
+    def gradient_holders(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients are the model's, with a gradient: the trainable original parameters' views
+        where an optimizer holds views (frozen parameters' elements excluded), else FSDP's own parameters."""
+        own = list(self.parameters())
+        views = param_views.trainable_views(own)
+        return [p for p in (views or own) if p.grad is not None]
+
+
+def _unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
+    """Make the frozen parameters that this unit will own (not those of units inside it) trainable; returns them,
+    by ``(id(owner module), name)``, so that they can be frozen again."""
+    frozen: dict[tuple[int, str], torch.nn.Parameter] = {}
+    inner = {id(p) for unit in fsdp_instances(module) for p in unit.parameters()}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and not param.requires_grad and id(param) not in inner:
+                frozen[(id(owner), name)] = param
+    own = {id(p) for p in module.parameters()} - inner
+    if {id(p) for p in frozen.values()} == own:
+        return {}  # all frozen: FairScale handles a frozen unit as it is
+    for param in frozen.values():
+        param.requires_grad_(True)
+    return frozen
+
+
+def _record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.Parameter]) -> None:
+    """Note which pieces of each flat parameter of ``unit`` were frozen (``_lightning_fairscale_frozen``), and
+    freeze a parameter whose pieces all were (a unit's unflattened parameters keep their own flag)."""
+    if not frozen:
+        return
+    flat_count = unit._num_flatten_params
+    for flat in unit.params[:flat_count]:
+        pieces = [(id(owner), name) in frozen for _, owner, name in flat._param_infos]
+        flat.__dict__["_lightning_fairscale_frozen"] = pieces
+        if all(pieces):
+            flat.requires_grad_(False)
+    for param in unit.params[flat_count:]:
+        if any(param is p for p in frozen.values()):
+            param.requires_grad_(False)
 
 
 @torch.no_grad()

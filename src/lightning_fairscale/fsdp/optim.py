@@ -1,15 +1,17 @@
 """Optimizers over FSDP-managed parameters: re-pointing them, and their state in a standard layout.
 
 FSDP replaces a unit's parameters by one flat, sharded parameter per unit (or shards each parameter in place with
-``flatten_parameters=False``). This module keeps the user's optimizer faithful to that:
+``flatten_parameters=False``). This module keeps the user's optimizer faithful to the original parameters:
 
-* :class:`ParameterLayout` records which slice of which FSDP-managed parameter holds each original parameter.
+* :class:`ParameterLayout` records which slice of which FSDP-managed parameter holds each original parameter, and
+  makes this rank's view of each (:mod:`lightning_fairscale.fsdp.param_views`).
 * :func:`repoint_optimizer` changes an optimizer created over the original parameters (``self.parameters()``) to
-  hold the FSDP-managed ones instead, in place, so its class, hyperparameters, param groups and LR schedulers stay
-  as the user made them.
+  hold their views instead, in place, so its class, param groups (which may split units), per-parameter
+  ``requires_grad``, hyperparameters and LR schedulers stay as the user made them.
 * :func:`consolidate_state` gathers the sharded optimizer state on rank 0 into the state dict a plain optimizer over
   the unwrapped module would have (one entry per original parameter, in the user's order), and
-  :func:`shard_state` turns such a state dict back into this rank's shard, for any number of ranks.
+  :func:`load_plain_state` loads such a state dict into this rank's views, for any number of ranks.
+* :func:`load_view_states` loads state from any other source of slices (a sharded checkpoint of any world size).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
@@ -26,21 +28,28 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale import collectives
+from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances, named_fsdp_instances
-from lightning_fairscale.fsdp.resharding import copy_overlaps, local_range
+from lightning_fairscale.fsdp.param_views import ParamView
+from lightning_fairscale.fsdp.resharding import local_range
 from lightning_fairscale.fsdp.wrapping import clean_path
 
 __all__ = [
+    "PIECES_KEY",
     "ParameterLayout",
     "Piece",
     "consolidate_state",
     "describe_layout",
+    "load_plain_state",
+    "load_view_states",
+    "managed_params",
     "managed_positions",
     "plain_state_dict",
     "repoint_optimizer",
-    "repoint_to_unwrapped",
-    "shard_state",
 ]
+
+#: In a managed parameter's consolidated state: the pieces that have state, when not all of them do (frozen ones).
+PIECES_KEY = "lightning_fairscale_pieces"
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class Piece:
     offset: int
     numel: int
     shape: torch.Size
+    #: The original parameter's ``requires_grad``.
+    trainable: bool = True
 
 
 @dataclass
@@ -84,6 +95,10 @@ class ParameterLayout:
     _positions: dict[int, int] = field(default_factory=dict)
     #: ``(id(managed), piece)`` -> where the unwrapped module lists that original parameter (:meth:`in_module_order`).
     _module_order: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    #: ``(id(managed), piece)`` -> this rank's view of that original parameter (``None``: outside this rank's shard).
+    _views: dict[tuple[int, int], Optional[ParamView]] = field(default_factory=dict)
+    #: ``id(view parameter)`` -> ``(managed, piece)``.
+    _viewed: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
 
     @classmethod
     def before_wrapping(cls, module: nn.Module) -> ParameterLayout:
@@ -102,11 +117,14 @@ class ParameterLayout:
             flat_count = unit._num_flatten_params
             for managed in unit.params[:flat_count]:
                 pieces, offset = [], 0
-                for (module_name, owner, name), numel, shape in zip(
-                    managed._param_infos, managed._param_numels, managed._param_shapes
+                frozen = managed.__dict__.get("_lightning_fairscale_frozen") or [not managed.requires_grad] * len(
+                    managed._param_infos
+                )
+                for (module_name, owner, name), numel, shape, is_frozen in zip(
+                    managed._param_infos, managed._param_numels, managed._param_shapes, frozen
                 ):
                     key = clean_path(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}")
-                    pieces.append(Piece(key, offset, numel, torch.Size(shape)))
+                    pieces.append(Piece(key, offset, numel, torch.Size(shape), trainable=not is_frozen))
                     original = self._owners.get((id(owner), name))
                     if original is not None:
                         self._original[original] = (managed, len(pieces) - 1)
@@ -115,7 +133,8 @@ class ParameterLayout:
                 self.managed[managed] = _Managed(unit, pieces)
             for managed, names in zip(unit.params[flat_count:], unit._param_name_groups[flat_count:]):
                 shape = torch.Size(managed._orig_size)
-                self.managed[managed] = _Managed(unit, [Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape)])
+                piece = Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape, trainable=managed.requires_grad)
+                self.managed[managed] = _Managed(unit, [piece])
                 self._original[id(managed)] = (managed, 0)
                 self._note_position(managed, 0, id(managed))
         self._owners.clear()
@@ -145,11 +164,35 @@ class ParameterLayout:
         self._original.clear()
 
     def locate(self, param: nn.Parameter) -> list[tuple[nn.Parameter, int]]:
-        """The (managed parameter, piece index) pairs that ``param`` stands for; empty when FSDP does not manage it."""
+        """The (managed parameter, piece index) pairs that ``param`` stands for; empty when FSDP does not manage it.
+
+        ``param`` is an original parameter, a managed one (all its pieces), or one of this rank's views."""
         if param in self.managed:
             return [(param, k) for k in range(len(self.managed[param].pieces))]
-        found = self._original.get(id(param))
+        # Views first: they live as long as the layout, whereas an original parameter's id may have been reused.
+        found = self._viewed.get(id(param)) or self._original.get(id(param))
         return [found] if found is not None else []
+
+    def view(self, managed: nn.Parameter, piece: int) -> Optional[ParamView]:
+        """This rank's view of original parameter ``piece`` of ``managed``, made on first use; ``None`` when none of
+        its elements are in this rank's shard."""
+        key = (id(managed), piece)
+        if key not in self._views:
+            info = self.managed[managed]
+            start, stop, _ = local_range(managed, info.unit)
+            p = info.pieces[piece]
+            lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
+            view = param_views.attach(managed, piece, lo - start, hi - start, p.trainable) if lo < hi else None
+            self._views[key] = view
+            if view is not None:
+                self._viewed[id(view.param)] = (managed, piece)
+        return self._views[key]
+
+    def global_range(self, managed: nn.Parameter, view: ParamView) -> tuple[int, int]:
+        """The elements ``[start, stop)`` of the whole flat parameter that ``view`` holds."""
+        start, _, _ = local_range(managed, self.managed[managed].unit)
+        return start + view.start, start + view.stop
+
 
 
 #: For each param group, the pieces in the order the user listed the original parameters.
@@ -157,18 +200,19 @@ GroupOrder = list[list[tuple[nn.Parameter, int]]]
 
 
 def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:
-    """Make ``optimizer`` hold the FSDP-managed parameters instead of the original ones, in place.
+    """Make ``optimizer`` hold this rank's views of its original parameters instead of them, in place.
+
+    Each param group keeps its hyperparameters and gets the views of its own parameters, so groups may split FSDP
+    units and name any subset of the parameters; a parameter none of whose elements this rank holds has no view
+    here. Returns the rank-independent :data:`GroupOrder` that the optimizer's state is saved in.
 
     Raises:
-        ValueError: the optimizer holds a parameter FSDP does not manage, or splits one flat parameter between param
-            groups or leaves part of it out (its slices cannot get different hyperparameters).
+        ValueError: the optimizer holds a parameter FSDP does not manage.
     """
     orders: GroupOrder = []
-    group_of: dict[nn.Parameter, int] = {}
-    covered: dict[nn.Parameter, set[int]] = defaultdict(set)
-    for index, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         order: list[tuple[nn.Parameter, int]] = []
-        new_params: list[nn.Parameter] = []
+        views: dict[int, nn.Parameter] = {}
         for param in group["params"]:
             located = layout.locate(param)
             if not located:
@@ -179,39 +223,29 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
                     " every trained module an attribute of the LightningModule."
                 )
             for managed, piece in located:
-                if group_of.setdefault(managed, index) != index:
-                    raise ValueError(_split_message(layout, managed, "is split between param groups"))
-                if not any(managed is p for p in new_params):
-                    new_params.append(managed)
-                covered[managed].add(piece)
                 order.append((managed, piece))
-        group["params"] = new_params
+                view = layout.view(managed, piece)
+                if view is not None:
+                    views.setdefault(id(view.param), view.param)
+        group["params"] = list(views.values())
         orders.append(order)
-    for managed, pieces in covered.items():
-        if len(pieces) != len(layout.managed[managed].pieces):
-            raise ValueError(_split_message(layout, managed, "is only partly in the optimizer"))
     optimizer.state = defaultdict(dict)
     return orders
 
 
-def repoint_to_unwrapped(
-    optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder, parameters: dict[str, nn.Parameter]
-) -> None:
-    """Undo :func:`repoint_optimizer` after unwrapping: each group holds the module's parameters again, in the
-    order the user listed them. ``parameters`` maps the unwrapped module's parameter names to parameters."""
-    for group, order in zip(optimizer.param_groups, orders):
-        group["params"] = [parameters[layout.managed[managed].pieces[k].name] for managed, k in order]
-    optimizer.state = defaultdict(dict)
+def managed_params(orders: GroupOrder) -> list[nn.Parameter]:
+    """The managed parameters an optimizer's original parameters live in, in the order of their first piece in
+    ``orders``: the same on every rank, so it numbers them in checkpoints."""
+    seen: dict[int, nn.Parameter] = {}
+    for order in orders:
+        for managed, _ in order:
+            seen.setdefault(id(managed), managed)
+    return list(seen.values())
 
 
-def _split_message(layout: ParameterLayout, managed: nn.Parameter, problem: str) -> str:
-    names = ", ".join(p.name for p in layout.managed[managed].pieces)
-    return (
-        f"The flattened FSDP parameter holding [{names}] {problem}. With `flatten_parameters=True` all parameters"
-        " of one FSDP unit are a single tensor and must share one param group. Put them in the same group, make"
-        " the layers that need other hyperparameters their own units (`auto_wrap_policy`), or pass"
-        " `DDPFullyShardedStrategy(flatten_parameters=False)`."
-    )
+def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """The param groups as ``state_dict()`` saves them, without their ``params``."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.state_dict()["param_groups"]]
 
 
 def _is_elementwise(value: Any, like: Tensor) -> bool:
@@ -230,64 +264,124 @@ def _gather_full(shard: Tensor, numel: int, group: Any) -> Tensor | None:
     return torch.cat([t.reshape(-1).cpu() for t in gathered])[:numel]
 
 
+def _local_views(
+    optimizer: Optimizer, layout: ParameterLayout
+) -> dict[int, list[tuple[ParamView, dict[str, Any]]]]:
+    """For each managed parameter (by id), this rank's views that ``optimizer`` holds, with their state."""
+    found: dict[int, list[tuple[ParamView, dict[str, Any]]]] = defaultdict(list)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            managed, piece = layout.locate(param)[0]
+            view = layout.view(managed, piece)
+            assert view is not None and view.param is param
+            found[id(managed)].append((view, optimizer.state.get(param, {})))
+    return found
+
+
+def _state_template(views: list[tuple[ParamView, dict[str, Any]]]) -> dict[str, Any]:
+    """What every rank must know of a managed parameter's state to consolidate it: the pieces that have state, the
+    element-wise keys with their dtypes, and the per-parameter values (``step``...)."""
+    pieces, elementwise, values = set(), {}, {}
+    for view, state in views:
+        if not state:
+            continue
+        pieces.add(view.piece)
+        for key, value in state.items():
+            if _is_elementwise(value, view.param):
+                elementwise[key] = value.dtype
+            else:
+                values.setdefault(key, value)
+    return {"pieces": pieces, "elementwise": elementwise, "values": values}
+
+
+def _merge_templates(templates: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"pieces": set(), "elementwise": {}, "values": {}}
+    for template in templates:
+        merged["pieces"] |= template["pieces"]
+        merged["elementwise"].update(template["elementwise"])
+        for key, value in template["values"].items():
+            merged["values"].setdefault(key, value)
+    return merged
+
+
 def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder) -> dict[str, Any]:
     """The optimizer state of all ranks as one standard state dict on rank 0 (``{}`` elsewhere). A collective call.
 
     The result is what ``optimizer.state_dict()`` of a plain optimizer over the unwrapped module returns: entry ``i``
-    belongs to the ``i``-th original parameter as the user listed them in ``configure_optimizers``.
+    belongs to the ``i``-th original parameter as the user listed them in ``configure_optimizers``, and parameters
+    without state (frozen ones) have no entry. Each rank holds one managed parameter's state shard at a time.
     """
-    saved = optimizer.state_dict()
-    managed_params = [p for group in optimizer.param_groups for p in group["params"]]
-    unit = layout.managed[managed_params[0]].unit  # every unit of the strategy shares one process group
+    params = managed_params(orders)
+    if not params:
+        return {"state": {}, "param_groups": _hyperparameters(optimizer)}
+    unit = layout.managed[params[0]].unit  # every unit of the strategy shares one process group
     rank, group = unit.rank, unit.process_group
-    _check_same_state_keys(optimizer, managed_params, group)
-
+    local = _local_views(optimizer, layout)
+    every_rank = collectives.all_gather_object([_state_template(local.get(id(p), [])) for p in params], group=group)
     full_states: list[dict[str, Any]] = []
     elementwise: list[set[str]] = []
-    for param in managed_params:
-        state = optimizer.state.get(param, {})
-        keys = {key for key, value in state.items() if _is_elementwise(value, param)}
-        full_states.append(
-            {
-                key: _gather_full(value, layout.managed[param].numel, group) if key in keys else value
-                for key, value in sorted(state.items())
-            }
-        )
-        elementwise.append(keys)
+    stateful: list[set[int]] = []
+    for m, managed in enumerate(params):
+        template = _merge_templates([templates[m] for templates in every_rank])
+        numel = layout.managed[managed].numel
+        full: dict[str, Any] = {}
+        for key, dtype in sorted(template["elementwise"].items()):
+            shard = torch.zeros(managed.data.numel(), dtype=dtype, device=managed.data.device)
+            for view, state in local.get(id(managed), []):
+                if key in state:
+                    shard[view.start : view.stop].copy_(state[key])
+            full[key] = _gather_full(shard, numel, group)
+            del shard
+        full.update(template["values"] if template["pieces"] else {})
+        full_states.append(full)
+        elementwise.append(set(template["elementwise"]))
+        stateful.append(template["pieces"])
     if rank != 0:
         return {}
-    position = {param: m for m, param in enumerate(managed_params)}
+    position = {id(param): m for m, param in enumerate(params)}
     return plain_state_dict(
         full_states,
-        [layout.managed[param].pieces for param in managed_params],
-        [[(position[managed], k) for managed, k in order] for order in orders],
-        saved["param_groups"],
+        [layout.managed[param].pieces for param in params],
+        [[(position[id(managed)], k) for managed, k in order] for order in orders],
+        _hyperparameters(optimizer),
         elementwise,
+        stateful,
     )
 
 
-def describe_layout(optimizer: Optimizer, orders: GroupOrder, root: nn.Module) -> dict[str, Any]:
-    """Where the entries of ``optimizer.state_dict()`` live, in the terms of FairScale's ``local_metadata_dict``.
+def describe_layout(optimizer: Optimizer, orders: GroupOrder, root: nn.Module, layout: ParameterLayout) -> dict:
+    """Where the entries of this rank's ``optimizer.state_dict()`` live, in the terms of FairScale's
+    ``local_metadata_dict``.
 
-    Saved with each shard of a sharded checkpoint, so that the offline consolidation can rebuild the plain layout
-    without the model: ``params[m] = (u, i)`` says that the optimizer's ``m``-th parameter is the ``i``-th parameter
-    of the ``u``-th FSDP unit (in ``root.modules()`` order, as in FairScale's metadata), and ``orders`` lists, for
-    each param group, the ``(m, piece)`` of every original parameter in the user's order.
+    Saved with each shard of a sharded checkpoint, so that the offline consolidation and resharding can rebuild any
+    layout without the model: ``params[m] = (u, i)`` says that the ``m``-th managed parameter (:func:`managed_params`)
+    is the ``i``-th parameter of the ``u``-th FSDP unit (in ``root.modules()`` order, as in FairScale's metadata);
+    ``orders`` lists, for each param group, the ``(m, piece)`` of every original parameter in the user's order (both
+    the same on every rank); ``views[j] = (m, piece, start, stop)`` says that entry ``j`` of this rank's state dict
+    holds elements ``[start, stop)`` of this rank's shard of managed parameter ``m``.
     """
-    managed_params = [p for group in optimizer.param_groups for p in group["params"]]
-    position = {id(param): m for m, param in enumerate(managed_params)}
+    params = managed_params(orders)
+    position = {id(param): m for m, param in enumerate(params)}
+    views = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            managed, piece = layout.locate(param)[0]
+            view = layout.view(managed, piece)
+            assert view is not None
+            views.append((position[id(managed)], piece, view.start, view.stop))
     return {
-        "params": managed_positions(optimizer, root),
+        "params": managed_positions(params, root),
         "orders": [[(position[id(managed)], k) for managed, k in order] for order in orders],
+        "views": views,
     }
 
 
-def managed_positions(optimizer: Optimizer, root: nn.Module) -> list[tuple[int, int]]:
-    """``(u, i)`` for each parameter ``optimizer`` holds, in its order: the ``i``-th parameter of the ``u``-th FSDP
-    unit of ``root`` (``root.modules()`` order). The same for the same model, wrapping and optimizer on any number of
-    processes, so that a sharded checkpoint's optimizer state can be matched to this run's."""
+def managed_positions(params: Sequence[nn.Parameter], root: nn.Module) -> list[tuple[int, int]]:
+    """``(u, i)`` for each of ``params``: the ``i``-th parameter of the ``u``-th FSDP unit of ``root``
+    (``root.modules()`` order). The same for the same model and wrapping on any number of processes, so that a
+    sharded checkpoint's optimizer state can be matched to this run's."""
     in_unit = {id(param): (u, i) for u, unit in enumerate(fsdp_instances(root)) for i, param in enumerate(unit.params)}
-    return [in_unit[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    return [in_unit[id(param)] for param in params]
 
 
 def plain_state_dict(
@@ -296,6 +390,7 @@ def plain_state_dict(
     orders: Sequence[Sequence[tuple[int, int]]],
     groups: Sequence[dict[str, Any]],
     elementwise: Sequence[set[str]],
+    stateful: Optional[Sequence[set[int]]] = None,
 ) -> dict[str, Any]:
     """The state dict of a plain optimizer over the unwrapped module, from the unsharded state of each FSDP-managed
     parameter. Serves the online consolidation above and the offline one of sharded checkpoints.
@@ -308,6 +403,8 @@ def plain_state_dict(
             the order the user listed them.
         groups: the optimizer's param groups as ``state_dict()`` saves them (their hyperparameters are kept).
         elementwise: for each managed parameter, the keys of its element-wise entries (the others are copied).
+        stateful: for each managed parameter, the pieces that have state (default: all, when it has state); a
+            :data:`PIECES_KEY` entry of its state says the same.
     """
     out_state: dict[int, dict[str, Any]] = {}
     out_groups: list[dict[str, Any]] = []
@@ -316,7 +413,8 @@ def plain_state_dict(
         indices = []
         for m, k in order:
             piece, state = pieces[m][k], full_states[m]
-            if state:
+            with_state = stateful[m] if stateful is not None else state.get(PIECES_KEY, range(len(pieces[m])))
+            if state and k in with_state:
                 # Views into the gathered tensor, not copies: a copy per piece, made while every gathered tensor is
                 # still alive, doubled rank 0's optimizer memory during a full save (20Ψ instead of 12Ψ with Adam).
                 # torch.save writes a storage shared by several views once.
@@ -327,6 +425,7 @@ def plain_state_dict(
                         else copy.deepcopy(value)
                     )
                     for key, value in state.items()
+                    if key != PIECES_KEY
                 }
             indices.append(index)
             index += 1
@@ -334,18 +433,47 @@ def plain_state_dict(
     return {"state": out_state, "param_groups": out_groups}
 
 
-def _check_same_state_keys(optimizer: Optimizer, params: list[nn.Parameter], group: Any) -> None:
-    signature = [sorted(optimizer.state.get(p, {})) for p in params]
-    everyone = collectives.all_gather_object(signature, group=group)
-    if any(other != signature for other in everyone):
-        raise RuntimeError(
-            "The ranks hold different optimizer state entries, so the state cannot be consolidated. This happens when"
-            " ranks step different parameters; make every rank run the same optimizer steps."
+# ----------------------------------------------------------------------------------------------------------------
+# Loading state into this rank's views
+
+#: Given a view's managed parameter, piece and the elements ``[start, stop)`` of the whole flat parameter it holds,
+#: its state (element-wise entries as 1-D tensors of ``stop - start`` elements), or ``None`` when it has none.
+ViewStateSource = Callable[[nn.Parameter, int, int, int], Optional[dict[str, Any]]]
+
+
+def load_view_states(
+    optimizer: Optimizer, layout: ParameterLayout, groups: Sequence[dict[str, Any]], source: ViewStateSource
+) -> None:
+    """Load each of this rank's views' state from ``source``, and the hyperparameters of ``groups`` (as
+    ``state_dict()`` saves them), through ``optimizer.load_state_dict`` (which casts to each view's dtype/device).
+
+    Raises:
+        ValueError: ``groups`` has another number of param groups than the optimizer.
+    """
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer state has {len(groups)} param groups but the optimizer has"
+            f" {len(optimizer.param_groups)}. Resume with the optimizer configuration the checkpoint was saved with."
         )
+    out_state: dict[int, dict[str, Any]] = {}
+    out_groups: list[dict[str, Any]] = []
+    index = 0
+    for group, saved in zip(optimizer.param_groups, groups):
+        first = index
+        for param in group["params"]:
+            managed, piece = layout.locate(param)[0]
+            view = layout.view(managed, piece)
+            assert view is not None
+            state = source(managed, piece, *layout.global_range(managed, view))
+            if state:
+                out_state[index] = state
+            index += 1
+        out_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(first, index))})
+    optimizer.load_state_dict({"state": out_state, "param_groups": out_groups})
 
 
-def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder) -> dict:
-    """This rank's part of a standard optimizer state dict, ready for ``optimizer.load_state_dict``.
+def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder) -> None:
+    """Load a standard optimizer state dict into this rank's views: each view reads only its slice.
 
     ``full`` may come from :func:`consolidate_state` on any number of ranks, or from a plain optimizer over the
     unwrapped module built the same way.
@@ -360,53 +488,30 @@ def shard_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLay
             f" {len(optimizer.param_groups)}. Resume with the optimizer configuration the checkpoint was saved with."
         )
     saved_state = full.get("state", {})
-    out_state: dict[int, dict[str, Any]] = {}
-    out_groups: list[dict[str, Any]] = []
-    index = 0
-    for group, saved_group, order in zip(optimizer.param_groups, saved_groups, orders):
+    by_piece: dict[tuple[int, int], Any] = {}
+    for saved_group, order in zip(saved_groups, orders):
         if len(saved_group["params"]) != len(order):
             raise ValueError(
                 f"A param group of the checkpoint's optimizer state holds {len(saved_group['params'])} parameters,"
                 f" the optimizer's holds {len(order)}. The checkpoint was saved for a different model or optimizer."
             )
-        by_piece = {located: saved_state.get(i) for located, i in zip(order, saved_group["params"])}
-        first = index
-        for managed in group["params"]:
-            info = layout.managed[managed]
-            states = [by_piece.get((managed, k)) for k in range(len(info.pieces))]
-            if any(s for s in states):
-                out_state[index] = _merge_pieces(managed, info, states)
-            index += 1
-        out_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(first, index))})
-    return {"state": out_state, "param_groups": out_groups}
+        by_piece.update(((id(managed), k), saved_state.get(i)) for (managed, k), i in zip(order, saved_group["params"]))
+
+    def source(managed: nn.Parameter, k: int, start: int, stop: int) -> Optional[dict[str, Any]]:
+        state = by_piece.get((id(managed), k))
+        if not state:
+            return None
+        piece = layout.managed[managed].pieces[k]
+        return {key: _slice_of_piece(key, value, piece, start - piece.offset, stop - piece.offset) for key, value in state.items()}
+
+    load_view_states(optimizer, layout, saved_groups, source)
 
 
-def _is_elementwise_over(key: str, states: list[dict[str, Any]], pieces: Sequence[Piece]) -> bool:
-    """Whether ``key`` holds one value per element of each piece (``exp_avg``...) rather than one per parameter
-    (``step``): its values have the pieces' shapes, all of them. Judged over every piece, since one piece alone can
-    be a scalar parameter whose ``exp_avg`` looks like a ``step``. In a unit of scalar parameters only, shapes cannot
-    tell: there every entry but ``step`` (torch's only per-parameter scalar state) is element-wise."""
-    values = [state.get(key) for state in states]
-    if not all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(values, pieces)):
-        if any(isinstance(v, Tensor) and v.dim() > 0 for v in values):
-            raise ValueError(f"The checkpoint's optimizer state '{key}' does not match the parameter shapes.")
-        return False
-    return any(p.shape != torch.Size() for p in pieces) or key != "step"
-
-
-def _merge_pieces(managed: nn.Parameter, info: _Managed, states: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """This rank's shard of a managed parameter's state, from the plain state of the pieces it holds: only the
-    slices this rank owns are read (see :mod:`lightning_fairscale.fsdp.resharding`)."""
-    present = [s for s in states if s]
-    if len(present) != len(states):
-        missing = [p.name for p, s in zip(info.pieces, states) if not s]
-        raise ValueError(f"The checkpoint's optimizer state has no entry for {missing}, but has for their FSDP unit.")
-    merged: dict[str, Any] = {}
-    start, _, _ = local_range(managed, info.unit)
-    for key, value in present[0].items():
-        if _is_elementwise_over(key, present, info.pieces):
-            segments = [(piece.offset, s[key].reshape(-1)) for piece, s in zip(info.pieces, present)]
-            merged[key] = copy_overlaps(value.new_empty(managed.numel()), start, segments).view(managed.shape)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
+def _slice_of_piece(key: str, value: Any, piece: Piece, start: int, stop: int) -> Any:
+    """Elements ``[start, stop)`` of a plain state entry of ``piece`` when it is element-wise (its shape is the
+    piece's: for a scalar piece, every entry but ``step``, torch's only per-parameter scalar); else a copy."""
+    if isinstance(value, Tensor) and value.shape == piece.shape and (piece.shape != torch.Size() or key != "step"):
+        return value.reshape(-1)[start:stop].clone()
+    if isinstance(value, Tensor) and value.dim() > 0:
+        raise ValueError(f"The checkpoint's optimizer state '{key}' of {piece.name} does not match its shape.")
+    return copy.deepcopy(value)

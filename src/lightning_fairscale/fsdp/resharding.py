@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import math
 import mmap
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +45,9 @@ __all__ = [
     "release_pages",
 ]
 
+#: Given a managed parameter's position, a piece and the elements ``[start, stop)`` of the whole flat parameter that
+#: a view holds: the view's saved state, or ``None``.
+ViewSource = Callable[[int, int, int, int], Optional[dict[str, Any]]]
 #: ``(global offset, 1-D tensor)``: saved values of a flat parameter's elements ``offset ... offset + numel - 1``.
 Segment = tuple[int, Tensor]
 
@@ -164,6 +168,7 @@ class SavedShards:
         self._read = read
         self.world_size = world_size
         self._files: dict[int, dict[str, Any]] = {}
+        self._views: dict[tuple[int, int], dict[tuple[int, int], list[tuple[int, int, int]]]] = {}
 
     def file(self, rank: int) -> dict[str, Any]:
         """Saving rank ``rank``'s shard dict, read on first use."""
@@ -204,14 +209,19 @@ class SavedShards:
                 copy_overlaps(param.data.view(-1), start, self._segments(numel, start, stop, lambda f: f["state_dict"][key]))
         load_buffers(root, self.file(0)["state_dict"], lambda name: name)
 
-    def optimizer_state(self, index: int, current: Sequence[tuple[int, int]], root: nn.Module) -> dict[str, Any]:
-        """The state dict for this rank's ``index``-th optimizer, resharded from the saved one.
+    def optimizer_source(self, index: int, current: Sequence[tuple[int, int]]) -> tuple[list[dict[str, Any]], ViewSource]:
+        """The saved param groups of the ``index``-th optimizer, and where each of this run's views finds its state.
 
         Args:
             index: which of the saved optimizers.
-            current: ``(unit, parameter)`` of each parameter the optimizer holds, in its order
-                (:func:`lightning_fairscale.fsdp.optim.managed_positions`).
-            root: the wrapped model.
+            current: ``(unit, parameter)`` of each managed parameter the optimizer's original parameters live in,
+                numbered as in checkpoints (:func:`lightning_fairscale.fsdp.optim.managed_positions`).
+
+        Returns:
+            The param groups (hyperparameters), and a function that, given a view's managed parameter's position
+            ``m``, piece, and the elements ``[start, stop)`` of the whole flat parameter it holds, returns its state,
+            read from the saved views (or, in checkpoints written before views, the saved managed shards) that
+            overlap it; ``None`` when it had none.
 
         Raises:
             ValueError: the optimizer holds other parameters, or in another order, than the one that was saved.
@@ -222,26 +232,61 @@ class SavedShards:
                 f"The checkpoint's optimizer {index} was saved over other parameters (FSDP units and order) than this"
                 " run's optimizer holds. Resume with the optimizer configuration the checkpoint was saved with."
             )
-        units = list(fsdp_instances(root))
-        saved = self.file(0)["optimizer_states"][index]
-        out: dict[int, dict[str, Any]] = {}
-        for m, (u, i) in enumerate(current):
-            entry = saved["state"].get(m)
-            if not entry:
-                continue
-            param = units[u].params[i]
-            numel = flat_numel(param)
-            start, stop, shard = _local_range(param, numel, units[u])
-            saved_size = _saved_param(self.file(0), u, i).numel()
-            state: dict[str, Any] = {}
-            for key, value in entry.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == saved_size:
-                    segments = self._segments(numel, start, stop, lambda f: f["optimizer_states"][index]["state"][m][key])
-                    state[key] = copy_overlaps(value.new_empty(shard), start, segments).view(param.shape)
-                else:  # per-parameter scalars ("step") are the same on every rank
-                    state[key] = copy.deepcopy(value)
-            out[m] = state
-        return {"state": out, "param_groups": copy.deepcopy(saved["param_groups"])}
+        groups = copy.deepcopy(self.file(0)["optimizer_states"][index]["param_groups"])
+        sizes = [_saved_param(self.file(0), u, i).numel() for u, i in current]
+        if "views" not in saved_layout:
+            return groups, functools.partial(self._from_managed_shards, index, sizes)
+        return groups, functools.partial(self._from_saved_views, index, sizes)
+
+    def _saved_views(self, rank: int, index: int) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+        """Saving rank ``rank``'s views of optimizer ``index``: ``(m, piece)`` -> ``[(entry, start, stop)]``."""
+        if (rank, index) not in self._views:
+            found: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+            for j, (m, k, start, stop) in enumerate(self.file(rank)["optimizer_layouts"][index]["views"]):
+                found.setdefault((m, k), []).append((j, start, stop))
+            self._views[(rank, index)] = found
+        return self._views[(rank, index)]
+
+    def _from_saved_views(
+        self, index: int, sizes: Sequence[int], m: int, piece: int, start: int, stop: int
+    ) -> Optional[dict[str, Any]]:
+        size = sizes[m]
+        found: list[tuple[int, dict[str, Any]]] = []  # (global offset, saved state of a view of the piece)
+        for rank in range(start // size, min((stop - 1) // size + 1, self.world_size)):
+            state = self.file(rank)["optimizer_states"][index]["state"]
+            for j, lo, _ in self._saved_views(rank, index).get((m, piece), []):
+                if state.get(j):
+                    found.append((rank * size + lo, state[j]))
+        if not found:
+            return None
+        first = found[0][1]
+        out: dict[str, Any] = {}
+        for key, value in first.items():
+            if isinstance(value, Tensor) and value.dim() == 1:
+                segments = [(offset, saved[key]) for offset, saved in found]
+                out[key] = copy_overlaps(value.new_empty(stop - start), start, segments)
+            else:  # per-parameter values ("step") are the same in every view
+                out[key] = copy.deepcopy(value)
+        return out
+
+    def _from_managed_shards(
+        self, index: int, sizes: Sequence[int], m: int, piece: int, start: int, stop: int
+    ) -> Optional[dict[str, Any]]:
+        """A checkpoint written before views: each saving rank's state is over its whole shard of ``m``, for every
+        piece of it (all of them had state then)."""
+        entry = self.file(0)["optimizer_states"][index]["state"].get(m)
+        if not entry:
+            return None
+        size = sizes[m]
+        numel = self.world_size * size
+        out: dict[str, Any] = {}
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == size:
+                segments = self._segments(numel, start, stop, lambda f: f["optimizer_states"][index]["state"][m][key])
+                out[key] = copy_overlaps(value.new_empty(stop - start), start, segments)
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
 
 
 def _saved_param(shard: dict[str, Any], unit: int, index: int) -> Tensor:

@@ -256,27 +256,11 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     the ``policy`` decides which submodules become units. The remaining parameters go to the root unit.
     Must be called inside an ``enable_wrap`` context that carries ``fsdp_kwargs``.
     """
-    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
-    try:
-        if not is_wrapped(module):
-            module = auto_wrap(module, auto_wrap_policy=policy)
-        if not isinstance(module, _FairScaleFSDP):
-            module = FullyShardedDataParallel(module, **fsdp_kwargs)
-    except AssertionError as error:
-        if "same requires_grad" not in str(error):
-            raise
-        raise ValueError(
-            "An FSDP unit would hold both frozen and trainable parameters, but with `flatten_parameters=True` a"
-            f" unit's parameters are one tensor with one `requires_grad`. Frozen: {_first(frozen)}. Make the frozen"
-            " layers units of their own (`auto_wrap_policy` with their classes), freeze whole units, or pass"
-            " `DDPFullyShardedStrategy(flatten_parameters=False)`."
-        ) from None
+    if not is_wrapped(module):
+        module = auto_wrap(module, auto_wrap_policy=policy)
+    if not isinstance(module, _FairScaleFSDP):
+        module = FullyShardedDataParallel(module, **fsdp_kwargs)
     return module
-
-
-def _first(names: list[str], count: int = 5) -> str:
-    shown = ", ".join(names[:count])
-    return shown + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
 def module_aliases(root: nn.Module) -> list[tuple[str, str]]:
@@ -343,8 +327,8 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
         flat_params, flat_data = unit.params[:flat_count], tensors[:flat_count]
         if flat_params:
             unit.module._unflatten_params(external_data=flat_data)
-            for flat, (_, owner, name) in _flat_pieces(flat_params):
-                getattr(owner, name).requires_grad_(flat.requires_grad)
+            for flat, (_, owner, name), frozen in _flat_pieces(flat_params):
+                getattr(owner, name).requires_grad_(flat.requires_grad and not frozen)
             for flat in flat_params:
                 # The flat parameter's gradient hook refers back to its unit through autograd, a cycle that Python's
                 # garbage collector cannot see: without this, every unwrapped unit (and its shards) would live on.
@@ -416,10 +400,15 @@ def root_parameters_visible(root: _FairScaleFSDP) -> Iterator[None]:
             module._parameters.pop(name, None)
 
 
-def _flat_pieces(flat_params: Iterable[nn.Parameter]) -> Iterable[tuple[nn.Parameter, tuple[str, nn.Module, str]]]:
+def _flat_pieces(
+    flat_params: Iterable[nn.Parameter],
+) -> Iterable[tuple[nn.Parameter, tuple[str, nn.Module, str], bool]]:
+    """Each original parameter of ``flat_params``: its flat parameter, FairScale's ``(module name, owner, name)``,
+    and whether it was frozen in a unit that also trains (FairScale workaround 11)."""
     for flat in flat_params:
-        for info in flat._param_infos:  # type: ignore[attr-defined]
-            yield flat, info
+        infos = flat._param_infos  # type: ignore[attr-defined]
+        frozen = flat.__dict__.get("_lightning_fairscale_frozen") or [False] * len(infos)
+        yield from ((flat, info, is_frozen) for info, is_frozen in zip(infos, frozen))
 
 
 _FSDP_PARAM_ATTRIBUTES = (

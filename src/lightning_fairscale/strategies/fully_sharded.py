@@ -293,10 +293,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         io = self.checkpoint_io
         if fsdp_engine.is_sharded_checkpoint(io, checkpoint_path):
 
-            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
+            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
                 if optimizers:
                     check_optimizer_count(saved, len(optimizers))
-                return list(enumerate(optimizers))
+                return [(i, opt, self._group_orders[i]) for i, opt in enumerate(optimizers)]
 
             return fsdp_engine.load_sharded(self, io, checkpoint_path, self._wrapped(), restored, weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -26,7 +26,7 @@ from lightning_fairscale.mixed_precision import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp.options import FullyShardedOptions
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, shard_state
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.lightning._compat import _LRScheduler
 __all__ = ...

@@ -1,0 +1,114 @@
+"""The original parameters, as the optimizer sees them under flattening: views into this rank's flat shards.
+
+FairScale's FSDP replaces the parameters of a unit by one flat parameter and keeps a shard of it on each rank. An
+optimizer over the flat shards would give every parameter of a unit the same hyperparameters and the same
+``requires_grad``. PyTorch's FSDP solves this with ``use_orig_params=True``; FairScale never did. We do it here.
+
+Each rank's optimizer holds one *view parameter* per original parameter that overlaps this rank's shard: a 1-D
+``nn.Parameter`` whose data is the overlapping slice of the flat shard, and whose ``.grad`` is the same slice of the
+flat gradient shard. The optimizer updates the shard in place through it, with the hyperparameters of the original
+parameter's param group. A frozen parameter's view never gets a gradient, so the optimizer keeps no state for it and
+never changes it.
+
+The flat parameter's gradient is FairScale's: its reduce-scatter sets it at the end of a synchronising backward
+(:func:`share_gradients` then hands its slices to the views), and it accumulates into it when it is not ``None`` at
+the next backward. What the user does to the views' gradients decides what happens to it
+(:func:`take_back_gradients`): ``optimizer.zero_grad()`` (views' gradients ``None``) frees it, so that the next
+backward starts afresh, exactly as for the original parameters of an unsharded model.
+
+The functions here are called by :class:`lightning_fairscale.fsdp.fairscale_cpu.FullyShardedDataParallel` at the
+start and the end of each backward; the views are made by :class:`lightning_fairscale.fsdp.optim.ParameterLayout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ParamView", "attach", "share_gradients", "take_back_gradients", "trainable_views"]
+
+#: The attribute of a flat (or sharded) parameter that lists its views on this rank.
+_VIEWS = "_lightning_fairscale_views"
+#: Set on a flat parameter while its gradient is the one shared with its views (after a synchronising backward).
+_SHARED = "_lightning_fairscale_grad_shared"
+
+
+@dataclass(eq=False)
+class ParamView:
+    """The part of original parameter ``piece`` of ``managed`` that this rank holds.
+
+    ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
+    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad``.
+    """
+
+    param: nn.Parameter
+    piece: int
+    start: int
+    stop: int
+    trainable: bool
+
+
+def _shard(managed: nn.Parameter) -> Tensor:
+    """The 1-D shard of ``managed`` that the optimizer updates (FairScale's ``_fp32_shard`` once initialised)."""
+    shard = getattr(managed, "_fp32_shard", None)
+    return (shard if shard is not None else managed.data).view(-1)
+
+
+def attach(managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool) -> ParamView:
+    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``."""
+    data = _shard(managed)[start:stop]
+    view = ParamView(nn.Parameter(data, requires_grad=trainable), piece, start, stop, trainable)
+    managed.__dict__.setdefault(_VIEWS, []).append(view)
+    return view
+
+
+def views_of(managed: nn.Parameter) -> list[ParamView]:
+    """The views registered with ``managed`` on this rank."""
+    return managed.__dict__.get(_VIEWS, [])
+
+
+def trainable_views(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The view parameters of trainable original parameters among the views of ``params`` (flat parameters)."""
+    return [view.param for managed in params for view in views_of(managed) if view.trainable]
+
+
+@torch.no_grad()
+def take_back_gradients(managed: nn.Parameter) -> None:
+    """Before a backward: make ``managed.grad`` reflect what was done to its views' gradients since they got them.
+
+    All ``None`` (``zero_grad()``): the flat gradient is dropped, the backward starts afresh. Some ``None`` (an
+    optimizer over part of the unit zeroed its own): their slices are zeroed. Otherwise (accumulating over
+    synchronising backwards, or ``zero_grad(set_to_none=False)``, which zeroes the shared slices in place) the flat
+    gradient is kept, and FairScale accumulates into it.
+    """
+    if not managed.__dict__.pop(_SHARED, False) or managed.grad is None:
+        return
+    views = [view for view in views_of(managed) if view.trainable]
+    missing = [view for view in views if view.param.grad is None]
+    if len(missing) == len(views):
+        managed.grad = None
+        return
+    flat = managed.grad.view(-1)
+    for view in missing:
+        flat[view.start : view.stop].zero_()
+
+
+@torch.no_grad()
+def share_gradients(managed: nn.Parameter) -> None:
+    """After a synchronising backward: point every view at the current shard, and give the trainable ones their
+    slice of the flat gradient shard (a view: clipping or unscaling them changes the flat gradient too)."""
+    views = views_of(managed)
+    if not views:
+        return
+    shard = _shard(managed)
+    grad = managed.grad
+    shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
+    for view in views:
+        view.param.data = shard[view.start : view.stop]
+        if view.trainable and shares:
+            view.param.grad = grad.view(-1)[view.start : view.stop]  # type: ignore[union-attr]
+    if shares:
+        managed.__dict__[_SHARED] = True
