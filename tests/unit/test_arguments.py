@@ -72,6 +72,20 @@ def test_fsdp_refuses_the_arguments_it_sets_itself_saying_what_to_use(name: str,
         validate_fsdp(kwargs={name: None})
 
 
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("sharding_strategy", 'pass `reshard_after_forward=False` for "SHARD_GRAD_OP"; "NO_SHARD" is `strategy="ddp"`'),
+        ("device_mesh", "no hybrid sharding"),
+        ("limit_all_gathers", "no all-gather rate limiter: remove it"),
+        ("sync_module_states", "seed every rank alike"),
+    ],
+)
+def test_arguments_of_torchs_fsdp_say_what_to_do_instead(name: str, hint: str) -> None:
+    with pytest.raises(TypeError, match=f"does not take `{name}`, an argument of torch's FSDP .*{hint}"):
+        validate_fsdp(kwargs={name: None})
+
+
 def test_an_unknown_fsdp_argument_lists_the_ones_that_can_be_passed() -> None:
     with pytest.raises(TypeError) as error:
         validate_fsdp(kwargs={"reshard_after_fwd": False})

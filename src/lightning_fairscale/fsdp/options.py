@@ -47,6 +47,25 @@ _MANAGED_FSDP_ARGUMENTS = {
     "state_dict_device": "use `state_dict_to_cpu`",
 }
 _FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {"self"}
+#: Arguments of Lightning's ``FSDPStrategy`` (for torch's FSDP) that FairScale has no equivalent of, and what to do.
+_TORCH_FSDP_ARGUMENTS = {
+    "sharding_strategy": (
+        'FairScale shards parameters, gradients and optimizer state over all ranks ("FULL_SHARD"): remove it, or'
+        ' pass `reshard_after_forward=False` for "SHARD_GRAD_OP"; "NO_SHARD" is `strategy="ddp"`, and hybrid'
+        " sharding has no FairScale equivalent"
+    ),
+    "device_mesh": "FairScale shards over all ranks, with no hybrid sharding: remove it",
+    "limit_all_gathers": "FairScale has no all-gather rate limiter: remove it",
+    "forward_prefetch": "FairScale has no prefetch setting: remove it",
+    "backward_prefetch": "FairScale has no prefetch setting: remove it",
+    "sync_module_states": (
+        "FairScale does not broadcast rank 0's weights: seed every rank alike (`seed_everything`) or load a"
+        " checkpoint, as Lightning's FSDPStrategy needs without it"
+    ),
+    "ignored_modules": "under FairScale every parameter belongs to an FSDP unit",
+    "ignored_states": "under FairScale every parameter belongs to an FSDP unit",
+    "device_id": "the `devices` of the Trainer or Fabric choose it",
+}
 
 
 class FullyShardedOptions:
@@ -299,6 +318,11 @@ def validate_arguments(
     for name in kwargs:
         if name in _MANAGED_FSDP_ARGUMENTS:
             raise TypeError(f"`DDPFullyShardedStrategy` does not take `{name}`: {_MANAGED_FSDP_ARGUMENTS[name]}.")
+        if name in _TORCH_FSDP_ARGUMENTS:
+            raise TypeError(
+                f"`DDPFullyShardedStrategy` does not take `{name}`, an argument of torch's FSDP (Lightning's"
+                f" FSDPStrategy): {_TORCH_FSDP_ARGUMENTS[name]}."
+            )
         if name not in _FSDP_ARGUMENTS:
             accepted = ", ".join(sorted(_FSDP_ARGUMENTS - set(_MANAGED_FSDP_ARGUMENTS)))
             raise TypeError(
