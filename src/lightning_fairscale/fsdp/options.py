@@ -114,8 +114,9 @@ class FullyShardedOptions:
         self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         base = lightning_arguments(locals(), self._precision_name)
-        checkpointing = _checkpointing_classes(activation_checkpointing, activation_checkpointing_policy)
-        self.activation_checkpointing = checkpointing
+        self.activation_checkpointing = _checkpointing_classes(
+            activation_checkpointing, activation_checkpointing_policy
+        )
         self.activation_checkpointing_offload = activation_checkpointing_offload
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(
