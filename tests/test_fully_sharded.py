@@ -31,6 +31,12 @@ CONTROLS = {
         ["", "net.0", *[f"net.{b}.{layer}" for b in (1, 2) for layer in ("up", "down")], "net.3"],
     ),
 }
+#: The policies of Lightning's FSDPStrategy (torch's), and the units each makes: those of the equivalent ours.
+TORCH_POLICIES = {
+    "torch-transformer": ["", "net.1", "net.2"],  # partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    "torch-module": ["", "net.1", "net.2"],  # ModuleWrapPolicy({Block})
+    "torch-size": CONTROLS["size"][1],  # partial(size_based_auto_wrap_policy, min_num_params=1000)
+}
 MANUAL = [("torch", "configure_sharded_model"), ("fairscale", "configure_model"), ("torch", "configure_model")]
 CLIP_AND_ACCUMULATE = {
     "clip-norm": (["--clip-val", "0.05", "--clip-alg", "norm"], {"clip": (0.05, "norm")}),  # the clip value bites
@@ -48,6 +54,7 @@ UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
     **{f"controls-{name}": [*args, "--steps", "2"] for name, (args, _) in CONTROLS.items()},
+    **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in TORCH_POLICIES},
     **{f"manual-{w}-{h}": ["--model", "manual", "--wrap-with", w, "--hook", h, "--optimizer", "sgd"] for w, h in MANUAL},
     **{f"params-{p}": ["--params", p, "--optimizer", "adamw", "--scheduler", "--steps", "3"] for p in ("self", "trainer")},
     "unflattened": ["--flatten", "0", "--steps", "3"],
@@ -82,6 +89,14 @@ def test_auto_wrap_equals_unsharded_training(runs: Jobs, policy: str, units: int
     result = runs[f"policy-{policy}"]
     assert_sharded(result, units)
     assert len(result["units"]) == units
+    assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+
+
+@pytest.mark.parametrize("policy", TORCH_POLICIES)
+def test_lightning_fsdp_strategy_policies_make_the_same_units_and_train_the_same(runs: Jobs, policy: str) -> None:
+    result = runs[f"policy-{policy}"]
+    assert_sharded(result, len(TORCH_POLICIES[policy]))
+    assert sorted(clean_path(u["path"] + ".").rstrip(".") for u in result["units"]) == sorted(TORCH_POLICIES[policy])
     assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
 
 

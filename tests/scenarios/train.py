@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
 import io
 import os
@@ -20,6 +21,11 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.distributed.fsdp.wrap import (  # noqa: E402
+    ModuleWrapPolicy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from scenarios.jobs import run_jobs  # noqa: E402
@@ -167,7 +173,12 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-on-gpu", action="store_true", help="move the model to the GPU before `fit`")
     p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
     p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
-    p.add_argument("--policy", default="size", choices=["size", "blocks", "callable"])
+    p.add_argument(
+        "--policy",
+        default="size",
+        choices=["size", "blocks", "callable", "torch-transformer", "torch-module", "torch-size"],
+        help="torch-*: the policies of Lightning's FSDPStrategy (torch-size takes --min-num-params, not the strategy)",
+    )
     p.add_argument("--exclude", nargs="*", default=None, choices=list(LAYER_CLASSES))
     p.add_argument("--force-leaf", nargs="*", default=None, choices=list(LAYER_CLASSES))
     p.add_argument("--min-num-params", type=int, default=1000)
@@ -247,8 +258,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         def policy(module: Any, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
             return True if recurse else isinstance(module, torch.nn.Linear)
 
+    elif args.policy == "torch-transformer":
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    elif args.policy == "torch-module":
+        policy = ModuleWrapPolicy({Block})
+    elif args.policy == "torch-size":
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_num_params)
+    # With torch's size policy the strategy keeps its own threshold's default, as a Lightning user's code would.
+    size = {} if args.policy == "torch-size" else {"min_num_params": args.min_num_params}
     strategy: Any = args.strategy_name or DDPFullyShardedStrategy(
-        min_num_params=args.min_num_params,
+        **size,
         auto_wrap_policy=policy,
         exclude_wrap_modules=layer_classes(args.exclude),
         force_leaf_modules=layer_classes(args.force_leaf),

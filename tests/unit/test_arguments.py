@@ -3,6 +3,7 @@ tests/test_sharded.py (which check the constructor with the most common bad argu
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -10,8 +11,11 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.plugins.precision import Precision
 from torch import nn
+from torch.distributed.fsdp import CPUOffload
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, ShardedCheckpointIO
+from lightning_fairscale import fabric
 from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin
 from lightning_fairscale import oss
 from lightning_fairscale.fsdp import options as fsdp_options
@@ -68,6 +72,20 @@ def test_fsdp_refuses_the_arguments_it_sets_itself_saying_what_to_use(name: str,
         validate_fsdp(kwargs={name: None})
 
 
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("sharding_strategy", 'pass `reshard_after_forward=False` for "SHARD_GRAD_OP"; "NO_SHARD" is `strategy="ddp"`'),
+        ("device_mesh", "no hybrid sharding"),
+        ("limit_all_gathers", "no all-gather rate limiter: remove it"),
+        ("sync_module_states", "seed every rank alike"),
+    ],
+)
+def test_arguments_of_torchs_fsdp_say_what_to_do_instead(name: str, hint: str) -> None:
+    with pytest.raises(TypeError, match=f"does not take `{name}`, an argument of torch's FSDP .*{hint}"):
+        validate_fsdp(kwargs={name: None})
+
+
 def test_an_unknown_fsdp_argument_lists_the_ones_that_can_be_passed() -> None:
     with pytest.raises(TypeError) as error:
         validate_fsdp(kwargs={"reshard_after_fwd": False})
@@ -82,6 +100,63 @@ def test_fsdp_validates_the_policy() -> None:
     with pytest.raises(TypeError, match="auto_wrap_policy"):
         validate_fsdp(policy="size")
     validate_fsdp(policy={nn.Linear})
+
+
+def test_strategies_take_torch_policies_and_refuse_a_callable_of_neither_signature() -> None:
+    for strategy_class in (DDPFullyShardedStrategy, fabric.DDPFullyShardedStrategy):
+        strategy_class(auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}))
+        strategy_class(auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        with pytest.raises(TypeError, match="torch's `\\(module, recurse, nonwrapped_numel\\) -> bool`"):
+            strategy_class(auto_wrap_policy=transformer_auto_wrap_policy)  # `transformer_layer_cls` not bound
+
+
+STRATEGIES = [DDPFullyShardedStrategy, fabric.DDPFullyShardedStrategy]
+ON_GPU = {"parallel_devices": [torch.device("cuda", 0)]}  # a device object only: no CUDA needed
+
+
+@pytest.mark.parametrize("strategy_class", STRATEGIES, ids=["trainer", "fabric"])
+@pytest.mark.parametrize(
+    ("cpu_offload", "offloads"),
+    [(CPUOffload(offload_params=False), False), (CPUOffload(offload_params=True), True), (False, False),
+     (True, True), (None, False)],
+    ids=["CPUOffload-False", "CPUOffload-True", "False", "True", "None"],
+)
+def test_cpu_offload_takes_a_bool_or_torchs_cpu_offload(strategy_class: type, cpu_offload: Any, offloads: bool) -> None:
+    strategy = strategy_class(cpu_offload=cpu_offload, **ON_GPU)
+    assert strategy.cpu_offload is offloads
+    assert strategy.fsdp_kwargs()["cpu_offload"] is offloads  # what FairScale gets
+
+
+def test_cpu_offload_refuses_other_values_and_keeps_its_check_of_move_grads_to_cpu() -> None:
+    with pytest.raises(TypeError, match=r"`cpu_offload` must be True or False, or torch's .*CPUOffload.*got 'yes'"):
+        DDPFullyShardedStrategy(cpu_offload="yes")
+    with pytest.raises(ValueError, match="move_grads_to_cpu"):
+        DDPFullyShardedStrategy(cpu_offload=CPUOffload(offload_params=True), move_grads_to_cpu=False)
+    DDPFullyShardedStrategy(cpu_offload=CPUOffload(offload_params=False), move_grads_to_cpu=False)  # no offload
+
+
+class Block(nn.Module):
+    pass
+
+
+@pytest.mark.parametrize("strategy_class", STRATEGIES, ids=["trainer", "fabric"])
+@pytest.mark.parametrize(
+    "policy",
+    [{Block}, ModuleWrapPolicy({Block}), functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})],
+    ids=["set", "ModuleWrapPolicy", "transformer"],
+)
+def test_activation_checkpointing_policy_is_activation_checkpointing(strategy_class: type, policy: Any) -> None:
+    assert strategy_class(activation_checkpointing_policy=policy).activation_checkpointing == (Block,)
+    assert strategy_class(activation_checkpointing=Block).activation_checkpointing == (Block,)
+    assert strategy_class().activation_checkpointing == ()
+
+
+@pytest.mark.parametrize("strategy_class", STRATEGIES, ids=["trainer", "fabric"])
+def test_activation_checkpointing_given_twice_says_which_to_keep(strategy_class: type) -> None:
+    with pytest.raises(ValueError, match="pass one. Keep `activation_checkpointing_policy`.* remove `activation_chec"):
+        strategy_class(activation_checkpointing=Block, activation_checkpointing_policy={Block})
+    with pytest.raises(TypeError, match="`activation_checkpointing_policy` must name the classes"):
+        strategy_class(activation_checkpointing_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=1))
 
 
 def test_fsdp_keeps_the_wrap_controls_as_tuples_or_none() -> None:

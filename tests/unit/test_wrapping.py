@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
 import torch
+from fairscale.nn.wrap import default_auto_wrap_policy
 from torch import nn
+from torch.distributed.fsdp._wrap_utils import _auto_wrap as torch_auto_wrap
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 from lightning_fairscale.fsdp.wrapping import (
     add_aliases,
     apply_activation_checkpointing,
     apply_aliases,
+    checkpointing_layer_classes,
     clean_path,
     is_wrapped,
     module_aliases,
@@ -56,8 +67,10 @@ def test_size_policy_wraps_what_reaches_min_num_params(min_num_params: int, expe
         ([nn.Linear], ["", "blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up", "inp", "out"]),
         ((nn.LayerNorm, Block), ["", "blocks.0", "blocks.0.norm", "blocks.1", "blocks.1.norm"]),
         (_linears_policy, ["", "blocks.0.norm", "blocks.1.norm"]),  # a FairScale policy callable
+        (functools.partial(default_auto_wrap_policy, min_num_params=36), ["", "blocks.0", "blocks.0.up", "blocks.1",
+                                                                           "blocks.1.up"]),
     ],
-    ids=["set", "class", "list", "tuple", "callable"],
+    ids=["set", "class", "list", "tuple", "callable", "fairscale-partial"],
 )
 def test_layer_classes_and_callables_choose_the_units(policy: Any, expected: list[str]) -> None:
     # min_num_params=0 would wrap everything under the size policy: these policies must not consult it.
@@ -76,6 +89,75 @@ class WithContainers(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.attn(x, x, x)[0]
+
+
+def _layer_norms(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm)
+
+
+def _torch_signature_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """A policy with torch's signature: the same choice as `_linears_policy`."""
+    return True if recurse else isinstance(module, nn.LayerNorm)
+
+
+class TorchUnit(nn.Module):
+    """Marks what torch's FSDP would make a unit (its FSDP needs an accelerator: the marker stands in for it)."""
+
+    def __init__(self, module: nn.Module, **fsdp_kwargs: Any) -> None:
+        super().__init__()
+        self.torch_unit = module
+
+
+def torch_unit_paths(model: nn.Module, policy: Any) -> list[str]:
+    """The units torch's FSDP makes of ``model`` with ``policy``: its own auto wrap, the function FSDP calls."""
+    torch_auto_wrap(model, policy, set(), set(), {"mixed_precision": None}, TorchUnit)
+    units = (path for path, m in model.named_modules() if isinstance(m, TorchUnit))
+    return sorted(["", *(path.replace(".torch_unit", "") for path in units)])  # the root is always a unit
+
+
+SIZE_35 = ["", *BLOCK_LINEARS]
+SIZE_36 = ["", "blocks.0", "blocks.0.up", "blocks.1", "blocks.1.up"]
+LAYER_NORMS = ["", "blocks.0.norm", "blocks.1.norm"]
+
+
+@pytest.mark.parametrize(
+    ("torch_policy", "ours", "expected"),
+    [
+        (ModuleWrapPolicy({Block}), ({Block}, 0), ["", "blocks.0", "blocks.1"]),
+        (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), ({Block}, 0),
+         ["", "blocks.0", "blocks.1"]),
+        # Both count the elements of the parameters not yet in a unit: the same threshold, the same units.
+        (functools.partial(size_based_auto_wrap_policy, min_num_params=35), (None, 35), SIZE_35),
+        (functools.partial(size_based_auto_wrap_policy, min_num_params=36), (None, 36), SIZE_36),
+        (_torch_signature_policy, (_linears_policy, 0), LAYER_NORMS),
+        (functools.partial(lambda_auto_wrap_policy, lambda_fn=_layer_norms), (_linears_policy, 0), LAYER_NORMS),
+        (CustomPolicy(_layer_norms), (_linears_policy, 0), LAYER_NORMS),
+    ],
+    ids=["ModuleWrapPolicy", "transformer", "size-35", "size-36", "torch-signature", "lambda", "CustomPolicy"],
+)
+def test_torch_policies_make_the_units_of_torch_and_of_their_fairscale_equivalent(
+    torch_policy: Any, ours: tuple[Any, int], expected: list[str]
+) -> None:
+    assert torch_unit_paths(Net(), torch_policy) == expected
+    assert unit_paths(wrap(Net(), policy=torch_policy, min_num_params=0)) == expected
+    assert unit_paths(wrap(Net(), policy=ours[0], min_num_params=ours[1])) == expected
+
+
+def test_torch_size_policy_keeps_its_defaults_which_are_fairscales() -> None:
+    """No ModuleList unit, MultiheadAttention kept whole: torch's size policy has FairScale's defaults."""
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=50)
+    expected = ["", "layers.0", "layers.1"]
+    assert torch_unit_paths(WithContainers(), policy) == expected
+    assert unit_paths(wrap(WithContainers(), policy=policy)) == expected
+    assert unit_paths(wrap(WithContainers(), policy=None, min_num_params=50)) == expected
+
+
+def test_a_custom_policy_with_fsdp_arguments_of_its_own_is_refused() -> None:
+    policy = CustomPolicy(lambda m: {"sharding_strategy": "SHARD_GRAD_OP"} if isinstance(m, Block) else False)
+    with pytest.raises(ValueError, match=r"gives Block its own FSDP arguments \{'sharding_strategy'.*Return True"):
+        wrap(Net(), policy=policy)
+
+
 
 
 @pytest.mark.parametrize(
@@ -102,8 +184,13 @@ def test_size_policy_controls(policy: Any, exclude: Any, force_leaf: Any, expect
         ({nn.Linear, Block}, {Block}, None, ["", *BLOCK_LINEARS, "inp", "out"]),  # the blocks are never units
         (_linears_policy, None, {nn.Sequential}, [""]),
         ({nn.Linear}, None, None, ["", *BLOCK_LINEARS, "inp", "out"]),  # no defaults for layer classes
+        (ModuleWrapPolicy({nn.Linear}), None, {Block}, ["", "inp", "out"]),
+        (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}), {nn.Linear}, None, [""]),
     ],
-    ids=["classes-force-leaf", "classes-exclude", "callable-force-leaf", "classes-no-defaults"],
+    ids=[
+        "classes-force-leaf", "classes-exclude", "callable-force-leaf", "classes-no-defaults", "torch-object-force-leaf",
+        "torch-callable-exclude",
+    ],
 )
 def test_controls_apply_to_the_other_policies(policy: Any, exclude: Any, force_leaf: Any, expected: list[str]) -> None:
     assert unit_paths(wrap(Net(), policy=policy, exclude=exclude, force_leaf=force_leaf)) == expected
@@ -115,6 +202,8 @@ def test_controls_apply_to_the_other_policies(policy: Any, exclude: Any, force_l
         (None, 35, ["", "blocks.0", "blocks.1"]),  # the size policy would wrap up/down inside the blocks
         ({nn.Linear}, 0, ["", "blocks.0", "blocks.1", "inp", "out"]),
         (None, 10**9, ["", "blocks.0", "blocks.1"]),  # own units even when the policy wraps nothing
+        (ModuleWrapPolicy({nn.Linear}), 0, ["", "blocks.0", "blocks.1", "inp", "out"]),
+        (functools.partial(size_based_auto_wrap_policy, min_num_params=35), 0, ["", "blocks.0", "blocks.1"]),
     ],
 )
 def test_checkpointed_layers_become_units_of_their_own(policy: Any, min_num_params: int, expected: list[str]) -> None:
@@ -124,15 +213,61 @@ def test_checkpointed_layers_become_units_of_their_own(policy: Any, min_num_para
     assert unit_paths(wrap(model, policy=policy, min_num_params=min_num_params, own_units=own)) == expected
 
 
-@pytest.mark.parametrize("policy", [None, Block, {Block}, [Block, nn.Linear], frozenset({nn.Linear}), _linears_policy])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        None, Block, {Block}, [Block, nn.Linear], frozenset({nn.Linear}), _linears_policy, _torch_signature_policy,
+        ModuleWrapPolicy({Block}), CustomPolicy(_layer_norms), size_based_auto_wrap_policy,
+        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        functools.partial(default_auto_wrap_policy, min_num_params=10),
+    ],
+)
 def test_valid_auto_wrap_policies_are_accepted(policy: Any) -> None:
     validate_auto_wrap_policy(policy)
 
 
 @pytest.mark.parametrize("policy", ["Block", 3, [], (Block, "Linear"), {Block, torch.Tensor}])
 def test_invalid_auto_wrap_policies_name_what_is_accepted(policy: Any) -> None:
-    with pytest.raises(TypeError, match=r"signature `\(module, recurse, unwrapped_params, module_is_root\)"):
+    with pytest.raises(TypeError, match=r"signature `\(module, recurse, unwrapped_params, module_is_root\) -> bool` or"
+                                        r" torch's `\(module, recurse, nonwrapped_numel\)"):
         validate_auto_wrap_policy(policy)
+
+
+@pytest.mark.parametrize(
+    ("policy", "problem"),
+    [
+        (transformer_auto_wrap_policy, "torch's \\(missing a required argument: 'transformer_layer_cls'\\)"),
+        (lambda module: True, "unexpected keyword argument 'recurse'"),
+        (functools.partial(size_based_auto_wrap_policy, min_num_param=10), "unexpected keyword argument 'min_num_p"),
+    ],
+    ids=["unbound-transformer", "one-argument", "misspelt-keyword"],
+)
+def test_a_callable_of_neither_signature_is_refused_with_the_reason(policy: Any, problem: str) -> None:
+    with pytest.raises(TypeError, match=f"cannot be called with FairScale's keywords .*{problem}"):
+        validate_auto_wrap_policy(policy)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {Block}, Block, [Block], ModuleWrapPolicy({Block}),
+        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+    ],
+)
+def test_checkpointing_policies_that_name_classes_become_those_classes(policy: Any) -> None:
+    assert checkpointing_layer_classes(policy) == (Block,)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        functools.partial(size_based_auto_wrap_policy, min_num_params=10), CustomPolicy(_layer_norms),
+        _torch_signature_policy, transformer_auto_wrap_policy, "Block",
+    ],
+)
+def test_checkpointing_policies_that_select_otherwise_say_to_pass_classes(policy: Any) -> None:
+    with pytest.raises(TypeError, match="`activation_checkpointing_policy` must name the classes.*pass the classes"):
+        checkpointing_layer_classes(policy)
 
 
 def test_validate_layer_classes_returns_a_tuple_or_names_the_argument() -> None:

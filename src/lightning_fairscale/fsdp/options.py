@@ -19,6 +19,7 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
@@ -29,11 +30,12 @@ from lightning_fairscale.strategy_arguments import lightning_arguments
 from lightning_fairscale.fsdp.wrapping import (
     AutoWrapPolicy,
     auto_wrap_policy,
+    checkpointing_layer_classes,
     validate_auto_wrap_policy,
     validate_layer_classes,
 )
 
-__all__ = ["FullyShardedOptions", "validate_arguments"]
+__all__ = ["FullyShardedOptions", "offload_params", "validate_arguments"]
 
 #: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
 _MANAGED_FSDP_ARGUMENTS = {
@@ -45,6 +47,25 @@ _MANAGED_FSDP_ARGUMENTS = {
     "state_dict_device": "use `state_dict_to_cpu`",
 }
 _FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {"self"}
+#: Arguments of Lightning's ``FSDPStrategy`` (for torch's FSDP) that FairScale has no equivalent of, and what to do.
+_TORCH_FSDP_ARGUMENTS = {
+    "sharding_strategy": (
+        'FairScale shards parameters, gradients and optimizer state over all ranks ("FULL_SHARD"): remove it, or'
+        ' pass `reshard_after_forward=False` for "SHARD_GRAD_OP"; "NO_SHARD" is `strategy="ddp"`, and hybrid'
+        " sharding has no FairScale equivalent"
+    ),
+    "device_mesh": "FairScale shards over all ranks, with no hybrid sharding: remove it",
+    "limit_all_gathers": "FairScale has no all-gather rate limiter: remove it",
+    "forward_prefetch": "FairScale has no prefetch setting: remove it",
+    "backward_prefetch": "FairScale has no prefetch setting: remove it",
+    "sync_module_states": (
+        "FairScale does not broadcast rank 0's weights: seed every rank alike (`seed_everything`) or load a"
+        " checkpoint, as Lightning's FSDPStrategy needs without it"
+    ),
+    "ignored_modules": "under FairScale every parameter belongs to an FSDP unit",
+    "ignored_states": "under FairScale every parameter belongs to an FSDP unit",
+    "device_id": "the `devices` of the Trainer or Fabric choose it",
+}
 
 
 class FullyShardedOptions:
@@ -63,7 +84,7 @@ class FullyShardedOptions:
     def __init__(
         self,
         accelerator: Optional[Any] = None,
-        cpu_offload: bool = False,
+        cpu_offload: Union[bool, CPUOffload] = False,
         flatten_parameters: bool = True,
         reshard_after_forward: bool = True,
         move_grads_to_cpu: Optional[bool] = None,
@@ -87,12 +108,15 @@ class FullyShardedOptions:
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         precision: Optional[Any] = None,
         lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         **kwargs: Any,
     ) -> None:
         self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         base = lightning_arguments(locals(), self._precision_name)
-        self.activation_checkpointing = validate_layer_classes(activation_checkpointing, "activation_checkpointing")
+        self.activation_checkpointing = _checkpointing_classes(
+            activation_checkpointing, activation_checkpointing_policy
+        )
         self.activation_checkpointing_offload = activation_checkpointing_offload
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(
@@ -100,6 +124,7 @@ class FullyShardedOptions:
                 f" got {state_dict_type!r}."
             )
         self.state_dict_type = state_dict_type
+        cpu_offload = offload_params(cpu_offload)
         if cpu_offload and move_grads_to_cpu is False:
             raise ValueError(
                 "`cpu_offload=True` keeps the parameter shards in CPU memory, where the optimizer updates them, so"
@@ -242,6 +267,36 @@ class FullyShardedOptions:
                 strategy_registry.register(name, cls, description="FairScale's Fully Sharded Data Parallel")
 
 
+def offload_params(cpu_offload: Any) -> bool:
+    """Whether ``cpu_offload`` (a bool, or torch's ``CPUOffload`` as Lightning's ``FSDPStrategy`` takes it) offloads.
+
+    Example:
+        >>> offload_params(CPUOffload(offload_params=False)), offload_params(True)
+        (False, True)
+    """
+    if isinstance(cpu_offload, CPUOffload):
+        return cpu_offload.offload_params
+    if cpu_offload is None or isinstance(cpu_offload, bool):  # None: the default of Lightning's FSDPStrategy
+        return bool(cpu_offload)
+    raise TypeError(
+        "`cpu_offload` must be True or False, or torch's `torch.distributed.fsdp.CPUOffload(offload_params=...)`,"
+        f" got {cpu_offload!r}."
+    )
+
+
+def _checkpointing_classes(classes: Any, policy: Any) -> tuple[type[Module], ...]:
+    """The layer classes to checkpoint, from ``activation_checkpointing`` or Lightning's name for it."""
+    if classes is not None and policy is not None:
+        raise ValueError(
+            "`activation_checkpointing` and `activation_checkpointing_policy` both choose the layers to checkpoint,"
+            " and mean the same here: pass one. Keep `activation_checkpointing_policy` (the name Lightning's"
+            " FSDPStrategy uses) and remove `activation_checkpointing`."
+        )
+    if policy is not None:
+        return checkpointing_layer_classes(policy)
+    return validate_layer_classes(classes, "activation_checkpointing")
+
+
 def _optional_classes(value: Any, argument: str) -> Optional[tuple[type[Module], ...]]:
     return None if value is None else validate_layer_classes(value, argument)
 
@@ -264,6 +319,11 @@ def validate_arguments(
     for name in kwargs:
         if name in _MANAGED_FSDP_ARGUMENTS:
             raise TypeError(f"`DDPFullyShardedStrategy` does not take `{name}`: {_MANAGED_FSDP_ARGUMENTS[name]}.")
+        if name in _TORCH_FSDP_ARGUMENTS:
+            raise TypeError(
+                f"`DDPFullyShardedStrategy` does not take `{name}`, an argument of torch's FSDP (Lightning's"
+                f" FSDPStrategy): {_TORCH_FSDP_ARGUMENTS[name]}."
+            )
         if name not in _FSDP_ARGUMENTS:
             accepted = ", ".join(sorted(_FSDP_ARGUMENTS - set(_MANAGED_FSDP_ARGUMENTS)))
             raise TypeError(

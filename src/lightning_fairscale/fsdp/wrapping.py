@@ -1,6 +1,7 @@
 """Wrapping a LightningModule in FairScale FSDP units, and taking the units off again.
 
-* :func:`auto_wrap_policy` turns the strategy's ``auto_wrap_policy``/``min_num_params`` into FairScale's policy.
+* :func:`auto_wrap_policy` turns the strategy's ``auto_wrap_policy``/``min_num_params`` into FairScale's policy:
+  layer classes, FairScale's policy callables, and torch's (the policies of Lightning's own ``FSDPStrategy``).
 * :func:`wrap_module` wraps the large layers (auto wrap) unless the user wrapped some already (manual wrap), then
   the root, so that every parameter belongs to exactly one unit.
 * :func:`apply_activation_checkpointing` makes instances of given layer classes recompute their activations in the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
@@ -21,6 +23,8 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
 from torch import nn
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+from torch.distributed.fsdp.wrap import _Policy as TorchPolicy  # the base of torch's policy objects
 
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, fsdp_instances
 
@@ -29,8 +33,10 @@ __all__ = [
     "add_aliases",
     "apply_aliases",
     "module_aliases",
+    "policy_signature",
     "apply_activation_checkpointing",
     "auto_wrap_policy",
+    "checkpointing_layer_classes",
     "clean_path",
     "forget_root",
     "is_wrapped",
@@ -43,10 +49,16 @@ __all__ = [
     "wrapped_root",
 ]
 
-#: FairScale's policy signature: ``(module, recurse, unwrapped_params, module_is_root) -> bool``.
+#: A policy callable: FairScale's signature ``(module, recurse, unwrapped_params, module_is_root) -> bool`` or torch's
+#: ``(module, recurse, nonwrapped_numel) -> bool``.
 PolicyCallable = Callable[..., bool]
-#: What the strategy accepts: a FairScale policy callable, or layer classes whose instances become units.
-AutoWrapPolicy = Union[PolicyCallable, Iterable[type[nn.Module]]]
+#: What the strategy accepts: a policy callable, one of torch's policy objects (``ModuleWrapPolicy``...), or layer
+#: classes whose instances become units.
+AutoWrapPolicy = Union[PolicyCallable, TorchPolicy, Iterable[type[nn.Module]]]
+
+#: The keywords with which each auto wrap calls a policy callable: FairScale's ``auto_wrap`` and torch's FSDP.
+_FAIRSCALE_KEYWORDS = ("module", "recurse", "unwrapped_params", "module_is_root")
+_TORCH_KEYWORDS = ("module", "recurse", "nonwrapped_numel")
 
 _WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_fpw_module.")
 
@@ -111,6 +123,78 @@ def _with_controls(
     return policy(module=module, recurse=recurse, unwrapped_params=unwrapped_params, module_is_root=module_is_root)
 
 
+def _call_problem(policy: Callable[..., Any], keywords: tuple[str, ...]) -> Optional[str]:
+    """Why ``policy`` cannot be called with ``keywords`` (``None`` when it can)."""
+    try:
+        inspect.signature(policy).bind(**dict.fromkeys(keywords))
+    except ValueError as error:  # a partial whose bound arguments do not fit its function, a builtin
+        return str(error.__cause__ or error)
+    except TypeError as error:
+        return str(error)
+    return None
+
+
+def policy_signature(policy: Callable[..., Any]) -> Optional[str]:
+    """``"fairscale"`` or ``"torch"``: whose auto wrap can call ``policy`` (FairScale's when both can), else ``None``.
+
+    A ``functools.partial`` is read with its bound keywords, so ``partial(size_based_auto_wrap_policy,
+    min_num_params=N)`` takes torch's keywords and not FairScale's.
+
+    Example:
+        >>> from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+        >>> policy_signature(functools.partial(size_based_auto_wrap_policy, min_num_params=100))
+        'torch'
+        >>> policy_signature(functools.partial(default_auto_wrap_policy, min_num_params=100))
+        'fairscale'
+        >>> policy_signature(transformer_auto_wrap_policy) is None  # `transformer_layer_cls` is not given
+        True
+    """
+    if _call_problem(policy, _FAIRSCALE_KEYWORDS) is None:
+        return "fairscale"
+    if _call_problem(policy, _TORCH_KEYWORDS) is None:
+        return "torch"
+    return None
+
+
+def _torch_signature_policy(
+    module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool, policy: PolicyCallable
+) -> bool:
+    # Both auto wraps count the same thing: the elements (numel) of the module's parameters that no unit below it
+    # holds yet. So `min_num_params=N` makes the same units under either.
+    return bool(policy(module=module, recurse=recurse, nonwrapped_numel=unwrapped_params))
+
+
+def _torch_policy_object(
+    module: nn.Module, recurse: bool, unwrapped_params: int, module_is_root: bool, policy: TorchPolicy
+) -> bool:
+    if recurse:
+        return True  # torch runs its policy objects over every module of the model
+    # The policy asked about this module alone: FairScale asks about each submodule itself.
+    submodules = set(module.modules()) - {module}
+    chosen = policy._run_policy(module, ignored_modules=submodules, root_kwargs={})
+    if module not in chosen:
+        return False
+    if chosen[module]:
+        raise ValueError(
+            f"`auto_wrap_policy={policy!r}` gives {type(module).__name__} its own FSDP arguments {chosen[module]}."
+            " Those are arguments of torch's FSDP; every FairScale unit of the strategy is built with the strategy's"
+            " settings. Return True for this module instead of a dict."
+        )
+    return True
+
+
+def _as_fairscale_policy(policy: AutoWrapPolicy) -> PolicyCallable:
+    """``policy`` (layer classes, a policy callable of either signature, a torch policy object) as FairScale's."""
+    if isinstance(policy, TorchPolicy):  # before `callable`: ModuleWrapPolicy is callable too
+        return functools.partial(_torch_policy_object, policy=policy)
+    if isinstance(policy, type) or not callable(policy):
+        classes = (policy,) if isinstance(policy, type) else tuple(policy)
+        return functools.partial(_wrap_layer_classes, layer_classes=classes)
+    if policy_signature(policy) == "torch":
+        return functools.partial(_torch_signature_policy, policy=policy)
+    return policy
+
+
 def auto_wrap_policy(
     policy: Optional[AutoWrapPolicy],
     min_num_params: int,
@@ -123,7 +207,10 @@ def auto_wrap_policy(
 
     Args:
         policy: ``None`` for FairScale's size policy with ``min_num_params``; a set (or list, tuple) of layer classes
-            to make each instance of them its own unit; or a callable with FairScale's policy signature.
+            to make each instance of them its own unit; a callable with FairScale's policy signature or with torch's
+            (``partial(transformer_auto_wrap_policy, ...)``, ``partial(size_based_auto_wrap_policy, ...)``); or one
+            of torch's policy objects (``ModuleWrapPolicy``, ``CustomPolicy``), which make the same units as under
+            torch's FSDP.
         min_num_params: the size threshold of the default policy.
         exclude_wrap_modules: layer classes never made units themselves (their children still can be). ``None``:
             FairScale's default for the size policy (``nn.ModuleList``, ``nn.ModuleDict``: containers without a
@@ -142,6 +229,10 @@ def auto_wrap_policy(
         True
         >>> policy(nn.ReLU(), recurse=False, unwrapped_params=0, module_is_root=False)
         False
+        >>> from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        >>> policy = auto_wrap_policy(ModuleWrapPolicy({nn.Linear}), min_num_params=0)
+        >>> policy(nn.Linear(2, 2), recurse=False, unwrapped_params=6, module_is_root=False)
+        True
         >>> policy = auto_wrap_policy(None, min_num_params=10, exclude_wrap_modules={nn.Sequential})
         >>> policy(nn.Sequential(nn.Linear(4, 4)), recurse=False, unwrapped_params=20, module_is_root=False)
         False
@@ -155,11 +246,7 @@ def auto_wrap_policy(
             force_leaf_modules=None if force_leaf_modules is None else set(force_leaf_modules),
         )
     else:
-        if callable(policy) and not isinstance(policy, type):
-            base = policy
-        else:
-            classes = tuple(policy) if not isinstance(policy, type) else (policy,)
-            base = functools.partial(_wrap_layer_classes, layer_classes=classes)
+        base = _as_fairscale_policy(policy)
         if exclude_wrap_modules or force_leaf_modules:
             base = functools.partial(
                 _with_controls,
@@ -182,21 +269,58 @@ def auto_wrap_policy(
 
 def validate_auto_wrap_policy(policy: Any) -> None:
     """Raise a ``TypeError`` that says what is accepted when ``policy`` is not a valid ``auto_wrap_policy``."""
-    if policy is None:
+    if policy is None or isinstance(policy, TorchPolicy):
         return
     if isinstance(policy, type):
         policy = {policy}
+    problem = ""
     if callable(policy):
-        return
-    if isinstance(policy, (set, frozenset, list, tuple)) and policy:
+        if policy_signature(policy) is not None:
+            return
+        problem = (
+            f": it cannot be called with FairScale's keywords ({_call_problem(policy, _FAIRSCALE_KEYWORDS)}) nor with"
+            f" torch's ({_call_problem(policy, _TORCH_KEYWORDS)})"
+        )
+    elif isinstance(policy, (set, frozenset, list, tuple)) and policy:
         bad = [c for c in policy if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if not bad:
             return
     raise TypeError(
-        "`auto_wrap_policy` must be a callable with FairScale's policy signature"
-        " `(module, recurse, unwrapped_params, module_is_root) -> bool` or a non-empty set of `nn.Module`"
-        f" subclasses whose instances become FSDP units, got {policy!r}."
+        "`auto_wrap_policy` must be a non-empty set of `nn.Module` subclasses whose instances become FSDP units, a"
+        " callable with FairScale's policy signature `(module, recurse, unwrapped_params, module_is_root) -> bool`"
+        " or torch's `(module, recurse, nonwrapped_numel) -> bool` (for example"
+        " `functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`), or one of torch's"
+        f" policy objects (`ModuleWrapPolicy({{Block}})`), got {policy!r}{problem}."
     )
+
+
+def checkpointing_layer_classes(policy: Any) -> tuple[type[nn.Module], ...]:
+    """The layer classes named by ``activation_checkpointing_policy`` (the argument of Lightning's ``FSDPStrategy``).
+
+    Lightning checkpoints the modules its policy selects; the policies that select by class (a set of classes,
+    ``ModuleWrapPolicy``, ``partial(transformer_auto_wrap_policy, transformer_layer_cls=...)``) become those classes,
+    the strategy's ``activation_checkpointing``. A ``TypeError`` says what to pass for any other policy.
+
+    Example:
+        >>> checkpointing_layer_classes(ModuleWrapPolicy({nn.Linear}))
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    classes: Any = policy
+    if isinstance(policy, ModuleWrapPolicy):
+        classes = policy._module_classes  # torch's record of the classes it was given
+    elif isinstance(policy, functools.partial) and policy.func is transformer_auto_wrap_policy:
+        classes = policy.keywords.get("transformer_layer_cls")
+    try:
+        return validate_layer_classes(classes, "activation_checkpointing_policy")
+    except TypeError:
+        raise TypeError(
+            "`activation_checkpointing_policy` must name the classes of the layers to checkpoint: a set of"
+            " `nn.Module` subclasses (`{Block}`), `ModuleWrapPolicy({Block})` or"
+            " `functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`, got"
+            f" {policy!r}. The strategy checkpoints every instance of the given classes; a policy that selects"
+            " layers otherwise (by size, by a function) cannot be mapped onto classes: pass the classes of the"
+            " layers it selects."
+        ) from None
 
 
 def validate_layer_classes(value: Any, argument: str) -> tuple[type[nn.Module], ...]:

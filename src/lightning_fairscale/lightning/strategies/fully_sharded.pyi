@@ -41,7 +41,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
     Args:
         accelerator: the accelerator; the Trainer sets it.
-        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs).
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
+            bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
         flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
         reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
         move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
@@ -56,8 +57,12 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
         process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
         auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
-            (each instance its own unit), or a callable with FairScale's policy signature
-            ``(module, recurse, unwrapped_params, module_is_root) -> bool``. Default: by size (``min_num_params``).
+            (each instance its own unit), a callable with FairScale's policy signature
+            ``(module, recurse, unwrapped_params, module_is_root) -> bool``, or what Lightning's ``FSDPStrategy``
+            takes: a callable with torch's signature ``(module, recurse, nonwrapped_numel) -> bool`` (such as
+            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or torch's
+            ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
+            (``min_num_params``).
         exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
             still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
         force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
@@ -65,6 +70,9 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
             the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
         activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``: a set of
+            layer classes, ``ModuleWrapPolicy({Block})`` or ``partial(transformer_auto_wrap_policy,
+            transformer_layer_cls={Block})``. Pass one of the two arguments.
         state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
             gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
             directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
