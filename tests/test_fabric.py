@@ -30,6 +30,12 @@ LOOP = ("--accumulate", "2", "--clip-norm", "0.05", "--samples", "16")  # two mi
 BLOCKS = ("--strategy", "fsdp", "--policy", "blocks", "--checkpointing")
 
 
+#: AdamW with decay on weights only (param groups that split every unit of the size policy), and frozen weights in
+#: units that also train (the first layer's, and a Block's).
+FROZEN = ("net.0.weight", "net.1.up.weight")
+RECIPE = ("--strategy", "fsdp", "--policy", "size", "--optimizer", "adamw", "--params", "split", "--freeze", *FROZEN)
+
+
 def reference(steps: int) -> dict[str, torch.Tensor]:
     return reference_training(steps, "adam", accumulate=2, clip=(0.05, "norm"))
 
@@ -58,6 +64,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         "fsdp": [*LOOP, *BLOCKS, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck"),
                  "--resume-setup", "after,separate"],
         **{f"mixed-{s}-{p}": [*LOOP, "--strategy", s, "--steps", "2", "--precision", p] for s, p, _ in MIXED},
+        "recipe": [*LOOP, *RECIPE, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck-recipe"),
+                   "--resume-setup", "separate,joint"],
     }  # fmt: skip
     return run_jobs(folder, jobs, script=FABRIC_SCRIPT)
 
@@ -76,6 +84,16 @@ def test_fsdp_loop_equals_unsharded_training(fsdp_run: dict[str, Any]) -> None:
     # Loaded half-way into fresh models and optimizers, set up in other ways, training continues exactly.
     assert max_difference(fsdp_run["resumed"]["full"], fsdp_run["final"]) == 0.0
     assert max_difference(fsdp_run["resumed"]["sharded"], fsdp_run["final"]) == 0.0
+
+
+def test_the_recipe_equals_unsharded_training_and_resumes_exactly(runs: Jobs) -> None:
+    result = runs["recipe"]
+    expected = reference_training(4, "adamw", accumulate=2, clip=(0.05, "norm"), freeze=FROZEN, params="split")
+    assert max_difference(result["final"], expected) < ATOL
+    initial = reference_training(0)
+    assert all(torch.equal(result["final"][name], initial[name]) for name in FROZEN)
+    assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
+    assert max_difference(result["resumed"]["sharded"], result["final"]) == 0.0
 
 
 def test_fabric_checkpoints_are_the_trainers_files(fsdp_run: dict[str, Any], tmp_path: Path) -> None:

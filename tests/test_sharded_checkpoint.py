@@ -33,6 +33,10 @@ SETUPS = {
     "manual-wrap-aliases": ("--model", "manual", "--optimizer", "sgd"),
     "bf16-mixed": ("--precision", "bf16-mixed"),
 }
+#: The recipe of a modern fine-tuning script: AdamW with decay on weights and none on biases (two param groups that
+#: split every FSDP unit), the first layer's and a block's weights frozen inside units that also train, clipping.
+FROZEN = ("net.0.weight", "net.1.up.weight")
+RECIPE = ("--optimizer", "adamw", "--params", "split", "--freeze", *FROZEN, "--clip-val", "0.05")
 # Rank 0 writes its shard, then meta.pt, for each sharded checkpoint: 3 is its second shard, 4 the second meta.pt.
 KILLS = {
     "full-rank0": ("full", 0, 2),
@@ -61,6 +65,11 @@ def first(folder: Path) -> Jobs:
             *STEPS, "--checkpoint-dir", str(folder / "ck-top-k"), "--save-top-k", "2", "--state-dict-type", "sharded"
         ],
     }
+    for kind in ("full", "sharded"):  # the recipe: straight, then resumed at step 2 (the next jobs of this launch)
+        jobs[f"recipe-{kind}"] = [*RECIPE, *STEPS, "--checkpoint-dir", str(folder / f"recipe-{kind}"),
+                                  "--state-dict-type", kind]  # fmt: skip
+    for kind in ("full", "sharded"):
+        jobs[f"recipe-resumed-{kind}"] = [*RECIPE, *STEPS, "--ckpt-path", str(folder / f"recipe-{kind}" / SOURCE)]
     for name, variant in SETUPS.items():
         for kind in ("full", "sharded"):
             directory = str(folder / f"setup-{name}-{kind}")
@@ -96,6 +105,7 @@ def one_process(source: Path, consolidated: dict[str, Any], folder: Path) -> Job
         ],
         "continued-1": [*STEPS, "--ckpt-path", source_path, *devices, "--state-dict-type", "sharded"],
         "another-wrapping": [*STEPS, "--ckpt-path", source_path, "--policy", "blocks", *devices],
+        "recipe-resumed-1": [*RECIPE, *STEPS, "--ckpt-path", str(folder / "recipe-sharded" / SOURCE), *devices],
     }
     return run_jobs(folder / "one_process", jobs, failing=["another-wrapping"])
 
@@ -349,6 +359,67 @@ def test_consolidation_matches_full_checkpoints_of_other_setups(
     assert max_difference(ours["state_dict"], full["state_dict"]) == 0.0
     (a,), (b,) = ours["optimizer_states"], full["optimizer_states"]
     assert a["param_groups"] == b["param_groups"]
+    for index, state in b["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value)), (index, key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recipe: param groups that split units, frozen parameters inside units that train
+
+
+def _recipe_reference(steps: int = 4) -> dict[str, torch.Tensor]:
+    return reference_training(
+        steps, "adamw", clip=(0.05, "norm"), scheduler=True, num_samples=8, freeze=FROZEN, params="split"
+    )
+
+
+def test_the_recipe_equals_unsharded_training_and_leaves_frozen_weights_untouched(first: Jobs) -> None:
+    initial = reference_training(0, "adamw", num_samples=8)
+    expected = _recipe_reference()
+    for kind in ("full", "sharded"):
+        result = first[f"recipe-{kind}"]
+        assert max_difference(result["state_dict"], expected) < 2e-5, kind
+        for name in FROZEN:
+            assert torch.equal(result["state_dict"][name], initial[name]), (kind, name)
+    # The groups' hyperparameters and the freezing change the result: the equality above shows both kept.
+    assert max_difference(expected, reference_training(4, "adamw", clip=(0.05, "norm"), scheduler=True, num_samples=8)) > 1e-3
+
+
+def test_the_recipe_holds_optimizer_state_for_trainable_parameters_only(first: Jobs, folder: Path) -> None:
+    model = reference_training(0, "adamw", num_samples=8)
+    # Rank 0's Adam state at the end of fit, against the same model's without freezing (the "full" run).
+    frozen_bytes = first["recipe-full"]["memory"]["memory/optimizer_state_bytes"]
+    all_bytes = first["full"]["memory"]["memory/optimizer_state_bytes"]
+    assert frozen_bytes < 0.8 * all_bytes
+    checkpoint = torch.load(folder / "recipe-full" / SOURCE, weights_only=False)
+    [state] = checkpoint["optimizer_states"]
+    names = [n for group in _recipe_groups(model) for n in group]
+    assert [names[i] for i in sorted(state["state"])] == [n for n in names if n not in FROZEN]
+    assert [g["weight_decay"] for g in state["param_groups"]] == [0.1, 0.0]
+
+
+def _recipe_groups(state_dict: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The names in the param groups of ``split_param_groups``, in its order."""
+    names = list(state_dict)
+    return [[n for n in names if n.endswith("weight")], [n for n in names if n.endswith("bias")]]
+
+
+@pytest.mark.parametrize("resume", ["resumed-full", "resumed-sharded", "resumed-1"])
+def test_the_recipe_resumes_exactly(first: Jobs, one_process: Jobs, resume: str) -> None:
+    """Half-way from a full checkpoint, a sharded one, and the sharded one on one process (resharded)."""
+    result = (one_process if resume.endswith("-1") else first)[f"recipe-{resume}"]
+    assert result["global_step"] == 4
+    assert max_difference(result["state_dict"], first["recipe-sharded"]["state_dict"]) < 1e-6
+
+
+def test_the_recipes_sharded_checkpoint_consolidates_to_its_full_one(first: Jobs, folder: Path, tmp_path: Path) -> None:
+    consolidate(folder / "recipe-sharded" / SOURCE, tmp_path / "consolidated.ckpt")
+    ours = torch.load(tmp_path / "consolidated.ckpt", weights_only=False)
+    full = torch.load(folder / "recipe-full" / SOURCE, weights_only=False)
+    assert max_difference(ours["state_dict"], full["state_dict"]) == 0.0
+    (a,), (b,) = ours["optimizer_states"], full["optimizer_states"]
+    assert a["param_groups"] == b["param_groups"] and sorted(a["state"]) == sorted(b["state"])
     for index, state in b["state"].items():
         for key, value in state.items():
             assert torch.equal(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value)), (index, key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,7 +58,7 @@ def split_param_groups(module: nn.Module) -> list[dict[str, Any]]:
     """Weights and biases in two param groups whose hyperparameters change the result (``params="split"``)."""
     weights = [p for n, p in module.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in module.named_parameters() if n.endswith("bias")]
-    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.01}]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.01, "weight_decay": 0.0}]
 
 
 class RegressionModel(LightningModule):
@@ -190,7 +191,7 @@ def reference_training(
     start: Optional[dict[str, Any]] = None,
     step_offset: int = 0,
     num_samples: int = NUM_SAMPLES,
-    freeze: Optional[str] = None,
+    freeze: Sequence[str] = (),
     params: str = "self",
     lr: Optional[float] = None,
 ) -> dict[str, torch.Tensor]:
@@ -201,8 +202,8 @@ def reference_training(
     model = RegressionModelWrapper(net)
     if start is not None:
         model.load_state_dict(start)
-    if freeze:
-        model.get_parameter(freeze).requires_grad_(False)
+    for name in freeze:
+        model.get_parameter(name).requires_grad_(False)
     opt = make_optimizer(optimizer, split_param_groups(model) if params == "split" else model.parameters())
     for group in opt.param_groups if lr is not None else ():
         group["lr"] = lr

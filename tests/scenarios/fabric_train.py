@@ -36,6 +36,7 @@ from scenarios.common import (  # noqa: E402
     build_network,
     dataset,
     make_optimizer,
+    split_param_groups,
 )
 from scenarios.flavor import PACKAGE, Fabric  # noqa: E402
 from scenarios.jobs import run_jobs  # noqa: E402
@@ -49,6 +50,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--optimizer", default="adam")
+    p.add_argument("--params", default="self", choices=["self", "split"], help="split: split_param_groups")
+    p.add_argument("--freeze", nargs="*", default=(), help="freeze these parameters (by name) before set-up")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip-norm", type=float, default=None)
     p.add_argument("--clip-val", type=float, default=None)
@@ -84,8 +87,9 @@ def make_strategy(args: argparse.Namespace) -> Any:
     return args.strategy  # a registry name
 
 
-def set_up(fabric: Any, how: str, optimizer_name: str, init_module: bool = False) -> tuple[Any, Any]:
-    """A fresh model and Adam (the same initial weights every time), set up as ``how`` says."""
+def set_up(fabric: Any, how: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """A fresh model and optimizer (the same initial weights every time), set up as ``how`` says."""
+    optimizer_name, init_module = args.optimizer, args.init_module
     if init_module:
         from fairscale.nn import wrap
 
@@ -97,10 +101,13 @@ def set_up(fabric: Any, how: str, optimizer_name: str, init_module: bool = False
         model = RegressionModelWrapper(network)
     else:
         model = RegressionModelWrapper(build_network())
+    for name in args.freeze:
+        model.get_parameter(name).requires_grad_(False)
+    params = split_param_groups(model) if args.params == "split" else model.parameters()
     if how == "joint":
-        return fabric.setup(model, make_optimizer(optimizer_name, model.parameters()))
+        return fabric.setup(model, make_optimizer(optimizer_name, params))
     if how == "separate":
-        optimizer = make_optimizer(optimizer_name, model.parameters())
+        optimizer = make_optimizer(optimizer_name, params)
         return fabric.setup_module(model), fabric.setup_optimizers(optimizer)
     model = fabric.setup_module(model)
     return model, fabric.setup_optimizers(make_optimizer(optimizer_name, model.parameters()))
@@ -160,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def run(fabric: Any, args: argparse.Namespace) -> None:
     work = Path(args.save_dir or Path(args.out).parent)
     work.mkdir(parents=True, exist_ok=True)
-    model, optimizer = set_up(fabric, args.setup, args.optimizer, args.init_module)
+    model, optimizer = set_up(fabric, args.setup, args)
     result: dict[str, Any] = {
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
@@ -198,7 +205,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         setups = (args.resume_setup or "joint,joint").split(",")
         kinds = ["full", "sharded"] if getattr(fabric.strategy, "state_dict_type", None) else ["full"]
         for kind, how in zip(kinds, setups):
-            fresh, fresh_optimizer = set_up(fabric, how, args.optimizer, args.init_module)
+            fresh, fresh_optimizer = set_up(fabric, how, args)
             state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
             remainder = fabric.load(work / f"{kind}.ckpt", state)
             assert state["step"] == args.save_at and not remainder, (state["step"], remainder)

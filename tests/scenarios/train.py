@@ -214,7 +214,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout in seconds")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--depth", type=int, default=2, help="number of Blocks of the regression model")
-    p.add_argument("--freeze", default=None, help="freeze this parameter (by name) before training")
+    p.add_argument("--freeze", nargs="*", default=(), help="freeze these parameters (by name) before training")
     p.add_argument("--compute-dtype", default=None, choices=["float16", "bfloat16"])
     p.add_argument("--move-grads-to-cpu", type=int, default=None)
     p.add_argument("--lose-rank", type=int, default=None, help="this rank is lost at --lose-at-step")
@@ -248,8 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         model.cuda()
     if args.example_input:
         model.example_input_array = torch.zeros(2, IN_FEATURES)
-    if args.freeze:
-        model.get_parameter(args.freeze).requires_grad_(False)
+    for name in args.freeze:
+        model.get_parameter(name).requires_grad_(False)
     policy: Any = None
     if args.policy == "blocks":
         policy = {Block}
