@@ -49,6 +49,11 @@ MIXED = {  # Lightning maps the "16-mixed" flag to bf16 on CPU: the fp16 case pa
     "16-mixed": (["--precision-plugin", "16-mixed"], "torch.float16"),
 }
 CLIP_MIXED = {"16": ["--precision-plugin", "16-mixed"], "bf16": ["--precision", "bf16-mixed"]}
+#: Param groups that split units and frozen weights inside units that train, under fp16 loss scaling (unscaled
+#: gradients of the trainable parameters only are clipped) and activation checkpointing.
+FROZEN = ("net.0.weight", "net.1.up.weight")
+RECIPE_MIXED = ["--params", "split", "--freeze", *FROZEN, "--checkpointing", "--optimizer", "sgd", "--steps", "3",
+                "--clip-val", "0.05", "--precision-plugin", "16-mixed"]  # fmt: skip
 UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
 
 JOBS: dict[str, list[str]] = {
@@ -65,6 +70,7 @@ JOBS: dict[str, list[str]] = {
     **{f"clip-mixed-{n}": ["--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *a] for n, a in CLIP_MIXED.items()},
     **{f"unsupported-{precision}": ["--precision", precision, "--steps", "1"] for precision in UNSUPPORTED},
     "cpu-offload": ["--cpu-offload", "--steps", "2"],
+    "recipe-mixed": RECIPE_MIXED,
     "summary": ["--policy", "blocks", "--steps", "2"],
 }
 
@@ -171,6 +177,14 @@ def test_mixed_precision_trains_in_the_requested_dtype(runs: Jobs, name: str) ->
     assert losses[-1] < losses[0] / 5, losses
     # The FP32 master shards come back unwrapped in FP32.
     assert all(v.dtype == torch.float32 for v in result["state_dict"].values())
+
+
+def test_param_groups_and_frozen_weights_under_fp16_and_checkpointing(runs: Jobs) -> None:
+    result = runs["recipe-mixed"]
+    expected = reference_training(3, "sgd", clip=(0.05, "norm"), freeze=FROZEN, params="split")
+    assert max_difference(result["state_dict"], expected) < 1e-4
+    initial = reference_training(0, "sgd")
+    assert all(torch.equal(result["state_dict"][name], initial[name]) for name in FROZEN)
 
 
 @pytest.mark.parametrize("precision", UNSUPPORTED)

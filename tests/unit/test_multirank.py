@@ -68,9 +68,48 @@ def rank_batch(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: 
     return tuple(t[rank::world_size] for t in batch)
 
 
+def _views_model() -> nn.Module:
+    """One unit of 26 elements (split 13/13 or 9/9/8 by ranks: the weight of the first Linear crosses a boundary
+    on 3 ranks, its bias on 2), and one of a single element (every rank but the first holds only padding)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1), nn.Linear(1, 1, bias=False))
+    model[1].weight.requires_grad_(False)  # frozen, in a unit that trains
+    return model
+
+
+def view_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's views of :func:`_views_model`: ``(name, start in the parameter, values, requires_grad)`` each, and
+    after one AdamW step with decay on weights only, the parameters and the consolidated state."""
+    model = _views_model()
+    named = dict(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named.items() if n.endswith("weight")], "weight_decay": 0.5},
+        {"params": [p for n, p in named.items() if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+    sharded = shard(model, torch.optim.AdamW(groups, lr=0.1), policy={nn.Linear}, exclude={nn.Sequential},
+                    min_num_params=0)  # fmt: skip
+    views = []
+    for group in sharded.optimizer.param_groups:
+        for param in group["params"]:
+            [(managed, k)] = sharded.layout.locate(param)
+            piece = sharded.layout.managed[managed].pieces[k]
+            start, _ = sharded.layout.global_range(managed, sharded.layout.view(managed, k))
+            views.append((piece.name, start - piece.offset, param.detach().clone(), param.requires_grad))
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    loss = (sharded.root(x) ** 2).mean()
+    loss.backward()
+    sharded.optimizer.step()
+    return {
+        "views": views,
+        "parameters": parameters_of(unwrap_module(sharded.root)),
+        "inputs": x,
+        "consolidated": sharded.consolidate(),
+    }
+
+
 def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
     fairscale_cpu.install()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"views": view_checks(rank, world_size)}
     for optimizer, flatten in CASES:
         model = Net()
         sharded = shard(model, OPTIMIZERS[optimizer](param_groups(model, flatten)), POLICY[flatten], flatten)
@@ -247,6 +286,37 @@ def _unsharded_optimizer_state(local: list[dict[str, Any]]) -> tuple[dict[str, A
             views.append((m, piece, offset, offset + params[m]["numels"][piece]))
         groups.append({**group, "params": indices})
     return {"state": state, "param_groups": groups}, {**local[0]["layout"], "views": views}
+
+
+def test_each_original_parameter_is_the_union_of_its_views_on_the_ranks(ranks: list[Any]) -> None:
+    model = _views_model()
+    expected = dict(model.named_parameters())
+    for name, param in expected.items():
+        parts = sorted((start, values) for r in ranks for n, start, values, _ in r["views"]["views"] if n == name)
+        assert [start for start, _ in parts] == [sum(v.numel() for _, v in parts[:i]) for i in range(len(parts))]
+        assert torch.equal(torch.cat([v for _, v in parts]), param.detach().reshape(-1)), name
+        assert all(grad == param.requires_grad for r in ranks for n, _, _, grad in r["views"]["views"] if n == name)
+    split = {n for r in ranks for n, start, _, _ in r["views"]["views"] if start > 0}
+    assert split, "some parameter should cross a shard boundary"
+    # The single-element unit: only rank 0 holds it, the others hold padding and have no view of it.
+    assert [sum(n == "2.weight" for n, _, _, _ in r["views"]["views"]) for r in ranks] == [1] + [0] * (len(ranks) - 1)
+
+
+def test_adamw_groups_across_units_and_a_frozen_weight_equal_plain_training(ranks: list[Any]) -> None:
+    model = _views_model()
+    named = dict(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named.items() if n.endswith("weight")], "weight_decay": 0.5},
+        {"params": [p for n, p in named.items() if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+    plain = torch.optim.AdamW(groups, lr=0.1)
+    x = torch.cat([r["views"]["inputs"] for r in ranks])
+    ((model(x) ** 2).mean()).backward()
+    plain.step()
+    for r in ranks:
+        assert_tensors_equal(r["views"]["parameters"], parameters_of(model))
+    assert_optimizer_states_equal(ranks[0]["views"]["consolidated"], plain.state_dict())
+    assert sorted(ranks[0]["views"]["consolidated"]["state"]) == sorted(plain.state_dict()["state"])
 
 
 def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[Any], expected: Any) -> None:
