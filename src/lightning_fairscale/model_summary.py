@@ -91,9 +91,12 @@ class ParameterCounts:
                     continue
                 flat.add(id(param))
                 total, offset = sum(param._param_numels), 0
+                # Frozen pieces of a unit that also trains (FairScale workaround 11) count as frozen.
+                frozen = param.__dict__.get("_lightning_fairscale_frozen") or [False] * len(param._param_infos)
                 for piece, ((_, owner, name), numel) in enumerate(zip(param._param_infos, param._param_numels)):
                     local = _local_elements(offset, numel, total, unit.world_size, unit.rank)
-                    self._counts[(id(param), piece)] = _Count(numel, local, param.requires_grad)
+                    trainable = param.requires_grad and not frozen[piece]
+                    self._counts[(id(param), piece)] = _Count(numel, local, trainable)
                     pieces[(id(owner), name)] = (id(param), piece)
                     self._owned.setdefault(id(owner), []).append((id(param), piece))
                     offset += numel
