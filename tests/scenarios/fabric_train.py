@@ -57,6 +57,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
     p.add_argument("--init-module", action="store_true",
                    help="build the model in fabric.init_module(), wrapping each Block with fairscale.nn.wrap")
+    p.add_argument("--empty-init", action="store_true",
+                   help="build the model in fabric.init_module(empty_init=True): on the meta device, initialised when"
+                   " sharded (build_network's seed, 1234, is then the random state the units start from)")
     p.add_argument("--setup", default="joint", choices=["joint", "separate", "after"],
                    help="joint: fabric.setup(model, optimizer); separate: optimizer made first, then setup_module and"
                    " setup_optimizers; after: setup_module, then the optimizer over the set-up model's parameters")
@@ -84,17 +87,22 @@ def make_strategy(args: argparse.Namespace) -> Any:
     return args.strategy  # a registry name
 
 
-def set_up(fabric: Any, how: str, optimizer_name: str, init_module: bool = False) -> tuple[Any, Any]:
+def set_up(
+    fabric: Any, how: str, optimizer_name: str, init_module: bool = False, empty_init: bool = False
+) -> tuple[Any, Any]:
     """A fresh model and Adam (the same initial weights every time), set up as ``how`` says."""
     if init_module:
         from fairscale.nn import wrap
 
-        with fabric.init_module():  # manual wrap: each Block becomes an FSDP unit right here
+        with fabric.init_module(empty_init=empty_init):  # manual wrap: each Block becomes an FSDP unit right here
             network = build_network()
             for index, layer in enumerate(network):
                 if isinstance(layer, Block):
                     network[index] = wrap(layer)
         model = RegressionModelWrapper(network)
+    elif empty_init:
+        with fabric.init_module(empty_init=True):
+            model = RegressionModelWrapper(build_network())
     else:
         model = RegressionModelWrapper(build_network())
     if how == "joint":
@@ -160,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def run(fabric: Any, args: argparse.Namespace) -> None:
     work = Path(args.save_dir or Path(args.out).parent)
     work.mkdir(parents=True, exist_ok=True)
-    model, optimizer = set_up(fabric, args.setup, args.optimizer, args.init_module)
+    model, optimizer = set_up(fabric, args.setup, args.optimizer, args.init_module, args.empty_init)
     result: dict[str, Any] = {
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
@@ -198,7 +206,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         setups = (args.resume_setup or "joint,joint").split(",")
         kinds = ["full", "sharded"] if getattr(fabric.strategy, "state_dict_type", None) else ["full"]
         for kind, how in zip(kinds, setups):
-            fresh, fresh_optimizer = set_up(fabric, how, args.optimizer, args.init_module)
+            fresh, fresh_optimizer = set_up(fabric, how, args.optimizer, args.init_module, args.empty_init)
             state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
             remainder = fabric.load(work / f"{kind}.ckpt", state)
             assert state["step"] == args.save_at and not remainder, (state["step"], remainder)

@@ -26,7 +26,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import check_materializable
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
@@ -111,8 +110,6 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[
     The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
     ``layout.forget_originals()``. ``describe`` gets the summary of the units (the front end's way to log it).
     """
-    # A module built on the meta device fails here, on every rank alike, when a part of it cannot be initialised.
-    check_materializable(module, options.param_init_fn)
     # Materialising replaces the meta parameters: kept alive until the layout knows where they went, so that the
     # ids it knows them by stay theirs (they hold no memory).
     placeholders = [param for param in module.parameters() if param.is_meta]

@@ -23,6 +23,7 @@ from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
 from torch import nn
 
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, fsdp_instances
+from lightning_fairscale.fsdp.materialize import check_materializable
 
 __all__ = [
     "AutoWrapPolicy",
@@ -256,6 +257,9 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     the ``policy`` decides which submodules become units. The remaining parameters go to the root unit.
     Must be called inside an ``enable_wrap`` context that carries ``fsdp_kwargs``.
     """
+    # A module built on the meta device fails here, on every rank alike and before any unit is materialised, when a
+    # part of it cannot be initialised.
+    check_materializable(module, fsdp_kwargs.get("param_init_fn"))
     frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     try:
         if not is_wrapped(module):

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
+from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
@@ -233,7 +233,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         takes the sharded module as it is, and ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint
         as during training. Call :meth:`unshard_module` to get the full module back. As Lightning's own FSDP
         strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
-        parameter shards that moving them would break.
+        parameter shards that moving them would break. A module still on the meta device (the stage failed before
+        wrapping it) is not moved either: it has no data to move.
         """
         ...
 
