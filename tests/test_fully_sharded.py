@@ -54,16 +54,17 @@ MIXED = {  # Lightning maps the "16-mixed" flag to bf16 on CPU: the fp16 case pa
 }
 CLIP_MIXED = {"16": ["--precision-plugin", "16-mixed"], "bf16": ["--precision", "bf16-mixed"]}
 UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
-#: Models built without memory, initialised unit by unit as they are sharded: (arguments, reference steps, optimizer);
-#: and the order in which they initialise their modules. The meta-device runs seed each rank apart: every rank must still get rank 0's weights.
-META: dict[str, tuple[list[str], int, str]] = {
-    "empty-init": (["--init", "empty", "--policy", "blocks", "--steps", "3"], 3, "adam"),
-    "device": (["--init", "meta", "--init-seed-per-rank", "--steps", "3"], 3, "adam"),
-    "manual": (["--init", "meta", "--init-seed-per-rank", "--model", "manual", "--optimizer", "sgd"], 4, "sgd"),
-    "unflattened": (["--init", "empty", "--flatten", "0", "--policy", "blocks", "--steps", "2"], 2, "adam"),
-}
-META_ORDERS = {"empty-init": BLOCK_UNITS_ORDER, "device": LINEAR_UNITS_ORDER, "manual": BLOCK_UNITS_ORDER,
-               "unflattened": BLOCK_UNITS_ORDER}  # fmt: skip
+#: Models built without memory, initialised unit by unit as they are sharded: (arguments, then the reference's steps,
+#: optimizer, and order in which its modules are initialised). The meta-device runs seed each rank apart: every rank
+#: must still get rank 0's weights.
+META: dict[str, tuple[list[str], int, str, list[str]]] = {
+    "empty-init": (["--init", "empty", "--policy", "blocks", "--steps", "3"], 3, "adam", BLOCK_UNITS_ORDER),
+    "device": (["--init", "meta", "--init-seed-per-rank", "--steps", "3"], 3, "adam", LINEAR_UNITS_ORDER),
+    "manual": (["--init", "meta", "--init-seed-per-rank", "--model", "manual", "--optimizer", "sgd"], 4, "sgd",
+               BLOCK_UNITS_ORDER),
+    "unflattened": (["--init", "empty", "--flatten", "0", "--policy", "blocks", "--steps", "2"], 2, "adam",
+                    BLOCK_UNITS_ORDER),
+}  # fmt: skip
 
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
@@ -79,7 +80,7 @@ JOBS: dict[str, list[str]] = {
     **{f"unsupported-{precision}": ["--precision", precision, "--steps", "1"] for precision in UNSUPPORTED},
     "cpu-offload": ["--cpu-offload", "--steps", "2"],
     "summary": ["--policy", "blocks", "--steps", "2"],
-    **{f"meta-{name}": args for name, (args, _, _) in META.items()},
+    **{f"meta-{name}": args for name, (args, *_) in META.items()},
     "meta-uninitializable": ["--init", "meta", "--uninitializable", "--steps", "1"],
 }
 
@@ -224,8 +225,8 @@ def test_model_built_without_memory_is_initialised_as_sharded_and_trains_exactly
     wrap), each unit is materialised and initialised by ``reset_parameters()`` just before it is sharded. The
     reference starts from the weights those calls give in the same order on one process, then trains unsharded."""
     result = runs[f"meta-{name}"]
-    _, steps, optimizer = META[name]
-    start = materialized_start(META_ORDERS[name])
+    _, steps, optimizer, order = META[name]
+    start = materialized_start(order)
     assert_sharded(result, 3)
     assert max_difference(result["state_dict"], reference_training(steps, optimizer, start=start)) < ATOL
     eager = RegressionModelWrapper(build_network()).state_dict()  # the same seed, initialised in another order

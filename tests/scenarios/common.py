@@ -246,17 +246,20 @@ BLOCK_UNITS_ORDER = ["1.norm", "1.up", "1.down", "2.norm", "2.up", "2.down", "0"
 LINEAR_UNITS_ORDER = ["1.up", "1.down", "2.up", "2.down", "0", "1.norm", "2.norm", "3"]
 
 
-def materialized_start(order: list[str], seed: int = 1234, depth: int = 2) -> dict[str, torch.Tensor]:
-    """The initial weights (``net.*`` keys) that FSDP gives ``build_network(depth)`` built on the meta device: each
-    module's ``reset_parameters()`` in ``order`` (module names in the network), from the random state ``seed``."""
+def materialized_start(
+    order: list[str], seed: int = 1234, depth: int = 2, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The initial weights (``net.*`` keys, on the CPU) that FSDP gives ``build_network(depth)`` built on the meta
+    device: each module's ``reset_parameters()`` in ``order`` (module names in the network), from the random state
+    ``seed``, on ``device`` (where the units materialise: the GPU's random generator draws other numbers)."""
     with torch.device("meta"):
         net = build_network(depth)
-    net.to_empty(device="cpu")
+    net.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name in order:
             net.get_submodule(name).reset_parameters()
-    return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
+    return {f"net.{k}": v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
 
 class RegressionModelWrapper(nn.Module):

@@ -12,9 +12,11 @@ unit then calls :func:`materialize` on the module it wraps, before FairScale fla
 3. every tensor made in 1. must have been written: a floating-point one is filled with NaN in 1. and must hold no
    NaN now, any other one must have been changed in place (its version counter) or replaced.
 
-The largest memory a rank needs is then its shards of the units wrapped so far plus one unit, not the full model.
-The initial weights are those of the same modules initialised in the same order on one process, from the random
-state of rank 0 (which every rank takes in step 2), so they are the same on every rank whatever each was seeded with.
+A rank then never holds more than its shards of the units wrapped so far plus the unit being wrapped (for a moment
+twice: FairScale copies a unit's parameters into one flat tensor before it shards that), never the full model.
+Before step 1 every rank takes the random state of the first rank of the unit's process group (CPU, and the GPU's
+when the unit lives there), so the initial weights are those of the same modules initialised in the same order on
+one process from that state, on every rank, whatever each rank was seeded with.
 
 Torch FSDP (``_materialize_meta_module``) does 1 and 2 but not 3: a buffer that ``reset_parameters()`` does not
 set (one computed in ``__init__``, like position ids) would keep whatever memory it was given. Here it is an error

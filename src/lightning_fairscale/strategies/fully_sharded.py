@@ -218,7 +218,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
         # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs. Tensors on the
         # meta device stay there: each unit materialises its own when it wraps them.
-        to_device_keeping_meta(self.model, torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device)
+        device = torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device
+        to_device_keeping_meta(self.model, device)
 
     def memory_figures(self) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
