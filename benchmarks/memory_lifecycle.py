@@ -22,12 +22,19 @@ unit each), a LayerNorm and a head ``Linear(w, w)``, width 2048, as deep as need
 1,015.5 M parameters (30 blocks) for the large model, 209.8 M (6 blocks) for the medium one. 2 CPU processes (gloo),
 2 rows per rank per step, 2 steps. Checkpoints are written to a temporary folder under /tmp, deleted at the end.
 
+``--meta-construction`` measures one thing only, in two launches (the tiny model, then the large one): the
+construction peak of the large model built under ``trainer.init_module(empty_init=True)`` (on the meta device, each
+block made a unit by ``auto_wrap_policy={Block}``, materialised and sharded as it is wrapped), against the rank's
+parameter shards plus one block; ``fit`` runs with ``max_steps=0``. It writes ``results/memory_meta_construction.md``
+and needs about 6 GiB (2 minutes here).
+
 Run it from the project's root (about 12 minutes on our 2-core, 24 GiB machine; the large model needs about 19 GiB
 available, and waits up to ``--wait-for-memory`` seconds for it); it writes ``results/memory_lifecycle.md`` and
 ``.png``; the exit code is 1 only when something could not be measured (a missed target is a result)::
 
     .venv/bin/python benchmarks/memory_lifecycle.py                  # or: make bench BENCHMARKS=memory_lifecycle
     .venv/bin/python benchmarks/memory_lifecycle.py --params 1e8 --medium-params 5e7 --width 1024   # smaller
+    .venv/bin/python benchmarks/memory_lifecycle.py --meta-construction   # the meta-device construction only
 """
 
 from __future__ import annotations
