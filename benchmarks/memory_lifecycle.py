@@ -22,12 +22,19 @@ unit each), a LayerNorm and a head ``Linear(w, w)``, width 2048, as deep as need
 1,015.5 M parameters (30 blocks) for the large model, 209.8 M (6 blocks) for the medium one. 2 CPU processes (gloo),
 2 rows per rank per step, 2 steps. Checkpoints are written to a temporary folder under /tmp, deleted at the end.
 
+``--meta-construction`` measures one thing only, in two launches (the tiny model, then the large one): the
+construction peak of the large model built under ``trainer.init_module(empty_init=True)`` (on the meta device, each
+block made a unit by ``auto_wrap_policy={Block}``, materialised and sharded as it is wrapped), against the rank's
+parameter shards plus one block; ``fit`` runs with ``max_steps=0``. It writes ``results/memory_meta_construction.md``
+and needs about 6 GiB (2 minutes here).
+
 Run it from the project's root (about 12 minutes on our 2-core, 24 GiB machine; the large model needs about 19 GiB
 available, and waits up to ``--wait-for-memory`` seconds for it); it writes ``results/memory_lifecycle.md`` and
 ``.png``; the exit code is 1 only when something could not be measured (a missed target is a result)::
 
     .venv/bin/python benchmarks/memory_lifecycle.py                  # or: make bench BENCHMARKS=memory_lifecycle
     .venv/bin/python benchmarks/memory_lifecycle.py --params 1e8 --medium-params 5e7 --width 1024   # smaller
+    .venv/bin/python benchmarks/memory_lifecycle.py --meta-construction   # the meta-device construction only
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "results" / "memory_lifecycle.md"
 PLOT = HERE / "results" / "memory_lifecycle.png"
+META_OUTPUT = HERE / "results" / "memory_meta_construction.md"
 MIB = _common.MIB
 GIB = 2**30
 TOLERANCE = 1.15
@@ -87,19 +95,30 @@ def depth_for(params: float, width: int) -> int:
 
 
 class Stack(LightningModule):
-    """A stem, ``depth`` blocks (each its own FSDP unit, wrapped as it is built), a norm and a head; Adam, MSE."""
+    """A stem, ``depth`` blocks (each its own FSDP unit, wrapped as it is built), a norm and a head; Adam, MSE.
 
-    def __init__(self, width: int, depth: int, on_loaded: Optional[Callable[[Trainer], None]] = None) -> None:
+    With ``build_now`` the layers are built in ``__init__`` instead, unwrapped (build it on the meta device, and let
+    the strategy's ``auto_wrap_policy={Block}`` make the units)."""
+
+    def __init__(
+        self, width: int, depth: int, on_loaded: Optional[Callable[[Trainer], None]] = None, build_now: bool = False
+    ) -> None:
         super().__init__()
         self.width, self.depth, self.on_loaded = width, depth, on_loaded
         self.blocks: Optional[nn.Sequential] = None
+        if build_now:
+            self._build(wrap_blocks=False)
 
     def configure_model(self) -> None:
-        if self.blocks is not None:
-            return
+        if self.blocks is None:
+            # One block at a time: `wrap` shards each block as soon as it exists, so the full model never does.
+            self._build(wrap_blocks=True)
+
+    def _build(self, wrap_blocks: bool) -> None:
         self.stem = nn.Linear(self.width, self.width)
-        # One block at a time: `wrap` shards each block as soon as it exists, so the full model never does.
-        self.blocks = nn.Sequential(*[wrap(Block(self.width)) for _ in range(self.depth)])
+        self.blocks = nn.Sequential(
+            *[wrap(Block(self.width)) if wrap_blocks else Block(self.width) for _ in range(self.depth)]
+        )
         self.norm = nn.LayerNorm(self.width)
         self.head = nn.Linear(self.width, self.width)
 
@@ -207,6 +226,96 @@ def run_worker(args: argparse.Namespace) -> None:
     _common.write_rank_result(args.out, trainer.global_rank, result)
     if dist.is_initialized():
         dist.barrier()  # every rank has written its file before rank 0 (the process the parent waits for) returns
+
+
+def run_meta_construction_worker(args: argparse.Namespace) -> None:
+    """One rank of a meta-construction launch: the model built under ``trainer.init_module(empty_init=True)`` (on the
+    meta device), then ``fit`` with ``max_steps=0``: the strategy materialises and shards each block as it wraps it,
+    wraps the root and creates the optimizer (the *construction* stage), and stops. Writes ``rank<N>.json``."""
+    seed_everything(0, verbose=False)
+    probe = StageProbe([], None, 0, False)
+    strategy = DDPFullyShardedStrategy(auto_wrap_policy={Block})
+    trainer = Trainer(accelerator="cpu", devices=args.world, strategy=strategy, max_steps=0, callbacks=[probe],
+                      use_distributed_sampler=False, **_common.QUIET_TRAINER)
+    before = memory_kib()
+    with trainer.init_module(empty_init=True):
+        model = Stack(args.width, args.depth, build_now=True)
+    built = memory_kib()
+    rows = 2 * args.batch
+    data = TensorDataset(torch.randn(rows, args.width), torch.randn(rows, args.width))
+    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    probe.held(trainer)  # the parameter shards: no gradients or optimizer state exist yet
+    meta = [p for p in trainer.strategy.model.parameters() if p.is_meta]  # type: ignore[union-attr]
+    result = {"stages": probe.stages, "built": {"before": before, "after": built}, "meta_left": len(meta)}
+    _common.write_rank_result(args.out, trainer.global_rank, result)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run_meta_construction(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], int]:
+    """The tiny model's and the large model's meta-construction launches; ``({model: ranks' results}, exit code)``."""
+    sizes = {"baseline": (BASELINE_WIDTH, BASELINE_DEPTH), "large": (args.width, depth_for(args.params, args.width))}
+    results: dict[str, Any] = {}
+    for model, (width, depth) in sizes.items():
+        numel = parameter_count(width, depth)
+        needed = args.ranks * int(4 * numel / args.ranks + 3 * block_bytes(width) + PROCESS_RESERVE)
+        if model != "baseline" and not wait_for_memory(needed, args.wait_for_memory):
+            print(f"  {model}: not measured, only {available_bytes() / GIB:.1f} GiB available", flush=True)
+            return results, 1
+        sizes_args = ["--width", str(width), "--depth", str(depth), "--batch", str(args.batch)]
+        started = time.perf_counter()
+        ranks = _common.launch(
+            Path(__file__).resolve(), [*sizes_args, "--worker", "construct", "--world", str(args.ranks)],
+            work / f"meta-{model}", LAUNCH_TIMEOUT_S,
+        )
+        results[model] = {"numel": numel, "width": width, "depth": depth, "ranks": ranks,
+                          "seconds": time.perf_counter() - started}
+        peaks = fmt([stage_of(r, "construction")["peak_kib"] / 1024 for r in ranks])
+        print(f"  {model} ({numel / 1e6:,.1f} M parameters): construction peak MiB {peaks}", flush=True)
+    return results, 0
+
+
+def block_bytes(width: int) -> int:
+    """The bytes of one block's parameters (float32): the largest FSDP unit of :class:`Stack`."""
+    return 4 * (8 * width * width + 7 * width)
+
+
+def meta_construction_report(results: dict[str, Any], args: argparse.Namespace, conditions: str, command: str) -> str:
+    """The construction peak of each rank of the meta-built large model, against its shards plus one unit."""
+    large, baseline = results["large"], results["baseline"]
+    world, numel = len(large["ranks"]), large["numel"]
+    shards, unit = 4 * numel / world / MIB, block_bytes(large["width"]) / MIB
+    lines = [
+        "# Building a model larger than one rank's memory: the construction peak of a meta-device model",
+        "",
+        f"- Machine: {_common.machine()}; {conditions}",
+        f"- Versions: {_common.versions()}",
+        f"- Command: `{command}`",
+        f"- Model: {numel / 1e6:,.1f} M parameters (width {large['width']}, {large['depth']} blocks of"
+        f" {unit:,.0f} MiB), built under `trainer.init_module(empty_init=True)`; `DDPFullyShardedStrategy("
+        "auto_wrap_policy={Block})` on"
+        f" {world} CPU processes materialises and shards each block as it wraps it; `fit` with `max_steps=0`",
+        "- Construction: from the `setup` hook to `on_fit_start` (materialising, wrapping, the optimizer); peak ="
+        " `VmHWM`, reset at its start; baseline = the same launch with a tiny model"
+        f" ({parameter_count(BASELINE_WIDTH, BASELINE_DEPTH):,} parameters); MiB",
+        f"- Target: baseline + the rank's parameter shards (4Ψ/N = {shards:,.0f}) + one unit ({unit:,.0f})",
+        "",
+        "| Rank | Built on meta (RSS growth) | Peak | Baseline | Shards + one unit | Target | Above target |"
+        " Held after |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for rank, (result, base) in enumerate(zip(large["ranks"], baseline["ranks"])):
+        peak = stage_of(result, "construction")["peak_kib"] / 1024
+        base_peak = stage_of(base, "construction")["peak_kib"] / 1024
+        built = (result["built"]["after"]["VmRSS"] - result["built"]["before"]["VmRSS"]) / 1024
+        target = base_peak + shards + unit
+        held = stage_of(result, "construction").get("held_bytes", 0) / MIB
+        lines.append(f"| {rank} | {built:,.0f} | {peak:,.0f} | {base_peak:,.0f} | {shards + unit:,.0f} |"
+                     f" {target:,.0f} | {peak - target:+,.0f} ({(peak - target) / unit:+.2f} units) | {held:,.0f} |")
+    left = sum(r["meta_left"] for r in large["ranks"])
+    lines += ["", f"Parameters left on the meta device after setup: {left}. Wall time of the large launch:"
+              f" {large['seconds']:.0f} s.", ""]
+    return "\n".join(lines) + "\n"
 
 
 def available_bytes() -> int:
@@ -443,8 +552,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--raw", type=Path, help="also write every rank's measurements to this JSON file")
     parser.add_argument("--from-raw", type=Path, help="write the report and plot from such a file, measuring nothing")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--meta-output", type=Path, default=META_OUTPUT)
     parser.add_argument("--plot", type=Path, default=PLOT)
-    parser.add_argument("--worker", choices=["train", "resume"], help=argparse.SUPPRESS)
+    parser.add_argument("--meta-construction", action="store_true",
+                        help="measure only the construction of the large model built on the meta device"
+                        f" (trainer.init_module(empty_init=True)); writes {META_OUTPUT.relative_to(HERE)}")
+    parser.add_argument("--worker", choices=["train", "resume", "construct"], help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--saves", default="", help=argparse.SUPPRESS)
@@ -452,6 +565,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker == "construct":
+        run_meta_construction_worker(args)
+        return 0
     if args.worker:
         run_worker(args)
         return 0
@@ -461,6 +577,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         raw = json.loads(args.from_raw.read_text())
         return publish(raw["results"], argparse.Namespace(**raw["args"]), raw["conditions"], raw["command"], args)
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/memory_lifecycle.py", *sys.argv[1:]])
+    if args.meta_construction:
+        conditions = f"load average before: {load_average()}"
+        with tempfile.TemporaryDirectory(prefix="bench-memory-logs-") as scratch:
+            results, code = run_meta_construction(args, Path(scratch))
+        if code:
+            return code
+        conditions += f", after: {load_average()}"
+        _common.publish(meta_construction_report(results, args, conditions, command), args.meta_output)
+        return 0
     sizes = {"baseline": (BASELINE_WIDTH, BASELINE_DEPTH)}
     sizes.update({m: (args.width, depth_for(args.params if m == "large" else args.medium_params, args.width))
                   for m in ("medium", "large") if m in args.models})

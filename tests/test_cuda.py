@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from scenarios.common import max_difference, reference_training
+from scenarios.common import BLOCK_UNITS_ORDER, materialized_start, max_difference, reference_training
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -91,6 +91,22 @@ def test_cpu_offload_takes_a_model_the_user_put_on_the_gpu(train: Callable[..., 
         "--samples", str(8 * devices),
     )
     assert max_difference(result["state_dict"], reference_training(2, "adam", num_samples=8 * devices)) < 1e-4
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on-gpu"])
+def test_model_built_on_meta_is_initialised_where_its_shards_live(
+    train: Callable[..., dict[str, Any]], offload: bool
+) -> None:
+    """``trainer.init_module(empty_init=True)``: each unit is materialised and initialised on the GPU (in CPU memory
+    with ``cpu_offload``), from rank 0's random state of that device, just before it is sharded."""
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--init", "empty", "--policy", "blocks", "--steps", "3",
+        "--samples", str(8 * devices), *(["--cpu-offload"] if offload else []),
+    )
+    start = materialized_start(BLOCK_UNITS_ORDER, device="cpu" if offload else "cuda")
+    expected = reference_training(3, "adam", num_samples=8 * devices, start=start)
+    assert max_difference(result["state_dict"], expected) < 1e-4
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on-gpu"])

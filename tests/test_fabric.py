@@ -12,7 +12,14 @@ import lightning.fabric as unified_fabric
 import lightning_fabric
 import pytest
 import torch
-from scenarios.common import RegressionModelWrapper, build_network, max_difference, reference_training
+from scenarios.common import (
+    BLOCK_UNITS_ORDER,
+    RegressionModelWrapper,
+    build_network,
+    materialized_start,
+    max_difference,
+    reference_training,
+)
 
 import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
@@ -54,6 +61,14 @@ MIXED = [
 ]
 
 
+#: ``fabric.init_module(empty_init=True)``: auto wrap (each Block a unit; the optimizer made over the meta parameters,
+#: then ``fabric.setup(model, optimizer)``), or the Blocks wrapped by hand in the context (optimizer made after).
+EMPTY_INIT = {
+    "auto": ["--strategy", "fsdp", "--policy", "blocks"],
+    "manual": ["--strategy", "fsdp_fairscale", "--init-module", "--setup", "after"],
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     """The loops on 2 processes, in one launch. ``fsdp``: FSDP (each Block a unit, activation checkpointing), 4 steps,
@@ -66,6 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         **{f"mixed-{s}-{p}": [*LOOP, "--strategy", s, "--steps", "2", "--precision", p] for s, p, _ in MIXED},
         "recipe": [*LOOP, *RECIPE, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck-recipe"),
                    "--resume-setup", "separate,joint"],
+        **{f"empty-init-{name}": [*LOOP, *args, "--empty-init", "--steps", "2"] for name, args in EMPTY_INIT.items()},
     }  # fmt: skip
     return run_jobs(folder, jobs, script=FABRIC_SCRIPT)
 
@@ -94,6 +110,18 @@ def test_the_recipe_equals_unsharded_training_and_resumes_exactly(runs: Jobs) ->
     assert all(torch.equal(result["final"][name], initial[name]) for name in FROZEN)
     assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
     assert max_difference(result["resumed"]["sharded"], result["final"]) == 0.0
+
+
+@pytest.mark.parametrize("name", EMPTY_INIT)
+def test_model_built_in_empty_init_is_initialised_as_sharded_and_trains_exactly(runs: Jobs, name: str) -> None:
+    """Each unit is materialised and initialised (``reset_parameters()``) when it is sharded: the Blocks first, then
+    the root's layers. The reference starts from the weights that gives on one process."""
+    result = runs[f"empty-init-{name}"]
+    assert (result["world_size"], result["units"]) == (2, 3)
+    start = materialized_start(BLOCK_UNITS_ORDER)
+    expected = reference_training(2, "adam", accumulate=2, clip=(0.05, "norm"), start=start)
+    assert max_difference(result["final"], expected) < ATOL
+    assert max_difference(start, RegressionModelWrapper(build_network()).state_dict()) > 0.1  # not the eager init
 
 
 def test_fabric_checkpoints_are_the_trainers_files(fsdp_run: dict[str, Any], tmp_path: Path) -> None:

@@ -9,7 +9,17 @@ from typing import Any
 
 import pytest
 import torch
-from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
+from scenarios.common import (
+    BLOCK_UNITS_ORDER,
+    LINEAR_UNITS_ORDER,
+    NUM_SAMPLES,
+    OUT_FEATURES,
+    RegressionModelWrapper,
+    build_network,
+    materialized_start,
+    max_difference,
+    reference_training,
+)
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale.fsdp.wrapping import clean_path
@@ -55,6 +65,17 @@ FROZEN = ("net.0.weight", "net.1.up.weight")
 RECIPE_MIXED = ["--params", "split", "--freeze", *FROZEN, "--checkpointing", "--optimizer", "sgd", "--steps", "3",
                 "--clip-val", "0.05", "--precision-plugin", "16-mixed"]  # fmt: skip
 UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
+#: Models built without memory, initialised unit by unit as they are sharded: (arguments, then the reference's steps,
+#: optimizer, and order in which its modules are initialised). The meta-device runs seed each rank apart: every rank
+#: must still get rank 0's weights.
+META: dict[str, tuple[list[str], int, str, list[str]]] = {
+    "empty-init": (["--init", "empty", "--policy", "blocks", "--steps", "3"], 3, "adam", BLOCK_UNITS_ORDER),
+    "device": (["--init", "meta", "--init-seed-per-rank", "--steps", "3"], 3, "adam", LINEAR_UNITS_ORDER),
+    "manual": (["--init", "meta", "--init-seed-per-rank", "--model", "manual", "--optimizer", "sgd"], 4, "sgd",
+               BLOCK_UNITS_ORDER),
+    "unflattened": (["--init", "empty", "--flatten", "0", "--policy", "blocks", "--steps", "2"], 2, "adam",
+                    BLOCK_UNITS_ORDER),
+}  # fmt: skip
 
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
@@ -72,12 +93,14 @@ JOBS: dict[str, list[str]] = {
     "cpu-offload": ["--cpu-offload", "--steps", "2"],
     "recipe-mixed": RECIPE_MIXED,
     "summary": ["--policy", "blocks", "--steps", "2"],
+    **{f"meta-{name}": args for name, (args, *_) in META.items()},
+    "meta-uninitializable": ["--init", "meta", "--uninitializable", "--steps", "1"],
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
-    failing = [f"unsupported-{precision}" for precision in UNSUPPORTED]
+    failing = [f"unsupported-{precision}" for precision in UNSUPPORTED] + ["meta-uninitializable"]
     return run_jobs(tmp_path_factory.mktemp("fully_sharded"), JOBS, failing=failing)
 
 
@@ -223,3 +246,24 @@ def test_unit_summary_and_memory_figures_show_the_sharding(runs: Jobs) -> None:
     # count as the whole 12.5 MiB bucket (fairscale_cpu workaround 8), not as the shards' 18 KiB.
     assert memory["memory/gradients_bytes"] == memory["memory/parameters_bytes"]
     assert 2 * memory["memory/parameters_bytes"] <= memory["memory/optimizer_state_bytes"]
+
+
+@pytest.mark.parametrize("name", META)
+def test_model_built_without_memory_is_initialised_as_sharded_and_trains_exactly(runs: Jobs, name: str) -> None:
+    """Built on the meta device (``trainer.init_module(empty_init=True)``, ``torch.device("meta")``; auto or manual
+    wrap), each unit is materialised and initialised by ``reset_parameters()`` just before it is sharded. The
+    reference starts from the weights those calls give in the same order on one process, then trains unsharded."""
+    result = runs[f"meta-{name}"]
+    _, steps, optimizer, order = META[name]
+    start = materialized_start(order)
+    assert_sharded(result, 3)
+    assert max_difference(result["state_dict"], reference_training(steps, optimizer, start=start)) < ATOL
+    eager = RegressionModelWrapper(build_network()).state_dict()  # the same seed, initialised in another order
+    assert max_difference(start, eager) > 0.1
+
+
+def test_model_built_without_memory_that_cannot_be_initialised_fails_early(runs: Jobs) -> None:
+    for error in runs.errors("meta-uninitializable"):  # on every rank, before training: no rank waits for another
+        assert "`net.1` (Block) holds `scale` on the meta device and has no `reset_parameters()`" in error["message"]
+        assert "param_init_fn" in error["message"]
+        assert error["trained_batches"] in (0, None)

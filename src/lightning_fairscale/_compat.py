@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning_fabric.utilities.init import _EmptyInit
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.core.optimizer import _MockOptimizer
@@ -31,7 +30,6 @@ __all__ = [
     "attached_trainer",
     "_PATH",
     "_BackwardSyncControl",
-    "_EmptyInit",
     "_LRScheduler",
     "_MockOptimizer",
     "_ModuleMode",

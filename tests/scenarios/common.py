@@ -71,10 +71,19 @@ class RegressionModel(LightningModule):
         depth: int = 2,
         scheduler: bool = False,
         num_samples: int = NUM_SAMPLES,
+        init_seed: Optional[int] = None,
+        init_seed_per_rank: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = build_network(depth)
+
+    def setup(self, stage: str) -> None:
+        # A model built on the meta device is initialised when the strategy shards it, from the random state then:
+        # `init_seed` sets it (plus the rank with `init_seed_per_rank`: every rank must still get rank 0's weights).
+        if self.hparams.get("init_seed") is not None:
+            offset = self.trainer.global_rank if self.hparams.get("init_seed_per_rank") else 0
+            torch.manual_seed(self.hparams.init_seed + offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -228,6 +237,30 @@ def reference_training(
             if sched is not None:
                 sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+#: The order in which FSDP initialises the modules of ``build_network()`` built on the meta device: unit by unit as
+#: they are wrapped (innermost first), each unit's own modules in ``modules()`` order. With each Block a unit (auto
+#: wrap by ``{Block}``, or the Blocks wrapped by hand), then the root's layers:
+BLOCK_UNITS_ORDER = ["1.norm", "1.up", "1.down", "2.norm", "2.up", "2.down", "0", "3"]
+#: With every Linear of the Blocks a unit (the size policy, ``min_num_params=1000``), then the root's modules.
+LINEAR_UNITS_ORDER = ["1.up", "1.down", "2.up", "2.down", "0", "1.norm", "2.norm", "3"]
+
+
+def materialized_start(
+    order: list[str], seed: int = 1234, depth: int = 2, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The initial weights (``net.*`` keys, on the CPU) that FSDP gives ``build_network(depth)`` built on the meta
+    device: each module's ``reset_parameters()`` in ``order`` (module names in the network), from the random state
+    ``seed``, on ``device`` (where the units materialise: the GPU's random generator draws other numbers)."""
+    with torch.device("meta"):
+        net = build_network(depth)
+    net.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name in order:
+            net.get_submodule(name).reset_parameters()
+    return {f"net.{k}": v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
 
 class RegressionModelWrapper(nn.Module):

@@ -60,6 +60,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
     p.add_argument("--init-module", action="store_true",
                    help="build the model in fabric.init_module(), wrapping each Block with fairscale.nn.wrap")
+    p.add_argument("--empty-init", action="store_true",
+                   help="build the model in fabric.init_module(empty_init=True): on the meta device, initialised when"
+                   " sharded (build_network's seed, 1234, is then the random state the units start from)")
     p.add_argument("--setup", default="joint", choices=["joint", "separate", "after"],
                    help="joint: fabric.setup(model, optimizer); separate: optimizer made first, then setup_module and"
                    " setup_optimizers; after: setup_module, then the optimizer over the set-up model's parameters")
@@ -89,16 +92,19 @@ def make_strategy(args: argparse.Namespace) -> Any:
 
 def set_up(fabric: Any, how: str, args: argparse.Namespace) -> tuple[Any, Any]:
     """A fresh model and optimizer (the same initial weights every time), set up as ``how`` says."""
-    optimizer_name, init_module = args.optimizer, args.init_module
+    optimizer_name, init_module, empty_init = args.optimizer, args.init_module, args.empty_init
     if init_module:
         from fairscale.nn import wrap
 
-        with fabric.init_module():  # manual wrap: each Block becomes an FSDP unit right here
+        with fabric.init_module(empty_init=empty_init):  # manual wrap: each Block becomes an FSDP unit right here
             network = build_network()
             for index, layer in enumerate(network):
                 if isinstance(layer, Block):
                     network[index] = wrap(layer)
         model = RegressionModelWrapper(network)
+    elif empty_init:
+        with fabric.init_module(empty_init=True):
+            model = RegressionModelWrapper(build_network())
     else:
         model = RegressionModelWrapper(build_network())
     for name in args.freeze:

@@ -223,6 +223,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
     p.add_argument("--callback", default=None, choices=["swa", "pruning"], help="add Lightning's SWA or ModelPruning")
     p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
+    p.add_argument("--init", default="eager", choices=["eager", "empty", "meta"],
+                   help="build the model eagerly, under trainer.init_module(empty_init=True), or on the meta device")
+    p.add_argument("--init-seed-per-rank", action="store_true", help="each rank seeds the sharding-time init apart")
+    p.add_argument("--uninitializable", action="store_true", help="a Block holds a buffer nothing can initialise")
     return p.parse_args(argv)
 
 
@@ -233,10 +237,12 @@ class OldHookModel(ManualWrapModel):
     configure_sharded_model = ManualWrapModel._wrap_blocks
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse(argv)
-    seed_everything(7, workers=True)
-    common = dict(optimizer=args.optimizer, params=args.params, scheduler=args.scheduler, num_samples=args.samples)
+def build_model(args: argparse.Namespace) -> Any:
+    common: dict[str, Any] = dict(
+        optimizer=args.optimizer, params=args.params, scheduler=args.scheduler, num_samples=args.samples
+    )
+    if args.init != "eager":  # initialised when sharded, from this seed (see `RegressionModel.setup`)
+        common.update(init_seed=1234, init_seed_per_rank=args.init_seed_per_rank)
     if args.model == "manual":
         model_class = OldHookModel if args.hook == "configure_sharded_model" else ManualWrapModel
         model = model_class(wrap_with=args.wrap_with, **common)
@@ -244,12 +250,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         model = LazyModel(depth=args.depth, **common)
     else:
         model = RegressionModel(depth=args.depth, **common)
+    if args.uninitializable:  # a Block has no `reset_parameters()`: a buffer of its own cannot be initialised
+        model.net[1].register_buffer("scale", torch.ones(3))
     if args.model_on_gpu:
         model.cuda()
     if args.example_input:
         model.example_input_array = torch.zeros(2, IN_FEATURES)
     for name in args.freeze:
         model.get_parameter(name).requires_grad_(False)
+    return model
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse(argv)
+    seed_everything(7, workers=True)
+    model = build_model(args) if args.init == "eager" else None
     policy: Any = None
     if args.policy == "blocks":
         policy = {Block}
@@ -326,6 +341,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         use_distributed_sampler=False,
     )
     print(f"rank={trainer.global_rank} cluster={type(trainer.strategy.cluster_environment).__name__}", flush=True)
+    if args.init == "empty":
+        with trainer.init_module(empty_init=True):
+            model = build_model(args)
+    elif args.init == "meta":
+        with torch.device("meta"):
+            model = build_model(args)
     try:
         trainer.fit(model, ckpt_path=args.ckpt_path)
     except Exception as error:

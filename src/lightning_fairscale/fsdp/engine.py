@@ -112,6 +112,9 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[
     The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
     ``layout.forget_originals()``. ``describe`` gets the summary of the units (the front end's way to log it).
     """
+    # Materialising replaces the meta parameters: kept alive until the layout knows where they went, so that the
+    # ids it knows them by stay theirs (they hold no memory).
+    placeholders = [param for param in module.parameters() if param.is_meta]
     layout = ParameterLayout.before_wrapping(module)
     checkpointed = apply_activation_checkpointing(
         module, options.activation_checkpointing, options.activation_checkpointing_offload
@@ -120,6 +123,7 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[
     with wrapping_context(options):
         root = wrap_module(module, policy, **options.fsdp_kwargs())
     layout.after_wrapping(root)
+    del placeholders
     remember_root(module, root)
     if describe is not None:
         describe(f"{type(options).__name__}: {unit_summary(root)}")

@@ -74,6 +74,7 @@ Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import threading
 import types
@@ -86,10 +87,11 @@ from fairscale.internal import reduce_scatter_bucketer as _rs_bucketer
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_module
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fairscale import collectives
 from lightning_fairscale.fsdp import param_views
+from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -273,6 +275,20 @@ class ShardedGradScaler(torch.amp.GradScaler):
             collectives.all_reduce(found_inf, group=self.process_group)  # in place, on the flag's device
 
 
+_FSDP_SIGNATURE = inspect.signature(_FairScaleFSDP.__init__)
+
+
+def _unit_device(arguments: dict[str, Any]) -> torch.device:
+    """Where a unit built with FairScale's ``arguments`` keeps its parameters before sharding: the compute device,
+    or the CPU when it keeps its shards there (``cpu_offload``)."""
+    if arguments.get("move_params_to_cpu") or arguments.get("cpu_offload"):
+        return torch.device("cpu")
+    device = arguments.get("compute_device")
+    if device is None:  # FairScale's default: the current CUDA device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
 def _is_gloo(group: Any) -> bool:
     try:
         return dist.get_backend(group) == "gloo"
@@ -286,10 +302,27 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     On CUDA it behaves like FairScale's class, except that bf16 mixed precision really computes in bf16
     (workaround 6) and that its reduce-scatter bucketer is freed with it (workaround 9). On CPU it uses no-op streams
     (after :func:`install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
+
+    A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
+    meta tensors become real ones on the unit's device, initialised by each module's ``reset_parameters()`` or by
+    ``param_init_fn`` (the one argument FairScale's class does not take; see
+    :mod:`lightning_fairscale.fsdp.materialize`).
     """
 
-    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        frozen = _unfreeze_own_parameters(module)  # workaround 11
+    def __init__(self, module: nn.Module, *args: Any, param_init_fn: Optional[ParamInitFn] = None, **kwargs: Any):
+        if not has_meta_tensors(module):
+            self._flatten_and_shard(module, *args, **kwargs)
+            return
+        arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+        device = _unit_device(arguments)
+        # Inside `init_module(empty_init=True)` the default device is `meta`: what is made here must be real.
+        with torch.device(device):
+            materialize(module, device, validate_param_init_fn(param_init_fn), arguments.get("process_group"))
+            self._flatten_and_shard(module, *args, **kwargs)
+
+    def _flatten_and_shard(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
+        frozen = _unfreeze_own_parameters(module)
         try:
             super().__init__(module, *args, **kwargs)
         finally:

@@ -135,8 +135,12 @@ class ParameterLayout:
                 shape = torch.Size(managed._orig_size)
                 piece = Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape, trainable=managed.requires_grad)
                 self.managed[managed] = _Managed(unit, [piece])
-                self._original[id(managed)] = (managed, 0)
-                self._note_position(managed, 0, id(managed))
+                # Sharded in place: the original itself, unless the unit replaced a meta one when materialising it.
+                owner_path, _, name = names[0].rpartition(".")
+                owner = unit.module.module.get_submodule(owner_path)
+                original = self._owners.get((id(owner), name), id(managed))
+                self._original[original] = (managed, 0)
+                self._note_position(managed, 0, original)
         self._owners.clear()
         self._positions.clear()
         return self

@@ -24,6 +24,7 @@ from torch.nn import Module
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.fsdp import fairscale_cpu
+from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
 from lightning_fairscale.mixed_precision import compute_dtype
 from lightning_fairscale.process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
@@ -109,9 +110,11 @@ class FullyShardedOptions:
         precision: Optional[Any] = None,
         lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
+        param_init_fn: Optional[ParamInitFn] = None,
         **kwargs: Any,
     ) -> None:
         self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
+        self.param_init_fn = validate_param_init_fn(param_init_fn)
         validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
         base = lightning_arguments(locals(), self._precision_name)
         self.activation_checkpointing = _checkpointing_classes(
@@ -225,6 +228,8 @@ class FullyShardedOptions:
             kwargs["compute_dtype"] = getattr(plugin, "compute_dtype", None) or compute_dtype(plugin.precision)
         if self._process_groups:
             kwargs["process_group_reduce_scatter"] = self._process_groups[1]
+        if self.param_init_fn is not None:  # taken by our FSDP class (units built on the meta device)
+            kwargs["param_init_fn"] = self.param_init_fn
         kwargs.update(self._fsdp_kwargs)
         return kwargs
 

@@ -27,6 +27,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_
 from torch.distributed.fsdp.wrap import _Policy as TorchPolicy  # the base of torch's policy objects
 
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, fsdp_instances
+from lightning_fairscale.fsdp.materialize import check_materializable
 
 __all__ = [
     "AutoWrapPolicy",
@@ -380,6 +381,9 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     the ``policy`` decides which submodules become units. The remaining parameters go to the root unit.
     Must be called inside an ``enable_wrap`` context that carries ``fsdp_kwargs``.
     """
+    # A module built on the meta device fails here, on every rank alike and before any unit is materialised, when a
+    # part of it cannot be initialised.
+    check_materializable(module, fsdp_kwargs.get("param_init_fn"))
     if not is_wrapped(module):
         module = auto_wrap(module, auto_wrap_policy=policy)
     if not isinstance(module, _FairScaleFSDP):

@@ -16,7 +16,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Optional
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _MockOptimizer

@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
@@ -94,6 +95,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
             has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
             hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
+        param_init_fn: for a model built on the ``meta`` device (``trainer.init_module(empty_init=True)``, or
+            ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
+            (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
+            argument). Default: each such module's ``reset_parameters()``.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -195,13 +200,22 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``.
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``;
+        with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does.
 
         ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
         parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
         were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
         model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
+
+        A model built with ``empty_init=True`` (``trainer.init_module(empty_init=True)``) takes no memory: each FSDP
+        unit materialises its part on its device just before sharding it, with ``reset_parameters()`` or the
+        strategy's ``param_init_fn`` (see :mod:`lightning_fairscale.fsdp.materialize`).
         """
+        if empty_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+            return
         with super().tensor_init_context(empty_init):
             with torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else contextlib.nullcontext():
                 yield
@@ -210,8 +224,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     def model_to_device(self) -> None:
         assert self.model is not None
         # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
-        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs.
-        self.model.to(torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device)
+        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs. Tensors on the
+        # meta device stay there: each unit materialises its own when it wraps them.
+        device = torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device
+        to_device_keeping_meta(self.model, device)
 
     def memory_figures(self) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
@@ -358,9 +374,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         takes the sharded module as it is, and ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint
         as during training. Call :meth:`unshard_module` to get the full module back. As Lightning's own FSDP
         strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
-        parameter shards that moving them would break.
+        parameter shards that moving them would break. A module still on the meta device (the stage failed before
+        wrapping it) is not moved either: it has no data to move.
         """
-        if not self._is_wrapped():
+        if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
             return
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -10,9 +10,9 @@ import weakref
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
+import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning_fairscale.lightning._compat import StrategyInternals, _Sharded
-from lightning_fairscale.lightning._compat import _EmptyInit
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_fairscale.lightning._compat import _PATH
 from torch import Tensor
@@ -25,6 +25,7 @@ from lightning_fairscale.lightning.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
+from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
 from lightning_fairscale.fsdp.summary import memory_figures
@@ -53,8 +54,9 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
       strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``
       works with an optimizer made before or after ``setup_module`` (over the returned model's parameters).
     * ``fabric.init_module()``: ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` in the model's
-      constructor make FSDP units (manual wrap; auto wrap is then off); ``empty_init=True`` leaves the weights
-      uninitialized, for a checkpoint to fill.
+      constructor make FSDP units (manual wrap; auto wrap is then off); ``empty_init=True`` builds the model on the
+      ``meta`` device, and each unit materialises its part when it is sharded (``reset_parameters()`` or
+      ``param_init_fn``), so that no rank ever holds the whole model.
     * ``fabric.clip_gradients``: by norm, the global norm of all shards (after unscaling fp16 gradients); by value.
     * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters.
     * ``fabric.save``/``fabric.load``: the Trainer's files (see :mod:`lightning_fairscale.checkpoint.fabric`):
@@ -81,6 +83,9 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
 
     @override
     def module_init_context(self, empty_init: Optional[bool]=None) -> AbstractContextManager:
+        """Tensors on the root device (the CPU with ``cpu_offload``: offloaded shards start there), or with
+        ``empty_init=True`` on the ``meta`` device: each FSDP unit then materialises its part just before sharding
+        it (see :mod:`lightning_fairscale.fsdp.materialize`); ``wrap`` makes FSDP units."""
         ...
 
     @override

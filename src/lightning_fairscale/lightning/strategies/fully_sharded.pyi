@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
@@ -84,6 +85,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
             has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
             hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
+        param_init_fn: for a model built on the ``meta`` device (``trainer.init_module(empty_init=True)``, or
+            ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
+            (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
+            argument). Default: each such module's ``reset_parameters()``.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -133,12 +138,17 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool]=None) -> Generator[None, None, None]:
-        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``.
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``;
+        with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does.
 
         ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
         parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
         were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
         model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
+
+        A model built with ``empty_init=True`` (``trainer.init_module(empty_init=True)``) takes no memory: each FSDP
+        unit materialises its part on its device just before sharding it, with ``reset_parameters()`` or the
+        strategy's ``param_init_fn`` (see :mod:`lightning_fairscale.fsdp.materialize`).
         """
         ...
 
@@ -231,7 +241,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         takes the sharded module as it is, and ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint
         as during training. Call :meth:`unshard_module` to get the full module back. As Lightning's own FSDP
         strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
-        parameter shards that moving them would break.
+        parameter shards that moving them would break. A module still on the meta device (the stage failed before
+        wrapping it) is not moved either: it has no data to move.
         """
         ...
 
