@@ -71,6 +71,11 @@ def check_state_dict_fits(
     Raises:
         ValueError: with ``strict``, keys differ (the message lists them and ends with ``relax``, how to load what
             fits); or, strict or not, shapes differ.
+
+    Example:
+        >>> saved = {"w": torch.zeros(2), "old": torch.zeros(1)}
+        >>> check_state_dict_fits(saved, {"w": torch.Size([2]), "new": torch.Size([3])}, strict=False)
+        IncompatibleKeys(missing_keys=['new'], unexpected_keys=['old'])
     """
     keys = IncompatibleKeys([k for k in expected if k not in saved], [k for k in saved if k not in expected])
     problems = []
