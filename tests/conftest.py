@@ -14,7 +14,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -238,3 +238,48 @@ def assert_loads_without_fairscale(path: Path, expected: dict[str, torch.Tensor]
     )
     proc = run_script([str(script)], cwd=tmp_path)
     assert "loaded without fairscale" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Partial loading: a model whose code changed resumes from the old model's checkpoint with strict loading off
+
+#: A run of `PartialModel` (a layer gone, one added) from the checkpoint of step 2 of the old model, two more steps.
+#: SGD without momentum: a stateful optimizer's state would not fit the changed parameters (as under plain DDP).
+PARTIAL = ("--model", "partial", "--optimizer", "plain_sgd", "--steps", "4", "--samples", "8", "--record-loaded")
+
+
+def partial_jobs(source: Path, kind: str) -> dict[str, list[str]]:
+    """The old model's 2 steps saved in ``source`` (``kind``: full or sharded); `PartialModel` resumed from it with
+    strict loading off (``partial-KIND``), and on (``partial-KIND-strict``, which must fail)."""
+    return {
+        f"partial-source-{kind}": ["--steps", "2", "--samples", "8", "--optimizer", "plain_sgd",
+                                   "--state-dict-type", kind, "--save-ckpt", str(source)],
+        f"partial-{kind}": [*PARTIAL, "--ckpt-path", str(source), "--strict-loading", "0"],
+        f"partial-{kind}-strict": [*PARTIAL, "--ckpt-path", str(source)],
+    }  # fmt: skip
+
+
+def assert_partial_resume(resumed: dict[str, Any], source: dict[str, Any], warned: Optional[str]) -> None:
+    """Resumed with strict loading off: the shared entries as saved, the new layer as initialized (and, in ``warned``,
+    a warning naming what did not fit); then two steps of training as plain training does them from there."""
+    from scenarios.common import PARTIAL_GONE, PARTIAL_NEW, PartialWrapper, after_partial_load, max_difference
+    from scenarios.common import reference_training
+
+    assert max_difference(resumed["loaded"], after_partial_load(source["state_dict"])) == 0.0
+    if warned is not None:
+        assert warned.count("strict loading off") == 1, warned[-3000:]  # once, by rank 0
+        assert all(key in warned for key in [*PARTIAL_NEW, *PARTIAL_GONE]), warned[-3000:]
+    assert resumed["global_step"] == 4 and len(resumed["losses"]) == 2
+    expected = reference_training(2, "plain_sgd", num_samples=8, start=resumed["loaded"], model=PartialWrapper())
+    assert max_difference(resumed["state_dict"], expected) < 1e-5
+    assert max_difference(resumed["state_dict"], resumed["loaded"]) > 1e-3  # it trained
+
+
+def assert_strict_refusal(errors: list[dict[str, Any]]) -> None:
+    """Every rank refused the changed model before training, naming the keys and `strict_loading`."""
+    for error in errors:
+        message = error["message"]
+        assert "missing keys [extra.weight, extra.bias]" in message, error["traceback"][-3000:]
+        assert "unexpected keys [net.1.norm.weight, net.1.norm.bias]" in message
+        assert "strict_loading = False" in message
+        assert error["trained_batches"] in (0, None)

@@ -13,7 +13,15 @@ import pytest
 import torch
 from scenarios.common import build_network, max_difference
 
-from conftest import Jobs, assert_loads_without_fairscale, run_jobs
+from conftest import (
+    PARTIAL,
+    Jobs,
+    assert_loads_without_fairscale,
+    assert_partial_resume,
+    assert_strict_refusal,
+    partial_jobs,
+    run_jobs,
+)
 
 STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # Adam + StepLR, one step per epoch
 CHECKPOINT = "epoch=1-step=2.ckpt"  # the straight run's checkpoint that the resumes start from
@@ -34,8 +42,12 @@ def two_processes(folder: Path) -> Jobs:
         "fsdp": ["--steps", "2", "--samples", "8", "--save-ckpt", str(folder / "fsdp.ckpt")],
         "ddp": ["--steps", "2", "--samples", "8", "--save-ckpt", str(folder / "ddp.ckpt"), "--strategy-name", "ddp"],
         "final": ["--steps", "2", "--save-ckpt", str(folder / "final.ckpt")],
+        **partial_jobs(folder / "partial-source.ckpt", "full"),
+        # Lightning's strict loading, as its DDP has it, under the sharded optimizer strategy.
+        "partial-ddp_sharded": [*PARTIAL, "--ckpt-path", str(folder / "partial-source.ckpt"), "--strict-loading", "0",
+                                "--strategy-name", "ddp_sharded"],
     }
-    return run_jobs(folder / "two_processes", jobs)
+    return run_jobs(folder / "two_processes", jobs, failing=["partial-full-strict"])
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +95,17 @@ def test_checkpoint_matches_plain_ddp(two_processes: Jobs, folder: Path) -> None
 
 def test_checkpoint_loads_without_fairscale(two_processes: Jobs, folder: Path, tmp_path: Path) -> None:
     assert_loads_without_fairscale(folder / "final.ckpt", two_processes["final"]["state_dict"], tmp_path)
+
+
+def test_a_changed_model_resumes_partially_from_a_full_checkpoint(two_processes: Jobs) -> None:
+    """`strict_loading = False`: a model with a layer more and one less resumes from the old model's full checkpoint."""
+    source = two_processes["partial-source-full"]
+    assert_partial_resume(two_processes["partial-full"], source, warned=two_processes.output("partial-full"))
+    assert_strict_refusal(two_processes.errors("partial-full-strict"))
+
+
+def test_sharded_ddp_honours_strict_loading_as_lightnings_ddp(two_processes: Jobs) -> None:
+    """Lightning's own `load_state_dict(..., strict=strict_loading)`: what fits loads, silently (as under DDP)."""
+    resumed = two_processes["partial-ddp_sharded"]
+    assert resumed["strategy"] == "DDPShardedStrategy"
+    assert_partial_resume(resumed, two_processes["partial-source-full"], warned=None)

@@ -19,7 +19,17 @@ import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
-from conftest import TRAIN_SCRIPT, Jobs, assert_loads_without_fairscale, run_jobs, run_script
+from conftest import (
+    PARTIAL,
+    TRAIN_SCRIPT,
+    Jobs,
+    assert_loads_without_fairscale,
+    assert_partial_resume,
+    assert_strict_refusal,
+    partial_jobs,
+    run_jobs,
+    run_script,
+)
 from lightning_fairscale import consolidate as consolidate_tool
 from lightning_fairscale.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
@@ -70,13 +80,15 @@ def first(folder: Path) -> Jobs:
                                   "--state-dict-type", kind]  # fmt: skip
     for kind in ("full", "sharded"):
         jobs[f"recipe-resumed-{kind}"] = [*RECIPE, *STEPS, "--ckpt-path", str(folder / f"recipe-{kind}" / SOURCE)]
+    # Strict loading off: a changed model resumes from the old one's sharded checkpoint (saved here on 2 processes).
+    jobs.update(partial_jobs(folder / "partial-source.ckpt", "sharded"))
     for name, variant in SETUPS.items():
         for kind in ("full", "sharded"):
             directory = str(folder / f"setup-{name}-{kind}")
             jobs[f"setup-{name}-{kind}"] = [
                 "--steps", "2", "--samples", "8", *variant, "--checkpoint-dir", directory, "--state-dict-type", kind
             ]
-    return run_jobs(folder / "first", jobs)
+    return run_jobs(folder / "first", jobs, failing=["partial-sharded-strict"])
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +118,9 @@ def one_process(source: Path, consolidated: dict[str, Any], folder: Path) -> Job
         "continued-1": [*STEPS, "--ckpt-path", source_path, *devices, "--state-dict-type", "sharded"],
         "another-wrapping": [*STEPS, "--ckpt-path", source_path, "--policy", "blocks", *devices],
         "recipe-resumed-1": [*RECIPE, *STEPS, "--ckpt-path", str(folder / "recipe-sharded" / SOURCE), *devices],
+        "partial-resharded": [
+            *PARTIAL, "--ckpt-path", str(folder / "partial-source.ckpt"), "--strict-loading", "0", *devices
+        ],
     }
     return run_jobs(folder / "one_process", jobs, failing=["another-wrapping"])
 
@@ -216,6 +231,22 @@ def test_another_wrapping_names_the_consolidation_command(one_process: Jobs) -> 
     assert "wrapped differently" in error["message"]
     assert "lightning-fairscale-consolidate" in error["message"]
     assert error["trained_batches"] in (0, None)  # refused before any batch trained
+
+
+def test_a_changed_model_resumes_partially_from_a_sharded_checkpoint(first: Jobs) -> None:
+    """`strict_loading = False`: a model with a layer more and one less resumes from the old model's sharded
+    checkpoint on as many processes: its parameters are found by name in the saved flat parameters."""
+    source, warned = first["partial-source-sharded"], first.output("partial-sharded")
+    assert_partial_resume(first["partial-sharded"], source, warned=warned)
+    assert_strict_refusal(first.errors("partial-sharded-strict"))
+
+
+def test_a_changed_model_resumes_partially_from_a_sharded_checkpoint_of_another_world_size(
+    first: Jobs, one_process: Jobs
+) -> None:
+    resumed = one_process["partial-resharded"]
+    assert resumed["world_size"] == 1
+    assert_partial_resume(resumed, first["partial-source-sharded"], warned=one_process.output("partial-resharded"))
 
 
 def _assert_same_checkpoint(ours: dict[str, Any], theirs: dict[str, Any]) -> None:

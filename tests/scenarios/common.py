@@ -203,12 +203,14 @@ def reference_training(
     freeze: Sequence[str] = (),
     params: str = "self",
     lr: Optional[float] = None,
+    model: Optional[nn.Module] = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the full global batch, without any wrapper (``params="split"``: with the param
     groups of ``split_param_groups``); from the weights ``start`` if given (else ``build_network``'s), with a fresh
-    optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too)."""
-    net = build_network(depth)
-    model = RegressionModelWrapper(net)
+    optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too). ``model``: another module
+    to train than ``build_network``'s (``PartialWrapper``...)."""
+    if model is None:
+        model = RegressionModelWrapper(build_network(depth))
     if start is not None:
         model.load_state_dict(start)
     for name in freeze:
@@ -281,6 +283,43 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def clone_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in copy.deepcopy(module.state_dict()).items()}
+
+
+class PartialWrapper(RegressionModelWrapper):
+    """``build_network()`` after its code changed (a checkpoint of the old code loads partially): the first Block
+    without its LayerNorm (``net.1.norm.*`` are gone) and a new last layer (``extra.*``, from a seed of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(build_network())
+        self.net[1].norm = nn.Identity()
+        torch.manual_seed(4321)
+        self.extra = nn.Linear(OUT_FEATURES, OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra(self.net(x))
+
+
+class PartialModel(RegressionModel):
+    """``RegressionModel`` with the network of ``PartialWrapper``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        changed = PartialWrapper()
+        self.net, self.extra = changed.net, changed.extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extra(self.net(x))
+
+
+#: What ``PartialWrapper`` lacks of ``build_network``'s state dict, and what it has more.
+PARTIAL_GONE = ["net.1.norm.weight", "net.1.norm.bias"]
+PARTIAL_NEW = ["extra.weight", "extra.bias"]
+
+
+def after_partial_load(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a ``PartialWrapper`` holds after loading ``saved`` (the old network's) with strict loading off: the shared
+    entries from ``saved``, the new layer as it was initialized."""
+    return {k: saved[k] if k in saved else v for k, v in clone_state(PartialWrapper()).items()}
 
 
 Factory = Callable[..., LightningModule]

@@ -8,7 +8,8 @@ with each rank computing on its slice of the global batch. Rank 0 writes ``--out
 * with ``--save-at K --save-dir D``: checkpoints of step K in ``D`` (``full.ckpt``, and ``sharded.ckpt`` for FSDP),
   and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``--resume-setup``
   says) that loaded it in this process and trained the remaining steps;
-* with ``--load PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``--load-step``.
+* with ``--load PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``--load-step``;
+* with ``--partial-from DIR`` (and nothing else): ``partial``, models whose code changed loaded from DIR's files.
 
 ``fabric_train.py --jobs FILE`` runs several such command lines one after another in the same processes.
 """
@@ -32,6 +33,7 @@ import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from scenarios.common import (  # noqa: E402
     GLOBAL_BATCH,
     Block,
+    PartialWrapper,
     RegressionModelWrapper,
     build_network,
     dataset,
@@ -71,6 +73,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--save-dir", default=None)
     p.add_argument("--load", default=None)
     p.add_argument("--load-step", type=int, default=0, help="the step the --load checkpoint was saved at")
+    p.add_argument("--partial-from", default=None,
+                   help="load PartialWrappers from this folder's full.ckpt, sharded.ckpt and raw.pt (partial_loads)")
+    p.add_argument("--partial-kinds", default="full,sharded,raw,raw-sharded")
+    p.add_argument("--strict", type=int, default=0, help="the partial loads' `strict`")
     return p.parse_args(argv)
 
 
@@ -90,10 +96,13 @@ def make_strategy(args: argparse.Namespace) -> Any:
     return args.strategy  # a registry name
 
 
-def set_up(fabric: Any, how: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    """A fresh model and optimizer (the same initial weights every time), set up as ``how`` says."""
+def set_up(fabric: Any, how: str, args: argparse.Namespace, partial: bool = False) -> tuple[Any, Any]:
+    """A fresh model (``PartialWrapper`` with ``partial``) and optimizer (the same initial weights every time), set
+    up as ``how`` says."""
     optimizer_name, init_module, empty_init = args.optimizer, args.init_module, args.empty_init
-    if init_module:
+    if partial:
+        model = PartialWrapper()
+    elif init_module:
         from fairscale.nn import wrap
 
         with fabric.init_module(empty_init=empty_init):  # manual wrap: each Block becomes an FSDP unit right here
@@ -158,6 +167,27 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
     return {k: v.clone() for k, v in torch.load(path, weights_only=True)["state_dict"].items()}
 
 
+#: How ``partial_loads`` loads each kind of file: ``fabric.load`` a checkpoint, or ``fabric.load_raw`` into the model.
+PARTIAL_FILES = {"full": "full.ckpt", "sharded": "sharded.ckpt", "raw": "raw.pt", "raw-sharded": "sharded.ckpt"}
+
+
+def partial_loads(fabric: Any, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """For each of ``--partial-kinds``, a fresh ``PartialWrapper`` (the saved model's code changed) loads the old
+    model's file with ``strict=--strict``, then trains a step: the full state dicts after each."""
+    result: dict[str, Any] = {}
+    for kind in args.partial_kinds.split(","):
+        model, optimizer = set_up(fabric, "joint", args, partial=True)
+        path = Path(args.partial_from) / PARTIAL_FILES[kind]
+        if kind.startswith("raw"):
+            fabric.load_raw(path, model, strict=bool(args.strict))
+        else:
+            fabric.load(path, {"model": model}, strict=bool(args.strict))
+        loaded = full_state_dict(fabric, model, work / f"partial-{kind}-loaded.ckpt")
+        train(fabric, model, optimizer, args, 0, 1)
+        result[kind] = {"loaded": loaded, "trained": full_state_dict(fabric, model, work / f"partial-{kind}.ckpt")}
+    return result
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse(argv)
     if args.precision == "plugin-16-mixed":  # Fabric maps the "16-mixed" flag to bf16 on CPUs; a plugin keeps fp16
@@ -173,6 +203,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def run(fabric: Any, args: argparse.Namespace) -> None:
     work = Path(args.save_dir or Path(args.out).parent)
     work.mkdir(parents=True, exist_ok=True)
+    if args.partial_from:
+        partial = partial_loads(fabric, args, work)
+        if fabric.is_global_zero:
+            torch.save({"partial": partial, "strategy": type(fabric.strategy).__name__}, args.out)
+        return
     model, optimizer = set_up(fabric, args.setup, args)
     result: dict[str, Any] = {
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,

@@ -29,7 +29,15 @@ from torch.distributed.fsdp.wrap import (  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from scenarios.jobs import run_jobs  # noqa: E402
-from scenarios.common import IN_FEATURES, Block, CountTrainBatches, LazyModel, ManualWrapModel, RegressionModel  # noqa: E402
+from scenarios.common import (  # noqa: E402
+    IN_FEATURES,
+    Block,
+    CountTrainBatches,
+    LazyModel,
+    ManualWrapModel,
+    PartialModel,
+    RegressionModel,
+)
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
     Callback,
@@ -141,6 +149,25 @@ class RecordSummary(Callback):
         torch.distributed.all_gather_object(self.summaries, mine)
 
 
+class RecordLoaded(Callback):
+    """Records, on rank 0, the model's full state dict as training starts: what the checkpoint loaded."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        from lightning_fairscale.fsdp.engine import module_state_dict
+
+        model = trainer.strategy.model
+        if isinstance(model, FullyShardedDataParallel):  # gathered unit by unit, kept on rank 0
+            state = module_state_dict(model, sharded=False, is_global_zero=trainer.is_global_zero)
+        else:
+            state = pl_module.state_dict()
+        self.state = {k: v.detach().clone() for k, v in state.items()}
+
+
 class RecordTraining(Callback):
     """Records, on rank 0, each step's loss and the dtypes a block's Linear layer computes with."""
 
@@ -169,7 +196,10 @@ class RecordTraining(Callback):
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy"])
+    p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy", "partial"],
+                   help="partial: the network of scenarios.common.PartialWrapper (a layer gone, one added)")
+    p.add_argument("--strict-loading", type=int, default=1, help="0: LightningModule.strict_loading = False")
+    p.add_argument("--record-loaded", action="store_true", help="the full state dict as training starts")
     p.add_argument("--model-on-gpu", action="store_true", help="move the model to the GPU before `fit`")
     p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
     p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
@@ -248,10 +278,13 @@ def build_model(args: argparse.Namespace) -> Any:
         model = model_class(wrap_with=args.wrap_with, **common)
     elif args.model == "lazy":  # the network is built in `configure_model`
         model = LazyModel(depth=args.depth, **common)
+    elif args.model == "partial":
+        model = PartialModel(**common)
     else:
         model = RegressionModel(depth=args.depth, **common)
     if args.uninitializable:  # a Block has no `reset_parameters()`: a buffer of its own cannot be initialised
         model.net[1].register_buffer("scale", torch.ones(3))
+    model.strict_loading = bool(args.strict_loading)
     if args.model_on_gpu:
         model.cuda()
     if args.example_input:
@@ -303,6 +336,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     summaries = RecordSummary()
     if args.model_summary:
         callbacks.append(summaries)
+    loaded = RecordLoaded()
+    if args.record_loaded:
+        callbacks.append(loaded)
     if args.lose_rank is not None:
         callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
     if args.callback:
@@ -371,6 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
         "summaries": summaries.summaries,
+        "loaded": loaded.state,
     }
     if args.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

@@ -19,7 +19,13 @@ from lightning_fairscale import fabric
 from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin
 from lightning_fairscale import oss
 from lightning_fairscale.fsdp import options as fsdp_options
-from lightning_fairscale.checkpoint.checks import check_state_dict_fits
+from lightning_fairscale.checkpoint.checks import (
+    RELAX_FABRIC,
+    RELAX_TRAINER,
+    IncompatibleKeys,
+    check_state_dict_fits,
+    describe_partial_load,
+)
 
 FSDP_ARGUMENTS = {"min_num_params": 0, "bucket_cap_mb": 25, "compute_dtype": None, "policy": None, "kwargs": {}}
 
@@ -222,8 +228,14 @@ SHAPES = {"w": torch.Size([2, 3]), "b": torch.Size([2])}
 
 
 def test_a_fitting_state_dict_passes() -> None:
-    check_state_dict_fits({"w": torch.zeros(2, 3), "b": torch.zeros(2)}, SHAPES, strict=True)
-    check_state_dict_fits({"w": torch.zeros(2, 3), "extra": 1}, SHAPES, strict=False)  # non-strict: keys may differ
+    keys = check_state_dict_fits({"w": torch.zeros(2, 3), "b": torch.zeros(2)}, SHAPES, strict=True)
+    assert keys == IncompatibleKeys([], [])
+    # Non-strict: keys may differ, and come back as torch's `load_state_dict` reports them.
+    keys = check_state_dict_fits({"w": torch.zeros(2, 3), "extra": 1}, SHAPES, strict=False)
+    assert (keys.missing_keys, keys.unexpected_keys) == (["b"], ["extra"])
+    # Shapes stand for tensors (a sharded checkpoint's, known without reading them).
+    shapes = {"w": torch.Size([2, 3]), "b": torch.Size([2])}
+    assert check_state_dict_fits(shapes, SHAPES, strict=True) == IncompatibleKeys([], [])
 
 
 @pytest.mark.parametrize(
@@ -237,4 +249,25 @@ def test_a_fitting_state_dict_passes() -> None:
 )
 def test_a_state_dict_of_another_model_is_described(saved: dict[str, Any], strict: bool, match: str) -> None:
     with pytest.raises(ValueError, match=f"does not fit the model: {match}.*load it into the model it was saved from"):
-        check_state_dict_fits(saved, SHAPES, strict=strict)
+        check_state_dict_fits(saved, SHAPES, strict=strict, relax="RELAX")
+
+
+def test_a_strict_error_lists_the_first_keys_counts_the_rest_and_says_how_to_relax() -> None:
+    saved = {f"old.{i}": torch.zeros(1) for i in range(8)}
+    with pytest.raises(ValueError) as error:
+        check_state_dict_fits(saved, SHAPES, strict=True, relax=RELAX_TRAINER)
+    message = str(error.value)
+    assert "missing keys [w, b]" in message
+    assert "unexpected keys [old.0, old.1, old.2, old.3, old.4 and 3 more]" in message
+    assert message.endswith(f"{RELAX_TRAINER}.") and "strict_loading = False" in message
+    # Shapes that differ: strict loading off would not help, so the error does not suggest it.
+    with pytest.raises(ValueError, match="different shapes") as error:
+        check_state_dict_fits({"w": torch.zeros(3)}, SHAPES, strict=False, relax=RELAX_FABRIC)
+    assert "strict" not in str(error.value)
+
+
+def test_a_partial_load_is_described_shortly() -> None:
+    assert describe_partial_load(IncompatibleKeys([], [])) == ""
+    message = describe_partial_load(IncompatibleKeys(["extra.weight"], [f"k{i}" for i in range(7)]))
+    assert "the model's entries that the checkpoint lacks keep their values (1): [extra.weight]" in message
+    assert "the checkpoint's entries that the model lacks were ignored (7): [k0, k1, k2, k3, k4 and 2 more]" in message

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
+
+import torch
 
 from lightning_fairscale.checkpoint.legacy import CurrentOptimizer, OptimizerStatePolicy, adopt_optimizer_states
 
@@ -46,29 +48,76 @@ def resumable_optimizer_states(
     return states
 
 
-def check_state_dict_fits(saved: Mapping[str, Any], expected: Mapping[str, Any], strict: bool) -> None:
-    """Raise a ``ValueError`` that lists what differs when ``saved`` (a state dict) does not fit ``expected`` (key to
-    shape), before FSDP gathers anything: missing and unexpected keys (with ``strict``) and shape mismatches."""
+class IncompatibleKeys(NamedTuple):
+    """What a state dict and a model did not have in common, as ``torch.nn.Module.load_state_dict`` reports it."""
+
+    #: The model's entries that the state dict lacks (their values were left as they were).
+    missing_keys: list[str]
+    #: The state dict's entries that the model has no place for (ignored).
+    unexpected_keys: list[str]
+
+
+#: The end of the error a strict load raises, by front end: how to load only what fits.
+RELAX_TRAINER = "set `strict_loading = False` on the LightningModule (e.g. `self.strict_loading = False` in `__init__`)"
+RELAX_FABRIC = "pass `strict=False` to `fabric.load` (or `fabric.load_raw`)"
+
+
+def check_state_dict_fits(
+    saved: Mapping[str, Any], expected: Mapping[str, Any], strict: bool, relax: str = RELAX_FABRIC
+) -> IncompatibleKeys:
+    """The keys that ``saved`` (a state dict, or key to shape) and ``expected`` (key to shape) do not share, checked
+    before anything is loaded or gathered.
+
+    Raises:
+        ValueError: with ``strict``, keys differ (the message lists them and ends with ``relax``, how to load what
+            fits); or, strict or not, shapes differ.
+
+    Example:
+        >>> saved = {"w": torch.zeros(2), "old": torch.zeros(1)}
+        >>> check_state_dict_fits(saved, {"w": torch.Size([2]), "new": torch.Size([3])}, strict=False)
+        IncompatibleKeys(missing_keys=['new'], unexpected_keys=['old'])
+    """
+    keys = IncompatibleKeys([k for k in expected if k not in saved], [k for k in saved if k not in expected])
     problems = []
-    if strict:
-        missing = [k for k in expected if k not in saved]
-        unexpected = [k for k in saved if k not in expected]
-        if missing:
-            problems.append(f"missing keys {_first(missing)}")
-        if unexpected:
-            problems.append(f"unexpected keys {_first(unexpected)}")
+    if strict and keys.missing_keys:
+        problems.append(f"missing keys {_first(keys.missing_keys)}")
+    if strict and keys.unexpected_keys:
+        problems.append(f"unexpected keys {_first(keys.unexpected_keys)}")
     mismatched = [
-        f"{k}: checkpoint {tuple(saved[k].shape)}, model {tuple(shape)}"
+        f"{k}: checkpoint {tuple(_shape(saved[k]))}, model {tuple(shape)}"
         for k, shape in expected.items()
-        if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(shape)
+        if k in saved and _shape(saved[k]) is not None and tuple(_shape(saved[k])) != tuple(shape)
     ]
-    if mismatched:
-        problems.append(f"different shapes for {_first(mismatched)}")
+    if mismatched:  # no strictness helps: the values cannot go into these parameters
+        raise ValueError(
+            f"The checkpoint's state_dict does not fit the model: different shapes for {_first(mismatched)}. It was"
+            " saved from another model or configuration; load it into the model it was saved from."
+        )
     if problems:
         raise ValueError(
             f"The checkpoint's state_dict does not fit the model: {'; '.join(problems)}. It was saved from another"
-            " model or configuration; load it into the model it was saved from."
+            " model or configuration; load it into the model it was saved from, or, to load what fits (the model's"
+            f" entries that the checkpoint lacks keep their values, its other entries are ignored), {relax}."
         )
+    return keys
+
+
+def describe_partial_load(keys: IncompatibleKeys) -> str:
+    """The warning that tells what a non-strict load left out (``""`` when the keys matched)."""
+    missing, unexpected = keys
+    parts = []
+    if missing:
+        parts.append(f"the model's entries that the checkpoint lacks keep their values ({len(missing)}): "
+                     f"{_first(missing)}")
+    if unexpected:
+        parts.append(f"the checkpoint's entries that the model lacks were ignored ({len(unexpected)}): "
+                     f"{_first(unexpected)}")
+    return f"Loaded the checkpoint's state_dict with strict loading off: {'; '.join(parts)}." if parts else ""
+
+
+def _shape(value: Any) -> Any:
+    """The shape of a state-dict entry (given as a tensor, or as its shape); ``None`` for what has none."""
+    return value if isinstance(value, torch.Size) else getattr(value, "shape", None)
 
 
 def _first(items: Sequence[str], count: int = 5) -> str:

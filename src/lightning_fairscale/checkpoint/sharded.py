@@ -39,6 +39,7 @@ __all__ = [
     "consolidate",
     "consolidation_hint",
     "split_checkpoint",
+    "wrapped_alike",
 ]
 
 #: The key of the meta dict that describes the sharded checkpoint itself.
@@ -118,6 +119,11 @@ def check_fits(meta: dict[str, Any], path: Any) -> int:
         raise ValueError(f"{path} is not a sharded checkpoint written by lightning-fairscale (its meta.pt has no"
                          f" '{FORMAT_KEY}' entry).")
     return int(info["world_size"])
+
+
+def wrapped_alike(shard: dict[str, Any], root: nn.Module) -> bool:
+    """Whether ``root`` has the saved model's FSDP units, with the same parameters in each."""
+    return _comparable(shard["shard_metadata"]) == _comparable(_metadata(root))
 
 
 def check_wrapping(shard: dict[str, Any], root: nn.Module, path: Any) -> None:

@@ -123,14 +123,21 @@ class FabricAdapter:
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes) into
-        the shards of this rank, reading only those; returns what the state did not ask for."""
+        the shards of this rank, reading only those; returns what the state did not ask for.
+
+        ``fabric.load_raw(path, model)`` reads a plain state dict file, or the model's part of a sharded checkpoint.
+        With ``strict=False`` the model's entries that the checkpoint lacks keep their values and its other
+        entries are ignored; the entries of ``state`` that the checkpoint lacks are left as they are."""
         io = self.checkpoint_io
         sharded = is_sharded_checkpoint(io, path)
+        if sharded and isinstance(state, Module) and self._is_ours(state):  # `fabric.load_raw`: the model's part
+            self._load_sharded(path, {"model": state}, Roles(model="model"), strict, weights_only)
+            return {}
         if sharded and (not isinstance(state, dict) or not state):
             raise ValueError(
                 f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
-                " `fabric.load(path, {'model': model, ...})`. To read it whole, consolidate it first:"
-                " `lightning-fairscale-consolidate`."
+                " `fabric.load(path, {'model': model, ...})` or `fabric.load_raw(path, model)`. To read it whole,"
+                " consolidate it first: `lightning-fairscale-consolidate`."
             )
         if not state:
             return io.load_checkpoint(path, weights_only=weights_only)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fairscale._compat import StrategyInternals, _Sharded
-from lightning_fabric.utilities.rank_zero import rank_zero_info
+from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_fairscale._compat import _PATH
 from torch import Tensor
 from torch.nn import Module, Parameter
@@ -26,6 +26,7 @@ from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import fsdp_grad_scaler
+from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
@@ -195,11 +196,14 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices."""
+        """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices.
+
+        With ``strict=False``, the model's parameters and buffers that the state dict lacks keep their values and its
+        other entries are ignored (a warning names them); shapes must still match."""
         model = self._fsdp_model(module)
         if model is None:
             return super().load_module_state_dict(module, state_dict, strict=strict)
-        fsdp_engine.load_full(model.wrapped, state_dict, strict)
+        _report_partial_load(fsdp_engine.load_full(model.wrapped, state_dict, strict))
         return None
 
     @override
@@ -257,5 +261,15 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
             positions = optimizer_positions(meta, roles, saved, strict)
             return [(position, state[key], self._order(state[key])[1]) for position, key in positions]
 
-        meta = fsdp_engine.load_sharded(self, self.checkpoint_io, path, model.wrapped, restored, weights_only)
+        meta, keys = fsdp_engine.load_sharded(
+            self, self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
+        )
+        _report_partial_load(keys)
         return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
+
+
+def _report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with ``strict=False`` left out."""
+    message = describe_partial_load(keys)
+    if message:
+        rank_zero_warn(message)

@@ -6,7 +6,8 @@ The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing, and the
   :class:`~lightning_fairscale.fsdp.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
 * :func:`module_state_dict`, :func:`optimizer_state`, :func:`save_sharded`: the two checkpoint formats;
-* :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing.
+* :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing;
+  with strict loading off, what fits (partial loading), reporting the keys that did not as ``torch`` does.
 
 Their options and set-up are :class:`~lightning_fairscale.fsdp.options.FullyShardedOptions`. Nothing here imports
 Lightning; the strategies pass what they know (options, ranks, the CheckpointIO plugin).
@@ -38,8 +39,14 @@ from lightning_fairscale.fsdp.optim import (
     repoint_optimizer,
 )
 from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
-from lightning_fairscale.checkpoint.sharded import FORMAT_KEY, check_fits, check_wrapping, split_checkpoint
-from lightning_fairscale.checkpoint.checks import check_state_dict_fits
+from lightning_fairscale.checkpoint.sharded import (
+    FORMAT_KEY,
+    check_fits,
+    check_wrapping,
+    split_checkpoint,
+    wrapped_alike,
+)
+from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys, check_state_dict_fits
 from lightning_fairscale.fsdp.summary import unit_summary
 from lightning_fairscale.fsdp.wrapping import (
     add_aliases,
@@ -209,37 +216,47 @@ def buffer_name(name: str) -> str:
 def _expected_shapes(model: WrappedModel) -> dict[str, Any]:
     """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
     shapes: dict[str, Any] = {p.name: p.shape for m in model.layout.managed.values() for p in m.pieces}
-    shapes.update((buffer_name(name), b.shape) for name, b in model.root.named_buffers())
+    for path, module in model.root.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:  # as `state_dict` has them
+                shapes[buffer_name(f"{path}.{name}" if path else name)] = buffer.shape
     return apply_aliases(shapes, module_aliases(model.root))
 
 
 def load_full(
     model: WrappedModel, state_dict: dict[str, Any], strict: bool,
-    optimizers: Sequence[tuple[Optimizer, GroupOrder, dict[str, Any]]] = (),
-) -> None:
-    """Load a full state dict (the unwrapped module's keys) and plain optimizer states into this rank's shards.
+    optimizers: Sequence[tuple[Optimizer, GroupOrder, dict[str, Any]]] = (), relax: str = RELAX_FABRIC,
+) -> IncompatibleKeys:
+    """Load a full state dict (the unwrapped module's keys) and plain optimizer states into this rank's shards;
+    returns the keys the state dict and the model did not share.
 
     Only the slices this rank owns are read, unit by unit, so a memory-mapped checkpoint is never read whole.
 
     Args:
         model: the wrapped model.
         state_dict: the full state dict.
-        strict: whether missing and unexpected keys are errors (shapes that differ always are).
+        strict: whether missing and unexpected keys are errors (shapes that differ always are). Without it, the
+            model's parameters and buffers that the state dict lacks keep their values, and its other entries are
+            ignored.
         optimizers: ``(optimizer, order, plain state dict)`` for each optimizer to restore.
+        relax: how to turn strict loading off, the end of the error that a strict load raises (see
+            :func:`~lightning_fairscale.checkpoint.checks.check_state_dict_fits`).
     """
-    check_state_dict_fits(state_dict, _expected_shapes(model), strict)
+    keys = check_state_dict_fits(state_dict, _expected_shapes(model), strict, relax)
     layout = model.layout
     load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
     for optimizer, order, state in optimizers:
         load_plain_state(state, optimizer, layout, order)
+    return keys
 
 
 def load_sharded(
     ranks: Ranks, io: Any, path: Any, model: WrappedModel,
     optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer, GroupOrder]]],
-    weights_only: Optional[bool],
-) -> dict[str, Any]:
-    """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict.
+    weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
+) -> tuple[dict[str, Any], IncompatibleKeys]:
+    """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict
+    and the keys the checkpoint and the model did not share.
 
     Args:
         ranks: the strategy.
@@ -250,18 +267,37 @@ def load_sharded(
             with the position of its state in the checkpoint and its order (:func:`repoint`); raises when they do
             not fit.
         weights_only: passed to ``torch.load``.
+        strict: whether missing and unexpected keys are errors, as for :func:`load_full`. Without it the model may
+            also be wrapped otherwise than the saved one: its parameters are then found by name.
+        relax: as for :func:`load_full`.
     """
     meta = io.load_meta(path, weights_only=weights_only)
     saved_world_size = check_fits(meta, path)
+    aliases = meta[FORMAT_KEY].get("aliases", [])
     shards = SavedShards(
         lambda r: io.load_shard(path, r, saved_world_size, weights_only=weights_only),
         saved_world_size,
     )
+    found: list[IncompatibleKeys] = []
 
     def read() -> None:
-        check_wrapping(shards.file(0), model.root, path)
-        shards.load_into(model.root)
+        saved = {name: piece.shape for name, piece in shards.pieces(aliases).items()}
+        saved.update(apply_aliases({k: v.shape for k, v in shards.buffers(buffer_name).items()}, aliases))
+        found.append(check_state_dict_fits(saved, _expected_shapes(model), strict, relax))
+        alike = wrapped_alike(shards.file(0), model.root)
+        if alike:
+            shards.load_into(model.root)
+        elif strict:
+            check_wrapping(shards.file(0), model.root, path)  # raises, naming the consolidation command
+        else:
+            layout = model.layout
+            shards.load_by_name(model.root, lambda p: layout.managed[p].pieces, buffer_name, aliases)
         for index, optimizer, order in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
+            if not alike:  # a partial load: the param groups' hyperparameters only, when there is no state to lose
+                saved_optimizer = shards.file(0)["optimizer_states"][index]
+                _check_no_optimizer_state(saved_optimizer, path)
+                load_view_states(optimizer, model.layout, saved_optimizer["param_groups"], lambda *_: None)
+                continue
             params = managed_params(order)
             groups, source = shards.optimizer_source(index, managed_positions(params, model.root))
             position = {id(param): m for m, param in enumerate(params)}
@@ -271,4 +307,17 @@ def load_sharded(
 
     together(ranks, io, read, path, "read")
     meta.pop(FORMAT_KEY)
-    return meta
+    return meta, found[0]
+
+
+def _check_no_optimizer_state(saved: dict[str, Any], path: Any) -> None:
+    """A sharded optimizer state is laid out over the saved model's FSDP parameters: it cannot follow the model's
+    parameters into other ones by name, as the model's state can (a partial load)."""
+    if any(saved["state"].values()):
+        raise ValueError(
+            f"The sharded checkpoint {path} was saved from a model with other parameters or wrapping, and its"
+            " optimizer state is laid out over that model's FSDP parameters: it does not load into this model's."
+            " Load the model's state only (`fabric.load(path, {'model': model}, strict=False)`, or"
+            " `trainer.validate(model, ckpt_path=...)` before `trainer.fit(model)`), or resume with an optimizer"
+            " that keeps no per-parameter state (SGD without momentum)."
+        )

@@ -27,7 +27,7 @@ import math
 import mmap
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
 
 __all__ = [
+    "SavedPiece",
     "SavedShards",
     "copy_overlaps",
     "flat_numel",
@@ -50,6 +51,16 @@ __all__ = [
 ViewSource = Callable[[int, int, int, int], Optional[dict[str, Any]]]
 #: ``(global offset, 1-D tensor)``: saved values of a flat parameter's elements ``offset ... offset + numel - 1``.
 Segment = tuple[int, Tensor]
+
+
+class SavedPiece(NamedTuple):
+    """Where a sharded checkpoint holds one original parameter: at ``offset`` in the flat parameter saved under
+    ``key`` (``numel`` real elements in all), with the original ``shape``."""
+
+    key: str
+    offset: int
+    numel: int
+    shape: torch.Size
 
 
 def owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -75,13 +86,17 @@ def flat_numel(param: nn.Parameter) -> int:
     return torch.Size(param._orig_size).numel()  # type: ignore[attr-defined]
 
 
-def copy_overlaps(out: Tensor, start: int, segments: Iterable[Segment], release: bool = True) -> Tensor:
+def copy_overlaps(
+    out: Tensor, start: int, segments: Iterable[Segment], release: bool = True, keep: bool = False
+) -> Tensor:
     """Fill the 1-D ``out`` (this rank's shard, covering elements ``start ... start + out.numel() - 1``) from the
-    overlapping parts of ``segments``; what no segment covers (the padding) becomes zero. Returns ``out``.
+    overlapping parts of ``segments``; what no segment covers (the padding) becomes zero, or, with ``keep`` (a
+    partial load: parameters the checkpoint lacks), keeps its value. Returns ``out``.
 
     With ``release``, each saved tensor's memory-mapped pages are given back once it has been read.
     """
-    out.zero_()
+    if not keep:
+        out.zero_()
     stop = start + out.numel()
     with torch.no_grad():
         for offset, saved in segments:
@@ -197,6 +212,65 @@ class SavedShards:
             prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
             keys.append([prefix + name for name in unit["params"]])
         return keys
+
+    def pieces(self, aliases: Iterable[tuple[str, str]] = ()) -> dict[str, SavedPiece]:
+        """Where each original parameter lies in the saved flat parameters, by the unwrapped module's name (also
+        under each alias: see :func:`lightning_fairscale.fsdp.wrapping.module_aliases`)."""
+        found: dict[str, SavedPiece] = {}
+        for unit in self.metadata["param_metadata"]:
+            prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
+            for flat, info in unit["params"].items():
+                offset, total = 0, int(sum(info["numels"]))
+                for name, shape, numel in zip(info["names"], info["shapes"], info["numels"]):
+                    found[prefix + name] = SavedPiece(prefix + flat, offset, total, torch.Size(shape))
+                    offset += int(numel)
+        for known, alias in aliases:
+            for name in [n for n in found if n.startswith(known)]:
+                found.setdefault(alias + name[len(known) :], found[name])
+        return found
+
+    def buffers(self, clean: Callable[[str], str]) -> dict[str, Tensor]:
+        """The saved buffers, by the unwrapped module's name."""
+        state_dict = self.file(0)["state_dict"]
+        return {clean(name): state_dict[name] for name in self.metadata["buffer_names"] if name in state_dict}
+
+    def load_by_name(
+        self, root: nn.Module, pieces_of: Callable[[nn.Parameter], Sequence[Any]], clean: Callable[[str], str],
+        aliases: Iterable[tuple[str, str]] = (),
+    ) -> None:
+        """Copy this rank's slice of every original parameter of ``root`` that the checkpoint holds, found by name,
+        and every buffer it holds; what it lacks keeps its value. ``root`` may be wrapped otherwise than the saved
+        model, and hold other parameters (a partial load); shapes must have been checked.
+
+        Args:
+            root: the wrapped model.
+            pieces_of: the original parameters (:class:`~lightning_fairscale.fsdp.optim.Piece`) a managed
+                parameter holds.
+            clean: the unwrapped name of a buffer of ``root``.
+            aliases: the saved model's ``(prefix, alias)`` pairs.
+        """
+        saved = self.pieces(aliases)
+        for unit in fsdp_instances(root):
+            for param in unit.params:
+                start, stop, _ = _local_range(param, flat_numel(param), unit)
+                pieces = pieces_of(param)
+                found = [piece for piece in pieces if piece.name in saved]
+                segments = [s for piece in found for s in self._piece_segments(piece, saved[piece.name], start, stop)]
+                copy_overlaps(param.data.view(-1), start, segments, keep=len(found) < len(pieces))
+        load_buffers(root, self.buffers(clean), clean)
+
+    def _piece_segments(self, piece: Any, saved: SavedPiece, start: int, stop: int) -> Iterable[Segment]:
+        """The saved values of one original parameter that fall in ``[start, stop)`` of the current flat parameter
+        holding it, at their offsets there."""
+        lo, hi = max(start, piece.offset), min(stop, piece.offset + piece.numel)
+        if lo >= hi:
+            return
+        shift = saved.offset - piece.offset  # saved flat index = current flat index + shift
+        segments = self._segments(saved.numel, lo + shift, hi + shift, lambda f: f["state_dict"][saved.key])
+        for offset, values in segments:
+            first, last = max(lo + shift, offset), min(hi + shift, offset + values.numel())
+            if first < last:  # only this piece's elements: its neighbours in the saved flat parameter are others'
+                yield first - shift, values[first - offset : last - offset]
 
     def load_into(self, root: nn.Module) -> None:
         """Copy this rank's slice of every managed parameter, and every buffer, into the wrapped ``root``."""
@@ -318,12 +392,16 @@ def load_full_state_dict(root: nn.Module, pieces_of: Callable[[nn.Parameter], Se
     Args:
         root: the wrapped model.
         pieces_of: the original parameters (:class:`~lightning_fairscale.fsdp.optim.Piece`) a managed parameter holds.
-        state_dict: the full state dict, with the unwrapped module's keys (checked beforehand).
+        state_dict: the full state dict, with the unwrapped module's keys (checked beforehand); the parameters it
+            lacks keep their values.
         clean: the unwrapped name of a buffer of ``root``.
     """
     for unit in fsdp_instances(root):
         for param in unit.params:
             start, _, _ = local_range(param, unit)
-            segments = [(piece.offset, state_dict[piece.name].reshape(-1)) for piece in pieces_of(param)]
-            copy_overlaps(param.data.view(-1), start, segments)
+            pieces = pieces_of(param)
+            # A partial load (strict loading off) leaves the parameters the state dict lacks as they are.
+            found = [piece for piece in pieces if piece.name in state_dict]
+            segments = [(piece.offset, state_dict[piece.name].reshape(-1)) for piece in found]
+            copy_overlaps(param.data.view(-1), start, segments, keep=len(found) < len(pieces))
     load_buffers(root, state_dict, clean)

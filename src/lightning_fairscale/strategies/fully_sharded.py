@@ -31,7 +31,13 @@ from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.model_summary import use_for_model_summaries
 from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_callbacks
-from lightning_fairscale.checkpoint.checks import check_optimizer_count, resumable_optimizer_states
+from lightning_fairscale.checkpoint.checks import (
+    RELAX_TRAINER,
+    IncompatibleKeys,
+    check_optimizer_count,
+    describe_partial_load,
+    resumable_optimizer_states,
+)
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.wrapping import (
@@ -310,11 +316,16 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         Either kind of checkpoint loads without gathering anything: a full file is memory-mapped and each rank reads
         the slices of each parameter that it owns, unit by unit; a sharded directory saved by any number of
         processes is read the same way from the saved shards (see :mod:`lightning_fairscale.fsdp.resharding`).
+
+        With ``LightningModule.strict_loading = False``, the model's parameters and buffers that the checkpoint lacks
+        keep their values and its other entries are ignored (a warning names them); shapes must still match.
         """
         if not self._is_wrapped():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         optimizers = [_unwrap(opt) for opt in self.optimizers] if self._restores_optimizers() else []
         io = self.checkpoint_io
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
         if fsdp_engine.is_sharded_checkpoint(io, checkpoint_path):
 
             def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
@@ -322,16 +333,22 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
                     check_optimizer_count(saved, len(optimizers))
                 return [(i, opt, self._group_orders[i]) for i, opt in enumerate(optimizers)]
 
-            return fsdp_engine.load_sharded(self, io, checkpoint_path, self._wrapped(), restored, weights_only)
+            meta, keys = fsdp_engine.load_sharded(
+                self, io, checkpoint_path, self._wrapped(), restored, weights_only, strict, RELAX_TRAINER
+            )
+            _report_partial_load(keys)
+            return meta
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        assert self.lightning_module is not None and self._layout is not None
+        assert self._layout is not None
         states = self._resumable_states(checkpoint, optimizers) if optimizers else []
-        fsdp_engine.load_full(
+        keys = fsdp_engine.load_full(
             self._wrapped(),
             checkpoint.pop("state_dict"),
-            self.lightning_module.strict_loading,
+            strict,
             list(zip(optimizers, self._group_orders, states)),
+            RELAX_TRAINER,
         )
+        _report_partial_load(keys)
         checkpoint.pop("optimizer_states", None)
         return checkpoint
 
@@ -421,6 +438,13 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
     def _is_wrapped(self) -> bool:
         return isinstance(self.model, _FairScaleFSDP)
+
+
+def _report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with ``strict_loading = False`` left out."""
+    message = describe_partial_load(keys)
+    if message:
+        rank_zero_warn(message)
 
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:

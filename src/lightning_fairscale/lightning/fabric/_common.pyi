@@ -63,7 +63,11 @@ class FabricAdapter:
 
     def load_checkpoint(self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]]=None, strict: bool=True, weights_only: Optional[bool]=None) -> dict[str, Any]:
         """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes) into
-        the shards of this rank, reading only those; returns what the state did not ask for."""
+        the shards of this rank, reading only those; returns what the state did not ask for.
+
+        ``fabric.load_raw(path, model)`` reads a plain state dict file, or the model's part of a sharded checkpoint.
+        With ``strict=False`` the model's entries that the checkpoint lacks keep their values and its other
+        entries are ignored; the entries of ``state`` that the checkpoint lacks are left as they are."""
         ...
 
     def _is_ours(self, module: Module) -> bool:

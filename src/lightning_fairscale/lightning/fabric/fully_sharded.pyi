@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning_fairscale.lightning._compat import StrategyInternals, _Sharded
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_fairscale.lightning._compat import _PATH
 from torch import Tensor
 from torch.nn import Module, Parameter
@@ -23,6 +23,7 @@ from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.lightning.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import fsdp_grad_scaler
+from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
@@ -131,7 +132,10 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool=True) -> None:
-        """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices."""
+        """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices.
+
+        With ``strict=False``, the model's parameters and buffers that the state dict lacks keep their values and its
+        other entries are ignored (a warning names them); shapes must still match."""
         ...
 
     @override
@@ -166,3 +170,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
     @override
     def _load_sharded(self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
         ...
+
+def _report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with ``strict=False`` left out."""
+    ...

@@ -28,7 +28,7 @@ from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.model_summary import use_for_model_summaries
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
-from lightning_fairscale.checkpoint.checks import check_optimizer_count, resumable_optimizer_states
+from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys, check_optimizer_count, describe_partial_load, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.wrapping import forget_root, remove_activation_checkpointing, root_parameters_visible, unwrap_module, wrapped_root
@@ -210,6 +210,9 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         Either kind of checkpoint loads without gathering anything: a full file is memory-mapped and each rank reads
         the slices of each parameter that it owns, unit by unit; a sharded directory saved by any number of
         processes is read the same way from the saved shards (see :mod:`lightning_fairscale.fsdp.resharding`).
+
+        With ``LightningModule.strict_loading = False``, the model's parameters and buffers that the checkpoint lacks
+        keep their values and its other entries are ignored (a warning names them); shapes must still match.
         """
         ...
 
@@ -266,6 +269,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
     def _is_wrapped(self) -> bool:
         ...
+
+def _report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with ``strict_loading = False`` left out."""
+    ...
 
 def _unwrap(optimizer: Optimizer) -> Optimizer:
     ...

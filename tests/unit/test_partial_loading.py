@@ -1,0 +1,226 @@
+"""Partial loading (strict loading off) in the engine: a model whose code changed since the checkpoint (a layer
+gone, one added) takes what fits from a full state dict or a sharded checkpoint of any world size, the rest keeps
+its values, and the keys that did not fit come back as torch reports them; strict loading names them instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys
+from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.fsdp import engine, fairscale_cpu
+from lightning_fairscale.fsdp.optim import ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.wrapping import unwrap_module
+
+from .helpers import OUT_FEATURES, Block, Net, batches, parameters_of, run_ranks, step, wrap
+
+#: What `PartialNet` lacks of `Net`'s state dict, and what it has more.
+GONE = ["blocks.0.norm.weight", "blocks.0.norm.bias"]
+NEW = ["extra.weight", "extra.bias"]
+#: Each Block a unit (the first one's flat parameter loses its first pieces), the root holds `inp`, `out` and `extra`.
+POLICIES = {"blocks": {Block}, "root-only": None}
+
+
+class PartialNet(Net):
+    """``Net`` after its code changed: the first block without its LayerNorm, and a new layer at the end."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.blocks[0].norm = nn.Identity()
+        self.extra = nn.Linear(OUT_FEATURES, OUT_FEATURES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.extra(super().forward(x))
+
+
+class OneRank:
+    """The strategy, as the engine sees it, in a process of its own."""
+
+    global_rank, world_size, is_global_zero = 0, 1, True
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+
+class Ranks:
+    """The strategy, as the engine sees it, on the default process group (forked ranks)."""
+
+    def __init__(self) -> None:
+        self.global_rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.is_global_zero = self.global_rank == 0
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag)
+
+
+def wrapped(module: nn.Module, policy: Any = None, flatten: bool = True) -> engine.WrappedModel:
+    layout = ParameterLayout.before_wrapping(module)
+    root = wrap(module, policy=policy, flatten=flatten)
+    return engine.WrappedModel(root, layout.after_wrapping(root))
+
+
+def expected_after_partial_load(source: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
+    """The shared entries from ``source``, the new layer as ``PartialNet(seed)`` initialized it."""
+    initial = parameters_of(PartialNet(seed))
+    return {name: source[name] if name in source else value for name, value in initial.items()}
+
+
+def assert_parameters(model: engine.WrappedModel, expected: dict[str, Tensor]) -> None:
+    actual = parameters_of(unwrap_module(model.root))
+    assert sorted(actual) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
+
+
+def save_sharded(model: engine.WrappedModel, path: Path, ranks: Any, optimizer: Any = None, order: Any = None) -> None:
+    checkpoint: dict[str, Any] = {"state_dict": engine.module_state_dict(model.root, True, ranks.is_global_zero)}
+    if optimizer is not None:
+        checkpoint["optimizer_states"] = [optimizer.state_dict()]
+    optimizers, orders = ([optimizer], [order]) if optimizer is not None else ([], [])
+    engine.save_sharded(ranks, ShardedCheckpointIO(), {**checkpoint, "global_step": 3}, path, model, optimizers, orders)
+
+
+def load_sharded(model: engine.WrappedModel, path: Path, ranks: Any, strict: bool, optimizer: Any = None) -> Any:
+    order = repoint_optimizer(optimizer, model.layout) if optimizer is not None else []
+
+    def optimizers(meta: dict[str, Any], saved: int) -> list[tuple[int, Any, Any]]:
+        return [(0, optimizer, order)] if optimizer is not None else []
+
+    io = ShardedCheckpointIO()
+    return engine.load_sharded(ranks, io, path, model, optimizers, False, strict=strict, relax=RELAX_TRAINER)
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flat", "unflattened"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_full_state_dict_loads_what_fits(process_group: None, policy: str, flatten: bool) -> None:
+    source = Net(seed=0).state_dict()
+    model = wrapped(PartialNet(seed=1), POLICIES[policy], flatten)
+    keys = engine.load_full(model, source, strict=False)
+    assert isinstance(keys, IncompatibleKeys)
+    assert (sorted(keys.missing_keys), sorted(keys.unexpected_keys)) == (sorted(NEW), sorted(GONE))
+    assert_parameters(model, expected_after_partial_load(source, seed=1))
+
+
+def test_a_strict_load_names_the_keys_and_changes_nothing(process_group: None) -> None:
+    model = wrapped(PartialNet(seed=1), {Block})
+    with pytest.raises(ValueError, match=r"missing keys \[extra.weight, extra.bias\]; unexpected keys "
+                                         r"\[blocks.0.norm.weight, blocks.0.norm.bias\].*strict_loading = False"):
+        engine.load_full(model, Net(seed=0).state_dict(), strict=True, relax=RELAX_TRAINER)
+    assert_parameters(model, parameters_of(PartialNet(seed=1)))
+
+
+def test_shapes_that_differ_stay_an_error(process_group: None) -> None:
+    source = Net(seed=0).state_dict()
+    source["out.bias"] = torch.zeros(OUT_FEATURES + 1)
+    with pytest.raises(ValueError, match=r"different shapes for \[out.bias: checkpoint \(3,\), model \(2,\)\]"):
+        engine.load_full(wrapped(PartialNet(seed=1), {Block}), source, strict=False)
+
+
+class WithBuffers(nn.Module):
+    """A persistent buffer (in the state dict) and a non-persistent one (not in it: never a missing key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+        self.register_buffer("count", torch.zeros(1))
+        self.register_buffer("scale", torch.full((2,), 2.0), persistent=False)
+
+
+def test_buffers_load_by_name_and_non_persistent_ones_are_not_expected(process_group: None) -> None:
+    source = WithBuffers()
+    source.count += 5
+    model = wrapped(WithBuffers())
+    assert engine.load_full(model, source.state_dict(), strict=True) == IncompatibleKeys([], [])
+    assert model.root.module.count.item() == 5  # type: ignore[union-attr]
+    # A buffer the checkpoint lacks keeps its value.
+    without = {k: v for k, v in source.state_dict().items() if k != "count"}
+    fresh = wrapped(WithBuffers())
+    assert engine.load_full(fresh, without, strict=False) == IncompatibleKeys(["count"], [])
+    assert fresh.root.module.count.item() == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_sharded_checkpoint_loads_what_fits_by_name(process_group: None, tmp_path: Path, policy: str) -> None:
+    ranks = OneRank()
+    save_sharded(wrapped(Net(seed=0), {Block}), tmp_path / "ck", ranks)
+    model = wrapped(PartialNet(seed=1), POLICIES[policy])
+    meta, keys = load_sharded(model, tmp_path / "ck", ranks, strict=False)
+    assert meta == {"global_step": 3}
+    assert (sorted(keys.missing_keys), sorted(keys.unexpected_keys)) == (sorted(NEW), sorted(GONE))
+    assert_parameters(model, expected_after_partial_load(Net(seed=0).state_dict(), seed=1))
+    # Strict: the keys are named before anything loads (not the wrapping, which differs too).
+    strict_model = wrapped(PartialNet(seed=1), POLICIES[policy])
+    with pytest.raises(ValueError, match=r"missing keys \[extra.weight, extra.bias\].*strict_loading = False"):
+        load_sharded(strict_model, tmp_path / "ck", ranks, strict=True)
+    assert_parameters(strict_model, parameters_of(PartialNet(seed=1)))
+
+
+def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(process_group: None, tmp_path: Path) -> None:
+    """The model's state finds its parameters by name; the optimizer's, laid out over the saved flat parameters,
+    cannot: a stateful optimizer is refused clearly, a stateless one loads."""
+    ranks = OneRank()
+    for name, make in {"adam": torch.optim.Adam, "plain-sgd": torch.optim.SGD}.items():
+        source = Net(seed=0)
+        optimizer = make(source.parameters(), lr=0.1)
+        model = wrapped(source, {Block})
+        order = repoint_optimizer(optimizer, model.layout)
+        step(model.root, optimizer, batches(1)[0])
+        save_sharded(model, tmp_path / name, ranks, optimizer, order)
+        target = PartialNet(seed=1)
+        count = len(list(target.parameters()))
+        fresh_optimizer = make(target.parameters(), lr=0.1)
+        partial = wrapped(target, {Block})
+        if name == "adam":
+            with pytest.raises(ValueError, match="optimizer state is laid out over that model's FSDP parameters"):
+                load_sharded(partial, tmp_path / name, ranks, strict=False, optimizer=fresh_optimizer)
+        else:
+            load_sharded(partial, tmp_path / name, ranks, strict=False, optimizer=fresh_optimizer)
+            assert fresh_optimizer.state_dict()["param_groups"][0]["params"] == list(range(count))  # views of all
+            assert not fresh_optimizer.state_dict()["state"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several ranks: saved by 2, loaded by 2 and by 3 (padding moves, pieces straddle the shards)
+
+
+def save_on_ranks(rank: int, world_size: int, path: Path) -> None:
+    fairscale_cpu.install()
+    save_sharded(wrapped(Net(seed=0), {Block}), path, Ranks())
+
+
+def load_on_ranks(rank: int, world_size: int, path: Path, policy: str) -> dict[str, Any]:
+    fairscale_cpu.install()
+    sharded = wrapped(PartialNet(seed=1), POLICIES[policy])
+    _, keys = load_sharded(sharded, path, Ranks(), strict=False)
+    full = wrapped(PartialNet(seed=1), POLICIES[policy])  # the full state dict's path, on these ranks too
+    engine.load_full(full, Net(seed=0).state_dict(), strict=False)
+    return {
+        "keys": keys,
+        "sharded": parameters_of(unwrap_module(sharded.root)),
+        "full": parameters_of(unwrap_module(full.root)),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_partial_loads_on_several_ranks(tmp_path: Path, world_size: int) -> None:
+    path = tmp_path / "ck"
+    for directory in ("save", *(f"load-{policy}" for policy in POLICIES)):
+        (tmp_path / directory).mkdir()
+    run_ranks(save_on_ranks, 2, tmp_path / "save", path)
+    expected = expected_after_partial_load(Net(seed=0).state_dict(), seed=1)
+    for policy in POLICIES:
+        for result in run_ranks(load_on_ranks, world_size, tmp_path / f"load-{policy}", path, policy):
+            assert (sorted(result["keys"].missing_keys), sorted(result["keys"].unexpected_keys)) == (
+                sorted(NEW), sorted(GONE)
+            )
+            for kind in ("sharded", "full"):
+                assert sorted(result[kind]) == sorted(expected)
+                for name, value in expected.items():
+                    assert torch.equal(result[kind][name], value), (kind, name)
