@@ -19,6 +19,7 @@ from lightning_utilities.core.imports import module_available
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision import (
+    FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
@@ -33,6 +34,7 @@ __all__ = [
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",
+    "FullyShardedHalfPrecisionPlugin",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "ShardedCheckpointIO",

@@ -193,14 +193,22 @@ def reference_training(
     freeze: Optional[str] = None,
     params: str = "self",
     lr: Optional[float] = None,
+    dtype: Optional[torch.dtype] = None,
+    output_to_fp32: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the full global batch, without any wrapper (``params="split"``: with the param
     groups of ``split_param_groups``); from the weights ``start`` if given (else ``build_network``'s), with a fresh
-    optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too)."""
+    optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too).
+
+    With ``dtype`` (true half precision, as Lightning's ``HalfPrecision`` trains): the model and the batches in that
+    dtype; with ``output_to_fp32`` the model's output goes back to FP32 before the loss (Fabric's plugin does that,
+    the Trainer's computes the loss in ``dtype``)."""
     net = build_network(depth)
     model = RegressionModelWrapper(net)
     if start is not None:
         model.load_state_dict(start)
+    if dtype is not None:
+        model.to(dtype)
     if freeze:
         model.get_parameter(freeze).requires_grad_(False)
     opt = make_optimizer(optimizer, split_param_groups(model) if params == "split" else model.parameters())
@@ -212,7 +220,10 @@ def reference_training(
     micro = 0
     for step in range(steps * accumulate):
         x, y = batches[(step + step_offset * accumulate) % len(batches)]
-        loss = nn.functional.mse_loss(model(x), y) / accumulate
+        if dtype is not None:
+            x, y = x.to(dtype), (y if output_to_fp32 else y.to(dtype))
+        output = model(x)
+        loss = nn.functional.mse_loss(output.float() if output_to_fp32 else output, y) / accumulate
         loss.backward()
         micro += 1
         if micro % accumulate == 0:

@@ -56,6 +56,15 @@ The workarounds, and why each is needed:
 10. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
     CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
     :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
+11. **Pure bf16 parameters (all devices).** FairScale trains a model held in fp16 (``mixed_precision=False``,
+    ``compute_dtype=torch.float16``), but its constructor refuses any other parameter dtype than fp16 or fp32
+    ("Expecting FP16 param type in FP32 & MP modes"), although nothing after that check depends on the dtype
+    (flattening, sharding, all-gathers, reduce-scatters and the state dicts keep the parameters' dtype). A unit made
+    with ``mixed_precision=False`` and a half ``compute_dtype`` (fp16 or bf16) is a *true half precision* unit:
+    :class:`FullyShardedDataParallel` builds it over fp32 copies of its own parameters (the check passes), then
+    holds its shards, and the originals, in ``compute_dtype``. The round trip is exact; while a unit is built, its
+    unsharded parameters briefly take fp32 memory, as in a ``"32-true"`` run. Used for fp16 too, so that a unit
+    made over fp32 parameters (a model built before the precision converts it) ends up in the dtype asked for.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """
@@ -63,6 +72,7 @@ Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import threading
 import types
@@ -86,6 +96,7 @@ __all__ = [
     "ShardedGradScaler",
     "install",
     "is_installed",
+    "true_half_dtype",
 ]
 
 
@@ -268,6 +279,20 @@ def _is_gloo(group: Any) -> bool:
         return False
 
 
+_FSDP_SIGNATURE = inspect.signature(_FairScaleFSDP.__init__)
+
+
+def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype a unit holds its parameters, gradients and computations in under true half precision (workaround
+    11): its ``compute_dtype`` when that is fp16 or bf16 without mixed precision; ``None`` for any other unit.
+
+    Example:
+        >>> true_half_dtype(False, torch.bfloat16), true_half_dtype(True, torch.bfloat16)
+        (torch.bfloat16, None)
+    """
+    return compute_dtype if not mixed_precision and compute_dtype in (torch.float16, torch.bfloat16) else None
+
+
 class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
@@ -275,6 +300,23 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     (workaround 6) and that its reduce-scatter bucketer is freed with it (workaround 9). On CPU it uses no-op streams
     (after :func:`install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
     """
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+        arguments.pop("self")
+        half = true_half_dtype(arguments.get("mixed_precision", False), arguments.get("compute_dtype"))
+        if half is None:
+            super().__init__(**arguments)
+            return
+        # Workaround 11: FairScale's check sees fp32 parameters; the unit then holds them in `half`.
+        own = [p for p in arguments["module"].parameters() if not hasattr(p, "_is_sharded")]
+        for param in own:
+            param.data = param.data.float()
+        super().__init__(**{**arguments, "compute_dtype": torch.float32})
+        for param in {id(p): p for p in [*own, *self.params]}.values():  # the flat parameters and the originals
+            param.data = param.data.to(half)
+        self.compute_dtype = half
+        self.buffer_dtype = arguments.get("buffer_dtype") or half
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16

@@ -44,6 +44,7 @@ _loader.install()
 
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO  # noqa: E402
 from lightning_fairscale.lightning.precision import (  # noqa: E402
+    FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
@@ -61,6 +62,7 @@ __all__ = [
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",
+    "FullyShardedHalfPrecisionPlugin",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "ShardedCheckpointIO",
