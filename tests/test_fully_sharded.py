@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
+from scenarios.common import BF16_ATOL, NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale.fsdp.wrapping import clean_path
@@ -48,14 +48,6 @@ UNSUPPORTED = ["64-true"]
 #: after 2 steps in either format and resumed from there.
 TRUE_BF16 = ["--precision", "bf16-true", "--samples", "8"]
 CHECKPOINT_KINDS = ("full", "sharded")
-#: bf16 keeps 8 significant bits, so after every step a weight is rounded to a multiple of its bf16 spacing: 2**-9
-#: for the largest weights here (0.25 <= |w| < 0.5), 2**-10 below 0.25. Sharding sums the gradient in another order
-#: (each rank's half-batch mean, then the bf16 reduce-scatter of the two, instead of one full-batch mean), so an
-#: update may round to the neighbouring bf16 value: sharded and unsharded bf16 training end within one such
-#: spacing (measured: 9.8e-4 after 4 SGD steps, 1.2e-4 clipped), where bf16 and fp32 training are 5.7e-3 apart. Adam
-#: would not do: its first steps move a weight by +-lr whatever the gradient's size, so a tiny gradient whose sign
-#: rounding flips moves it by 2 lr.
-BF16_ATOL = 2.0**-9
 
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
@@ -70,9 +62,10 @@ JOBS: dict[str, list[str]] = {
     **{f"clip-mixed-{n}": ["--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *a] for n, a in CLIP_MIXED.items()},
     **{f"unsupported-{precision}": ["--precision", precision, "--steps", "1"] for precision in UNSUPPORTED},
     "true-bf16": [*TRUE_BF16, "--steps", "4"],
-    **{f"true-bf16-half-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "2", "--save-ckpt", f"true-bf16-{k}.ckpt"]
-       for k in CHECKPOINT_KINDS},  # written into the launch's folder (its working directory)
-    **{f"true-bf16-resumed-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "4", "--ckpt-path", f"true-bf16-{k}.ckpt"]
+    # Saved into the launch's folder (its working directory), then resumed.
+    **{f"true-bf16-half-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "2", "--save-ckpt", f"bf16-{k}.ckpt"]
+       for k in CHECKPOINT_KINDS},
+    **{f"true-bf16-resumed-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "4", "--ckpt-path", f"bf16-{k}.ckpt"]
        for k in CHECKPOINT_KINDS},
     "true-bf16-sgd": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4"],
     "true-bf16-sgd-clip": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4", "--clip-val", "0.05"],
@@ -221,7 +214,7 @@ def test_true_bf16_holds_everything_in_bf16_in_half_the_memory(runs: Jobs) -> No
 
 @pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
 def test_true_bf16_checkpoints_hold_bf16_and_resume_exactly(runs: Jobs, kind: str) -> None:
-    path = runs.folder / f"true-bf16-{kind}.ckpt"
+    path = runs.folder / f"bf16-{kind}.ckpt"
     files = sorted(path.iterdir()) if kind == "sharded" else [path]
     dtypes = set().union(*(_floating_dtypes(torch.load(f, weights_only=False)) for f in files))
     assert {dtype for key, dtype in dtypes if key != "step"} == {torch.bfloat16}, dtypes

@@ -22,6 +22,7 @@ from lightning_fairscale.precision import (
     FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
+    ShardedHalfPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "ShardedCheckpointIO",
+    "ShardedHalfPrecisionPlugin",
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
     "__version__",

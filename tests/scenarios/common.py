@@ -15,6 +15,16 @@ IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 GLOBAL_BATCH = 8
 NUM_SAMPLES = 16  # two global batches: one epoch is two optimizer steps
 
+#: How close two bf16 trainings that sum each gradient in another order end. bf16 keeps 8 significant bits, so after
+#: every step a weight is rounded to a multiple of its bf16 spacing: 2**-9 for the largest weights here
+#: (0.25 <= |w| < 0.5), 2**-10 below 0.25. Sharding sums the gradient in another order (each rank's half-batch mean,
+#: then the bf16 reduction of the two, instead of one full-batch mean), so an update may round to the neighbouring
+#: bf16 value: sharded and unsharded bf16 training end within one such spacing (measured, FSDP and OSS alike:
+#: 9.8e-4 after 4 SGD steps, 1.2e-4 to 4.9e-4 clipped), where bf16 and fp32 training end 5.7e-3 apart. Adam would
+#: not do: its first steps move a weight by +-lr whatever the gradient's size, so a tiny gradient whose sign rounding
+#: flips moves it by 2 lr.
+BF16_ATOL = 2.0**-9
+
 
 class Block(nn.Module):
     """A transformer-style MLP block: pre-norm, expand, GELU, project, residual."""

@@ -47,6 +47,7 @@ from lightning_fairscale.lightning.precision import (  # noqa: E402
     FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
+    ShardedHalfPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "ShardedCheckpointIO",
+    "ShardedHalfPrecisionPlugin",
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
 ]

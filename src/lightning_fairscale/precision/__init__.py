@@ -5,12 +5,17 @@ from lightning_fairscale.precision.fully_sharded import (
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
 )
-from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin, ShardedPrecisionPlugin
+from lightning_fairscale.precision.sharded import (
+    ShardedHalfPrecisionPlugin,
+    ShardedMixedPrecisionPlugin,
+    ShardedPrecisionPlugin,
+)
 
 __all__ = [
     "FullyShardedHalfPrecisionPlugin",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
+    "ShardedHalfPrecisionPlugin",
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
 ]
