@@ -42,10 +42,12 @@ def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning", ran
 
 
 #: True half precision: FSDP with Adam (saved at step 2 and resumed, as the "fsdp" job), and with SGD against the
-#: unsharded bf16 reference (see ``BF16_ATOL``); sharded DDP with SGD; fp16 with SGD on one batch (the loss falls).
+#: unsharded bf16 reference (see ``BF16_ATOL``; the model made in `fabric.init_module()`, each Block wrapped there);
+#: sharded DDP with SGD; fp16 with SGD on one batch (the loss falls).
 TRUE_HALF = {
     "true-bf16": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--steps", "4", "--save-at", "2"],
-    "true-bf16-sgd": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4"],
+    "true-bf16-sgd": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4",
+                      "--init-module"],
     "true-bf16-ddp-sharded": [*LOOP, "--strategy", "sharded", "--precision", "bf16-true", "--optimizer", "sgd",
                               "--steps", "4"],
     "true-16": [*BLOCKS, "--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
@@ -227,6 +229,8 @@ def test_true_bf16_loop_equals_unsharded_bf16_training(runs: Jobs, name: str) ->
     result = runs[name]
     assert result["parameters"] == result["gradients"] == {"torch.bfloat16"}
     assert result["optimizer_state"] == {("momentum_buffer", "torch.bfloat16")}
+    if name == "true-bf16-sgd":  # `fabric.init_module()` made the layers in bf16, and their Blocks units
+        assert (result["created"], result["units"]) == ({"torch.bfloat16"}, 3)
     expected = reference_training(4, "sgd", accumulate=2, clip=(0.05, "norm"), dtype=torch.bfloat16,
                                   output_to_fp32=True)
     assert max_difference(result["final"], expected) <= BF16_ATOL

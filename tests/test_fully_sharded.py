@@ -70,6 +70,7 @@ JOBS: dict[str, list[str]] = {
     "true-bf16-sgd": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4"],
     "true-bf16-sgd-clip": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4", "--clip-val", "0.05"],
     "true-16": ["--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
+    "true-bf16-lazy": ["--precision", "bf16-true", "--model", "lazy", "--optimizer", "sgd", "--steps", "4"],
     "cpu-offload": ["--cpu-offload", "--steps", "2"],
     "summary": ["--policy", "blocks", "--steps", "2"],
 }
@@ -223,6 +224,15 @@ def test_true_bf16_checkpoints_hold_bf16_and_resume_exactly(runs: Jobs, kind: st
     assert resumed["global_step"] == 4
     assert all(v.dtype == torch.bfloat16 for v in resumed["state_dict"].values())
     assert max_difference(resumed["state_dict"], uninterrupted["state_dict"]) == 0.0
+
+
+def test_true_bf16_configure_model_creates_bf16_parameters(runs: Jobs) -> None:
+    """``configure_model`` runs in the strategy's ``tensor_init_context``: the layers are made in bf16 (as by
+    Lightning's ``HalfPrecision``: no FP32 copy of the model ever exists), and train in bf16."""
+    result = runs["true-bf16-lazy"]
+    assert result["created"] == {"torch.bfloat16"}
+    assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == {"torch.bfloat16"}
+    assert all(v.dtype == torch.bfloat16 for v in result["state_dict"].values())
 
 
 @pytest.mark.parametrize("clip", [False, True])

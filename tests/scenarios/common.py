@@ -152,6 +152,7 @@ class LazyModel(RegressionModel):
     def configure_model(self) -> None:
         if not hasattr(self, "net"):
             self.net = build_network(self.hparams.depth)
+            self.created = {str(p.dtype) for p in self.net.parameters()}  # as the strategy's context made them
 
 
 class ManualWrapModel(RegressionModel):

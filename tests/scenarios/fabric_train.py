@@ -91,6 +91,7 @@ def set_up(fabric: Any, how: str, optimizer_name: str, init_module: bool = False
 
         with fabric.init_module():  # manual wrap: each Block becomes an FSDP unit right here
             network = build_network()
+            set_up.created = {str(p.dtype) for p in network.parameters()}  # type: ignore[attr-defined]
             for index, layer in enumerate(network):
                 if isinstance(layer, Block):
                     network[index] = wrap(layer)
@@ -170,6 +171,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         "package": PACKAGE,
         "world_size": fabric.world_size,
         "units": sum(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
+        "created": getattr(set_up, "created", None),  # the parameters' dtypes as `fabric.init_module()` made them
         "compute": set(),  # (weight dtype, output dtype) of a Block's Linear while training
         "block_calls": 0,
     }

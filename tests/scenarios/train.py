@@ -344,6 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
         "dtypes": getattr(training, "dtypes", {}),
+        "created": getattr(model, "created", None),
         "summaries": summaries.summaries,
     }
     if args.eval_after:
