@@ -232,7 +232,7 @@ def test_true_bf16_loop_equals_unsharded_bf16_training(runs: Jobs, name: str) ->
     if name == "true-bf16-sgd":  # `fabric.init_module()` made the layers in bf16, and their Blocks units
         assert (result["created"], result["units"]) == ({"torch.bfloat16"}, 3)
     expected = reference_training(4, "sgd", accumulate=2, clip=(0.05, "norm"), dtype=torch.bfloat16,
-                                  output_to_fp32=True)
+                                  output_to_fp32=True, made_in_dtype=name == "true-bf16-sgd")
     assert max_difference(result["final"], expected) <= BF16_ATOL
 
 

@@ -228,11 +228,14 @@ def test_true_bf16_checkpoints_hold_bf16_and_resume_exactly(runs: Jobs, kind: st
 
 def test_true_bf16_configure_model_creates_bf16_parameters(runs: Jobs) -> None:
     """``configure_model`` runs in the strategy's ``tensor_init_context``: the layers are made in bf16 (as by
-    Lightning's ``HalfPrecision``: no FP32 copy of the model ever exists), and train in bf16."""
+    Lightning's ``HalfPrecision``: no FP32 copy of the model ever exists), and train as unsharded ones made so."""
     result = runs["true-bf16-lazy"]
     assert result["created"] == {"torch.bfloat16"}
     assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == {"torch.bfloat16"}
-    assert all(v.dtype == torch.bfloat16 for v in result["state_dict"].values())
+    expected = reference_training(4, "sgd", dtype=torch.bfloat16, made_in_dtype=True)
+    assert max_difference(result["state_dict"], expected) <= BF16_ATOL
+    # Made in bf16, the random weights are not FP32 ones rounded: another training.
+    assert max_difference(expected, reference_training(4, "sgd", dtype=torch.bfloat16)) > 10 * BF16_ATOL
 
 
 @pytest.mark.parametrize("clip", [False, True])

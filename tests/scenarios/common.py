@@ -206,6 +206,7 @@ def reference_training(
     lr: Optional[float] = None,
     dtype: Optional[torch.dtype] = None,
     output_to_fp32: bool = False,
+    made_in_dtype: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the full global batch, without any wrapper (``params="split"``: with the param
     groups of ``split_param_groups``); from the weights ``start`` if given (else ``build_network``'s), with a fresh
@@ -213,8 +214,14 @@ def reference_training(
 
     With ``dtype`` (true half precision, as Lightning's ``HalfPrecision`` trains): the model and the batches in that
     dtype; with ``output_to_fp32`` the model's output goes back to FP32 before the loss (Fabric's plugin does that,
-    the Trainer's computes the loss in ``dtype``)."""
-    net = build_network(depth)
+    the Trainer's computes the loss in ``dtype``); with ``made_in_dtype`` the layers are made in ``dtype`` (as in
+    ``configure_model`` or ``fabric.init_module()``: their random weights differ from FP32 ones rounded)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype is not None and made_in_dtype else default)
+    try:
+        net = build_network(depth)
+    finally:
+        torch.set_default_dtype(default)
     model = RegressionModelWrapper(net)
     if start is not None:
         model.load_state_dict(start)
