@@ -67,6 +67,10 @@ JOBS: dict[str, list[str]] = {
        for k in CHECKPOINT_KINDS},
     **{f"true-bf16-resumed-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "4", "--ckpt-path", f"bf16-{k}.ckpt"]
        for k in CHECKPOINT_KINDS},
+    # A checkpoint of one precision resumed in the other (the bf16 one from above).
+    "32-half": ["--samples", "8", "--steps", "2", "--save-ckpt", "fp32-full.ckpt"],
+    "true-bf16-from-32": [*TRUE_BF16, "--steps", "4", "--ckpt-path", "fp32-full.ckpt"],
+    "32-from-true-bf16": ["--samples", "8", "--steps", "4", "--ckpt-path", "bf16-full.ckpt"],
     "true-bf16-sgd": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4"],
     "true-bf16-sgd-clip": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4", "--clip-val", "0.05"],
     "true-16": ["--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
@@ -224,6 +228,20 @@ def test_true_bf16_checkpoints_hold_bf16_and_resume_exactly(runs: Jobs, kind: st
     assert resumed["global_step"] == 4
     assert all(v.dtype == torch.bfloat16 for v in resumed["state_dict"].values())
     assert max_difference(resumed["state_dict"], uninterrupted["state_dict"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("true-bf16-from-32", "torch.bfloat16"), ("32-from-true-bf16", "torch.float32")]
+)
+def test_a_checkpoint_resumes_in_the_other_precision(runs: Jobs, name: str, dtype: str) -> None:
+    """The checkpoint's weights and Adam moments take the run's dtype (rounded to bf16, or widened to FP32)."""
+    result = runs[name]
+    assert result["global_step"] == 4 and len(result["losses"]) == 2
+    assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == {dtype}
+    assert result["dtypes"]["optimizer_state"] == {("exp_avg", dtype), ("exp_avg_sq", dtype), ("step", "torch.float32")}
+    # Training goes on from the checkpoint's weights, not from fresh ones: the loss continues the uninterrupted run's.
+    uninterrupted = runs["true-bf16"]["losses"]
+    assert result["losses"][0] == pytest.approx(uninterrupted[2], rel=0.05)
 
 
 def test_true_bf16_configure_model_creates_bf16_parameters(runs: Jobs) -> None:
