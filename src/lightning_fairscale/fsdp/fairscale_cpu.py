@@ -62,9 +62,10 @@ The workarounds, and why each is needed:
     (flattening, sharding, all-gathers, reduce-scatters and the state dicts keep the parameters' dtype). A unit made
     with ``mixed_precision=False`` and a half ``compute_dtype`` (fp16 or bf16) is a *true half precision* unit:
     :class:`FullyShardedDataParallel` builds it over fp32 copies of its own parameters (the check passes), then
-    holds its shards, and the originals, in ``compute_dtype``. The round trip is exact; while a unit is built, its
-    unsharded parameters briefly take fp32 memory, as in a ``"32-true"`` run. Used for fp16 too, so that a unit
-    made over fp32 parameters (a model built before the precision converts it) ends up in the dtype asked for.
+    holds its shards, and the originals, in ``compute_dtype`` (half to fp32 and back is exact). While a unit is
+    built, its unsharded parameters briefly take fp32 memory, as in a ``"32-true"`` run; its shards never do. Used
+    for fp16 too, so that a unit made over fp32 parameters (layers wrapped before the precision plugin converts the
+    model) ends up in the dtype asked for.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """

@@ -242,7 +242,6 @@ class FullyShardedOptions:
                     " gradients are in CPU memory already. It is ignored."
                 )
 
-
     def _check_true_half_precision(self, dtype: torch.dtype) -> None:
         """Under true half precision the parameters are in ``dtype``: options asking for another dtype contradict it."""
         setting, mixed = self._precision_setting, self._precision_setting.replace("-true", "-mixed")
