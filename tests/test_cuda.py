@@ -43,6 +43,22 @@ def test_mixed_precision_on_gpus(train: Callable[..., dict[str, Any]], precision
     assert max_difference(result["state_dict"], expected) < 1e-3
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "cpu-offload"])
+def test_true_bf16_on_gpus(train: Callable[..., dict[str, Any]], offload: bool) -> None:
+    """bf16-true with NCCL: parameters, gradients and momentum in bf16, also with the shards in CPU memory."""
+    devices = min(2, torch.cuda.device_count())
+    result = train(
+        "--accelerator", "gpu", "--devices", str(devices), "--precision", "bf16-true", "--optimizer", "sgd",
+        "--steps", "6", "--samples", str(8 * devices), *(["--cpu-offload"] if offload else []),
+    )
+    bf16 = {"torch.bfloat16"}
+    assert result["compute"] == [("torch.bfloat16", "torch.bfloat16")]
+    assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == bf16
+    assert result["dtypes"]["optimizer_state"] == {("momentum_buffer", "torch.bfloat16")}
+    assert {str(v.dtype) for v in result["state_dict"].values()} == bf16
+    assert result["losses"][-1] < result["losses"][0] / 2, result["losses"]
+
+
 def test_cpu_offload_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
     devices = min(2, torch.cuda.device_count())
     result = train(

@@ -13,6 +13,7 @@ import lightning_fabric
 import pytest
 import torch
 from scenarios.common import (
+    BF16_ATOL,
     BLOCK_UNITS_ORDER,
     PARTIAL_GONE,
     PARTIAL_NEW,
@@ -58,6 +59,17 @@ def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning", ran
     return torch.load(out, weights_only=False)
 
 
+#: True half precision: FSDP with Adam (saved at step 2 and resumed, as the "fsdp" job), and with SGD against the
+#: unsharded bf16 reference (see ``BF16_ATOL``; the model made in `fabric.init_module()`, each Block wrapped there);
+#: sharded DDP with SGD; fp16 with SGD on one batch (the loss falls).
+TRUE_HALF = {
+    "true-bf16": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--steps", "4", "--save-at", "2"],
+    "true-bf16-sgd": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4",
+                      "--init-module"],
+    "true-bf16-ddp-sharded": [*LOOP, "--strategy", "sharded", "--precision", "bf16-true", "--optimizer", "sgd",
+                              "--steps", "4"],
+    "true-16": [*BLOCKS, "--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
+}
 MIXED = [
     ("fsdp", "bf16-mixed", "bfloat16"),
     ("ddp_sharded", "bf16-mixed", "bfloat16"),
@@ -96,7 +108,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         **{f"partial-strict-{kind}": [*BLOCKS, *partial, "--partial-kinds", kind, "--strict", "1"]
            for kind in ("full", "sharded", "raw")},
         "partial-ddp_sharded": ["--strategy", "sharded", *partial, "--partial-kinds", "full,raw"],
+        **TRUE_HALF,
     }  # fmt: skip
+    jobs["true-bf16"] += ["--save-dir", str(folder / "ck-bf16"), "--resume-setup", "after,separate"]
     failing = [name for name in jobs if name.startswith("partial-strict")]
     return run_jobs(folder, jobs, failing=failing, script=FABRIC_SCRIPT)
 
@@ -275,6 +289,57 @@ def test_mixed_precision_computes_in_the_low_precision(
     assert _mean_difference(result["final"], expected) < 0.1 * _mean_difference(initial, expected)
 
 
+def test_true_bf16_fsdp_loop_holds_bf16_in_half_the_memory(runs: Jobs, fsdp_run: dict[str, Any]) -> None:
+    result = runs["true-bf16"]
+    assert result["compute"] == {("torch.bfloat16", "torch.bfloat16")}
+    assert result["parameters"] == result["gradients"] == {"torch.bfloat16"}
+    assert result["optimizer_state"] == {("exp_avg", "torch.bfloat16"), ("exp_avg_sq", "torch.bfloat16"),
+                                         ("step", "torch.float32")}
+    assert result["losses"][-1] < result["losses"][0] / 2, result["losses"]
+    # The "fsdp" job trains the same model, units and Adam in "32-true": half the bytes, but for Adam's step counters
+    # (one 4-byte scalar per flat parameter: 3 units).
+    full, half = fsdp_run["memory"], result["memory"]
+    assert half["memory/parameters_bytes"] == full["memory/parameters_bytes"] / 2
+    steps = 3 * 4
+    assert half["memory/optimizer_state_bytes"] - steps == (full["memory/optimizer_state_bytes"] - steps) / 2
+    # Checkpoints of step 2 in both formats hold bf16 tensors, and resume exactly.
+    checkpoints = runs.folder / "ck-bf16"
+    full_checkpoint = torch.load(checkpoints / "full.ckpt", weights_only=False)
+    assert {v.dtype for v in full_checkpoint["state_dict"].values()} == {torch.bfloat16}
+    moments = [v for state in full_checkpoint["optimizer_states"][0]["state"].values() for k, v in state.items()
+               if k != "step"]
+    assert moments and {v.dtype for v in moments} == {torch.bfloat16}
+    for path in (checkpoints / "sharded.ckpt").iterdir():
+        shard = torch.load(path, weights_only=False)
+        assert {v.dtype for v in shard.get("state_dict", {}).values()} <= {torch.bfloat16}, path
+    assert all(v.dtype == torch.bfloat16 for v in result["final"].values())
+    assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
+    assert max_difference(result["resumed"]["sharded"], result["final"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["true-bf16-sgd", "true-bf16-ddp-sharded"])
+def test_true_bf16_loop_equals_unsharded_bf16_training(runs: Jobs, name: str) -> None:
+    """Within one bf16 spacing of the weights (``BF16_ATOL``) of the loop unsharded in bf16: the model and its input
+    in bf16, its output back in FP32 for the loss (Fabric's ``HalfPrecision``), clipped by the norm of all shards."""
+    result = runs[name]
+    assert result["parameters"] == result["gradients"] == {"torch.bfloat16"}
+    assert result["optimizer_state"] == {("momentum_buffer", "torch.bfloat16")}
+    if name == "true-bf16-sgd":  # `fabric.init_module()` made the layers in bf16, and their Blocks units
+        assert (result["created"], result["units"]) == ({"torch.bfloat16"}, 3)
+    expected = reference_training(4, "sgd", accumulate=2, clip=(0.05, "norm"), dtype=torch.bfloat16,
+                                  output_to_fp32=True, made_in_dtype=name == "true-bf16-sgd")
+    assert max_difference(result["final"], expected) <= BF16_ATOL
+
+
+def test_true_fp16_fsdp_loop_trains_in_fp16(runs: Jobs) -> None:
+    result = runs["true-16"]
+    assert result["compute"] == {("torch.float16", "torch.float16")}
+    assert result["parameters"] == result["gradients"] == {"torch.float16"}
+    assert result["optimizer_state"] == {("momentum_buffer", "torch.float16")}
+    assert all(v.dtype == torch.float16 for v in result["final"].values())
+    assert result["losses"][-1] < result["losses"][0] / 2, result["losses"]
+
+
 def _mean_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return torch.cat([(a[key].float() - b[key].float()).abs().flatten() for key in b]).mean().item()
 
@@ -319,8 +384,12 @@ def test_precision_flags() -> None:
     fp16 = lightning_fabric.plugins.MixedPrecision("16-mixed", "cpu")
     fabric = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy="ddp_sharded", plugins=[fp16])
     assert isinstance(fabric.strategy.precision.scaler, ShardedGradScaler)  # inf checks agree across ranks
-    with pytest.raises(ValueError, match="'32-true', '16-mixed', 'bf16-mixed'"):
-        lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp_fairscale", precision="bf16-true")
+    fabric = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp_fairscale", precision="bf16-true")
+    assert isinstance(fabric.strategy.precision, lightning_fabric.plugins.HalfPrecision)
+    kwargs = fabric.strategy.fsdp_kwargs()
+    assert (kwargs["mixed_precision"], kwargs["compute_dtype"]) == (False, torch.bfloat16)  # FSDP holds bf16
+    with pytest.raises(ValueError, match="'32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'"):
+        lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy="fsdp_fairscale", precision="64-true")
 
 
 def test_a_trainer_checkpoint_maps_by_position_and_names_its_rest() -> None:

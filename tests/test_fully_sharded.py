@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from scenarios.common import (
+    BF16_ATOL,
     BLOCK_UNITS_ORDER,
     LINEAR_UNITS_ORDER,
     NUM_SAMPLES,
@@ -64,7 +65,7 @@ CLIP_MIXED = {"16": ["--precision-plugin", "16-mixed"], "bf16": ["--precision", 
 FROZEN = ("net.0.weight", "net.1.up.weight")
 RECIPE_MIXED = ["--params", "split", "--freeze", *FROZEN, "--checkpointing", "--optimizer", "sgd", "--steps", "3",
                 "--clip-val", "0.05", "--precision-plugin", "16-mixed"]  # fmt: skip
-UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
+UNSUPPORTED = ["64-true"]
 #: Models built without memory, initialised unit by unit as they are sharded: (arguments, then the reference's steps,
 #: optimizer, and order in which its modules are initialised). The meta-device runs seed each rank apart: every rank
 #: must still get rank 0's weights.
@@ -76,6 +77,10 @@ META: dict[str, tuple[list[str], int, str, list[str]]] = {
     "unflattened": (["--init", "empty", "--flatten", "0", "--policy", "blocks", "--steps", "2"], 2, "adam",
                     BLOCK_UNITS_ORDER),
 }  # fmt: skip
+#: True half precision with Adam on one batch (8 samples: the loss falls, and Lightning resumes exactly), also saved
+#: after 2 steps in either format and resumed from there.
+TRUE_BF16 = ["--precision", "bf16-true", "--samples", "8"]
+CHECKPOINT_KINDS = ("full", "sharded")
 
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
@@ -90,6 +95,20 @@ JOBS: dict[str, list[str]] = {
     **{f"mixed-{name}": ["--steps", "6", "--samples", "8", *args] for name, (args, _) in MIXED.items()},
     **{f"clip-mixed-{n}": ["--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *a] for n, a in CLIP_MIXED.items()},
     **{f"unsupported-{precision}": ["--precision", precision, "--steps", "1"] for precision in UNSUPPORTED},
+    "true-bf16": [*TRUE_BF16, "--steps", "4"],
+    # Saved into the launch's folder (its working directory), then resumed.
+    **{f"true-bf16-half-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "2", "--save-ckpt", f"bf16-{k}.ckpt"]
+       for k in CHECKPOINT_KINDS},
+    **{f"true-bf16-resumed-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "4", "--ckpt-path", f"bf16-{k}.ckpt"]
+       for k in CHECKPOINT_KINDS},
+    # A checkpoint of one precision resumed in the other (the bf16 one from above).
+    "32-half": ["--samples", "8", "--steps", "2", "--save-ckpt", "fp32-full.ckpt"],
+    "true-bf16-from-32": [*TRUE_BF16, "--steps", "4", "--ckpt-path", "fp32-full.ckpt"],
+    "32-from-true-bf16": ["--samples", "8", "--steps", "4", "--ckpt-path", "bf16-full.ckpt"],
+    "true-bf16-sgd": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4"],
+    "true-bf16-sgd-clip": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4", "--clip-val", "0.05"],
+    "true-16": ["--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
+    "true-bf16-lazy": ["--precision", "bf16-true", "--model", "lazy", "--optimizer", "sgd", "--steps", "4"],
     "cpu-offload": ["--cpu-offload", "--steps", "2"],
     "recipe-mixed": RECIPE_MIXED,
     "summary": ["--policy", "blocks", "--steps", "2"],
@@ -214,8 +233,105 @@ def test_param_groups_and_frozen_weights_under_fp16_and_checkpointing(runs: Jobs
 def test_unsupported_precision_is_refused_clearly(runs: Jobs, precision: str) -> None:
     for error in runs.errors(f"unsupported-{precision}"):  # every rank refuses it, before training
         assert "does not support precision" in error["message"]
-        assert "'32-true', '16-mixed', 'bf16-mixed'" in error["message"]
+        assert "'32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'" in error["message"]
         assert error["trained_batches"] in (0, None)
+
+
+def _floating_dtypes(value: Any, key: str = "") -> set[tuple[str, torch.dtype]]:
+    """(last key, dtype) of every floating point tensor in a checkpoint, however nested."""
+    if isinstance(value, torch.Tensor):
+        return {(key, value.dtype)} if value.is_floating_point() else set()
+    if isinstance(value, dict):
+        return set().union(*(_floating_dtypes(v, str(k)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_floating_dtypes(v, key) for v in value))
+    return set()
+
+
+def test_true_bf16_holds_everything_in_bf16_in_half_the_memory(runs: Jobs) -> None:
+    result = runs["true-bf16"]
+    assert result["compute"] == [("torch.bfloat16", "torch.bfloat16")]  # no FP32 master copy, no cast
+    bf16 = {"torch.bfloat16"}
+    dtypes = result["dtypes"]
+    assert dtypes["parameters"] == dtypes["gradients"] == bf16
+    # Adam's moments in bf16; only its step counters stay FP32 scalars.
+    assert dtypes["optimizer_state"] == {("exp_avg", "torch.bfloat16"), ("exp_avg_sq", "torch.bfloat16"),
+                                         ("step", "torch.float32")}
+    assert all(v.dtype == torch.bfloat16 for v in result["state_dict"].values())
+    losses = result["losses"]
+    assert losses[-1] < losses[0] / 2, losses
+    # The same model, units and optimizer in "32-true": each rank holds half the bytes of parameters, gradients and
+    # Adam's moments; the 5 step counters (4 bytes each, one per flat parameter) do not shrink.
+    full, half = runs["policy-size"]["memory"], result["memory"]
+    assert len(result["units"]) == len(runs["policy-size"]["units"]) == 5
+    assert half["memory/parameters_bytes"] == full["memory/parameters_bytes"] / 2
+    assert half["memory/gradients_bytes"] == full["memory/gradients_bytes"] / 2
+    steps = 5 * 4
+    assert half["memory/optimizer_state_bytes"] - steps == (full["memory/optimizer_state_bytes"] - steps) / 2
+
+
+@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
+def test_true_bf16_checkpoints_hold_bf16_and_resume_exactly(runs: Jobs, kind: str) -> None:
+    path = runs.folder / f"bf16-{kind}.ckpt"
+    files = sorted(path.iterdir()) if kind == "sharded" else [path]
+    dtypes = set().union(*(_floating_dtypes(torch.load(f, weights_only=False)) for f in files))
+    assert {dtype for key, dtype in dtypes if key != "step"} == {torch.bfloat16}, dtypes
+    assert {key for key, _ in dtypes} >= {"exp_avg", "exp_avg_sq"}
+    resumed, uninterrupted = runs[f"true-bf16-resumed-{kind}"], runs["true-bf16"]
+    assert resumed["global_step"] == 4
+    assert all(v.dtype == torch.bfloat16 for v in resumed["state_dict"].values())
+    assert max_difference(resumed["state_dict"], uninterrupted["state_dict"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("true-bf16-from-32", "torch.bfloat16"), ("32-from-true-bf16", "torch.float32")]
+)
+def test_a_checkpoint_resumes_in_the_other_precision(runs: Jobs, name: str, dtype: str) -> None:
+    """The checkpoint's weights and Adam moments take the run's dtype (rounded to bf16, or widened to FP32)."""
+    result = runs[name]
+    assert result["global_step"] == 4 and len(result["losses"]) == 2
+    assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == {dtype}
+    assert result["dtypes"]["optimizer_state"] == {("exp_avg", dtype), ("exp_avg_sq", dtype), ("step", "torch.float32")}
+    # Training goes on from the checkpoint's weights, not from fresh ones: the loss continues the uninterrupted run's.
+    uninterrupted = runs["true-bf16"]["losses"]
+    assert result["losses"][0] == pytest.approx(uninterrupted[2], rel=0.05)
+
+
+def test_true_bf16_configure_model_creates_bf16_parameters(runs: Jobs) -> None:
+    """``configure_model`` runs in the strategy's ``tensor_init_context``: the layers are made in bf16 (as by
+    Lightning's ``HalfPrecision``: no FP32 copy of the model ever exists), and train as unsharded ones made so."""
+    result = runs["true-bf16-lazy"]
+    assert result["created"] == {"torch.bfloat16"}
+    assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == {"torch.bfloat16"}
+    expected = reference_training(4, "sgd", dtype=torch.bfloat16, made_in_dtype=True)
+    assert max_difference(result["state_dict"], expected) <= BF16_ATOL
+    # Made in bf16, the random weights are not FP32 ones rounded: another training.
+    assert max_difference(expected, reference_training(4, "sgd", dtype=torch.bfloat16)) > 10 * BF16_ATOL
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_true_bf16_equals_unsharded_bf16_training(runs: Jobs, clip: bool) -> None:
+    """Against the same training unsharded, in bf16 (the model and the batches converted, as Lightning's
+    ``HalfPrecision`` does): within one bf16 spacing of the weights (see :data:`BF16_ATOL`)."""
+    result = runs["true-bf16-sgd-clip" if clip else "true-bf16-sgd"]
+    clipping: dict[str, Any] = {"clip": (0.05, "norm")} if clip else {}
+    expected = reference_training(4, "sgd", dtype=torch.bfloat16, **clipping)
+    assert max_difference(result["state_dict"], expected) <= BF16_ATOL
+    if clip:  # the clip value bites
+        assert max_difference(expected, reference_training(4, "sgd", dtype=torch.bfloat16)) > 10 * BF16_ATOL
+    else:  # the tolerance tells bf16 from fp32 training
+        assert max_difference(expected, reference_training(4, "sgd")) > 2 * BF16_ATOL
+
+
+def test_true_fp16_trains_in_fp16(runs: Jobs) -> None:
+    result = runs["true-16"]
+    fp16 = {"torch.float16"}
+    assert result["compute"] == [("torch.float16", "torch.float16")]
+    assert result["dtypes"]["parameters"] == result["dtypes"]["gradients"] == fp16
+    assert result["dtypes"]["optimizer_state"] == {("momentum_buffer", "torch.float16")}
+    assert all(v.dtype == torch.float16 for v in result["state_dict"].values())
+    losses = result["losses"]
+    assert losses[-1] < losses[0] / 2, losses
 
 
 @pytest.mark.parametrize("name", CLIP_MIXED)

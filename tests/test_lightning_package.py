@@ -67,6 +67,16 @@ def test_each_trainer_takes_its_own_classes_in_one_process(package: str) -> None
         other.Trainer(accelerator="cpu", devices=2, strategy=ours.DDPFullyShardedStrategy(), logger=False)
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize(("name", "plugin"), [("fsdp_fairscale", "FullyShardedHalfPrecisionPlugin"),
+                                              ("ddp_sharded", "ShardedHalfPrecisionPlugin")])
+def test_each_trainer_gets_its_own_true_half_precision_plugin(package: str, name: str, plugin: str) -> None:
+    lightning = LIGHTNING[package]
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=name, precision="bf16-true", logger=False)
+    assert type(trainer.strategy.precision_plugin) is getattr(OURS[package], plugin)
+    assert isinstance(trainer.strategy.precision_plugin, lightning.plugins.precision.HalfPrecision)
+
+
 def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     top, mirror = lightning_fairscale.strategies.fully_sharded, for_lightning.strategies.fully_sharded
     assert top is not mirror and top.__file__ == mirror.__file__  # one source file, compiled twice

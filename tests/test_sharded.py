@@ -19,7 +19,7 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelPruning
 from pytorch_lightning.strategies import StrategyRegistry
 from scenarios import common
-from scenarios.common import NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
+from scenarios.common import BF16_ATOL, NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
 from scenarios.sharded_train import CASES, MATRIX_WEIGHT_DECAY, VECTOR_LR_FACTOR, param_groups
 
 from conftest import TESTS, run_script
@@ -55,6 +55,8 @@ def reference(name: str) -> dict[str, torch.Tensor]:
         kwargs["clip"] = case["clip"]
     if "accumulate" in case:
         kwargs["accumulate"] = case["accumulate"]
+    if case.get("precision") == "bf16-true":
+        kwargs["dtype"] = torch.bfloat16
     with param_groups() if case.get("groups") else contextlib.nullcontext():
         return reference_training(case.get("steps", 3), case["optimizer"], **kwargs)
 
@@ -135,6 +137,21 @@ def test_mixed_precision_runs_on_cpu(two_processes: Any, name: str, scaler: str,
     assert result["global_step"] == 3
     difference = max_difference(result["state_dict"], reference(name))
     assert 1e-6 < difference < tolerance  # close to FP32 training, but computed in lower precision
+
+
+@pytest.mark.parametrize("name", ["true-bf16", "true-bf16-clip"])
+def test_true_bf16_equals_unsharded_bf16_training(two_processes: Any, name: str) -> None:
+    """Parameters, gradients and OSS's state shard in bf16, within one bf16 spacing of the weights of the same
+    training unsharded in bf16 (see ``BF16_ATOL``); clipping by the norm of all shards included."""
+    result = two_processes[0][name]
+    assert result["precision_plugin"] == "ShardedHalfPrecisionPlugin"
+    assert result["dtypes"] == {
+        "parameters": {"torch.bfloat16"},
+        "optimizer_state": {("momentum_buffer", "torch.bfloat16")},
+    }
+    assert all(value.dtype == torch.bfloat16 for value in result["state_dict"].values())
+    assert max_difference(result["state_dict"], reference(name)) <= BF16_ATOL
+    assert max_difference(reference("true-bf16"), reference("true-bf16-clip")) > 10 * BF16_ATOL  # the clip bites
 
 
 @pytest.mark.parametrize("devices", [2, 1])
@@ -296,8 +313,8 @@ def test_spawn_strategy_refuses_popen() -> None:
 
 
 def test_unsupported_precision_is_refused() -> None:
-    with pytest.raises(ValueError, match="'32-true', '16-mixed', 'bf16-mixed'"):
-        Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, precision="16-true", logger=False)
+    with pytest.raises(ValueError, match="'32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'"):
+        Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, precision="64-true", logger=False)
 
 
 def test_plain_grad_scaler_is_refused() -> None:

@@ -85,6 +85,9 @@ def test_bad_arguments_fail_early_with_a_hint(kwargs: dict[str, Any], error: typ
         ("16-mixed", {"fp32_reduce_scatter": True}, {"mixed_precision": True, "fp32_reduce_scatter": True}),
         ("bf16-mixed", {"compute_dtype": torch.float32}, {"mixed_precision": True, "compute_dtype": torch.float32}),
         ("32-true", {"fp32_reduce_scatter": True}, {"fp32_reduce_scatter": False}),  # only meaningful when mixed
+        # True half precision: no mixed precision, the units hold their parameters in the compute dtype.
+        ("bf16-true", {}, {"mixed_precision": False, "compute_dtype": torch.bfloat16, "fp32_reduce_scatter": False}),
+        ("16-true", {"compute_dtype": torch.float16}, {"mixed_precision": False, "compute_dtype": torch.float16}),
     ],
 )
 def test_fsdp_settings_follow_the_precision_flag(

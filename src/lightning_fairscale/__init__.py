@@ -19,8 +19,10 @@ from lightning_utilities.core.imports import module_available
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision import (
+    FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
+    ShardedHalfPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
@@ -33,9 +35,11 @@ __all__ = [
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",
+    "FullyShardedHalfPrecisionPlugin",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "ShardedCheckpointIO",
+    "ShardedHalfPrecisionPlugin",
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
     "__version__",

@@ -1,8 +1,9 @@
 """What the FairScale strategies need from a precision setting, for the Trainer's plugins and for Fabric's.
 
 The Trainer's precision plugins (:mod:`lightning_fairscale.precision`) and the Fabric strategies' handling of Fabric's
-plugins (:mod:`lightning_fairscale.fabric.precision`) are built on these: which precisions are supported, the dtype
-FSDP computes in, and a grad scaler whose inf/NaN checks agree across ranks. Nothing here depends on Lightning.
+plugins (:mod:`lightning_fairscale.fabric._common`) are built on these: which precisions are supported, the dtype
+FSDP computes in (and, under true half precision, holds everything in), and a grad scaler whose inf/NaN checks agree
+across ranks. Nothing here depends on Lightning.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ __all__ = [
     "SUPPORTED_PRECISION",
     "compute_dtype",
     "fsdp_grad_scaler",
+    "half_dtype",
     "is_sharded_grad_scaler",
     "sharded_grad_scaler",
     "unsupported",
 ]
 
-#: The precision settings both strategies support: FairScale keeps FP32 parameters (or FP32 master shards) and
-#: computes in fp16 or bf16 under mixed precision.
-SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed")
+#: The precision settings both strategies support: FP32; mixed precision (FP32 parameters or master shards,
+#: computing in fp16 or bf16); true half precision (parameters, gradients and optimizer state in fp16 or bf16).
+SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 
 def compute_dtype(precision: str) -> Optional[torch.dtype]:
@@ -35,6 +37,16 @@ def compute_dtype(precision: str) -> Optional[torch.dtype]:
         (torch.bfloat16, torch.float16, None)
     """
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
+def half_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype true half precision holds parameters, gradients and optimizer state in: ``None`` for the others.
+
+    Example:
+        >>> half_dtype("bf16-true"), half_dtype("16-true"), half_dtype("bf16-mixed")
+        (torch.bfloat16, torch.float16, None)
+    """
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
 
 
 def fsdp_grad_scaler(device: str) -> ShardedGradScaler:
@@ -84,6 +96,6 @@ def unsupported(strategy: str, plugin: Any, how: str, own: Optional[str] = None)
         )
     return ValueError(
         f"`{strategy}` does not support precision={precision!r}. Use one of"
-        f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} ({how}): FairScale keeps FP32 parameters and computes in"
-        " fp16 or bf16 under mixed precision."
+        f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} ({how}): FP32, mixed precision (FP32 parameters,"
+        " computing in fp16 or bf16) or true half precision (everything in fp16 or bf16)."
     )

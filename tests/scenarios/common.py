@@ -16,6 +16,16 @@ IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 GLOBAL_BATCH = 8
 NUM_SAMPLES = 16  # two global batches: one epoch is two optimizer steps
 
+#: How close two bf16 trainings that sum each gradient in another order end. bf16 keeps 8 significant bits, so after
+#: every step a weight is rounded to a multiple of its bf16 spacing: 2**-9 for the largest weights here
+#: (0.25 <= |w| < 0.5), 2**-10 below 0.25. Sharding sums the gradient in another order (each rank's half-batch mean,
+#: then the bf16 reduction of the two, instead of one full-batch mean), so an update may round to the neighbouring
+#: bf16 value: sharded and unsharded bf16 training end within one such spacing (measured, FSDP and OSS alike:
+#: 9.8e-4 after 4 SGD steps, 1.2e-4 to 4.9e-4 clipped), where bf16 and fp32 training end 5.7e-3 apart. Adam would
+#: not do: its first steps move a weight by +-lr whatever the gradient's size, so a tiny gradient whose sign rounding
+#: flips moves it by 2 lr.
+BF16_ATOL = 2.0**-9
+
 
 class Block(nn.Module):
     """A transformer-style MLP block: pre-norm, expand, GELU, project, residual."""
@@ -152,6 +162,7 @@ class LazyModel(RegressionModel):
     def configure_model(self) -> None:
         if not hasattr(self, "net"):
             self.net = build_network(self.hparams.depth)
+            self.created = {str(p.dtype) for p in self.net.parameters()}  # as the strategy's context made them
 
 
 class ManualWrapModel(RegressionModel):
@@ -204,15 +215,31 @@ def reference_training(
     params: str = "self",
     lr: Optional[float] = None,
     model: Optional[nn.Module] = None,
+    dtype: Optional[torch.dtype] = None,
+    output_to_fp32: bool = False,
+    made_in_dtype: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Single-process training on the full global batch, without any wrapper (``params="split"``: with the param
     groups of ``split_param_groups``); from the weights ``start`` if given (else ``build_network``'s), with a fresh
     optimizer whose learning rate is ``lr`` in every group if given (the scheduler's too). ``model``: another module
-    to train than ``build_network``'s (``PartialWrapper``...)."""
+    to train than ``build_network``'s (``PartialWrapper``...).
+
+    With ``dtype`` (true half precision, as Lightning's ``HalfPrecision`` trains): the model and the batches in that
+    dtype; with ``output_to_fp32`` the model's output goes back to FP32 before the loss (Fabric's plugin does that,
+    the Trainer's computes the loss in ``dtype``); with ``made_in_dtype`` the layers are made in ``dtype`` (as in
+    ``configure_model`` or ``fabric.init_module()``: their random weights differ from FP32 ones rounded)."""
     if model is None:
-        model = RegressionModelWrapper(build_network(depth))
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype if dtype is not None and made_in_dtype else default)
+        try:
+            net = build_network(depth)
+        finally:
+            torch.set_default_dtype(default)
+        model = RegressionModelWrapper(net)
     if start is not None:
         model.load_state_dict(start)
+    if dtype is not None:
+        model.to(dtype)
     for name in freeze:
         model.get_parameter(name).requires_grad_(False)
     opt = make_optimizer(optimizer, split_param_groups(model) if params == "split" else model.parameters())
@@ -224,7 +251,10 @@ def reference_training(
     micro = 0
     for step in range(steps * accumulate):
         x, y = batches[(step + step_offset * accumulate) % len(batches)]
-        loss = nn.functional.mse_loss(model(x), y) / accumulate
+        if dtype is not None:
+            x, y = x.to(dtype), (y if output_to_fp32 else y.to(dtype))
+        output = model(x)
+        loss = nn.functional.mse_loss(output.float() if output_to_fp32 else output, y) / accumulate
         loss.backward()
         micro += 1
         if micro % accumulate == 0:

@@ -107,6 +107,7 @@ def set_up(fabric: Any, how: str, args: argparse.Namespace, partial: bool = Fals
 
         with fabric.init_module(empty_init=empty_init):  # manual wrap: each Block becomes an FSDP unit right here
             network = build_network()
+            set_up.created = {str(p.dtype) for p in network.parameters()}  # type: ignore[attr-defined]
             for index, layer in enumerate(network):
                 if isinstance(layer, Block):
                     network[index] = wrap(layer)
@@ -129,9 +130,10 @@ def set_up(fabric: Any, how: str, args: argparse.Namespace, partial: bool = Fals
 
 
 def train(fabric: Any, model: Any, optimizer: Any, args: argparse.Namespace, first: int, last: int,
-          save: Optional[Any] = None) -> list[float]:
+          save: Optional[Any] = None, record: Optional[dict[str, Any]] = None) -> list[float]:
     """Optimizer steps ``first`` (0-based) to ``last`` (excluded) on the global batches ``reference_training`` uses;
-    ``save(step)`` after step ``args.save_at``. Returns the gradient norms ``fabric.clip_gradients`` gave."""
+    ``save(step)`` after step ``args.save_at``. Returns the gradient norms ``fabric.clip_gradients`` gave. ``record``
+    gets each step's loss (``"losses"``) and the dtypes of the gradients (``"gradients"``)."""
     batches = list(DataLoader(dataset(args.samples), batch_size=GLOBAL_BATCH))
     rank, world = fabric.global_rank, fabric.world_size
     norms = []
@@ -142,6 +144,9 @@ def train(fabric: Any, model: Any, optimizer: Any, args: argparse.Namespace, fir
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
                 loss = nn.functional.mse_loss(model(x), y) / args.accumulate
                 fabric.backward(loss)
+        if record is not None:
+            record.setdefault("losses", []).append(float(loss) * args.accumulate)  # the last micro-batch's
+            record["gradients"] = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         if args.clip_norm is not None:
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=args.clip_norm)))
         if args.clip_val is not None:
@@ -214,6 +219,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         "package": PACKAGE,
         "world_size": fabric.world_size,
         "units": sum(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
+        "created": getattr(set_up, "created", None),  # the parameters' dtypes as `fabric.init_module()` made them
         "compute": set(),  # (weight dtype, output dtype) of a Block's Linear while training
         "block_calls": 0,
     }
@@ -238,8 +244,14 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
             fabric.save(work / "sharded.ckpt", state)
             fabric.strategy.state_dict_type = kind
 
-    result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save)
+    result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save, record=result)
     handle.remove()
+    if hasattr(fabric.strategy, "memory_figures"):
+        result["memory"] = fabric.strategy.memory_figures(model, [optimizer])
+    result["parameters"] = {str(p.dtype) for p in model.parameters()}
+    shard = getattr(optimizer, "optimizer", optimizer)  # under Fabric's wrapper
+    shard = getattr(shard, "optim", shard)  # OSS's optimizer of this rank's share
+    result["optimizer_state"] = {(key, str(value.dtype)) for state in shard.state.values() for key, value in state.items()}
     result["final"] = full_state_dict(fabric, model, work / "final.ckpt")
     if args.save_at:
         result["resumed"] = {}

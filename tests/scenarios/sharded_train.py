@@ -52,6 +52,8 @@ CASES: dict[str, dict[str, Any]] = {
     "buckets": {"optimizer": "adam", "strategy": {"reduce_buffer_size": 1000}},  # small gradients share buckets
     "bf16": {"optimizer": "sgd", "precision": "bf16-mixed"},
     "fp16": {"optimizer": "sgd", "plugin": "16-mixed"},  # the sharded grad scaler, on CPU
+    "true-bf16": {"optimizer": "sgd", "precision": "bf16-true", "steps": 4},
+    "true-bf16-clip": {"optimizer": "sgd", "precision": "bf16-true", "steps": 4, "clip": (0.05, "norm")},
     # Four steps with a checkpoint after each (one epoch is one step), then a resume from the second.
     "straight": {**RESUME, "checkpoints": True, "save_after_fit": True},
     "resume": {**RESUME, "resume_from": "checkpoints/epoch=1-step=2.ckpt"},
@@ -111,6 +113,14 @@ class Record(Callback):
             precision_plugin=type(trainer.precision_plugin).__name__,
             scaler=type(getattr(trainer.precision_plugin, "scaler", None)).__name__,
         )
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (optimizer,) = trainer.strategy.optimizers
+        shard = getattr(optimizer, "optim", optimizer)
+        self.info["dtypes"] = {
+            "parameters": {str(p.dtype) for p in pl_module.parameters()},
+            "optimizer_state": {(k, str(v.dtype)) for state in shard.state.values() for k, v in state.items()},
+        }
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.info["eval_wrapper"] = type(trainer.strategy.model).__name__

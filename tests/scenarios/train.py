@@ -191,6 +191,19 @@ class RecordTraining(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
+        # After the optimizer step: what the shards, their gradients and the optimizer state are held in.
+        params = list(trainer.strategy.model.parameters())
+        self.dtypes = {
+            "parameters": {str(p.dtype) for p in params},
+            "gradients": {str(p.grad.dtype) for p in params if p.grad is not None},
+            "optimizer_state": {
+                (key, str(value.dtype))
+                for optimizer in trainer.optimizers
+                for state in optimizer.state.values()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            },
+        }
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -406,6 +419,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
+        "dtypes": getattr(training, "dtypes", {}),
+        "created": getattr(model, "created", None),
         "summaries": summaries.summaries,
         "loaded": loaded.state,
     }

@@ -16,7 +16,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, ShardedCheckpointIO
 from lightning_fairscale import fabric
-from lightning_fairscale.precision import FullyShardedMixedPrecisionPlugin
+from lightning_fairscale.precision import FullyShardedHalfPrecisionPlugin, FullyShardedMixedPrecisionPlugin
 from lightning_fairscale import oss
 from lightning_fairscale.fsdp import options as fsdp_options
 from lightning_fairscale.checkpoint.checks import (
@@ -185,6 +185,26 @@ def test_compute_dtype_without_mixed_precision_names_the_flag_to_use(dtype: torc
     strategy.precision_plugin = FullyShardedMixedPrecisionPlugin(flag, "cpu")  # type: ignore[arg-type]
     strategy._check_settings(cpu)
     DDPFullyShardedStrategy(compute_dtype=torch.float32)._check_settings(cpu)  # float32 needs nothing
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_half_precision_refuses_options_asking_for_another_dtype(precision: str, dtype: torch.dtype) -> None:
+    cpu = torch.device("cpu")
+    mixed = precision.replace("-true", "-mixed")
+    for other in {torch.float32, torch.float16, torch.bfloat16} - {dtype}:
+        strategy = DDPFullyShardedStrategy(compute_dtype=other)
+        strategy.precision_plugin = FullyShardedHalfPrecisionPlugin(precision)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"compute_dtype={other}\\)` contradicts precision='{precision}', which"
+                                             f" holds .* in {dtype}.*Leave `compute_dtype` unset.*'{mixed}'"):
+            strategy._check_settings(cpu)
+    strategy = DDPFullyShardedStrategy(fp32_reduce_scatter=True)
+    strategy.precision_plugin = FullyShardedHalfPrecisionPlugin(precision)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"fp32_reduce_scatter=True\\)` needs mixed precision.*'{mixed}'"):
+        strategy._check_settings(cpu)
+    for agreeing in (None, dtype):  # unset, or the precision's own dtype: nothing to contradict
+        strategy = DDPFullyShardedStrategy(compute_dtype=agreeing)
+        strategy.precision_plugin = FullyShardedHalfPrecisionPlugin(precision)  # type: ignore[arg-type]
+        strategy._check_settings(cpu)
 
 
 def test_sharded_checkpoints_need_the_sharded_checkpoint_io() -> None:

@@ -15,8 +15,10 @@ from torch import nn
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 from lightning_fairscale.precision import (
+    FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
+    ShardedHalfPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
@@ -31,6 +33,7 @@ SELECT: dict[str, Callable[[Precision], Precision]] = {
 }
 PLAIN = {"fsdp": FullyShardedPrecisionPlugin, "sharded": ShardedPrecisionPlugin}
 MIXED = {"fsdp": FullyShardedMixedPrecisionPlugin, "sharded": ShardedMixedPrecisionPlugin}
+HALF = {"fsdp": FullyShardedHalfPrecisionPlugin, "sharded": ShardedHalfPrecisionPlugin}
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
@@ -52,8 +55,22 @@ def test_mixed_precision_gets_a_sharded_scaler_for_fp16_only(strategy: str, prec
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_half_precision_becomes_the_strategys_half_plugin(strategy: str, precision: str, dtype: torch.dtype) -> None:
+    plugin = SELECT[strategy](HalfPrecision(precision))  # type: ignore[arg-type]
+    assert type(plugin) is HALF[strategy] and plugin.precision == precision
+    # Lightning's conventions: the module, the tensors made at init and the batches in the dtype.
+    assert plugin.convert_module(nn.Linear(2, 2)).weight.dtype == dtype
+    with plugin.tensor_init_context():
+        assert torch.empty(1).dtype == dtype
+    assert plugin.convert_input((torch.zeros(1), torch.zeros(1, dtype=torch.long)))[0].dtype == dtype
+    if strategy == "fsdp":
+        assert plugin.compute_dtype == dtype
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
 def test_the_strategys_own_plugins_are_kept(strategy: str) -> None:
-    for plugin in (PLAIN[strategy](), MIXED[strategy]("bf16-mixed", "cpu")):
+    for plugin in (PLAIN[strategy](), MIXED[strategy]("bf16-mixed", "cpu"), HALF[strategy]("bf16-true")):
         assert SELECT[strategy](plugin) is plugin
 
 
@@ -64,29 +81,28 @@ def test_fp16_on_cuda_uses_fairscales_scaler_under_sharded_ddp() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
-@pytest.mark.parametrize(
-    "plugin",
-    [DoublePrecision(), HalfPrecision("16-true"), HalfPrecision("bf16-true")],
-    ids=["64-true", "16-true", "bf16-true"],
-)
-def test_other_precisions_are_refused_naming_the_supported_ones(strategy: str, plugin: Precision) -> None:
-    with pytest.raises(ValueError, match=f"does not support precision='{plugin.precision}'.*"
-                                         "'32-true', '16-mixed', 'bf16-mixed'"):
-        SELECT[strategy](plugin)
+def test_other_precisions_are_refused_naming_the_supported_ones(strategy: str) -> None:
+    with pytest.raises(ValueError, match="does not support precision='64-true'.*"
+                                         "'32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'"):
+        SELECT[strategy](DoublePrecision())
 
 
 @pytest.mark.filterwarnings("ignore:.*AMP with fp16 is not supported on CPU")
 @pytest.mark.parametrize("strategy", ["fsdp_fairscale", "ddp_sharded"])
 @pytest.mark.parametrize(
     ("flag", "expected"),
-    [("32-true", "32-true"), (32, "32-true"), ("bf16-mixed", "bf16-mixed"), ("16-mixed", "bf16-mixed")],
+    [
+        ("32-true", "32-true"), (32, "32-true"), ("bf16-mixed", "bf16-mixed"), ("16-mixed", "bf16-mixed"),
+        ("bf16-true", "bf16-true"), ("16-true", "16-true"),
+    ],
 )
 def test_trainer_flags_reach_the_strategys_plugin(strategy: str, flag: Any, expected: str) -> None:
     """Lightning turns "16-mixed" into bf16 on CPU; the strategy's setter turns its plugin into ours."""
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=flag, logger=False)
     plugin = trainer.strategy.precision_plugin
     kind = "fsdp" if strategy == "fsdp_fairscale" else "sharded"
-    assert type(plugin) is (PLAIN if expected == "32-true" else MIXED)[kind]
+    kinds = {"32-true": PLAIN, "bf16-true": HALF, "16-true": HALF}
+    assert type(plugin) is kinds.get(expected, MIXED)[kind]
     assert plugin.precision == expected
 
 
@@ -129,7 +145,7 @@ def test_another_plugin_for_a_supported_precision_is_refused_saying_what_to_pass
         SELECT[strategy](plugin)
     message = str(refusal.value)
     assert f"precision={plugin.precision!r}" in message and "does not support" not in message
-    assert f"a subclass of `{PLAIN[strategy].__name__}` (32-true) or `{MIXED[strategy].__name__}`" in message
+    assert f"a subclass of `{PLAIN[strategy].__name__}` (32-true), `{MIXED[strategy].__name__}`" in message
 
 
 def plain_gradients() -> nn.Module:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from lightning_fabric import __version__ as lightning_version
-from lightning_fabric.plugins.precision import MixedPrecision, Precision
+from lightning_fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning_fairscale._compat import _BackwardSyncControl
 from lightning_fairscale._compat import _PATH
 from torch import Tensor
@@ -208,15 +208,17 @@ class NoBackwardSync(_BackwardSyncControl):
 def fabric_precision(plugin: Optional[Precision], strategy: str, scaler: Callable[[str], Any]) -> Optional[Precision]:
     """The precision plugin ``strategy`` trains with, for one Fabric made from its ``precision`` flag.
 
-    Full precision and mixed precision (``"16-mixed"``, ``"bf16-mixed"``) are Fabric's own plugins; fp16 gets a
-    sharded grad scaler instead of Fabric's, whose inf/NaN checks agree across ranks (each rank checks its own
-    gradient shards: with a plain scaler, ranks would skip different steps and their models drift apart).
+    Full precision, mixed precision (``"16-mixed"``, ``"bf16-mixed"``) and true half precision (``"16-true"``,
+    ``"bf16-true"``) are Fabric's own plugins; fp16 mixed precision gets a sharded grad scaler instead of Fabric's,
+    whose inf/NaN checks agree across ranks (each rank checks its own gradient shards: with a plain scaler, ranks
+    would skip different steps and their models drift apart). True half precision needs nothing of the strategy's
+    own: the model is converted before it is wrapped, and the strategy clips by the norm of all shards itself.
 
     Raises:
-        ValueError: another precision (``"16-true"``, ``"bf16-true"``, ``"64-true"``...); the message names those
-            that work.
+        ValueError: another precision (``"64-true"``, ``"transformer-engine"``...); the message names those that
+            work.
     """
-    if plugin is None or type(plugin) is Precision:
+    if plugin is None or type(plugin) is Precision or isinstance(plugin, HalfPrecision):
         return plugin
     if isinstance(plugin, MixedPrecision):
         if plugin.scaler is not None:

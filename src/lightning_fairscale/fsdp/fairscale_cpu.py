@@ -67,6 +67,16 @@ The workarounds, and why each is needed:
     slices at the end of every synchronising backward (``_wait_for_post_backward``), and before every backward
     lets ``zero_grad`` on the views reach the flat gradient (``_prep_grads_for_backward``), which FairScale would
     otherwise accumulate into.
+13. **Pure bf16 parameters (all devices).** FairScale trains a model held in fp16 (``mixed_precision=False``,
+    ``compute_dtype=torch.float16``), but its constructor refuses any other parameter dtype than fp16 or fp32
+    ("Expecting FP16 param type in FP32 & MP modes"), although nothing after that check depends on the dtype
+    (flattening, sharding, all-gathers, reduce-scatters and the state dicts keep the parameters' dtype). A unit made
+    with ``mixed_precision=False`` and a half ``compute_dtype`` (fp16 or bf16) is a *true half precision* unit:
+    :class:`FullyShardedDataParallel` builds it over fp32 copies of its own parameters (the check passes), then
+    holds its shards, and the originals, in ``compute_dtype`` (half to fp32 and back is exact). While a unit is
+    built, its unsharded parameters briefly take fp32 memory, as in a ``"32-true"`` run; its shards never do. Used
+    for fp16 too, so that a unit made over fp32 parameters (layers wrapped before the precision plugin converts the
+    model) ends up in the dtype asked for.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """
@@ -100,6 +110,7 @@ __all__ = [
     "ShardedGradScaler",
     "install",
     "is_installed",
+    "true_half_dtype",
 ]
 
 
@@ -296,6 +307,17 @@ def _is_gloo(group: Any) -> bool:
         return False
 
 
+def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype a unit holds its parameters, gradients and computations in under true half precision (workaround
+    13): its ``compute_dtype`` when that is fp16 or bf16 without mixed precision; ``None`` for any other unit.
+
+    Example:
+        >>> true_half_dtype(False, torch.bfloat16), true_half_dtype(True, torch.bfloat16)
+        (torch.bfloat16, None)
+    """
+    return compute_dtype if not mixed_precision and compute_dtype in (torch.float16, torch.bfloat16) else None
+
+
 class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
@@ -311,24 +333,42 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def __init__(self, module: nn.Module, *args: Any, param_init_fn: Optional[ParamInitFn] = None, **kwargs: Any):
         if not has_meta_tensors(module):
-            self._flatten_and_shard(module, *args, **kwargs)
+            self._build(module, *args, **kwargs)
             return
         arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
         device = _unit_device(arguments)
         # Inside `init_module(empty_init=True)` the default device is `meta`: what is made here must be real.
         with torch.device(device):
             materialize(module, device, validate_param_init_fn(param_init_fn), arguments.get("process_group"))
-            self._flatten_and_shard(module, *args, **kwargs)
+            self._build(module, *args, **kwargs)
 
-    def _flatten_and_shard(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def _build(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
         frozen = _unfreeze_own_parameters(module)
         try:
-            super().__init__(module, *args, **kwargs)
+            self._build_in_dtype(module, *args, **kwargs)
         finally:
             for param in frozen.values():
                 param.requires_grad_(False)
         _record_frozen(self, frozen)
+
+    def _build_in_dtype(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """FairScale's ``__init__``, also over parameters in true half precision (workaround 13)."""
+        arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+        arguments.pop("self")
+        half = true_half_dtype(arguments.get("mixed_precision", False), arguments.get("compute_dtype"))
+        if half is None:
+            super().__init__(**arguments)
+            return
+        # FairScale's check sees fp32 parameters; the unit then holds them in `half`.
+        own = [p for p in arguments["module"].parameters() if not hasattr(p, "_is_sharded")]
+        for param in own:
+            param.data = param.data.float()
+        super().__init__(**{**arguments, "compute_dtype": torch.float32})
+        for param in {id(p): p for p in [*own, *self.params]}.values():  # the flat parameters and the originals
+            param.data = param.data.to(half)
+        self.compute_dtype = half
+        self.buffer_dtype = arguments.get("buffer_dtype") or half
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16

@@ -25,7 +25,7 @@ from torch.nn import Module
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.fsdp import fairscale_cpu
 from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
-from lightning_fairscale.mixed_precision import compute_dtype
+from lightning_fairscale.mixed_precision import compute_dtype, half_dtype
 from lightning_fairscale.process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
 from lightning_fairscale.fsdp.wrapping import (
@@ -195,8 +195,14 @@ class FullyShardedOptions:
 
     @property
     def _precision_setting(self) -> str:
-        """The precision plugin's setting: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``."""
+        """The precision plugin's setting: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"`` or
+        ``"bf16-true"``."""
         return getattr(self, self._precision_name).precision
+
+    @property
+    def _half_dtype(self) -> Optional[torch.dtype]:
+        """Under true half precision, the dtype FSDP holds everything in (see ``fairscale_cpu`` workaround 13)."""
+        return half_dtype(self._precision_setting)
 
     @property
     def mixed_precision(self) -> bool:
@@ -226,6 +232,8 @@ class FullyShardedOptions:
         elif self.mixed_precision:
             plugin = getattr(self, self._precision_name)
             kwargs["compute_dtype"] = getattr(plugin, "compute_dtype", None) or compute_dtype(plugin.precision)
+        elif self._half_dtype is not None:  # without mixed precision: the units hold their parameters in this dtype
+            kwargs["compute_dtype"] = self._half_dtype
         if self._process_groups:
             kwargs["process_group_reduce_scatter"] = self._process_groups[1]
         if self.param_init_fn is not None:  # taken by our FSDP class (units built on the meta device)
@@ -245,7 +253,9 @@ class FullyShardedOptions:
 
     def _check_settings(self, device: torch.device) -> None:
         """Fail or warn, before training, about options that do not fit the device or the precision."""
-        if self.compute_dtype not in (None, torch.float32) and not self.mixed_precision:
+        if self._half_dtype is not None:
+            self._check_true_half_precision(self._half_dtype)
+        elif self.compute_dtype not in (None, torch.float32) and not self.mixed_precision:
             flag = "16-mixed" if self.compute_dtype is torch.float16 else "bf16-mixed"
             raise ValueError(
                 f"`DDPFullyShardedStrategy(compute_dtype={self.compute_dtype})` needs mixed precision, but the"
@@ -262,6 +272,22 @@ class FullyShardedOptions:
                     " gradients are in CPU memory already. It is ignored."
                 )
 
+    def _check_true_half_precision(self, dtype: torch.dtype) -> None:
+        """Under true half precision the parameters are in ``dtype``: options asking for another dtype contradict it."""
+        setting, mixed = self._precision_setting, self._precision_setting.replace("-true", "-mixed")
+        if self.compute_dtype not in (None, dtype):
+            raise ValueError(
+                f"`DDPFullyShardedStrategy(compute_dtype={self.compute_dtype})` contradicts precision={setting!r},"
+                f" which holds the parameters, gradients and optimizer state in {dtype} and computes in it. Leave"
+                f" `compute_dtype` unset (it follows the precision), or use precision={mixed!r} to keep FP32"
+                " parameters and compute in the lower precision."
+            )
+        if self.fp32_reduce_scatter:
+            raise ValueError(
+                f"`DDPFullyShardedStrategy(fp32_reduce_scatter=True)` needs mixed precision: under"
+                f" precision={setting!r} the gradients are {dtype} and are reduced in {dtype}. Leave"
+                f" `fp32_reduce_scatter` unset, or use precision={mixed!r} (FP32 parameters and gradients)."
+            )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -44,8 +44,10 @@ _loader.install()
 
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO  # noqa: E402
 from lightning_fairscale.lightning.precision import (  # noqa: E402
+    FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,
     FullyShardedPrecisionPlugin,
+    ShardedHalfPrecisionPlugin,
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
@@ -61,9 +63,11 @@ __all__ = [
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",
+    "FullyShardedHalfPrecisionPlugin",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "ShardedCheckpointIO",
+    "ShardedHalfPrecisionPlugin",
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
 ]

@@ -1,4 +1,5 @@
-"""Precision plugins for ``DDPFullyShardedStrategy``: gradient clipping over all shards, and mixed precision."""
+"""Precision plugins for ``DDPFullyShardedStrategy``: gradient clipping over all shards, mixed precision and true
+half precision."""
 
 from __future__ import annotations
 
@@ -6,15 +7,22 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
-from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
 from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
-from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, fsdp_grad_scaler, unsupported
+from lightning_fairscale.mixed_precision import (
+    SUPPORTED_PRECISION,
+    compute_dtype,
+    fsdp_grad_scaler,
+    half_dtype,
+    unsupported,
+)
 
 __all__ = [
     "SUPPORTED_PRECISION",
+    "FullyShardedHalfPrecisionPlugin",
     "FullyShardedMixedPrecisionPlugin",
     "FullyShardedPrecisionPlugin",
     "fully_sharded_precision_plugin",
@@ -86,6 +94,34 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
         return dtype
 
 
+class FullyShardedHalfPrecisionPlugin(_GlobalNormClipping, HalfPrecision):
+    """True half precision (``"bf16-true"`` or ``"16-true"``) for FairScale FSDP, as Lightning's ``HalfPrecision``.
+
+    The module is converted to the dtype before it is sharded, so FSDP holds its parameter shards, their gradients
+    and (through them) the optimizer state in bf16 or fp16, and gathers and reduces them in that dtype: half the
+    memory of ``"32-true"``, with no FP32 master copy. Tensors made in ``configure_model`` or
+    ``trainer.init_module()`` are made in the dtype, and the batches' floating point tensors are converted to it.
+    Clipping by norm takes the norm of all shards together, accumulated in FP32.
+
+    Args:
+        precision: ``"bf16-true"`` or ``"16-true"``.
+
+    Example:
+        >>> FullyShardedHalfPrecisionPlugin("bf16-true").compute_dtype
+        torch.bfloat16
+    """
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype FSDP holds, gathers and computes the parameters in."""
+        dtype = half_dtype(self.precision)
+        assert dtype is not None
+        return dtype
+
+
+_PLUGINS = (FullyShardedPrecisionPlugin, FullyShardedMixedPrecisionPlugin, FullyShardedHalfPrecisionPlugin)
+
+
 def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
     """The FSDP plugin for a plugin the Trainer made from its ``precision`` flag.
 
@@ -93,15 +129,18 @@ def fully_sharded_precision_plugin(plugin: Precision) -> Precision:
         ValueError: the precision is not one FSDP supports (the message names those that are), or the plugin is
             another class for a supported one (e.g. a subclass of Lightning's ``Precision``).
     """
-    if isinstance(plugin, (FullyShardedPrecisionPlugin, FullyShardedMixedPrecisionPlugin)):
+    if isinstance(plugin, _PLUGINS):
         return plugin
     if type(plugin) is Precision:
         return FullyShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return FullyShardedMixedPrecisionPlugin(plugin.precision, plugin.device, scaler=None)  # type: ignore[arg-type]
+    if type(plugin) is HalfPrecision:
+        return FullyShardedHalfPrecisionPlugin(plugin.precision)
     raise unsupported(
         "DDPFullyShardedStrategy",
         plugin,
         "`Trainer(precision=...)`",
-        own="`FullyShardedPrecisionPlugin` (32-true) or `FullyShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed)",
+        own="`FullyShardedPrecisionPlugin` (32-true), `FullyShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed) or"
+        " `FullyShardedHalfPrecisionPlugin` (16-true, bf16-true)",
     )

@@ -1,11 +1,12 @@
-"""Precision plugins for ``DDPShardedStrategy``: clipping by the global norm through OSS, and mixed precision."""
+"""Precision plugins for ``DDPShardedStrategy``: clipping by the global norm through OSS, mixed precision and true
+half precision."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
 from fairscale.optim import OSS
-from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
 from lightning_fairscale.mixed_precision import (
@@ -15,7 +16,13 @@ from lightning_fairscale.mixed_precision import (
     unsupported,
 )
 
-__all__ = ["SUPPORTED_PRECISION", "ShardedMixedPrecisionPlugin", "ShardedPrecisionPlugin", "sharded_precision_plugin"]
+__all__ = [
+    "SUPPORTED_PRECISION",
+    "ShardedHalfPrecisionPlugin",
+    "ShardedMixedPrecisionPlugin",
+    "ShardedPrecisionPlugin",
+    "sharded_precision_plugin",
+]
 
 
 class _OSSNormClipping:
@@ -79,11 +86,28 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
         super().__init__(precision=precision, device=device, scaler=scaler)
 
 
+class ShardedHalfPrecisionPlugin(_OSSNormClipping, HalfPrecision):
+    """True half precision (``"bf16-true"`` or ``"16-true"``) for ``DDPShardedStrategy``, as Lightning's
+    ``HalfPrecision``.
+
+    The module is converted to the dtype before it is wrapped: parameters (whole on every rank), gradients (reduced
+    in that dtype) and OSS's optimizer state shard are bf16 or fp16, with no FP32 copy. OSS computes the norm for
+    clipping in FP32 and rounds it to the gradients' dtype.
+
+    Example:
+        >>> ShardedHalfPrecisionPlugin("bf16-true").precision
+        'bf16-true'
+    """
+
+
+_PLUGINS = (ShardedPrecisionPlugin, ShardedMixedPrecisionPlugin, ShardedHalfPrecisionPlugin)
+
+
 def sharded_precision_plugin(plugin: Precision) -> Precision:
     """The ``DDPShardedStrategy`` plugin for a plugin the Trainer made from its ``precision`` flag.
 
-    Lightning's ``Precision`` (``"32-true"``) and ``MixedPrecision`` become their sharded counterparts; the sharded
-    plugins are kept as they are.
+    Lightning's ``Precision`` (``"32-true"``), ``MixedPrecision`` and ``HalfPrecision`` become their sharded
+    counterparts; the sharded plugins are kept as they are.
 
     Raises:
         ValueError: the precision is not one the strategy supports (the message names those that are), or the plugin
@@ -93,15 +117,18 @@ def sharded_precision_plugin(plugin: Precision) -> Precision:
         >>> type(sharded_precision_plugin(Precision())).__name__
         'ShardedPrecisionPlugin'
     """
-    if isinstance(plugin, (ShardedPrecisionPlugin, ShardedMixedPrecisionPlugin)):
+    if isinstance(plugin, _PLUGINS):
         return plugin
     if type(plugin) is Precision:
         return ShardedPrecisionPlugin()
     if type(plugin) is MixedPrecision:
         return ShardedMixedPrecisionPlugin(plugin.precision, plugin.device)  # type: ignore[arg-type]
+    if type(plugin) is HalfPrecision:
+        return ShardedHalfPrecisionPlugin(plugin.precision)
     raise unsupported(
         "DDPShardedStrategy",
         plugin,
         "`Trainer(precision=...)`",
-        own="`ShardedPrecisionPlugin` (32-true) or `ShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed)",
+        own="`ShardedPrecisionPlugin` (32-true), `ShardedMixedPrecisionPlugin` (16-mixed, bf16-mixed) or"
+        " `ShardedHalfPrecisionPlugin` (16-true, bf16-true)",
     )

@@ -47,8 +47,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
         reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
         move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
-        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision.
-        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
+            precision, whose gradients are fp16 or bf16).
+        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
+            half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
         bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
         min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
         state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
