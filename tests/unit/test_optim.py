@@ -18,7 +18,9 @@ from lightning_fairscale.fsdp.optim import (
     Piece,
     load_plain_state,
     plain_state_dict,
+    repoint_optimizer,
 )
+from lightning_fairscale.fsdp.param_views import views_of
 from lightning_fairscale.fsdp.wrapping import unwrap_module
 
 from .helpers import (
@@ -162,6 +164,17 @@ def test_frozen_parameters_share_a_unit_with_trainable_ones() -> None:
     expected = parameters_of(reference)
     for name, value in values.items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_new_layout_of_the_same_model_replaces_the_views_of_the_earlier_one() -> None:
+    """A later stage (another Trainer) learns the layout of the sharded model anew: only its views get gradients."""
+    model = Net()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=set())
+    again = ParameterLayout().after_wrapping(sharded.root)
+    optimizer = torch.optim.SGD(sharded.root.parameters(), lr=0.1)
+    repoint_optimizer(optimizer, again)
+    [managed] = again.managed
+    assert [view.param for view in views_of(managed)] == optimizer.param_groups[0]["params"]
 
 
 def test_zero_grad_reaches_the_flat_gradient_and_accumulation_without_it_adds() -> None:

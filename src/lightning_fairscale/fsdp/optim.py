@@ -113,6 +113,8 @@ class ParameterLayout:
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
         self.root = root
         for path, unit in named_fsdp_instances(root):
+            for param in unit.params:
+                param_views.forget(param)  # the views of an earlier layout of this model (an earlier stage)
             prefix = clean_path(path + ".") if path else ""
             flat_count = unit._num_flatten_params
             for managed in unit.params[:flat_count]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ParamView", "attach", "share_gradients", "take_back_gradients", "trainable_views"]
+__all__ = ["ParamView", "attach", "forget", "share_gradients", "take_back_gradients", "trainable_views", "views_of"]
 
 #: The attribute of a flat (or sharded) parameter that lists its views on this rank.
 _VIEWS = "_lightning_fairscale_views"
@@ -63,6 +63,13 @@ def attach(managed: nn.Parameter, piece: int, start: int, stop: int, trainable: 
     view = ParamView(nn.Parameter(data, requires_grad=trainable), piece, start, stop, trainable)
     managed.__dict__.setdefault(_VIEWS, []).append(view)
     return view
+
+
+def forget(managed: nn.Parameter) -> None:
+    """Unregister every view of ``managed`` (a new layout of the same model makes its own: the optimizers of an
+    earlier stage, which hold the old ones, are gone or no longer stepped)."""
+    managed.__dict__.pop(_VIEWS, None)
+    managed.__dict__.pop(_SHARED, None)
 
 
 def views_of(managed: nn.Parameter) -> list[ParamView]:
