@@ -7,16 +7,22 @@ accepts them: ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` (:class:`DDPFully
 Lightning's own ``"fsdp"`` stays Lightning's. The same names are registered with Fabric's registry, for the Fabric
 strategies of :mod:`lightning_fairscale.fabric`: ``Fabric(strategy="fsdp_fairscale")``.
 
+Lightning 1.x's names of the mixed-precision plugins, ``ShardedNativeMixedPrecisionPlugin`` and
+``FullyShardedNativeMixedPrecisionPlugin``, are deprecated aliases of :class:`ShardedMixedPrecisionPlugin` and
+:class:`FullyShardedMixedPrecisionPlugin` (see :mod:`lightning_fairscale.precision`).
+
 The classes here are built on ``pytorch_lightning``. Where the unified ``lightning`` package is installed too, the
 import also registers the names with ``lightning.pytorch``'s registry, whose Trainer then gets the same classes built
 on ``lightning.pytorch`` (:mod:`lightning_fairscale.lightning`).
 """
 
 import importlib
+from typing import Any
 
 from lightning_utilities.core.imports import module_available
 
 from lightning_fairscale.__about__ import __version__
+from lightning_fairscale._deprecated import deprecated_alias
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision import (
     FullyShardedHalfPrecisionPlugin,
@@ -26,6 +32,7 @@ from lightning_fairscale.precision import (
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
+from lightning_fairscale.precision import _RENAMED as _RENAMED_PRECISION
 from lightning_fairscale.strategies import DDPFullyShardedStrategy, DDPShardedStrategy, DDPSpawnShardedStrategy
 
 # Fabric's registry gets the same names (Fabric's classes are in `lightning_fairscale.fabric`).
@@ -44,6 +51,11 @@ __all__ = [
     "ShardedPrecisionPlugin",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_alias(__name__, name, globals(), _RENAMED_PRECISION)
+
 
 # ``L.Trainer(strategy="fsdp_fairscale")`` should work after ``import lightning_fairscale`` as well; importing our
 # classes for ``lightning.pytorch`` registers them with its registry. Skipped when ``lightning`` is not installed.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_deprecation
 
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 
@@ -20,6 +21,7 @@ __all__ = [
     "fsdp_grad_scaler",
     "half_dtype",
     "is_sharded_grad_scaler",
+    "mixed_precision_name",
     "sharded_grad_scaler",
     "unsupported",
 ]
@@ -27,6 +29,41 @@ __all__ = [
 #: The precision settings both strategies support: FP32; mixed precision (FP32 parameters or master shards,
 #: computing in fp16 or bf16); true half precision (parameters, gradients and optimizer state in fp16 or bf16).
 SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+
+#: Lightning 1.x's values of ``precision`` for mixed precision (``16`` or ``"16"``, and ``"bf16"``), and their names
+#: since Lightning 2.
+LEGACY_MIXED_PRECISION = {"16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def mixed_precision_name(precision: Any, owner: str) -> Any:
+    """Lightning 2's name of a Lightning 1.x mixed-precision value, for the constructors of the mixed-precision
+    plugins, with a deprecation warning that names it; any other value as it is (the plugin judges it).
+
+    Code written for Lightning 1.x or the original extension builds them as ``ShardedNativeMixedPrecisionPlugin(16,
+    "cuda")``; Lightning 2's ``MixedPrecision`` refuses ``16``.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     name = mixed_precision_name(16, "Plugin")
+        >>> name, str(caught[0].message)
+        ('16-mixed', "`Plugin(precision=16)` is deprecated (Lightning 1.x's value): use precision='16-mixed'.")
+        >>> mixed_precision_name("bf16-mixed", "Plugin")
+        'bf16-mixed'
+    """
+    legacy = str(precision) if isinstance(precision, (int, str)) and not isinstance(precision, bool) else None
+    if legacy not in LEGACY_MIXED_PRECISION:
+        return precision
+    name = LEGACY_MIXED_PRECISION[legacy]
+    # Pointing at the line that called the plugin's constructor, past this function and the constructor (see
+    # `lightning_fairscale._deprecated` for the frames of `rank_zero_deprecation`).
+    rank_zero_deprecation(
+        f"`{owner}(precision={precision!r})` is deprecated (Lightning 1.x's value): use precision={name!r}.",
+        stacklevel=7,
+    )
+    return name
 
 
 def compute_dtype(precision: str) -> Optional[torch.dtype]:

@@ -23,9 +23,16 @@ Lightning classes (:mod:`lightning_fairscale.fsdp.fairscale_cpu`, :mod:`lightnin
 format, consolidation...) are shared: import them from the top-level package. Checkpoints are the same files either
 way.
 
+Lightning 1.x's names ``ShardedNativeMixedPrecisionPlugin`` and ``FullyShardedNativeMixedPrecisionPlugin`` are
+deprecated aliases here too, as in the top-level package and in the modules of the original extension's layout
+(``lightning_fairscale.lightning.precision.sharded_amp``...), which this subpackage has as well.
+
 Needs the ``lightning`` package: ``pip install "lightning-fairscale[lightning]"``.
 """
 
+from typing import Any
+
+from lightning_fairscale._deprecated import deprecated_alias
 from lightning_fairscale.lightning import _loader
 
 try:
@@ -51,6 +58,7 @@ from lightning_fairscale.lightning.precision import (  # noqa: E402
     ShardedMixedPrecisionPlugin,
     ShardedPrecisionPlugin,
 )
+from lightning_fairscale.lightning.precision import _RENAMED as _RENAMED_PRECISION  # noqa: E402
 from lightning_fairscale.lightning.strategies import (  # noqa: E402
     DDPFullyShardedStrategy,
     DDPShardedStrategy,
@@ -71,3 +79,7 @@ __all__ = [
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_alias(__name__, name, globals(), _RENAMED_PRECISION)

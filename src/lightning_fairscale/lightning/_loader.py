@@ -45,11 +45,14 @@ BOUND = (
     "model_summary",
     "precision",
     "precision.fully_sharded",
+    "precision.fully_sharded_amp",
     "precision.sharded",
+    "precision.sharded_amp",
     "strategies",
     "strategies._callbacks",
     "strategies.fully_sharded",
     "strategies.sharded",
+    "strategies.sharded_spawn",
 )
 #: Lightning's standalone packages, and where the unified ``lightning`` package has the same code.
 RENAMED = {"pytorch_lightning": "lightning.pytorch", "lightning_fabric": "lightning.fabric"}

@@ -17,6 +17,7 @@ from lightning_fairscale.mixed_precision import (
     compute_dtype,
     fsdp_grad_scaler,
     half_dtype,
+    mixed_precision_name,
     unsupported,
 )
 
@@ -53,7 +54,8 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled before clipping.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning 1.x's ``16``, ``"16"`` and ``"bf16"`` work too, with
+            a deprecation warning).
         device: ``"cuda"`` or ``"cpu"``.
         scaler: a :class:`~lightning_fairscale.fsdp.fairscale_cpu.ShardedGradScaler` for fp16 (default: one for
             ``device``); must be ``None`` for bf16.
@@ -70,6 +72,7 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     def __init__(
         self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
     ) -> None:
+        precision = mixed_precision_name(precision, type(self).__name__)
         if scaler is None and precision == "16-mixed":
             scaler = fsdp_grad_scaler(device)
         if scaler is not None and not isinstance(scaler, ShardedGradScaler):

@@ -13,6 +13,7 @@ from lightning_fairscale.mixed_precision import (
     SUPPORTED_PRECISION,
     is_sharded_grad_scaler,
     sharded_grad_scaler,
+    mixed_precision_name,
     unsupported,
 )
 
@@ -59,7 +60,8 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
     scaler.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning 1.x's ``16``, ``"16"`` and ``"bf16"`` work too, with
+            a deprecation warning).
         device: the device type autocast runs on: ``"cuda"`` or ``"cpu"``.
         scaler: a sharded grad scaler for fp16 (default: one for ``device``); must be ``None`` for bf16.
 
@@ -75,6 +77,7 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
     def __init__(
         self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
     ) -> None:
+        precision = mixed_precision_name(precision, type(self).__name__)
         if scaler is None and precision == "16-mixed":
             scaler = sharded_grad_scaler(device)
         if scaler is not None and not is_sharded_grad_scaler(scaler):

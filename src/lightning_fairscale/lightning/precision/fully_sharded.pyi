@@ -9,7 +9,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.optim import Optimizer
 from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
-from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, fsdp_grad_scaler, half_dtype, unsupported
+from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, fsdp_grad_scaler, half_dtype, mixed_precision_name, unsupported
 __all__ = ...
 
 class _GlobalNormClipping:
@@ -33,7 +33,8 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled before clipping.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning 1.x's ``16``, ``"16"`` and ``"bf16"`` work too, with
+            a deprecation warning).
         device: ``"cuda"`` or ``"cpu"``.
         scaler: a :class:`~lightning_fairscale.fsdp.fairscale_cpu.ShardedGradScaler` for fp16 (default: one for
             ``device``); must be ``None`` for bf16.

@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional, Union
 from fairscale.optim import OSS
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
-from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, is_sharded_grad_scaler, sharded_grad_scaler, unsupported
+from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, is_sharded_grad_scaler, sharded_grad_scaler, mixed_precision_name, unsupported
 __all__ = ...
 
 class _OSSNormClipping:
@@ -38,7 +38,8 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
     scaler.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning 1.x's ``16``, ``"16"`` and ``"bf16"`` work too, with
+            a deprecation warning).
         device: the device type autocast runs on: ``"cuda"`` or ``"cpu"``.
         scaler: a sharded grad scaler for fp16 (default: one for ``device``); must be ``None`` for bf16.
 
