@@ -57,6 +57,7 @@ def run_script(
     expect_ok: bool = True,
     package: str = "pytorch_lightning",
     ranks: int = 1,
+    nodes: int = 1,
 ) -> subprocess.CompletedProcess:
     """Run a Python script in its own session; whatever it started (the other ranks) is killed when it ends.
 
@@ -65,8 +66,9 @@ def run_script(
     the run begins (as a user's script does). With ``ranks > 1`` all ranks start together, each told its rank by the
     environment variables a cluster launcher sets (``LOCAL_RANK``, ``WORLD_SIZE``...), and Lightning launches
     nothing: the ranks import torch and Lightning in parallel instead of one after the other, which halves a launch
-    (~6 s instead of ~10 s on 2 cores). The output is every rank's, in rank order; the return code the first
-    non-zero one.
+    (~6 s instead of ~10 s on 2 cores). With ``nodes > 1`` the ranks are split into that many simulated nodes of
+    consecutive ranks (each told its ``NODE_RANK`` and its ``LOCAL_RANK`` within the node), all on this machine.
+    The output is every rank's, in rank order; the return code the first non-zero one.
     """
     env = clean_env(TEST_LIGHTNING_PACKAGE=package)
     command = [sys.executable, *args]
@@ -75,7 +77,10 @@ def run_script(
     processes, outputs = [], []
     try:
         for rank in range(ranks):
-            rank_env = {**env, "LOCAL_RANK": str(rank)} if ranks > 1 else env
+            per_node = ranks // nodes
+            node = {"LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node)}
+            node.update({"LOCAL_WORLD_SIZE": str(per_node)} if nodes > 1 else {})
+            rank_env = {**env, **node} if ranks > 1 else env
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             outputs.append((out, err))
             processes.append(
@@ -157,11 +162,13 @@ def run_jobs(
     failing: Sequence[str] = (),
     package: str = "pytorch_lightning",
     script: Path | None = None,
+    nodes: int = 1,
 ) -> Jobs:
     """Run ``scenarios/train.py`` once for every job (name -> command line), one after another in one launch.
 
     Every job trains on the same number of processes (its ``--devices``). The jobs named in ``failing`` must fail
-    on every rank; the others must succeed. See ``scenarios/jobs.py``.
+    on every rank; the others must succeed. See ``scenarios/jobs.py``. With ``nodes`` the processes are that many
+    simulated nodes of ``--devices`` processes each (see :func:`run_script`).
     """
     folder.mkdir(parents=True, exist_ok=True)
     devices = {_devices(args) for args in jobs.values()}
@@ -174,7 +181,10 @@ def run_jobs(
     path = folder / "jobs.json"
     path.write_text(json.dumps(spec))
     (ranks,) = devices
-    proc = run_script([str(script or TRAIN_SCRIPT), "--jobs", str(path)], cwd=folder, package=package, ranks=ranks)
+    proc = run_script(
+        [str(script or TRAIN_SCRIPT), "--jobs", str(path)], cwd=folder, package=package, ranks=ranks * nodes,
+        nodes=nodes,
+    )
     return Jobs(folder, list(jobs), proc)
 
 

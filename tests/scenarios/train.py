@@ -119,6 +119,12 @@ class RecordUnits(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.memory = getattr(trainer.strategy, "memory_figures", dict)()
+        # Under hybrid sharding: the bytes this rank all-reduced across the replicas (the inter-node traffic).
+        replicas = getattr(trainer.strategy, "_replica_group", None)
+        if replicas is not None:
+            from lightning_fairscale import collectives
+
+            self.replica_bytes = collectives.all_reduced_bytes(replicas)
 
 
 class RecordSummary(Callback):
@@ -256,6 +262,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--kill-how", default="kill", choices=["kill", "enospc"])
     p.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout in seconds")
     p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--sharding-strategy", default=None, help="the strategy's sharding_strategy")
+    p.add_argument("--device-mesh", type=int, nargs=2, default=None, help="(replicas, shard_size)")
     p.add_argument("--depth", type=int, default=2, help="number of Blocks of the regression model")
     p.add_argument("--freeze", nargs="*", default=(), help="freeze these parameters (by name) before training")
     p.add_argument("--compute-dtype", default=None, choices=["float16", "bfloat16"])
@@ -341,6 +349,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
         move_grads_to_cpu=None if args.move_grads_to_cpu is None else bool(args.move_grads_to_cpu),
         **({"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}),
+        **({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}),
+        **({"device_mesh": tuple(args.device_mesh)} if args.device_mesh else {}),
     )
     recorder = RecordUnits()
     training = RecordTraining()
@@ -407,6 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "units": recorder.units,
         "summary": getattr(recorder, "summary", ""),
         "memory": getattr(recorder, "memory", {}),
+        "replica_bytes": getattr(recorder, "replica_bytes", None),
         "strategy": type(trainer.strategy).__name__,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,

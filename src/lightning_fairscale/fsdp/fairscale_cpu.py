@@ -78,6 +78,14 @@ The workarounds, and why each is needed:
     for fp16 too, so that a unit made over fp32 parameters (layers wrapped before the precision plugin converts the
     model) ends up in the dtype asked for.
 
+14. **Hybrid sharding (all devices).** FairScale shards over one process group and has no notion of replicas.
+    A unit given a ``replica_group`` (the ranks that hold the same shard on the other nodes) shards within its
+    ``process_group`` and, in :meth:`FullyShardedDataParallel._post_reduction_hook`, which FairScale calls for each
+    parameter once its reduce-scatter is done (before the shard is accumulated into the gradient, and before
+    ``_wait_for_post_backward`` hands it to the optimizer's views), all-reduces the shard over the replicas and
+    divides it by their number: every rank then holds the average over all ranks, as under full sharding. Clipping
+    by norm takes the norm over one replica's shards (``process_group``): the replicas hold the same gradients.
+
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """
 
@@ -331,16 +339,27 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     :mod:`lightning_fairscale.fsdp.materialize`).
     """
 
-    def __init__(self, module: nn.Module, *args: Any, param_init_fn: Optional[ParamInitFn] = None, **kwargs: Any):
+    def __init__(
+        self,
+        module: nn.Module,
+        *args: Any,
+        param_init_fn: Optional[ParamInitFn] = None,
+        replica_group: Any = None,
+        **kwargs: Any,
+    ):
         if not has_meta_tensors(module):
             self._build(module, *args, **kwargs)
-            return
-        arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
-        device = _unit_device(arguments)
-        # Inside `init_module(empty_init=True)` the default device is `meta`: what is made here must be real.
-        with torch.device(device):
-            materialize(module, device, validate_param_init_fn(param_init_fn), arguments.get("process_group"))
-            self._build(module, *args, **kwargs)
+        else:
+            arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+            device = _unit_device(arguments)
+            # Replicas must be initialised alike too: the random state comes from one rank of the whole world.
+            group = None if replica_group is not None else arguments.get("process_group")
+            # Inside `init_module(empty_init=True)` the default device is `meta`: what is made here must be real.
+            with torch.device(device):
+                materialize(module, device, validate_param_init_fn(param_init_fn), group)
+                self._build(module, *args, **kwargs)
+        #: Hybrid sharding (workaround 14): the ranks holding the same shard in the other replicas, or ``None``.
+        self.replica_group = replica_group
 
     def _build(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
@@ -403,6 +422,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             for unit in fsdp_instances(self):
                 for param in unit.params:
                     param_views.share_gradients(param)
+                    if getattr(unit, "replica_group", None) is not None:  # workaround 14: clipping takes the norm over one replica
+                        _mark_norm_group([param, *(view.param for view in param_views.views_of(param))], unit)
 
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
@@ -412,9 +433,12 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         return super().load_local_state_dict(state_dict, strict)
 
     def _post_reduction_hook(self, param: torch.nn.Parameter, reduced_grad: Tensor) -> None:
-        """FairScale's hook, given a compact copy of a shard that is a view into a bucket's buffer (workaround 8)."""
+        """FairScale's hook, given a compact copy of a shard that is a view into a bucket's buffer (workaround 8),
+        averaged over the replicas first under hybrid sharding (workaround 14)."""
         if reduced_grad.untyped_storage().nbytes() > reduced_grad.numel() * reduced_grad.element_size():
             reduced_grad = reduced_grad.clone()
+        if self.replica_group is not None:
+            replicate_gradient(reduced_grad, self.replica_group)
         super()._post_reduction_hook(param, reduced_grad)
 
     @torch.no_grad()
@@ -436,6 +460,17 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         own = list(self.parameters())
         views = param_views.trainable_views(own)
         return [p for p in (views or own) if p.grad is not None]
+
+
+@torch.no_grad()
+def replicate_gradient(reduced_grad: Tensor, replica_group: Any) -> None:
+    """Average a gradient shard over the replicas, in place (workaround 14). A collective call on ``replica_group``.
+
+    Before this, ``reduced_grad`` is the sum of the shard group's gradients (FairScale divides it by the shard group's
+    size afterwards): summing over the replicas and dividing by their number makes the average over every rank.
+    """
+    collectives.all_reduce(reduced_grad, group=replica_group)
+    reduced_grad.div_(dist.get_world_size(replica_group))
 
 
 def _unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
@@ -471,13 +506,26 @@ def _record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.
             param.requires_grad_(False)
 
 
+#: Set on the parameters (FSDP's and the optimizer's views) of a hybrid-sharded unit: the group of one replica.
+_NORM_GROUP = "_lightning_fairscale_norm_group"
+
+
+def _mark_norm_group(params: list[torch.nn.Parameter], unit: _FairScaleFSDP) -> None:
+    for param in params:
+        param.__dict__[_NORM_GROUP] = unit.process_group
+
+
 @torch.no_grad()
 def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: Any = None) -> Tensor:
     """The norm of all ranks' gradient shards together, as if they were one vector. A collective call.
 
     Shards are disjoint (padding gradients are zero), so the p-norm of the whole is the p-th root of the sum of
-    the shards' p-th powers, and the infinity norm is the maximum of the shards' maxima.
+    the shards' p-th powers, and the infinity norm is the maximum of the shards' maxima. Under hybrid sharding every
+    replica holds the same shards: without a ``group`` given, the norm is taken over one replica's (the group the
+    parameters were marked with), which every replica computes alike.
     """
+    if group is None and params:
+        group = params[0].__dict__.get(_NORM_GROUP)
     device = params[0].grad.device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if norm_type == math.inf:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -264,7 +265,9 @@ def _gather_full(shard: Tensor, numel: int, group: Any) -> Tensor | None:
     The shards may be in CPU memory (``cpu_offload``) where the backend takes CUDA tensors only (NCCL):
     :func:`~lightning_fairscale.collectives.gather` moves them for the transfer.
     """
-    gathered = collectives.gather(shard, dst=0, group=group)
+    # The group's first rank: global rank 0, or under hybrid sharding the first rank of another replica.
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    gathered = collectives.gather(shard, dst=first, group=group)
     if gathered is None:
         return None
     return torch.cat([t.reshape(-1).cpu() for t in gathered])[:numel]

@@ -36,7 +36,15 @@ from lightning_fairscale.fsdp.wrapping import (
     validate_layer_classes,
 )
 
-__all__ = ["FullyShardedOptions", "offload_params", "validate_arguments"]
+__all__ = [
+    "FullyShardedOptions",
+    "hybrid_groups",
+    "mesh_request",
+    "offload_params",
+    "resolve_mesh",
+    "sharding_name",
+    "validate_arguments",
+]
 
 #: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
 _MANAGED_FSDP_ARGUMENTS = {
@@ -50,12 +58,6 @@ _MANAGED_FSDP_ARGUMENTS = {
 _FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {"self"}
 #: Arguments of Lightning's ``FSDPStrategy`` (for torch's FSDP) that FairScale has no equivalent of, and what to do.
 _TORCH_FSDP_ARGUMENTS = {
-    "sharding_strategy": (
-        'FairScale shards parameters, gradients and optimizer state over all ranks ("FULL_SHARD"): remove it, or'
-        ' pass `reshard_after_forward=False` for "SHARD_GRAD_OP"; "NO_SHARD" is `strategy="ddp"`, and hybrid'
-        " sharding has no FairScale equivalent"
-    ),
-    "device_mesh": "FairScale shards over all ranks, with no hybrid sharding: remove it",
     "limit_all_gathers": "FairScale has no all-gather rate limiter: remove it",
     "forward_prefetch": "FairScale has no prefetch setting: remove it",
     "backward_prefetch": "FairScale has no prefetch setting: remove it",
@@ -111,8 +113,16 @@ class FullyShardedOptions:
         lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
+        sharding_strategy: Any = "FULL_SHARD",
+        device_mesh: Optional[Any] = None,
         **kwargs: Any,
     ) -> None:
+        name = sharding_name(sharding_strategy)
+        if name in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"):  # ZeRO-2: full parameters kept from forward to backward
+            reshard_after_forward = False
+        #: The shape of the sharding: ``None`` (over every rank) or ``"node"`` or ``(replicas, shard_size)``.
+        self.sharding_strategy = name
+        self._mesh_request = mesh_request(name, device_mesh)
         self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
         self.param_init_fn = validate_param_init_fn(param_init_fn)
         validate_arguments(min_num_params, bucket_cap_mb, compute_dtype, auto_wrap_policy, kwargs)
@@ -150,6 +160,9 @@ class FullyShardedOptions:
         self._fsdp_kwargs = kwargs
         #: The two process groups of FSDP (all-gather, reduce-scatter), made in ``setup_environment``.
         self._process_groups: tuple[Any, ...] = ()
+        #: Under hybrid sharding: the mesh, and this rank's group of replicas (same shard index on every node).
+        self._mesh: Optional[tuple[int, int]] = None
+        self._replica_group: Any = None
         self._init_adapter()
 
     def _init_adapter(self) -> None:
@@ -165,8 +178,21 @@ class FullyShardedOptions:
         # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
         # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
         timeout = self._collective_timeout()  # type: ignore[attr-defined]  # _compat.StrategyInternals
-        self._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
+        world_size: int = self.world_size  # type: ignore[attr-defined]
+        if self._mesh_request is None:
+            self._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
+        else:
+            num_nodes: int = getattr(self, "num_nodes", 1)
+            self._mesh = resolve_mesh(self._mesh_request, world_size, num_nodes)
+            rank: int = self.global_rank  # type: ignore[attr-defined]
+            *self._process_groups, self._replica_group = hybrid_groups(self._mesh, rank, timeout)
         self._check_settings(device)
+        if self._mesh is not None and self.state_dict_type == "sharded":
+            raise NotImplementedError(
+                f'`DDPFullyShardedStrategy(sharding_strategy="{self.sharding_strategy}", state_dict_type="sharded")`'
+                " is not supported yet: a sharded checkpoint would be written once per replica. Use"
+                ' `state_dict_type="full"` (gathered within one replica, written by rank 0), or FULL_SHARD.'
+            )
         if self.state_dict_type == "sharded":
             self._sharded_io()  # fail before training, not at the first save
 
@@ -238,6 +264,8 @@ class FullyShardedOptions:
             kwargs["process_group_reduce_scatter"] = self._process_groups[1]
         if self.param_init_fn is not None:  # taken by our FSDP class (units built on the meta device)
             kwargs["param_init_fn"] = self.param_init_fn
+        if self._replica_group is not None:  # taken by our FSDP class: gradient shards are all-reduced over it
+            kwargs["replica_group"] = self._replica_group
         kwargs.update(self._fsdp_kwargs)
         return kwargs
 
@@ -296,6 +324,96 @@ class FullyShardedOptions:
         for name in ("fsdp_fairscale", "ddp_fully_sharded"):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description="FairScale's Fully Sharded Data Parallel")
+
+
+_SHARDING_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def sharding_name(sharding_strategy: Any) -> str:
+    """The name of a ``sharding_strategy`` given as a string (any case) or as torch's ``ShardingStrategy``.
+
+    Example:
+        >>> from torch.distributed.fsdp import ShardingStrategy
+        >>> sharding_name("hybrid_shard"), sharding_name(ShardingStrategy.SHARD_GRAD_OP)
+        ('HYBRID_SHARD', 'SHARD_GRAD_OP')
+    """
+    name = getattr(sharding_strategy, "name", sharding_strategy)
+    name = name.upper() if isinstance(name, str) else name
+    if name == "NO_SHARD":
+        raise ValueError(
+            '`sharding_strategy="NO_SHARD"` keeps a full replica on every rank: that is plain data parallel, use'
+            ' `strategy="ddp"` instead of `DDPFullyShardedStrategy`.'
+        )
+    if name not in _SHARDING_NAMES:
+        raise ValueError(
+            f"`sharding_strategy` must be one of {', '.join(map(repr, _SHARDING_NAMES))} (or torch's"
+            f" `ShardingStrategy` of that name), got {sharding_strategy!r}."
+        )
+    return name
+
+
+def mesh_request(name: str, device_mesh: Any) -> Any:
+    """What shape the strategy shards over: ``None`` (every rank), ``"node"`` (hybrid: the ranks of each node), or
+    ``(replicas, shard_size)`` from ``device_mesh`` (a tuple, or torch's 2-D ``DeviceMesh``).
+
+    Example:
+        >>> mesh_request("FULL_SHARD", None), mesh_request("HYBRID_SHARD", None), mesh_request("HYBRID_SHARD", (2, 4))
+        (None, 'node', (2, 4))
+    """
+    hybrid = name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    if device_mesh is None:
+        return "node" if hybrid else None
+    if not hybrid:
+        raise ValueError(
+            f'`device_mesh` shapes hybrid sharding, but `sharding_strategy` is {name!r}: pass'
+            ' `sharding_strategy="HYBRID_SHARD"` with it, or remove `device_mesh` to shard over every rank.'
+        )
+    shape = tuple(getattr(device_mesh, "shape", device_mesh)) if not isinstance(device_mesh, tuple) else device_mesh
+    if len(shape) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        raise ValueError(
+            "`device_mesh` must be `(replicas, shard_size)`: two positive ints, e.g. `(2, 4)` for 2 nodes of 4"
+            f" processes (each shards over its node's 4 and replicates across the 2 nodes), got {device_mesh!r}."
+        )
+    return shape
+
+
+def resolve_mesh(request: Any, world_size: int, num_nodes: int) -> tuple[int, int]:
+    """``(replicas, shard_size)`` for a :func:`mesh_request` other than ``None``, checked against the world size.
+
+    Example:
+        >>> resolve_mesh("node", 8, 2), resolve_mesh((2, 2), 4, 1)
+        ((2, 4), (2, 2))
+    """
+    if request == "node":
+        if world_size % num_nodes:
+            raise ValueError(f"{world_size} processes do not split into {num_nodes} equal nodes for HYBRID_SHARD.")
+        return num_nodes, world_size // num_nodes
+    replicas, shard_size = request
+    if replicas * shard_size != world_size:
+        raise ValueError(
+            f"`device_mesh=({replicas}, {shard_size})` holds {replicas * shard_size} processes, but the run has"
+            f" {world_size} (`num_nodes` x `devices`): make `replicas * shard_size` equal {world_size}."
+        )
+    return replicas, shard_size
+
+
+def hybrid_groups(mesh: tuple[int, int], rank: int, timeout: Any) -> tuple[Any, Any, Any]:
+    """This rank's groups under hybrid sharding: its shard group twice (FSDP's all-gather and reduce-scatter
+    groups) and its replica group. Ranks ``r * shard_size ...`` form replica ``r`` (consecutive ranks: a node's,
+    under torchrun and SLURM), so a shard group never crosses a node and a replica group joins one rank per node.
+
+    Every rank creates every group, in the same order (``new_group`` is collective over the world).
+    """
+    replicas, shard_size = mesh
+    shard_groups = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(replicas)]
+    replica_groups = [list(range(s, replicas * shard_size, shard_size)) for s in range(shard_size)]
+    mine: list[Any] = [None, None, None]
+    for slot, layouts in ((0, shard_groups), (1, shard_groups), (2, replica_groups)):
+        for ranks in layouts:
+            group = torch.distributed.new_group(ranks=ranks, timeout=timeout)
+            if rank in ranks:
+                mine[slot] = group
+    return mine[0], mine[1], mine[2]
 
 
 def offload_params(cpu_offload: Any) -> bool:
