@@ -81,8 +81,6 @@ def test_fsdp_refuses_the_arguments_it_sets_itself_saying_what_to_use(name: str,
 @pytest.mark.parametrize(
     ("name", "hint"),
     [
-        ("sharding_strategy", 'pass `reshard_after_forward=False` for "SHARD_GRAD_OP"; "NO_SHARD" is `strategy="ddp"`'),
-        ("device_mesh", "no hybrid sharding"),
         ("limit_all_gathers", "no all-gather rate limiter: remove it"),
         ("sync_module_states", "seed every rank alike"),
     ],
