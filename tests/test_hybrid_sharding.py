@@ -18,7 +18,7 @@ NODES = ["--num-nodes", "2", "--devices", "2"]
 CLIP = ["--clip-val", "0.05", "--clip-alg", "norm"]  # the clip value bites
 JOBS = {
     # Shard over each node's ranks (the default mesh), Adam, clipping by norm.
-    "hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP],
+    "hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP, "--save-ckpt", "hybrid.ckpt"],
     # The same shape given as a mesh, with gradient accumulation (`no_sync`: no traffic on the accumulating steps).
     "mesh-accumulate": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--device-mesh", "2", "2", "--steps", "2",
                         "--accumulate", "2", "--samples", "32", *CLIP],
@@ -72,3 +72,14 @@ def test_sharded_checkpoints_are_refused_under_hybrid_sharding(jobs: Jobs) -> No
     for error in jobs.errors("sharded-refused", ranks=4):
         assert error["type"] == "NotImplementedError"
         assert 'state_dict_type="full"' in error["message"]
+
+
+def test_full_checkpoint_is_the_unsharded_model_and_optimizer(jobs: Jobs) -> None:
+    """Each replica gathers within itself; rank 0 writes the file: the trained weights, and Adam's state laid out
+    as a plain optimizer over the unwrapped module holds it (every rank's shard once, none twice)."""
+    checkpoint = torch.load(jobs.folder / "hybrid.ckpt", weights_only=False)
+    expected = reference_training(3, "adam", clip=(0.05, "norm"))
+    assert max_difference(checkpoint["state_dict"], expected) < ATOL
+    (optimizer,) = checkpoint["optimizer_states"]
+    shapes = [value.shape for value in expected.values()]
+    assert [state["exp_avg"].shape for _, state in sorted(optimizer["state"].items())] == shapes
