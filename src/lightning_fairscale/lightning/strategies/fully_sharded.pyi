@@ -91,6 +91,12 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
             (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
             argument). Default: each such module's ``reset_parameters()``.
+        sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
+            (``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
+            across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
+            (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
+        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
+            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
