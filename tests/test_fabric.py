@@ -227,8 +227,8 @@ def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dic
 
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     """Fabric's checkpoints of step 2 resume in the Trainer (2 more steps; its step counter starts anew: the files
-    have no loop state): the full one into other units, the sharded one into the same units (sharded checkpoints
-    need them). The Trainer's checkpoints of step 4, full and sharded, then resume in Fabric (2 more; the full one
+    have no loop state): the full one into other units and into `"ddp_sharded"`, the sharded one into the same units
+    (sharded checkpoints need them). The Trainer's checkpoints of step 4, full and sharded, then resume in Fabric (2 more; the full one
     with the strategy chosen by its registry name and the model built in `fabric.init_module()`, Blocks wrapped
     there). The Trainer's rest (loops, hyperparameters...) comes back from `fabric.load`."""
     saved, trainer_ckpts = fsdp_run["checkpoints"], tmp_path / "trainer-ck"
@@ -237,8 +237,10 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
         "full": [*steps, "--ckpt-path", str(saved / "full.ckpt"), "--checkpoint-dir", str(trainer_ckpts / "full")],
         "sharded": [*steps, "--ckpt-path", str(saved / "sharded.ckpt"), "--policy", "blocks", "--checkpointing",
                     "--state-dict-type", "sharded", "--checkpoint-dir", str(trainer_ckpts / "sharded")],
+        "ddp_sharded": [*steps, "--ckpt-path", str(saved / "full.ckpt"), "--strategy-name", "ddp_sharded"],
     })  # fmt: skip
-    for kind in ("full", "sharded"):
+    assert trainer["ddp_sharded"]["strategy"] == "DDPShardedStrategy"
+    for kind in ("full", "sharded", "ddp_sharded"):
         assert trainer[kind]["global_step"] == 2, kind
         assert max_difference(trainer[kind]["state_dict"], reference(4)) < ATOL, kind
     resume = [*LOOP, "--load-step", "4", "--steps", "6", "--load"]
