@@ -19,15 +19,15 @@ The Trainer's layout maps onto a Fabric state when Fabric loads a Trainer's chec
 Fabric checkpoint onto the Trainer's layout when the Trainer resumes from one (:func:`to_trainer_layout`); the files
 themselves stay as they were written:
 
-=============================  =================================================================================
-The Trainer's checkpoint       A Fabric checkpoint (``fabric.load``'s state)
-=============================  =================================================================================
-``"state_dict"``               the model
-``"optimizer_states"[i]``      the state's i-th optimizer (the Trainer: the file's i-th optimizer state)
-``"lr_schedulers"[i]``         the state's i-th LR scheduler (the Trainer: the file's i-th scheduler state)
-``"pytorch-lightning_version"`` left in the remainder (the Trainer: the running version)
-everything else                under its own key
-=============================  =================================================================================
+================================  ==============================================================================
+The Trainer's checkpoint          A Fabric checkpoint (``fabric.load``'s state)
+================================  ==============================================================================
+``"state_dict"``                  the model
+``"optimizer_states"[i]``         the state's i-th optimizer (the Trainer: the file's i-th optimizer state)
+``"lr_schedulers"[i]``            the state's i-th LR scheduler (the Trainer: the file's i-th scheduler state)
+``"pytorch-lightning_version"``   left in the remainder (the Trainer: the running version)
+everything else                   under its own key
+================================  ==============================================================================
 
 A Trainer's checkpoint is told by its ``"pytorch-lightning_version"``, which Fabric's checkpoints do not have. The
 Trainer tells the entries of a Fabric checkpoint by their content: the model is the state dict that shares keys with
