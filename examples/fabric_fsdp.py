@@ -5,8 +5,9 @@ unit), trains in mixed precision with gradient accumulation (``fabric.no_backwar
 norm, and saves a sharded checkpoint half-way (``fabric.save``: every rank writes its own shard). A fresh model and
 optimizer then load it (``fabric.load``) and train the second half again: the losses are the same.
 
-The checkpoint is the file the Trainer's ``DDPFullyShardedStrategy`` writes: ``lightning-fairscale-consolidate``
-turns it into one full file, and ``Trainer.fit(ckpt_path=...)`` resumes from it.
+The checkpoint is Fabric's (the meta file holds ``"step"``, each shard the model's and the optimizer's part):
+``lightning-fairscale-consolidate`` turns it into the one file a full save writes (``torch.load(path)["model"]`` is
+the model's full state dict), and ``Trainer.fit(ckpt_path=...)`` resumes from either.
 
 Run it (two CPU processes, or two GPUs if CUDA is available)::
 

@@ -28,9 +28,10 @@ from scenarios.common import (
 
 import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
-from conftest import TESTS, TRAIN_SCRIPT, Jobs, run_jobs, run_script
+from conftest import TESTS, Jobs, run_jobs, run_script
 from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
-from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, Roles, restore, to_checkpoint
+from lightning_fairscale.checkpoint.fabric import Roles, restore
+from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 
 FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"
@@ -153,27 +154,32 @@ def test_model_built_in_empty_init_is_initialised_as_sharded_and_trains_exactly(
     assert max_difference(start, RegressionModelWrapper(build_network()).state_dict()) > 0.1  # not the eager init
 
 
-def test_fabric_checkpoints_are_the_trainers_files(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
-    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=False)
+def test_fabric_checkpoints_hold_the_states_under_their_keys(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
+    """As Lightning's Fabric writes them: `torch.load(path)["model"]` is the full state dict."""
+    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=True)
+    assert list(full) == ["model", "optimizer", "step"] and full["step"] == 2
     plain = RegressionModelWrapper(build_network())
-    assert set(full["state_dict"]) == set(plain.state_dict())  # the unwrapped module's keys
-    assert full["step"] == 2 and full["lr_schedulers"] == [] and "pytorch-lightning_version" in full
-    assert full[FABRIC_KEYS] == {"model": "model", "optimizers": ["optimizer"], "schedulers": []}
-    (state,) = full["optimizer_states"]
+    assert set(full["model"]) == set(plain.state_dict())  # the unwrapped module's keys
+    assert max_difference(full["model"], reference(2)) < ATOL  # gathered whole: unsharded training's step 2
     # A plain Adam's state over `model.parameters()`, in that order.
-    assert state["param_groups"][0]["params"] == list(range(len(list(plain.parameters()))))
-    assert [entry["exp_avg"].shape for entry in state["state"].values()] == [p.shape for p in plain.parameters()]
+    assert full["optimizer"]["param_groups"][0]["params"] == list(range(len(list(plain.parameters()))))
+    assert [entry["exp_avg"].shape for entry in full["optimizer"]["state"].values()] == [
+        p.shape for p in plain.parameters()
+    ]
     sharded = fsdp_run["checkpoints"] / "sharded.ckpt"
     assert sorted(p.name for p in sharded.iterdir()) == [META_FILE, shard_file_name(0, 2), shard_file_name(1, 2)]
-    # The consolidation tool turns the sharded checkpoint into the full one, bit for bit.
+    meta = torch.load(sharded / META_FILE, weights_only=True)  # the state's other entries, and which were which
+    assert sorted(meta) == [FORMAT_KEY, "step"] and meta["step"] == 2
+    assert meta[FORMAT_KEY][FABRIC_RECORD] == {"model": "model", "optimizers": ["optimizer"]}
+    # The consolidation tool turns the sharded checkpoint into the full one, bit for bit, in Fabric's layout.
     tool = Path(sys.executable).parent / "lightning-fairscale-consolidate"
     subprocess.run([str(tool), str(sharded), str(tmp_path / "c.ckpt")], check=True, capture_output=True, timeout=120)
-    consolidated = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    consolidated = torch.load(tmp_path / "c.ckpt", weights_only=True)
     assert consolidated.keys() == full.keys()
-    assert max_difference(consolidated["state_dict"], full["state_dict"]) == 0.0
-    for index, entry in full["optimizer_states"][0]["state"].items():
+    assert max_difference(consolidated["model"], full["model"]) == 0.0
+    for index, entry in full["optimizer"]["state"].items():
         for key, value in entry.items():
-            assert torch.equal(torch.as_tensor(consolidated["optimizer_states"][0]["state"][index][key]), value)
+            assert torch.equal(torch.as_tensor(consolidated["optimizer"]["state"][index][key]), value)
 
 
 def _assert_partial_loads(result: dict[str, Any], saved: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -190,7 +196,7 @@ def _assert_partial_loads(result: dict[str, Any], saved: dict[str, dict[str, tor
 def test_a_changed_model_loads_partially_with_strict_false(runs: Jobs, fsdp_run: dict[str, Any]) -> None:
     """`fabric.load(path, {"model": model}, strict=False)` of a full and a sharded checkpoint, `fabric.load_raw` of
     a plain state dict and of a sharded checkpoint, into a model with a layer more and one less."""
-    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=False)["state_dict"]  # = sharded.ckpt's
+    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=True)["model"]  # = sharded.ckpt's
     _assert_partial_loads(runs["partial"], {"full": full, "sharded": full, "raw": RAW, "raw-sharded": full})
     output = runs.output("partial")  # the warning names what did not fit (once: Python shows a warning once)
     assert "strict loading off" in output and all(key in output for key in [*PARTIAL_NEW, *PARTIAL_GONE])
@@ -203,7 +209,7 @@ def test_a_changed_model_loads_partially_with_strict_false(runs: Jobs, fsdp_run:
 
 
 def test_sharded_ddp_loads_partially_as_fabrics_ddp(runs: Jobs, fsdp_run: dict[str, Any]) -> None:
-    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=False)["state_dict"]
+    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=True)["model"]
     result = runs["partial-ddp_sharded"]
     assert result["strategy"] == "DDPShardedStrategy"
     _assert_partial_loads(result, {"full": full, "raw": RAW})
@@ -220,29 +226,35 @@ def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dic
 
 
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
-    """Fabric's checkpoint of step 2 resumes in the Trainer (2 more steps; its step counter starts anew: the file
-    has no loop state), whose checkpoint then resumes in Fabric (2 more; the strategy chosen by its registry name,
-    the model built in `fabric.init_module()` with Blocks wrapped there)."""
-    trainer_out, trainer_ckpts = tmp_path / "trainer.pt", tmp_path / "trainer-ck"
-    run_script(
-        [
-            str(TRAIN_SCRIPT), "--out", str(trainer_out), "--ckpt-path", str(fsdp_run["checkpoints"] / "full.ckpt"),
-            "--steps", "2", "--accumulate", "2", "--clip-val", "0.05", "--clip-alg", "norm",
-            "--checkpoint-dir", str(trainer_ckpts),  # other units than Fabric's: full checkpoints load into any
-        ],
-        cwd=tmp_path, ranks=2,
-    )
-    trained = torch.load(trainer_out, weights_only=False)
-    assert trained["global_step"] == 2
-    assert max_difference(trained["state_dict"], reference(4)) < ATOL
-    result = fabric_run(
-        tmp_path / "fabric", *LOOP, "--strategy", "fsdp_fairscale", "--init-module",
-        "--load", str(trainer_ckpts / "epoch=1-step=2.ckpt"), "--load-step", "4", "--steps", "6",
-    )
-    assert result["strategy"] == "lightning_fairscale.fabric.fully_sharded.DDPFullyShardedStrategy"
-    assert result["units"] == 3  # the Blocks wrapped in `fabric.init_module()`, and the root
-    assert max_difference(result["final"], reference(6)) < ATOL
-    assert {"loops", "global_step", "hyper_parameters"} <= set(result["remainder"])  # the rest of the Trainer's file
+    """Fabric's checkpoints of step 2 resume in the Trainer (2 more steps; its step counter starts anew: the files
+    have no loop state): the full one into other units and into `"ddp_sharded"`, the sharded one into the same units
+    (sharded checkpoints need them). The Trainer's checkpoints of step 4, full and sharded, then resume in Fabric (2 more; the full one
+    with the strategy chosen by its registry name and the model built in `fabric.init_module()`, Blocks wrapped
+    there). The Trainer's rest (loops, hyperparameters...) comes back from `fabric.load`."""
+    saved, trainer_ckpts = fsdp_run["checkpoints"], tmp_path / "trainer-ck"
+    steps = ["--steps", "2", "--accumulate", "2", "--clip-val", "0.05", "--clip-alg", "norm"]
+    trainer = run_jobs(tmp_path / "trainer", {
+        "full": [*steps, "--ckpt-path", str(saved / "full.ckpt"), "--checkpoint-dir", str(trainer_ckpts / "full")],
+        "sharded": [*steps, "--ckpt-path", str(saved / "sharded.ckpt"), "--policy", "blocks", "--checkpointing",
+                    "--state-dict-type", "sharded", "--checkpoint-dir", str(trainer_ckpts / "sharded")],
+        "ddp_sharded": [*steps, "--ckpt-path", str(saved / "full.ckpt"), "--strategy-name", "ddp_sharded"],
+    })  # fmt: skip
+    assert trainer["ddp_sharded"]["strategy"] == "DDPShardedStrategy"
+    for kind in ("full", "sharded", "ddp_sharded"):
+        assert trainer[kind]["global_step"] == 2, kind
+        assert max_difference(trainer[kind]["state_dict"], reference(4)) < ATOL, kind
+    resume = [*LOOP, "--load-step", "4", "--steps", "6", "--load"]
+    fabric = run_jobs(tmp_path / "fabric", {
+        "full": [*resume, str(trainer_ckpts / "full" / "epoch=1-step=2.ckpt"), "--strategy", "fsdp_fairscale",
+                 "--init-module"],
+        "sharded": [*resume, str(trainer_ckpts / "sharded" / "epoch=1-step=2.ckpt"), *BLOCKS],
+    }, script=FABRIC_SCRIPT)  # fmt: skip
+    assert fabric["full"]["strategy"] == "lightning_fairscale.fabric.fully_sharded.DDPFullyShardedStrategy"
+    for kind in ("full", "sharded"):
+        result = fabric[kind]
+        assert result["units"] == 3, kind  # each Block, and the root
+        assert max_difference(result["final"], reference(6)) < ATOL, kind
+        assert {"loops", "global_step", "hyper_parameters"} <= set(result["remainder"]), kind
 
 
 def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
@@ -256,9 +268,11 @@ def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
     assert all(norm > 0.05 for norm in result["norms"])
     assert max_difference(result["final"], reference(4)) < ATOL
     assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
-    full = torch.load(folder / "full.ckpt", weights_only=False)
-    assert set(full["state_dict"]) == set(RegressionModelWrapper(build_network()).state_dict())
-    assert len(full["optimizer_states"][0]["state"]) == 16  # consolidated: every parameter's state
+    full = torch.load(folder / "full.ckpt", weights_only=True)  # Fabric's keys: the model's full state dict
+    assert list(full) == ["model", "optimizer", "step"]
+    assert set(full["model"]) == set(RegressionModelWrapper(build_network()).state_dict())
+    assert max_difference(full["model"], reference(2)) < ATOL
+    assert len(full["optimizer"]["state"]) == 16  # consolidated: every parameter's state
 
 
 def test_sharded_ddp_spawn_loop_clipping_by_value(tmp_path: Path) -> None:
@@ -304,10 +318,9 @@ def test_true_bf16_fsdp_loop_holds_bf16_in_half_the_memory(runs: Jobs, fsdp_run:
     assert counters % 4 == 0 and 0 < counters <= 4 * len(list(build_network().parameters())), counters
     # Checkpoints of step 2 in both formats hold bf16 tensors, and resume exactly.
     checkpoints = runs.folder / "ck-bf16"
-    full_checkpoint = torch.load(checkpoints / "full.ckpt", weights_only=False)
-    assert {v.dtype for v in full_checkpoint["state_dict"].values()} == {torch.bfloat16}
-    moments = [v for state in full_checkpoint["optimizer_states"][0]["state"].values() for k, v in state.items()
-               if k != "step"]
+    full_checkpoint = torch.load(checkpoints / "full.ckpt", weights_only=True)
+    assert {v.dtype for v in full_checkpoint["model"].values()} == {torch.bfloat16}
+    moments = [v for state in full_checkpoint["optimizer"]["state"].values() for k, v in state.items() if k != "step"]
     assert moments and {v.dtype for v in moments} == {torch.bfloat16}
     for path in (checkpoints / "sharded.ckpt").iterdir():
         shard = torch.load(path, weights_only=False)
@@ -396,14 +409,12 @@ def test_a_trainer_checkpoint_maps_by_position_and_names_its_rest() -> None:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     saved = {"state_dict": {k: v + 1 for k, v in model.state_dict().items()}, "optimizer_states": [
-        optimizer.state_dict()], "lr_schedulers": [], "global_step": 7, "loops": {}}
+        optimizer.state_dict()], "lr_schedulers": [], "global_step": 7, "loops": {}, "pytorch-lightning_version": "2.6"}
     state = {"model": model, "opt": optimizer, "global_step": 0}
     loaded: dict[str, Any] = {}
     rest = restore(saved, state, Roles.of(state, lambda m: False), True,
                    lambda m, sd: loaded.setdefault("model", sd), lambda o, st: loaded.setdefault("opt", st))
     assert loaded["model"] is saved["state_dict"] and loaded["opt"] is saved["optimizer_states"][0]
-    assert state["global_step"] == 7 and rest == {"loops": {}}
+    assert state["global_step"] == 7 and rest == {"loops": {}, "pytorch-lightning_version": "2.6"}
     with pytest.raises(KeyError, match="strict=False"):
         restore(saved, {**state, "epoch": 1}, Roles.of(state, lambda m: False), True, None, None)
-    with pytest.raises(ValueError, match="Rename these entries"):
-        to_checkpoint({"model": {}, "state_dict": 1}, Roles(model="model"), "2.6")

@@ -1,8 +1,9 @@
 """``lightning-fairscale-consolidate SRC_DIR OUT.ckpt``: a sharded checkpoint directory to one full checkpoint file.
 
 Runs in one CPU process, with no process group and no GPU, and needs memory for the full model and optimizer state.
-The result is what ``DDPFullyShardedStrategy(state_dict_type="full")`` would have saved at the same step: it loads
-with ``LightningModule.load_from_checkpoint`` (without FairScale) and resumes training on any number of processes.
+The result is what ``DDPFullyShardedStrategy(state_dict_type="full")`` would have saved at the same step, in the
+layout it saved (the Trainer's, or Fabric's for ``fabric.save``): it resumes training on any number of processes, and
+a Trainer's loads with ``LightningModule.load_from_checkpoint`` (without FairScale).
 Also runs as ``python -m lightning_fairscale.consolidate``.
 """
 
@@ -25,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-fairscale-consolidate",
         description="Turn a sharded checkpoint directory (DDPFullyShardedStrategy(state_dict_type='sharded')) into"
-        " one full Lightning checkpoint file, loadable on any number of processes and without FairScale.",
+        " one full checkpoint file (in the layout it was saved in: the Trainer's or Fabric's), loadable on any number"
+        " of processes and without FairScale.",
     )
     parser.add_argument("source", type=Path, help="the sharded checkpoint directory (holds meta.pt and shard-*.pt)")
     parser.add_argument("output", type=Path, help="the full checkpoint file to write (e.g. model-full.ckpt)")
@@ -60,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     say(f"writing {args.output}")
     write_atomically(checkpoint, args.output)
     size = args.output.stat().st_size / 2**20
-    say(f"done: {len(checkpoint['state_dict'])} tensors, {size:.1f} MiB")
+    say(f"done: {size:.1f} MiB")
     return 0
 
 

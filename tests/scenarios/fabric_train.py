@@ -3,7 +3,8 @@
 The loop does what ``common.reference_training`` does on one process (micro-batches, accumulation, clipping, Adam),
 with each rank computing on its slice of the global batch. Rank 0 writes ``--out`` (torch.save) with:
 
-* ``final``: the model's full state dict after ``--steps`` optimizer steps (read back from a full ``fabric.save``);
+* ``final``: the model's full state dict after ``--steps`` optimizer steps (``torch.load(path)["model"]`` of a full
+  ``fabric.save(path, {"model": model})``);
 * ``norms``: the gradient norms ``fabric.clip_gradients`` returned;
 * with ``--save-at K --save-dir D``: checkpoints of step K in ``D`` (``full.ckpt``, and ``sharded.ckpt`` for FSDP),
   and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``--resume-setup``
@@ -169,7 +170,7 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
         strategy.state_dict_type = kind
     if not fabric.is_global_zero:
         return {}
-    return {k: v.clone() for k, v in torch.load(path, weights_only=True)["state_dict"].items()}
+    return {k: v.clone() for k, v in torch.load(path, weights_only=True)["model"].items()}
 
 
 #: How ``partial_loads`` loads each kind of file: ``fabric.load`` a checkpoint, or ``fabric.load_raw`` into the model.

@@ -1,12 +1,14 @@
 """What a sharded checkpoint holds, the checks on loading one, and its consolidation into a full checkpoint.
 
-A sharded checkpoint (``DDPFullyShardedStrategy(state_dict_type="sharded")``) splits Lightning's checkpoint dict:
+A sharded checkpoint (``DDPFullyShardedStrategy(state_dict_type="sharded")``) splits the Trainer's checkpoint dict,
+or the dict ``fabric.save`` writes (see :mod:`lightning_fairscale.checkpoint.fabric`):
 
 * each rank's **shard** (:func:`split_checkpoint`): its parameter shards (FairScale's ``local_state_dict``), its
   optimizer states over those shards, FairScale's ``local_metadata_dict`` (names, shapes and padding of every
   flattened parameter) and where each optimizer entry lives (:func:`lightning_fairscale.fsdp.optim.describe_layout`);
-* the **meta** dict: everything else (loops, callbacks, hparams, LR schedulers, versions), the world size, and the
-  extra keys of layers reachable under several names.
+* the **meta** dict: everything else under its own key (the Trainer's loops, callbacks, hparams, LR schedulers and
+  versions; Fabric's other entries), and the checkpoint's own record under :data:`FORMAT_KEY`: the world size, the
+  extra keys of layers reachable under several names and, for Fabric, the keys of the model and of the optimizers.
 
 :func:`consolidate` turns the files back into the checkpoint a full save would have written, in one process with
 no process group: parameters through FairScale's ``consolidate_shard_weights``, optimizer states through the same
@@ -33,6 +35,7 @@ from lightning_fairscale.fsdp.wrapping import apply_aliases, module_aliases
 
 
 __all__ = [
+    "FABRIC_RECORD",
     "FORMAT_KEY",
     "check_fits",
     "check_wrapping",
@@ -44,6 +47,9 @@ __all__ = [
 
 #: The key of the meta dict that describes the sharded checkpoint itself.
 FORMAT_KEY = "lightning_fairscale"
+#: The entry of ``meta[FORMAT_KEY]`` that a Fabric save adds: ``{"model": key, "optimizers": [keys]}``, the keys of
+#: the state that held the model and the optimizers (in the order of the shards' ``optimizer_states``).
+FABRIC_RECORD = "fabric"
 #: 2: each rank's optimizer state is over its views of the original parameters (``optimizer_layouts[j]["views"]``);
 #: 1: over its whole shards of the managed parameters. Both load.
 FORMAT_VERSION = 2
@@ -62,10 +68,25 @@ def consolidation_hint(path: Any) -> str:
 
 def split_checkpoint(
     checkpoint: dict[str, Any], root: nn.Module, layout: ParameterLayout, optimizers: Sequence[Optimizer],
-    orders: Sequence[GroupOrder], world_size: int,
+    orders: Sequence[GroupOrder], world_size: int, fabric: Optional[dict[str, Any]] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(meta, shard)``: Lightning's checkpoint dict, made with local state dicts, split for a sharded save."""
-    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    """``(meta, shard)``: a checkpoint dict made with local state dicts, split for a sharded save.
+
+    ``checkpoint`` is the Trainer's (the model's state under ``"state_dict"``, the optimizers' under
+    ``"optimizer_states"``), or, with ``fabric`` (``{"model": key, "optimizers": [keys]}``), what ``fabric.save``
+    writes: the model's and the optimizers' states under those keys, which the meta dict then records.
+
+    Raises:
+        ValueError: a Fabric state has an entry named :data:`FORMAT_KEY`, the meta dict's own.
+    """
+    if fabric is not None and FORMAT_KEY in checkpoint:
+        raise ValueError(
+            f"The state's entry {FORMAT_KEY!r} has the name that a sharded checkpoint's meta file uses for its own"
+            " record. Rename this entry."
+        )
+    model_key = "state_dict" if fabric is None else fabric["model"]
+    optimizer_keys = ["optimizer_states"] if fabric is None else list(fabric["optimizers"])
+    meta = {k: v for k, v in checkpoint.items() if k != model_key and k not in optimizer_keys}
     meta[FORMAT_KEY] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -75,14 +96,18 @@ def split_checkpoint(
             "torch": str(torch.__version__),
             "fairscale": _fairscale_version(),
         },
+        **({FABRIC_RECORD: {"model": model_key, "optimizers": optimizer_keys}} if fabric is not None else {}),
     }
     shard: dict[str, Any] = {
-        "state_dict": checkpoint["state_dict"],
+        "state_dict": checkpoint[model_key],
         "shard_metadata": _metadata(root),
         "world_size": world_size,
     }
-    if "optimizer_states" in checkpoint:
+    if fabric is not None:
+        shard["optimizer_states"] = [checkpoint[k] for k in optimizer_keys]
+    elif "optimizer_states" in checkpoint:  # (a Trainer's saved with weights only has none)
         shard["optimizer_states"] = checkpoint["optimizer_states"]
+    if "optimizer_states" in shard:
         shard["optimizer_layouts"] = [describe_layout(opt, order, root, layout) for opt, order in zip(optimizers, orders)]
     return meta, shard
 
@@ -146,9 +171,11 @@ def check_wrapping(shard: dict[str, Any], root: nn.Module, path: Any) -> None:
 def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """The full checkpoint equivalent to the sharded checkpoint directory ``path``, built in this process alone.
 
-    The result is what ``state_dict_type="full"`` would have saved: ``state_dict`` with the unwrapped module's keys
-    and shapes, ``optimizer_states`` in the layout of plain optimizers over the unwrapped module, and Lightning's
-    trainer state. It loads on any number of processes, and with ``LightningModule.load_from_checkpoint``.
+    The result is what ``state_dict_type="full"`` would have saved, in the layout it was saved in: the Trainer's
+    (``state_dict`` with the unwrapped module's keys and shapes, ``optimizer_states`` in the layout of plain
+    optimizers over the unwrapped module, and the trainer's state; it also loads with
+    ``LightningModule.load_from_checkpoint``), or Fabric's (the model's and the optimizers' states under the keys the
+    state gave them, in the same layouts, and its other entries). It loads on any number of processes.
     """
     say = progress or (lambda message: None)
     meta = load_meta(Path(path), weights_only=False)
@@ -165,19 +192,24 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
         [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards], [s["shard_metadata"] for s in shards]
     )
     state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, info.get("aliases", []))
+    say(f"consolidated {len(state_dict)} parameters and buffers")
+    optimizer_states = []
+    count = len(shards[0].get("optimizer_states", []))
+    for j in range(count):
+        say(f"consolidating optimizer {j + 1}/{count}")
+        optimizer_states.append(
+            _consolidate_optimizer(
+                [s["optimizer_states"][j] for s in shards],
+                [s["optimizer_layouts"][j] for s in shards],
+                [s["shard_metadata"] for s in shards],
+            )
+        )
+    fabric = info.get(FABRIC_RECORD)
+    if fabric is not None:  # Fabric's layout: the states under the keys of the state saved
+        return {fabric["model"]: state_dict, **dict(zip(fabric["optimizers"], optimizer_states)), **meta}
     checkpoint = {**meta, "state_dict": state_dict}
     if "optimizer_states" in shards[0]:
-        count = len(shards[0]["optimizer_states"])
-        checkpoint["optimizer_states"] = []
-        for j in range(count):
-            say(f"consolidating optimizer {j + 1}/{count}")
-            checkpoint["optimizer_states"].append(
-                _consolidate_optimizer(
-                    [s["optimizer_states"][j] for s in shards],
-                    [s["optimizer_layouts"][j] for s in shards],
-                    [s["shard_metadata"] for s in shards],
-                )
-            )
+        checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
 
 

@@ -10,7 +10,8 @@ so ``Fabric(strategy="fsdp_fairscale")`` works after it::
     fabric = Fabric(accelerator="cpu", devices=2, strategy="fsdp_fairscale")
 
 The classes here are built on ``lightning_fabric``; those for the unified package (``lightning.fabric.Fabric``) are in
-:mod:`lightning_fairscale.lightning.fabric`. Checkpoints are the files the Trainer's strategies write.
+:mod:`lightning_fairscale.lightning.fabric`. ``fabric.save`` writes Fabric's checkpoints (the state's keys, see
+:mod:`lightning_fairscale.checkpoint.fabric`), which the Trainer resumes from too.
 """
 
 from lightning_fabric.strategies import STRATEGY_REGISTRY

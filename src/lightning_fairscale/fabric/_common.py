@@ -1,5 +1,5 @@
 """What the Fabric strategies share: the Fabric side of their adapters (precision plugins, skipping the gradient
-synchronization, clipping by norm, and ``fabric.save``/``fabric.load`` in the Trainer's checkpoint files)."""
+synchronization, clipping by norm, and ``fabric.save``/``fabric.load`` of Fabric's checkpoints and the Trainer's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
-from lightning_fabric import __version__ as lightning_version
 from lightning_fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning_fairscale._compat import _BackwardSyncControl
 from lightning_fairscale._compat import _PATH
@@ -18,7 +17,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.checkpoint.fabric import Roles, convert, restore, to_checkpoint
+from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
 from lightning_fairscale.fsdp.engine import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision import unsupported
 
@@ -29,8 +28,9 @@ class FabricAdapter:
     """The part of the Fabric strategies that Fabric's API asks of both; a base class of each, before the options.
 
     The strategy provides the hooks: :meth:`_is_ours` (a model it set up), :meth:`_model_state` and
-    :meth:`_optimizer_state` (collective calls, full or sharded), :meth:`_load_optimizer`, :meth:`_clip_by_norm`,
-    and, for the sharded format, :meth:`_saves_sharded`, :meth:`_save_sharded` and :meth:`_load_sharded`.
+    :meth:`_optimizer_state` (collective calls, full or sharded), :meth:`_model_keys`, :meth:`_load_optimizer`,
+    :meth:`_clip_by_norm`, and, for the sharded format, :meth:`_saves_sharded`, :meth:`_save_sharded` and
+    :meth:`_load_sharded`.
     """
 
     # Attributes of the Lightning base strategy.
@@ -91,9 +91,10 @@ class FabricAdapter:
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """Save the state as the Trainer's strategy saves a checkpoint (see
-        :mod:`lightning_fairscale.checkpoint.fabric`): a full file written by rank 0, or, for a model sharded with
-        ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing."""
+        """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
+        state's keys, each module and optimizer replaced by its full state dict, in one file written by rank 0; or,
+        for a model sharded with ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing,
+        and a meta file with the state's other entries."""
         roles = Roles.of(state, self._is_ours)
         model = state[roles.model] if roles.model else None
         sharded = model is not None and self._saves_sharded(model)
@@ -109,11 +110,10 @@ class FabricAdapter:
             lambda optimizer: self._optimizer_state(optimizer, sharded),
             filter,
         )
-        checkpoint = to_checkpoint(converted, roles, lightning_version)
         if sharded:
-            self._save_sharded(checkpoint, path, model, [state[key] for key in roles.optimizers])
+            self._save_sharded(converted, roles, path, model, [state[key] for key in roles.optimizers])
         elif self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)
 
     def load_checkpoint(
         self,
@@ -125,9 +125,10 @@ class FabricAdapter:
         """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes) into
         the shards of this rank, reading only those; returns what the state did not ask for.
 
-        ``fabric.load_raw(path, model)`` reads a plain state dict file, or the model's part of a sharded checkpoint.
-        With ``strict=False`` the model's entries that the checkpoint lacks keep their values and its other
-        entries are ignored; the entries of ``state`` that the checkpoint lacks are left as they are."""
+        ``fabric.load_raw(path, model)`` reads a plain state dict file, the model's entry of a full checkpoint, or
+        the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
+        keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
+        left as they are."""
         io = self.checkpoint_io
         sharded = is_sharded_checkpoint(io, path)
         if sharded and isinstance(state, Module) and self._is_ours(state):  # `fabric.load_raw`: the model's part
@@ -142,7 +143,8 @@ class FabricAdapter:
         if not state:
             return io.load_checkpoint(path, weights_only=weights_only)
         if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
-            self.load_module_state_dict(state, io.load_checkpoint(path, weights_only=weights_only), strict=strict)
+            file = io.load_checkpoint(path, weights_only=weights_only)
+            self.load_module_state_dict(state, dict(model_state_of(file, self._model_keys(state))), strict=strict)
             return {}
         if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
             self._load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
@@ -168,6 +170,10 @@ class FabricAdapter:
     def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _model_keys(self, module: Module) -> list[str]:
+        """The keys of the state dict of ``module`` (unwrapped), without gathering anything."""
+        raise NotImplementedError
+
     def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
@@ -177,7 +183,9 @@ class FabricAdapter:
     def _saves_sharded(self, module: Module) -> bool:
         return False
 
-    def _save_sharded(self, checkpoint: dict[str, Any], path: _PATH, module: Module, optimizers: list[Any]) -> None:
+    def _save_sharded(
+        self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
+    ) -> None:
         raise NotImplementedError
 
     def _load_sharded(

@@ -1,8 +1,9 @@
 """``DDPFullyShardedStrategy`` for Fabric: FairScale's FSDP in loops you write yourself.
 
 The same engine as the Trainer's strategy (:mod:`lightning_fairscale.fsdp.engine`), behind Fabric's strategy API:
-``fabric.setup`` wraps the model and re-points its optimizers, ``fabric.save``/``fabric.load`` write and read the
-checkpoints the Trainer's strategy writes (:mod:`lightning_fairscale.checkpoint.fabric`).
+``fabric.setup`` wraps the model and re-points its optimizers, ``fabric.save``/``fabric.load`` write Fabric's
+checkpoints, in the Trainer strategy's two formats, and read them and the Trainer's
+(:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
       ``param_init_fn``), so that no rank ever holds the whole model.
     * ``fabric.clip_gradients``: by norm, the global norm of all shards (after unscaling fp16 gradients); by value.
     * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters.
-    * ``fabric.save``/``fabric.load``: the Trainer's files (see :mod:`lightning_fairscale.checkpoint.fabric`):
+    * ``fabric.save``/``fabric.load``: Fabric's checkpoints (``torch.load(path)["model"]`` is the model's full state
+      dict; see :mod:`lightning_fairscale.checkpoint.fabric`), which the Trainer resumes from too, and the Trainer's:
       ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
 
     Example:
@@ -240,11 +242,19 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
         return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
 
     @override
-    def _save_sharded(self, checkpoint: dict[str, Any], path: _PATH, module: Module, optimizers: list[Any]) -> None:
+    def _model_keys(self, module: Module) -> list[str]:
+        model = self._fsdp_model(module)
+        return fsdp_engine.state_dict_keys(model.wrapped) if model is not None else list(module.state_dict())
+
+    @override
+    def _save_sharded(
+        self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
+    ) -> None:
         model = self._fsdp_model(module)
         assert model is not None
         orders = [self._order(optimizer)[1] for optimizer in optimizers]
-        fsdp_engine.save_sharded(self, self._sharded_io(), checkpoint, path, model.wrapped, optimizers, orders)
+        io = self._sharded_io()
+        fsdp_engine.save_sharded(self, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
 
     @override
     def _load_sharded(

@@ -2,7 +2,8 @@
 
 The same pieces as the Trainer's strategy (:mod:`lightning_fairscale.oss`) behind Fabric's strategy API: the
 optimizers given to ``fabric.setup`` become ``fairscale.optim.OSS`` (same class, param groups and hyperparameters),
-the model a ``ShardedDataParallel``; ``fabric.save``/``fabric.load`` write and read the Trainer's checkpoint files.
+the model a ``ShardedDataParallel``; ``fabric.save``/``fabric.load`` write Fabric's checkpoints (the optimizers'
+states consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals
       re-pointed to it. ``fabric.setup(model)`` alone gives the plain model, with rank 0's weights, for evaluation.
     * ``fabric.clip_gradients``: by norm, the norm of all ranks' gradients (``OSS.clip_grad_norm``); by value.
     * ``fabric.no_backward_sync(model)``: gradient accumulation without reductions.
-    * ``fabric.save``/``fabric.load``: one file written by rank 0, the Trainer's format (a plain optimizer's state,
-      consolidated from the shards): it resumes on any number of processes, with the Trainer too.
+    * ``fabric.save``/``fabric.load``: one file written by rank 0, Fabric's layout (``torch.load(path)["model"]`` is
+      the model's state dict; each optimizer's the state of a plain optimizer, consolidated from the shards): it
+      resumes on any number of processes, with the Trainer too; the Trainer's files load as well.
 
     Example:
         >>> from lightning_fairscale.fabric import DDPShardedStrategy
@@ -129,6 +131,10 @@ class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals
     @override
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
         return self.get_module_state_dict(module)
+
+    @override
+    def _model_keys(self, module: Module) -> list[str]:
+        return list(_unwrap(module).state_dict())
 
     @override
     def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:

@@ -69,6 +69,7 @@ __all__ = [
     "optimizer_state",
     "repoint",
     "save_sharded",
+    "state_dict_keys",
     "together",
     "wrap_model",
     "wrapping_context",
@@ -195,11 +196,14 @@ def together(ranks: Ranks, io: Any, action: Callable[[], Any], path: Any, step: 
 
 def save_sharded(
     ranks: Ranks, io: Any, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
-    optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder],
+    optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder], fabric: Optional[dict[str, Any]] = None,
 ) -> None:
     """Every rank writes its shard of ``checkpoint`` (made with :func:`module_state_dict` and
-    :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last."""
-    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, ranks.world_size)
+    :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last.
+
+    ``checkpoint`` is the Trainer's, or with ``fabric`` (the keys of the model and of the optimizers) what
+    ``fabric.save`` writes (see :func:`~lightning_fairscale.checkpoint.sharded.split_checkpoint`)."""
+    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, ranks.world_size, fabric)
     # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
     # previous checkpoint untouched, instead of leaving the others waiting for it.
     zero = ranks.is_global_zero
@@ -211,6 +215,11 @@ def save_sharded(
 def buffer_name(name: str) -> str:
     """The unwrapped module's name of a buffer of the wrapped model."""
     return clean_path(name + ".").rstrip(".")
+
+
+def state_dict_keys(model: WrappedModel) -> list[str]:
+    """The keys of the unwrapped module's state dict, known without gathering anything."""
+    return list(_expected_shapes(model))
 
 
 def _expected_shapes(model: WrappedModel) -> dict[str, Any]:

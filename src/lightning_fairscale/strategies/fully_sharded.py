@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
@@ -327,9 +328,17 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
         With ``LightningModule.strict_loading = False``, the model's parameters and buffers that the checkpoint lacks
         keep their values and its other entries are ignored (a warning names them); shapes must still match.
+
+        A Fabric checkpoint (``fabric.save``, full or sharded) is read in the Trainer's layout (see
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`): its model, optimizers and LR schedulers
+        resume; the file is not changed.
         """
         if not self._is_wrapped():
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if is_trainer_layout(checkpoint):
+                return checkpoint
+            assert self.lightning_module is not None
+            return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
         optimizers = [_unwrap(opt) for opt in self.optimizers] if self._restores_optimizers() else []
         io = self.checkpoint_io
         assert self.lightning_module is not None
@@ -345,8 +354,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
                 self, io, checkpoint_path, self._wrapped(), restored, weights_only, strict, RELAX_TRAINER
             )
             _report_partial_load(keys)
-            return meta
+            return meta if is_trainer_layout(meta) else to_trainer_layout(meta, pl.__version__, model_keys=None)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not is_trainer_layout(checkpoint):
+            checkpoint = to_trainer_layout(checkpoint, pl.__version__, fsdp_engine.state_dict_keys(self._wrapped()))
         assert self._layout is not None
         states = self._resumable_states(checkpoint, optimizers) if optimizers else []
         keys = fsdp_engine.load_full(

@@ -19,7 +19,7 @@ from fairscale.optim import OSS
 from lightning_fabric.plugins import CheckpointIO
 from lightning_fairscale._compat import _optimizers_to_device
 from pytorch_lightning.core.optimizer import LightningOptimizer
-from lightning_fairscale._compat import _MockOptimizer, StrategyInternals
+from lightning_fairscale._compat import _PATH, _MockOptimizer, StrategyInternals
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -43,6 +43,7 @@ from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharde
 from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
@@ -189,6 +190,16 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
     def setup_environment(self) -> None:
         check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
         super().setup_environment()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The checkpoint, a Fabric checkpoint (``fabric.save``) read in the Trainer's layout (see
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`); the file is not changed."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if is_trainer_layout(checkpoint):
+            return checkpoint
+        assert self.lightning_module is not None
+        return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

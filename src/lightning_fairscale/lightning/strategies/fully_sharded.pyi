@@ -20,6 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
@@ -221,6 +222,10 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
         With ``LightningModule.strict_loading = False``, the model's parameters and buffers that the checkpoint lacks
         keep their values and its other entries are ignored (a warning names them); shapes must still match.
+
+        A Fabric checkpoint (``fabric.save``, full or sharded) is read in the Trainer's layout (see
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`): its model, optimizers and LR schedulers
+        resume; the file is not changed.
         """
         ...
 

@@ -17,7 +17,7 @@ from fairscale.optim import OSS
 from lightning.fabric.plugins import CheckpointIO
 from lightning_fairscale.lightning._compat import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning_fairscale.lightning._compat import _MockOptimizer, StrategyInternals
+from lightning_fairscale.lightning._compat import _PATH, _MockOptimizer, StrategyInternals
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,6 +31,7 @@ from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlug
 from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.lightning.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 __all__ = ...
 
@@ -134,6 +135,12 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        ...
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool]=None) -> dict[str, Any]:
+        """The checkpoint, a Fabric checkpoint (``fabric.save``) read in the Trainer's layout (see
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`); the file is not changed."""
         ...
 
     @override
