@@ -55,6 +55,9 @@ FROZEN = ("net.0.weight", "net.1.up.weight")
 RECIPE_MIXED = ["--params", "split", "--freeze", *FROZEN, "--checkpointing", "--optimizer", "sgd", "--steps", "3",
                 "--clip-val", "0.05", "--precision-plugin", "16-mixed"]  # fmt: skip
 UNSUPPORTED = ["64-true", "16-true", "bf16-true"]
+#: A root unit whose parameters are all frozen (the input and output layers, as the embeddings and head of a LoRA
+#: fine-tuning), with trainable blocks.
+FROZEN_ROOT = ("net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias")
 
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
@@ -72,6 +75,7 @@ JOBS: dict[str, list[str]] = {
     "cpu-offload": ["--cpu-offload", "--steps", "2"],
     "recipe-mixed": RECIPE_MIXED,
     "summary": ["--policy", "blocks", "--steps", "2"],
+    "frozen-root": ["--policy", "blocks", "--freeze", *FROZEN_ROOT, "--steps", "2"],
 }
 
 
@@ -185,6 +189,15 @@ def test_param_groups_and_frozen_weights_under_fp16_and_checkpointing(runs: Jobs
     assert max_difference(result["state_dict"], expected) < 1e-4
     initial = reference_training(0, "sgd")
     assert all(torch.equal(result["state_dict"][name], initial[name]) for name in FROZEN)
+
+
+def test_a_frozen_root_unit_trains_and_unshards_after_fit(runs: Jobs) -> None:
+    """The frozen root's full parameters, gathered for the backward, used to stay gathered: ``unshard_module`` (and a
+    full checkpoint) then failed in FairScale's ``summon_full_params`` (``AssertionError: 0 vs. 1``)."""
+    result = runs["frozen-root"]
+    assert max_difference(result["state_dict"], reference_training(2, "adam", freeze=FROZEN_ROOT)) < ATOL
+    initial = reference_training(0, "adam")
+    assert all(torch.equal(result["state_dict"][name], initial[name]) for name in FROZEN_ROOT)
 
 
 @pytest.mark.parametrize("precision", UNSUPPORTED)
