@@ -172,10 +172,11 @@ def expected_figures(root: nn.Module, trainable: dict[tuple[int, str], bool], ra
 
     Returns:
         ``trainable_elements`` and ``trainable_views`` in this rank's shards; ``optimizer_state``, ``parameters`` and
-        ``gradients`` bytes; ``trainable_total`` and ``elements_total`` of the whole model.
+        ``gradients`` bytes; ``trainable_total`` and ``elements_total`` of the whole model; ``frozen_units_full``,
+        the bytes of the unsharded parameters of the units that do not train.
     """
     out = dict.fromkeys(("trainable_elements", "trainable_views", "parameters", "gradients"), 0)
-    out |= {"trainable_total": 0, "elements_total": 0}
+    out |= {"trainable_total": 0, "elements_total": 0, "frozen_units_full": 0}
     for unit in root.modules():
         if not isinstance(unit, FairScaleFSDP):
             continue
@@ -195,6 +196,7 @@ def expected_figures(root: nn.Module, trainable: dict[tuple[int, str], bool], ra
                 offset += numel
             out["parameters"] += 4 * chunk
             out["gradients"] += 4 * chunk if trains else 0
+            out["frozen_units_full"] += 0 if trains else 4 * sum(numels)
     out["optimizer_state"] = ADAM_BYTES_PER_ELEMENT * out["trainable_elements"] + STEP_BYTES * out["trainable_views"]
     return out
 
@@ -255,7 +257,7 @@ def run_worker(config: str, measure_memory: bool, args: argparse.Namespace, out_
     )
     rows = args.batch * trainer.world_size * total_steps
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(rows, args.width, generator=generator), torch.randn(rows, args.width, generator=generator))
+    data = TensorDataset(*(torch.randn(rows, args.width, generator=generator) for _ in range(2)))
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     assert trainer.strategy.model is not None
     expected = expected_figures(trainer.strategy.model, trainable, trainer.global_rank, trainer.world_size)
@@ -341,8 +343,14 @@ def _per_rank(values: list[str]) -> str:
     return " / ".join(values)
 
 
-def report(args: argparse.Namespace, results: dict[str, ConfigResult]) -> tuple[str, bool]:
-    """The markdown report, and whether the target was met."""
+def load_average() -> str:
+    """The load average, for the report: other programs on the cores distort the step times."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def report(args: argparse.Namespace, results: dict[str, ConfigResult], conditions: str) -> tuple[str, bool]:
+    """The markdown report, and whether the target was met; ``conditions``: the machine's load during the run."""
     full, lora = results["full"], results["lora"]
     first = full.ranks[0]
     world = first["world_size"]
@@ -354,6 +362,7 @@ def report(args: argparse.Namespace, results: dict[str, ConfigResult]) -> tuple[
         "",
         f"- Machine: {_common.machine()}; {world} CPU processes (gloo), {first['threads']} thread(s) each",
         f"- Versions: {_common.versions()}",
+        f"- Conditions: {conditions}",
         f"- Model: {args.depth} residual MLP blocks of width {args.width} (hidden {4 * args.width}) between an input"
         f" projection and a head, a rank-{args.rank} LoRA adapter on both linear layers of every block:"
         f" Ψ = {total / 1e6:.2f} M parameters, {trainable:,} of them in adapters ({trainable / total:.2%})",
@@ -365,6 +374,8 @@ def report(args: argparse.Namespace, results: dict[str, ConfigResult]) -> tuple[
         " layout (FairScale's shards, padding included)",
         "- Peak step memory: `VmHWM` after the step (reset before it) minus `VmRSS` before it, median over the"
         " measured steps; resting = that `VmRSS`",
+        "- Step time: median over the measured steps, slowest rank, wall time and the process's CPU time (which"
+        " depends much less on other programs using the cores); process peak: `VmHWM` of the whole timing launch",
         "- Configurations: `full` (everything trainable, one unit per block), `lora` (only the adapters trainable,"
         " the same units: frozen weights and adapters share each block's unit), `lora-own-units` (only the adapters"
         " trainable, every frozen `nn.Linear` a unit of its own: a block's unit holds its adapters and its LayerNorm)",
@@ -390,7 +401,8 @@ def report(args: argparse.Namespace, results: dict[str, ConfigResult]) -> tuple[
             f" | {_per_rank([_mib(rank['process_peak']) for rank in result.timed])} |"
         )
     # The target: Adam state of the lora run against 8 x trainable / N plus the rank's step tensors.
-    formula = [ADAM_BYTES_PER_ELEMENT * trainable / world + STEP_BYTES * lora.expected(r, "trainable_views") for r in ranks]
+    adam = ADAM_BYTES_PER_ELEMENT * trainable / world
+    formula = [adam + STEP_BYTES * lora.expected(r, "trainable_views") for r in ranks]
     measured = [lora.figure(r, "optimizer_state") for r in ranks]
     exact = [lora.expected(r, "optimizer_state") for r in ranks]
     vs_formula = [m / f - 1 for m, f in zip(measured, formula)]
@@ -415,34 +427,59 @@ def report(args: argparse.Namespace, results: dict[str, ConfigResult]) -> tuple[
         "",
     ]
     lines += notes(results, trainable)
-    lines += ["", "Regenerate with `make bench BENCHMARKS=frozen_layers` or `.venv/bin/python benchmarks/frozen_layers.py`."]
+    lines += ["", "Regenerate with `make bench BENCHMARKS=frozen_layers` or"
+              " `.venv/bin/python benchmarks/frozen_layers.py`."]
     return "\n".join(lines) + "\n", target_ok
 
 
 def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
-    """What the numbers say about gradients and the split of the adapters over the ranks."""
+    """What the numbers say: gradients, resting memory, the all-frozen units' step peak, the adapters' split."""
     full, lora = results["full"], results["lora"]
     ranks = range(len(full.ranks))
+
+    def mib(result: ConfigResult, key: str) -> str:
+        return _per_rank([_mib(result.figure(r, key)) for r in ranks])
+
+    rest_saved = [full.resting(r) - lora.resting(r) for r in ranks]
     held = [lora.ranks[r]["expected"]["trainable_elements"] for r in ranks]
-    grads = [lora.figure(r, "gradients") for r in ranks]
-    full_grads = [full.figure(r, "gradients") for r in ranks]
     lines = [
-        f"Gradients: `lora` holds {_per_rank([_mib(g) for g in grads])} MiB of gradients per rank, as much as `full`"
-        f" ({_per_rank([_mib(g) for g in full_grads])} MiB) less the all-frozen root unit: the backward computes the"
-        " gradient of a unit's whole flat parameter, frozen elements included (as PyTorch's FSDP with"
-        " `use_orig_params=True` does), and only the adapters' slices of it reach the optimizer.",
+        f"Gradients: `lora` holds {mib(lora, 'gradients')} MiB of gradients per rank, as much as `full`"
+        f" ({mib(full, 'gradients')} MiB) less its all-frozen root unit: the backward computes the gradient of a"
+        " unit's whole flat parameter, frozen elements included (as PyTorch's FSDP with `use_orig_params=True` does),"
+        " and reduce-scatters it; only the adapters' slices of it reach the optimizer. So a step of `lora` costs"
+        f" about what a step of `full` costs, less Adam's update: {lora.step_seconds / full.step_seconds:.2f}x its"
+        f" time here (CPU time {lora.cpu_seconds / full.cpu_seconds:.2f}x).",
+        "",
+        f"Resting memory (before a step): `lora` is {_per_rank([_mib(d) for d in rest_saved])} MiB below `full`, the"
+        f" Adam state it does not hold ({mib(full, 'optimizer_state')} MiB in `full`).",
     ]
     if "lora-own-units" in results:
         own = results["lora-own-units"]
-        own_grads = [own.figure(r, "gradients") for r in ranks]
+        frozen_full = own.ranks[0]["expected"]["frozen_units_full"]
+        rest_own = [lora.resting(r) - own.resting(r) for r in ranks]
         lines[-1] += (
-            f" With the frozen layers in units of their own (`lora-own-units`) FairScale computes no gradient for"
-            f" them: {_per_rank([_mib(g) for g in own_grads])} MiB per rank, the adapters' and LayerNorms' shards only."
+            f" `lora-own-units` is another {_per_rank([_mib(d) for d in rest_own])} MiB below `lora`: FairScale"
+            f" computes no gradient for units that do not train, so it holds {mib(own, 'gradients')} MiB of"
+            " gradients per rank (the adapters' and the LayerNorms' shards), and its step is"
+            f" {own.step_seconds / full.step_seconds:.2f}x the time of `full`'s (CPU time"
+            f" {own.cpu_seconds / full.cpu_seconds:.2f}x): no weight gradients for the frozen layers, nothing to"
+            " reduce-scatter for them."
         )
+        lines += [
+            "",
+            "Peak of a step above resting: `lora-own-units`"
+            f" {_per_rank([_mib(own.peak_above_resting(r)) for r in ranks])} MiB,"
+            f" `lora` {_per_rank([_mib(lora.peak_above_resting(r)) for r in ranks])} MiB. FairScale gathers a"
+            " unit again for the backward (its input's gradient needs the weights) and frees it in the post-backward"
+            " hook of its parameters, which never fires for parameters that do not require gradients: a frozen unit"
+            " is freed only at the end of the whole backward, so at that point a rank holds every frozen unit"
+            f" unsharded at once, {_mib(frozen_full)} MiB of parameters in `lora-own-units`. Units that mix frozen"
+            " and trainable parameters are freed one by one as their gradients are reduced.",
+        ]
     lines += [
         "",
-        f"Split of the adapters: a shard is a contiguous half of each unit's flat parameter, so rank r holds the"
-        f" adapter elements that fall in its half: {_per_rank([f'{h:,}' for h in held])} of the {trainable:,}"
+        "Split of the adapters: a shard is a contiguous range of each unit's flat parameter, so a rank holds the"
+        f" adapter elements that fall in its range: {_per_rank([f'{h:,}' for h in held])} of the {trainable:,}"
         " trainable elements here. The total over the ranks is exact; a rank's share depends on where the adapters"
         " sit in the unit's parameter order.",
     ]
@@ -457,7 +494,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rank", type=int, default=8, help="the adapters' rank")
     parser.add_argument("--batch", type=int, default=32, help="rows per process and step")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the markdown report")
     parser.add_argument("--strict", action="store_true", help="exit with code 1 when the target is missed")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -474,12 +511,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes = [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "rank", "batch", "warmup", "steps")]
     print(f"Frozen layers benchmark: {', '.join(CONFIGS)}", flush=True)
     results: dict[str, ConfigResult] = {}
+    started, conditions = time.perf_counter(), f"before: {load_average()}"
     with tempfile.TemporaryDirectory(prefix="bench-frozen-") as work:
         for config in CONFIGS:
             memory = launch(config, "memory", sizes, Path(work))
             timed = launch(config, "time", sizes, Path(work))
             results[config] = ConfigResult(config, memory, timed)
-    text, met = report(args, results)
+    conditions += f"; after: {load_average()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
+    text, met = report(args, results, conditions)
     _common.publish(text, args.output)
     return 1 if args.strict and not met else 0
 
