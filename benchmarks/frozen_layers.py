@@ -31,7 +31,7 @@ Target: in the ``lora`` run, every rank's Adam state within 5% of 8 x (trainable
 tensors, i.e. about 1% of the ``full`` run's. A shard is a contiguous range of a unit's flat parameter, so a rank
 holds the adapters that happen to fall in its half: the report gives each rank's exact expectation too.
 
-Run it from the project's root (about three minutes on two CPU cores)::
+Run it from the project's root (three and a half to five minutes on two CPU cores, depending on their load)::
 
     .venv/bin/python benchmarks/frozen_layers.py            # or: make bench BENCHMARKS=frozen_layers
     .venv/bin/python benchmarks/frozen_layers.py --width 512 --depth 4
