@@ -81,6 +81,9 @@ META: dict[str, tuple[list[str], int, str, list[str]]] = {
 #: after 2 steps in either format and resumed from there.
 TRUE_BF16 = ["--precision", "bf16-true", "--samples", "8"]
 CHECKPOINT_KINDS = ("full", "sharded")
+#: A root unit whose parameters are all frozen (the input and output layers, as the embeddings and head of a LoRA
+#: fine-tuning), with trainable blocks.
+FROZEN_ROOT = ("net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias")
 
 JOBS: dict[str, list[str]] = {
     **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
@@ -114,6 +117,7 @@ JOBS: dict[str, list[str]] = {
     "summary": ["--policy", "blocks", "--steps", "2"],
     **{f"meta-{name}": args for name, (args, *_) in META.items()},
     "meta-uninitializable": ["--init", "meta", "--uninitializable", "--steps", "1"],
+    "frozen-root": ["--policy", "blocks", "--freeze", *FROZEN_ROOT, "--steps", "2"],
 }
 
 
@@ -227,6 +231,15 @@ def test_param_groups_and_frozen_weights_under_fp16_and_checkpointing(runs: Jobs
     assert max_difference(result["state_dict"], expected) < 1e-4
     initial = reference_training(0, "sgd")
     assert all(torch.equal(result["state_dict"][name], initial[name]) for name in FROZEN)
+
+
+def test_a_frozen_root_unit_trains_and_unshards_after_fit(runs: Jobs) -> None:
+    """The frozen root's full parameters, gathered for the backward, used to stay gathered: ``unshard_module`` (and a
+    full checkpoint) then failed in FairScale's ``summon_full_params`` (``AssertionError: 0 vs. 1``)."""
+    result = runs["frozen-root"]
+    assert max_difference(result["state_dict"], reference_training(2, "adam", freeze=FROZEN_ROOT)) < ATOL
+    initial = reference_training(0, "adam")
+    assert all(torch.equal(result["state_dict"][name], initial[name]) for name in FROZEN_ROOT)
 
 
 @pytest.mark.parametrize("precision", UNSUPPORTED)

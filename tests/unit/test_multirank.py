@@ -107,9 +107,37 @@ def view_checks(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+def _frozen_root_model() -> Net:
+    """``Net`` with a frozen root unit (``inp`` and ``out``, with the policy ``{Block}``), as the embeddings and head
+    of a LoRA fine-tuning: only the blocks train."""
+    model = Net()
+    for layer in (model.inp, model.out):
+        layer.requires_grad_(False)
+    return model
+
+
+def frozen_root_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """Two Adam steps of :func:`_frozen_root_model`: the elements each root parameter holds after each backward,
+    against its shard's, and the parameters at the end."""
+    model = _frozen_root_model()
+    sharded = shard(model, torch.optim.Adam(model.parameters(), lr=0.01), {Block})
+    held = []
+    for batch in batches(2):
+        x, y = rank_batch(batch, rank, world_size)
+        nn.functional.mse_loss(sharded.root(x), y).backward()
+        held.append([(p.data.numel(), p._fp32_shard.numel()) for p in sharded.root.params])
+        sharded.optimizer.step()
+        sharded.optimizer.zero_grad()
+    try:
+        parameters: Any = parameters_of(unwrap_module(sharded.root))
+    except AssertionError as error:  # FairScale's summon_full_params on a root left gathered; keep the other checks
+        parameters = repr(error)
+    return {"held": held, "parameters": parameters}
+
+
 def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
     fairscale_cpu.install()
-    out: dict[str, Any] = {"views": view_checks(rank, world_size)}
+    out: dict[str, Any] = {"views": view_checks(rank, world_size), "frozen_root": frozen_root_checks(rank, world_size)}
     for optimizer, flatten in CASES:
         model = Net()
         sharded = shard(model, OPTIMIZERS[optimizer](param_groups(model, flatten)), POLICY[flatten], flatten)
@@ -317,6 +345,20 @@ def test_adamw_groups_across_units_and_a_frozen_weight_equal_plain_training(rank
         assert_tensors_equal(r["views"]["parameters"], parameters_of(model))
     assert_optimizer_states_equal(ranks[0]["views"]["consolidated"], plain.state_dict())
     assert sorted(ranks[0]["views"]["consolidated"]["state"]) == sorted(plain.state_dict()["state"])
+
+
+def test_a_frozen_root_holds_only_its_shards_after_each_backward_and_trains_like_plain(ranks: list[Any]) -> None:
+    for result in ranks:
+        for held in result["frozen_root"]["held"]:
+            assert held and all(data == own for data, own in held), held
+    model = _frozen_root_model()
+    plain = torch.optim.Adam(model.parameters(), lr=0.01)
+    for batch in batches(2):
+        step(model, plain, batch)
+    for result in ranks:
+        gathered = result["frozen_root"]["parameters"]
+        assert not isinstance(gathered, str), f"unwrapping failed: {gathered}"
+        assert_tensors_equal(gathered, parameters_of(model))
 
 
 def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[Any], expected: Any) -> None:

@@ -85,6 +85,15 @@ The workarounds, and why each is needed:
     ``_wait_for_post_backward`` hands it to the optimizer's views), all-reduces the shard over the replicas and
     divides it by their number: every rank then holds the average over all ranks, as under full sharding. Clipping
     by norm takes the norm over one replica's shards (``process_group``): the replicas hold the same gradients.
+15. **A frozen root stays gathered (all devices).** FairScale frees a unit's full parameters after the backward in
+    the post-backward hook of each parameter, which never fires for a parameter that does not require gradients;
+    it frees every other unit's at the end of the backward, but not the root's (it may keep them from the forward
+    to the backward on purpose). So a root unit whose parameters are all frozen (embeddings and head of a LoRA
+    fine-tuning, say) kept its whole unsharded parameters on every rank from the first backward on (4 MiB per
+    rank above 4Ψ/N in ``benchmarks/frozen_layers.py``), and FairScale's ``summon_full_params`` then failed
+    (``AssertionError: 0 vs. 1``): no full ``state_dict()``, full checkpoint or ``unshard_module()`` after
+    training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
+    under the hook's condition (a synchronising backward, or a unit that reshards after forward).
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
 """
@@ -424,6 +433,18 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                     param_views.share_gradients(param)
                     if getattr(unit, "replica_group", None) is not None:  # workaround 14: clipping takes the norm over one replica
                         _mark_norm_group([param, *(view.param for view in param_views.views_of(param))], unit)
+        self._reshard_frozen_params()
+
+    def _reshard_frozen_params(self) -> None:
+        """Free this (root) unit's gathered frozen parameters after a backward, as FairScale's post-backward hook
+        frees a trainable parameter's and under the same condition (workaround 15)."""
+        frozen = [param for param in self.params if not param.requires_grad]
+        if not frozen or not (self._require_backward_grad_sync or self.reshard_after_forward):
+            return
+        self._free_full_params(frozen)
+        if self.mixed_precision:
+            self._free_fp16_param_shard(frozen)
+        self._use_fp32_param_shard(frozen)
 
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
