@@ -284,6 +284,15 @@ class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
     Trainer are pickled to the processes, so the model's class must be importable. Rank 0's trained weights are
     loaded into the model of the calling process afterwards.
 
+    Rank 0's training state at the end of ``fit`` comes back too (Lightning's launcher brings the weights and the
+    callback metrics only), so ``trainer.save_checkpoint`` in the calling process writes a checkpoint that resumes
+    exactly: the loops' progress, the callbacks', precision plugin's and datamodule's states and, when the run writes
+    checkpoints with optimizer state (a ``ModelCheckpoint`` without ``save_weights_only``: Lightning's default), the
+    optimizer and LR scheduler states, gathered on rank 0 at the end of ``fit`` as each of those checkpoints gathers
+    them. Otherwise nothing is gathered, and that checkpoint holds no optimizer state (saving it warns; resuming it
+    continues with a fresh optimizer state and a warning). The same holds for ``DDPShardedStrategy`` with
+    ``start_method="spawn"`` or ``"fork"``.
+
     Example:
         >>> DDPSpawnShardedStrategy()._start_method
         'spawn'
