@@ -21,7 +21,7 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning_fabric.plugins import CheckpointIO
-from lightning_fairscale._compat import _optimizers_to_device
+from lightning_fairscale._compat import _PATH, _optimizers_to_device
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from lightning_fairscale._compat import _MockOptimizer, _MultiProcessingLauncher, StrategyInternals
 from pytorch_lightning.plugins.precision import Precision
@@ -219,7 +219,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
             "loops": {name: getattr(trainer, name).state_dict() for name in _LOOPS},
             "callbacks": {cb.state_key: state for cb in trainer.callbacks if (state := cb.state_dict())},
             "optimizer_states": optimizer_states,
-            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs] if gather else [],
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs if gather],
         }
         for owner in (trainer.precision_plugin, trainer.datamodule):  # Lightning keys their states by class name
             state = owner.state_dict() if owner is not None else None
@@ -229,7 +229,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Write the checkpoint (rank 0); in the process that launched a spawned ``fit``, with the training state
         rank 0 had at its end (see :class:`DDPSpawnShardedStrategy`)."""
@@ -299,8 +299,6 @@ class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
     """
 
     strategy_name = "ddp_sharded_spawn"
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning.fabric.plugins import CheckpointIO
-from lightning_fairscale.lightning._compat import _optimizers_to_device
+from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher, StrategyInternals
 from lightning.pytorch.plugins.precision import Precision
@@ -155,7 +155,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
         ...
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]=None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any]=None) -> None:
         """Write the checkpoint (rank 0); in the process that launched a spawned ``fit``, with the training state
         rank 0 had at its end (see :class:`DDPSpawnShardedStrategy`)."""
         ...
