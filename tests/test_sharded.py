@@ -1,12 +1,14 @@
 """DDPShardedStrategy (OSS + ShardedDDP) on CPU processes (gloo), against single-process training without a wrapper.
 
 The 2-process cases run one after the other in one launch of ``scenarios/sharded_train.py`` (see its ``CASES``).
+``"ddp_sharded_spawn"`` starts its processes itself, from this process: its tests share two fits (:func:`spawned`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from scenarios.sharded_train import CASES, MATRIX_WEIGHT_DECAY, VECTOR_LR_FACTOR
 from conftest import TESTS, run_script
 from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin
 from lightning_fairscale.strategies import DDPShardedStrategy, DDPSpawnShardedStrategy
-from lightning_fairscale.strategies.sharded import shard_optimizer
+from lightning_fairscale.strategies.sharded import _EndOfFit, _SpawnLauncher, _writes_optimizer_states, shard_optimizer
 
 ATOL = 1e-5
 SCRIPT = TESTS / "scenarios" / "sharded_train.py"
@@ -360,6 +362,31 @@ def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_one(spawned: 
     tolerance = 1e-6  # one process sums the gradient in another order
     assert max_difference(model.state_dict(), spawn_reference(2, start=start)) < tolerance
     assert max_difference(model.state_dict(), spawn_reference(6)) > 100 * ATOL  # not the uninterrupted training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "gathers"),
+    [
+        ({}, True),  # Lightning's default ModelCheckpoint
+        ({"enable_checkpointing": False}, False),
+        ({"callbacks": [ModelCheckpoint(save_weights_only=True)]}, False),
+    ],
+)
+def test_a_spawned_fit_gathers_the_optimizer_state_at_its_end_only_if_its_checkpoints_do(
+    kwargs: dict[str, Any], gathers: bool
+) -> None:
+    trainer = Trainer(strategy="ddp_sharded_spawn", accelerator="cpu", devices=2, logger=False, **kwargs)
+    assert _writes_optimizer_states(trainer) is gathers
+
+
+@pytest.mark.parametrize("strategy", ["ddp_sharded_spawn", DDPShardedStrategy(start_method="fork")])
+def test_processes_started_after_fit_get_no_end_of_fit_state(strategy: Any) -> None:
+    """``validate`` or ``test`` after a spawned ``fit`` pickle the launcher into new processes: without the state."""
+    launcher = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False).strategy.launcher
+    assert isinstance(launcher, _SpawnLauncher)
+    launcher.end_of_fit = _EndOfFit({"global_step": 2}, optimizer_state_left_out=False)
+    assert pickle.loads(pickle.dumps(launcher)).end_of_fit is None
+    assert launcher.end_of_fit is not None
 
 
 @pytest.mark.parametrize(
