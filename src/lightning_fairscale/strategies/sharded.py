@@ -373,7 +373,8 @@ class _SpawnLauncher(_MultiProcessingLauncher):
         folder = extra.get(_END_OF_FIT)
         if folder is not None:
             try:
-                self.end_of_fit = torch.load(os.path.join(folder, _END_OF_FIT_FILE), weights_only=False)  # ours
+                path = os.path.join(folder, _END_OF_FIT_FILE)
+                self.end_of_fit = torch.load(path, map_location="cpu", weights_only=False)  # written by rank 0 above
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
 
