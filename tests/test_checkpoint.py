@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scenarios.common import build_network, max_difference
+from scenarios.common import build_network, max_difference, reference_training
 
 from conftest import (
     PARTIAL,
@@ -32,6 +32,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoint")
 
 
+def no_optimizer_state_jobs(folder: Path, kind: str) -> dict[str, list[str]]:
+    path, format_ = str(folder / f"validated-{kind}"), ["--state-dict-type", kind]
+    return {
+        f"validated-{kind}": ["--validate-only", *format_, "--save-ckpt", path],
+        f"no-optimizer-state-{kind}": ["--steps", "2", "--samples", "8", *format_, "--ckpt-path", path],
+    }
+
+
 @pytest.fixture(scope="module")
 def two_processes(folder: Path) -> Jobs:
     """The straight run: four steps in one go, with a ModelCheckpoint every epoch (one epoch is one step here); then
@@ -46,6 +54,8 @@ def two_processes(folder: Path) -> Jobs:
         # Lightning's strict loading, as its DDP has it, under the sharded optimizer strategy.
         "partial-ddp_sharded": [*PARTIAL, "--ckpt-path", str(folder / "partial-source.ckpt"), "--strict-loading", "0",
                                 "--strategy-name", "ddp_sharded"],
+        # Saved after `validate` only, so with no optimizer state, in both formats; then resumed.
+        **{job: args for kind in ("full", "sharded") for job, args in no_optimizer_state_jobs(folder, kind).items()},
     }
     return run_jobs(folder / "two_processes", jobs, failing=["partial-full-strict"])
 
@@ -109,3 +119,14 @@ def test_sharded_ddp_honours_strict_loading_as_lightnings_ddp(two_processes: Job
     resumed = two_processes["partial-ddp_sharded"]
     assert resumed["strategy"] == "DDPShardedStrategy"
     assert_partial_resume(resumed, two_processes["partial-source-full"], warned=None)
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_one(two_processes: Jobs, kind: str) -> None:
+    """``trainer.save_checkpoint`` after ``validate`` only (no optimizer exists) holds no optimizer state: resuming
+    it trains on from its weights with a fresh optimizer state and a warning, where it was refused with an error."""
+    resumed = two_processes[f"no-optimizer-state-{kind}"]
+    assert resumed["global_step"] == 2
+    assert max_difference(resumed["state_dict"], reference_training(2, "adam", num_samples=8)) < 1e-5
+    if kind == "full":  # the first of the two: Python shows a warning once per process
+        assert "holds no optimizer state" in two_processes.output(f"no-optimizer-state-{kind}")

@@ -1,12 +1,14 @@
 """DDPShardedStrategy (OSS + ShardedDDP) on CPU processes (gloo), against single-process training without a wrapper.
 
 The 2-process cases run one after the other in one launch of ``scenarios/sharded_train.py`` (see its ``CASES``).
+``"ddp_sharded_spawn"`` starts its processes itself, from this process: its tests share two fits (:func:`spawned`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import torch
 from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning import Trainer
-from pytorch_lightning.callbacks import ModelPruning
+from pytorch_lightning.callbacks import ModelCheckpoint, ModelPruning
 from pytorch_lightning.strategies import StrategyRegistry
 from scenarios import common
 from scenarios.common import BF16_ATOL, NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
@@ -25,7 +27,7 @@ from scenarios.sharded_train import CASES, MATRIX_WEIGHT_DECAY, VECTOR_LR_FACTOR
 from conftest import TESTS, run_script
 from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin
 from lightning_fairscale.strategies import DDPShardedStrategy, DDPSpawnShardedStrategy
-from lightning_fairscale.strategies.sharded import shard_optimizer
+from lightning_fairscale.strategies.sharded import _EndOfFit, _SpawnLauncher, _writes_optimizer_states, shard_optimizer
 
 ATOL = 1e-5
 SCRIPT = TESTS / "scenarios" / "sharded_train.py"
@@ -228,34 +230,163 @@ def test_evaluation_after_fit_runs_unwrapped(two_processes: Any) -> None:
     assert result["predict"].shape == (NUM_SAMPLES // 2, OUT_FEATURES)  # rank 0's half of the samples
 
 
-@pytest.fixture
-def restore_environment() -> Iterator[None]:
+@contextlib.contextmanager
+def environment_restored() -> Iterator[None]:
     """The spawn launcher sets ``MASTER_PORT`` in this process; later tests must not inherit it."""
     saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
-def test_spawn_strategy_trains_in_process(tmp_path: Path, restore_environment: None) -> None:
-    model = common.RegressionModel(optimizer="sgd")
-    trainer = Trainer(
-        strategy="ddp_sharded_spawn",
+#: One step per epoch (every step sees the same global batch): Lightning resumes a checkpoint written after `fit`
+#: stopped at the end of an epoch by starting a new epoch at the saved batch index, so with several steps per epoch
+#: the resumed steps would see other batches than the uninterrupted run's, under any strategy.
+SPAWN_SAMPLES = 8
+
+
+def spawn_trainer(root: Path, steps: int, checkpoints: bool, strategy: Any = "ddp_sharded_spawn") -> Trainer:
+    callbacks: list[Any] = [common.CountTrainBatches()]
+    if checkpoints:
+        callbacks.append(ModelCheckpoint(dirpath=root / "checkpoints", filename="{step}"))
+    return Trainer(
+        strategy=strategy,
         accelerator="cpu",
-        devices=2,
-        max_steps=2,
+        devices=2 if strategy == "ddp_sharded_spawn" else 1,
+        max_steps=steps,
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoints,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
         use_distributed_sampler=False,
-        default_root_dir=tmp_path,
+        default_root_dir=root,
     )
-    assert isinstance(trainer.strategy, DDPSpawnShardedStrategy)
-    trainer.fit(model)
-    assert trainer.state.finished
-    assert max_difference(model.state_dict(), reference_training(2, "sgd")) < ATOL  # rank 0's weights came back
+
+
+def spawn_model() -> common.RegressionModel:
+    return common.RegressionModel(optimizer="adam", scheduler=True, num_samples=SPAWN_SAMPLES)
+
+
+def spawn_reference(steps: int, start: Any = None) -> dict[str, torch.Tensor]:
+    return reference_training(steps, "adam", scheduler=True, num_samples=SPAWN_SAMPLES, start=start)
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two fits with ``"ddp_sharded_spawn"`` (2 processes each), each followed by ``trainer.save_checkpoint`` in this,
+    the launching process: 2 steps with Lightning's checkpointing on ("full.ckpt"), then a resume from that file to
+    step 4 with checkpointing off ("no-optimizer-state.ckpt", and the warnings of that save)."""
+    root = tmp_path_factory.mktemp("spawn")
+    result: dict[str, Any] = {"root": root}
+    with environment_restored():
+        first = spawn_trainer(root, steps=2, checkpoints=True)
+        assert isinstance(first.strategy, DDPSpawnShardedStrategy)
+        model = spawn_model()
+        first.fit(model)
+        assert first.state.finished
+        result["fitted"] = {k: v.clone() for k, v in model.state_dict().items()}
+        first.save_checkpoint(root / "full.ckpt")
+        first.save_checkpoint(root / "weights.ckpt", weights_only=True)
+
+        resumed = spawn_trainer(root, steps=4, checkpoints=False)
+        model = spawn_model()
+        resumed.fit(model, ckpt_path=root / "full.ckpt")
+        result["resumed"] = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.warns(UserWarning) as caught:
+            resumed.save_checkpoint(root / "no-optimizer-state.ckpt")
+        result["save_warnings"] = [str(w.message) for w in caught]
+    return result
+
+
+def test_spawn_strategy_trains_in_process(spawned: dict[str, Any]) -> None:
+    assert max_difference(spawned["fitted"], spawn_reference(2)) < ATOL  # rank 0's weights came back
+
+
+def test_spawn_fit_checkpoint_of_the_launching_process_is_complete(spawned: dict[str, Any]) -> None:
+    """The launching process's Trainer never trained, yet its checkpoint holds rank 0's training state at the end
+    of fit: the same optimizer and scheduler states as the checkpoint the run wrote at its last step."""
+    saved = torch.load(spawned["root"] / "full.ckpt", weights_only=True)
+    during = torch.load(spawned["root"] / "checkpoints" / "step=2.ckpt", weights_only=True)
+    assert max_difference(saved["state_dict"], spawned["fitted"]) == 0.0
+    assert saved["global_step"] == 2 and saved["loops"]["fit_loop"]["epoch_progress"]["total"]["completed"] == 2
+    assert saved["callbacks"]["CountTrainBatches"] == {"batches": 2}
+    (state,), (expected,) = saved["optimizer_states"], during["optimizer_states"]
+    assert sorted(state["state"]) == list(range(16))  # every parameter's, not rank 0's shard only
+    for index, entry in expected["state"].items():
+        assert {k: float((v - state["state"][index][k]).abs().max()) for k, v in entry.items()} == dict.fromkeys(
+            entry, 0.0
+        )
+    assert saved["lr_schedulers"] == during["lr_schedulers"] and saved["lr_schedulers"][0]["last_epoch"] == 2
+
+    weights_only = torch.load(spawned["root"] / "weights.ckpt", weights_only=True)
+    assert "optimizer_states" not in weights_only and weights_only["global_step"] == 2  # the progress only
+
+
+def test_spawn_fit_checkpoint_of_the_launching_process_resumes_exactly(spawned: dict[str, Any]) -> None:
+    uninterrupted = spawn_reference(4)
+    assert max_difference(spawned["resumed"], uninterrupted) < ATOL
+    # A resume with a fresh optimizer state (what Lightning's own "ddp_spawn" does with such a file) ends elsewhere.
+    assert max_difference(spawn_reference(2, start=spawn_reference(2)), uninterrupted) > 100 * ATOL
+
+
+def test_spawn_fit_without_checkpoints_gathers_no_optimizer_state(spawned: dict[str, Any]) -> None:
+    """No checkpoint of the resumed run held the optimizer state, so its ranks did not gather it at the end of fit:
+    the launching process's checkpoint says so, and holds the weights and the progress."""
+    (warning,) = [w for w in spawned["save_warnings"] if "no optimizer state" in w]
+    assert "DDPSpawnShardedStrategy" in warning and "enable_checkpointing=True" in warning
+    saved = torch.load(spawned["root"] / "no-optimizer-state.ckpt", weights_only=True)
+    assert (saved["optimizer_states"], saved["lr_schedulers"]) == ([], [])
+    assert saved["global_step"] == 4 and saved["callbacks"]["CountTrainBatches"] == {"batches": 4}
+    assert max_difference(saved["state_dict"], spawned["resumed"]) == 0.0
+
+
+def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_one(spawned: dict[str, Any]) -> None:
+    """Resumed (in this process, one rank) with a warning instead of an error: training goes on from step 4 with the
+    checkpoint's weights, a fresh Adam and a fresh LR schedule."""
+    path = spawned["root"] / "no-optimizer-state.ckpt"
+    with environment_restored():
+        trainer = spawn_trainer(spawned["root"] / "one-rank", steps=6, checkpoints=False, strategy=DDPShardedStrategy())
+        model = spawn_model()
+        try:
+            with pytest.warns(UserWarning, match="holds no optimizer state.*fresh optimizer state"):
+                trainer.fit(model, ckpt_path=path)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    assert trainer.global_step == 6
+    start = torch.load(path, weights_only=True)["state_dict"]
+    tolerance = 1e-6  # one process sums the gradient in another order
+    assert max_difference(model.state_dict(), spawn_reference(2, start=start)) < tolerance
+    assert max_difference(model.state_dict(), spawn_reference(6)) > 100 * ATOL  # not the uninterrupted training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "gathers"),
+    [
+        ({}, True),  # Lightning's default ModelCheckpoint
+        ({"enable_checkpointing": False}, False),
+        ({"callbacks": [ModelCheckpoint(save_weights_only=True)]}, False),
+    ],
+)
+def test_a_spawned_fit_gathers_the_optimizer_state_at_its_end_only_if_its_checkpoints_do(
+    kwargs: dict[str, Any], gathers: bool
+) -> None:
+    trainer = Trainer(strategy="ddp_sharded_spawn", accelerator="cpu", devices=2, logger=False, **kwargs)
+    assert _writes_optimizer_states(trainer) is gathers
+
+
+@pytest.mark.parametrize("strategy", ["ddp_sharded_spawn", DDPShardedStrategy(start_method="fork")])
+def test_processes_started_after_fit_get_no_end_of_fit_state(strategy: Any) -> None:
+    """``validate`` or ``test`` after a spawned ``fit`` pickle the launcher into new processes: without the state."""
+    launcher = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False).strategy.launcher
+    assert isinstance(launcher, _SpawnLauncher)
+    launcher.end_of_fit = _EndOfFit({"global_step": 2}, optimizer_state_left_out=False)
+    assert pickle.loads(pickle.dumps(launcher)).end_of_fit is None
+    assert launcher.end_of_fit is not None
 
 
 @pytest.mark.parametrize(

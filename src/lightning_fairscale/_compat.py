@@ -21,6 +21,7 @@ from lightning_fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.core.optimizer import _MockOptimizer
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.utilities.model_helpers import _ModuleMode
 from torch.optim.lr_scheduler import _LRScheduler
 
@@ -33,6 +34,7 @@ __all__ = [
     "_LRScheduler",
     "_MockOptimizer",
     "_ModuleMode",
+    "_MultiProcessingLauncher",
     "_Sharded",
     "_optimizers_to_device",
 ]
@@ -41,6 +43,7 @@ __all__ = [
 #: The private attributes of Lightning objects that the package uses (all through this module).
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_ddp_kwargs", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
+    "_launcher", "_start_method",
 )  # fmt: skip
 
 
@@ -78,6 +81,13 @@ class StrategyInternals:
 
     def _set_precision_plugin_slot(self, plugin: Optional[Any]) -> None:
         self._precision_plugin = plugin
+
+    def _use_multiprocessing_launcher(self, launcher_class: type) -> None:
+        """``Strategy._launcher``: where Lightning chose its multiprocessing launcher (``start_method`` ``"spawn"``,
+        ``"fork"`` or ``"forkserver"``), put ``launcher_class`` (a subclass of it) in its place, built the same way
+        (``DDPStrategy._start_method``). Call it after Lightning's ``_configure_launcher``."""
+        if isinstance(self._launcher, _MultiProcessingLauncher):  # type: ignore[has-type]
+            self._launcher = launcher_class(self, start_method=self._start_method)  # type: ignore[attr-defined]
 
     def _fabric_precision_slot(self) -> Optional[Any]:
         """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` when none was."""

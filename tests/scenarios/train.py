@@ -251,6 +251,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--save-ckpt", default=None)
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--eval-after", action="store_true")
+    p.add_argument("--validate-only", action="store_true", help="trainer.validate instead of fit: no optimizer exists")
     p.add_argument("--save-ckpt-after-eval", default=None, help="trainer.save_checkpoint after the --eval-after stages")
     p.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint saving every epoch into this folder")
     p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
@@ -407,7 +408,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         with torch.device("meta"):
             model = build_model(args)
     try:
-        trainer.fit(model, ckpt_path=args.ckpt_path)
+        if args.validate_only:
+            trainer.validate(model, verbose=False)
+        else:
+            trainer.fit(model, ckpt_path=args.ckpt_path)
     except Exception as error:
         error.trained_batches = len(training.losses)  # type: ignore[attr-defined]  (read by scenarios/jobs.py)
         raise

@@ -10,20 +10,53 @@ import torch
 from lightning_fairscale.checkpoint.legacy import CurrentOptimizer, OptimizerStatePolicy, adopt_optimizer_states
 
 
-def optimizer_states(checkpoint: Mapping[str, Any], optimizers: Sequence[Any]) -> list[dict[str, Any]]:
-    """The checkpoint's optimizer states, one per optimizer; a ``ValueError`` that says what to do otherwise."""
+#: The warning when a checkpoint without optimizer state is resumed (see :func:`restores_optimizer_states`).
+NO_OPTIMIZER_STATE = (
+    "The checkpoint holds no optimizer state: it was saved where no optimizer existed (in the process that launched a"
+    " spawned `fit` whose ranks did not gather the sharded optimizer state, by Lightning's own `ddp_spawn`, or after"
+    " `validate`, `test` or `predict` only). Training continues from its weights and progress with a fresh optimizer"
+    " state, as `configure_optimizers` made it."
+)
+
+
+def optimizer_states(
+    checkpoint: Mapping[str, Any], optimizers: Sequence[Any], warn: Callable[[str], Any]
+) -> list[dict[str, Any]]:
+    """The checkpoint's optimizer states, one per optimizer, or none (see :func:`restores_optimizer_states`)."""
     states = checkpoint["optimizer_states"]
-    check_optimizer_count(len(states), len(optimizers))
-    return states
+    return states if restores_optimizer_states(len(states), len(optimizers), warn) else []
+
+
+def restores_optimizer_states(saved: int, optimizers: int, warn: Callable[[str], Any]) -> bool:
+    """Whether to load a checkpoint's ``saved`` optimizer states into ``optimizers`` optimizers.
+
+    ``False``, after ``warn`` got :data:`NO_OPTIMIZER_STATE`, when it holds none: a file written where no optimizer
+    existed resumes with a fresh optimizer state. Any other difference is an error (:func:`check_optimizer_count`).
+
+    Example:
+        >>> restores_optimizer_states(0, 1, warn=lambda message: print(message[:40]))
+        The checkpoint holds no optimizer state:
+        False
+    """
+    if saved == 0 and optimizers:
+        warn(NO_OPTIMIZER_STATE)
+        return False
+    check_optimizer_count(saved, optimizers)
+    return True
 
 
 def check_optimizer_count(saved: int, optimizers: int) -> None:
     """A ``ValueError`` that says what to do when a checkpoint holds another number of optimizer states."""
     if saved != optimizers:
         raise ValueError(
-            f"The checkpoint holds {saved} optimizer states but `configure_optimizers` returned"
-            f" {optimizers} optimizers. Resume with the optimizers the checkpoint was saved with."
+            f"The checkpoint holds {_count(saved, 'optimizer state')} but `configure_optimizers` returned"
+            f" {_count(optimizers, 'optimizer')}: it was saved with other optimizers. Resume with the optimizers the"
+            " checkpoint was saved with."
         )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def resumable_optimizer_states(
@@ -35,12 +68,14 @@ def resumable_optimizer_states(
     warn: Callable[[str], Any],
 ) -> list[dict[str, Any]]:
     """:func:`optimizer_states`, those of a Lightning 1.x FairScale checkpoint in the plain layout (see
-    :mod:`lightning_fairscale.checkpoint.legacy`); ``warn`` gets the message saying what was adopted.
+    :mod:`lightning_fairscale.checkpoint.legacy`); ``warn`` gets the message saying what was adopted, or that the
+    checkpoint holds no optimizer state (then none are returned).
 
     ``optimizers`` are the user's optimizers (their class names go into the messages) and ``shapes``, for each, the
     shapes of its parameters by param group, in the order the user listed them.
     """
-    optimizer_states(checkpoint, optimizers)
+    if not optimizer_states(checkpoint, optimizers, warn):
+        return []
     current = [CurrentOptimizer(type(opt).__name__, groups) for opt, groups in zip(optimizers, shapes)]
     states, note = adopt_optimizer_states(checkpoint, current, policy, owner)
     if note:

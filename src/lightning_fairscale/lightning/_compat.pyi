@@ -19,6 +19,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.model_helpers import _ModuleMode
 from torch.optim.lr_scheduler import _LRScheduler
 __all__ = ...
@@ -57,6 +58,12 @@ class StrategyInternals:
         ...
 
     def _set_precision_plugin_slot(self, plugin: Optional[Any]) -> None:
+        ...
+
+    def _use_multiprocessing_launcher(self, launcher_class: type) -> None:
+        """``Strategy._launcher``: where Lightning chose its multiprocessing launcher (``start_method`` ``"spawn"``,
+        ``"fork"`` or ``"forkserver"``), put ``launcher_class`` (a subclass of it) in its place, built the same way
+        (``DDPStrategy._start_method``). Call it after Lightning's ``_configure_launcher``."""
         ...
 
     def _fabric_precision_slot(self) -> Optional[Any]:

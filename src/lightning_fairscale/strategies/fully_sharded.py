@@ -35,8 +35,8 @@ from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_c
 from lightning_fairscale.checkpoint.checks import (
     RELAX_TRAINER,
     IncompatibleKeys,
-    check_optimizer_count,
     describe_partial_load,
+    restores_optimizer_states,
     resumable_optimizer_states,
 )
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
@@ -346,8 +346,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         if fsdp_engine.is_sharded_checkpoint(io, checkpoint_path):
 
             def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
-                if optimizers:
-                    check_optimizer_count(saved, len(optimizers))
+                if not optimizers or not restores_optimizer_states(saved, len(optimizers), rank_zero_warn):
+                    return []
                 return [(i, opt, self._group_orders[i]) for i, opt in enumerate(optimizers)]
 
             meta, keys = fsdp_engine.load_sharded(

@@ -29,7 +29,7 @@ from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.model_summary import use_for_model_summaries
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
-from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys, check_optimizer_count, describe_partial_load, resumable_optimizer_states
+from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys, describe_partial_load, restores_optimizer_states, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.wrapping import forget_root, remove_activation_checkpointing, root_parameters_visible, unwrap_module, wrapped_root

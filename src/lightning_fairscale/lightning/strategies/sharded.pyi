@@ -8,16 +8,20 @@ to the rank that owns its parameter (stage 2). Parameters stay whole on every ra
 """
 from __future__ import annotations
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Generator, Mapping
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning.fabric.plugins import CheckpointIO
-from lightning_fairscale.lightning._compat import _optimizers_to_device
+from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning_fairscale.lightning._compat import _PATH, _MockOptimizer, StrategyInternals
+from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher, StrategyInternals
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -134,6 +138,30 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
         ...
 
     @override
+    def _configure_launcher(self) -> None:
+        ...
+
+    @override
+    def on_train_end(self) -> None:
+        """At the end of a spawned ``fit``, keep rank 0's training state for the launching process (see
+        :class:`DDPSpawnShardedStrategy`)."""
+        ...
+
+    def _end_of_fit(self, trainer: pl.Trainer) -> Optional[_EndOfFit]:
+        """Rank 0's training state (``None`` on the other ranks): every entry of a checkpoint but the module's own.
+
+        The optimizer and LR scheduler states only when the run writes checkpoints that hold them: gathering the
+        sharded optimizer state on rank 0 (a collective call) is what each of those checkpoints does anyway.
+        """
+        ...
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any]=None) -> None:
+        """Write the checkpoint (rank 0); in the process that launched a spawned ``fit``, with the training state
+        rank 0 had at its end (see :class:`DDPSpawnShardedStrategy`)."""
+        ...
+
+    @override
     def setup_environment(self) -> None:
         ...
 
@@ -169,8 +197,57 @@ class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
     Trainer are pickled to the processes, so the model's class must be importable. Rank 0's trained weights are
     loaded into the model of the calling process afterwards.
 
+    Rank 0's training state at the end of ``fit`` comes back too (Lightning's launcher brings the weights and the
+    callback metrics only), so ``trainer.save_checkpoint`` in the calling process writes a checkpoint that resumes
+    exactly: the loops' progress, the callbacks', precision plugin's and datamodule's states and, when the run writes
+    checkpoints with optimizer state (a ``ModelCheckpoint`` without ``save_weights_only``: Lightning's default), the
+    optimizer and LR scheduler states, gathered on rank 0 at the end of ``fit`` as each of those checkpoints gathers
+    them. Otherwise nothing is gathered, and that checkpoint holds no optimizer state (saving it warns; resuming it
+    continues with a fresh optimizer state and a warning). The same holds for ``DDPShardedStrategy`` with
+    ``start_method="spawn"`` or ``"fork"``.
+
     Example:
         >>> DDPSpawnShardedStrategy()._start_method
         'spawn'
     """
     strategy_name = ...
+_LOOPS = ...
+_PROGRESS = ...
+_END_OF_FIT, _END_OF_FIT_FILE = ...
+
+def _writes_optimizer_states(trainer: pl.Trainer) -> bool:
+    """Whether the run writes checkpoints with the optimizer state: it has a checkpoint callback without
+    ``save_weights_only`` (Lightning's default ``ModelCheckpoint`` is one)."""
+    ...
+
+@dataclass
+class _EndOfFit:
+    """Rank 0's training state at the end of a spawned ``fit``, for the checkpoints of the launching process."""
+    entries: dict[str, Any]
+    optimizer_state_left_out: bool
+
+    def complete(self, checkpoint: dict[str, Any], strategy: str) -> dict[str, Any]:
+        """``checkpoint``, of the launching process, with this training state; the module's own entries (weights,
+        hyperparameters, what its ``on_save_checkpoint`` added) stay the launching process's."""
+        ...
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for processes started by ``torch.multiprocessing``, which also brings rank 0's training
+    state at the end of ``fit`` (:class:`_EndOfFit`) back to the launching process."""
+
+    def __init__(self, strategy: Any, start_method: Literal['spawn', 'fork', 'forkserver']='spawn') -> None:
+        ...
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Lightning's extra results (on rank 0), and the folder of a file with the end-of-fit state."""
+        ...
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """Lightning's (the callback metrics), and the end-of-fit state (in the launching process)."""
+        ...
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        ...
