@@ -204,7 +204,7 @@ def test_a_trainers_checkpoint_loads_by_position_and_returns_its_rest(fabric: Fa
 @pytest.mark.parametrize("kind", ["full.ckpt", "sharded.ckpt"])
 def test_the_files_of_the_previous_version_load_by_their_names(fsdp: Fabric, kind: str) -> None:
     """Written by the Fabric strategies of commit cb3a6b1 (the Trainer's layout, the names recorded): see
-    ``tests/fixtures/fabric_0x/make_fixtures.py``."""
+    ``tests/fixtures/fabric_0x/make_fabric_fixtures.py``."""
     state = set_up(fsdp, seed=1)
     assert fsdp.load(FIXTURES / kind, state) == {}  # the version and the record were not the user's
     assert state["step"] == 1
