@@ -99,7 +99,15 @@ def view_checks(rank: int, world_size: int) -> dict[str, Any]:
     loss = (sharded.root(x) ** 2).mean()
     loss.backward()
     sharded.optimizer.step()
+    # An optimizer over the one-element unit only: the other ranks hold no view of it (padding), yet take part in the
+    # same norm, over the views alone (not their flat gradients, which hold the other parameters').
+    only = _views_model()
+    alone = shard(only, torch.optim.SGD([only[2].weight], lr=0.1), policy={nn.Linear}, exclude={nn.Sequential},
+                  min_num_params=0)  # fmt: skip
+    (alone.root(x) ** 2).mean().backward()
+    lone_norm = alone.root.clip_grad_norm_(1e9)
     return {
+        "lone_norm": lone_norm,
         "views": views,
         "parameters": parameters_of(unwrap_module(sharded.root)),
         "inputs": x,
@@ -359,6 +367,15 @@ def test_a_frozen_root_holds_only_its_shards_after_each_backward_and_trains_like
         gathered = result["frozen_root"]["parameters"]
         assert not isinstance(gathered, str), f"unwrapping failed: {gathered}"
         assert_tensors_equal(gathered, parameters_of(model))
+
+
+def test_the_norm_of_an_optimizer_that_some_ranks_hold_no_view_of_is_its_parameters_norm(ranks: list[Any]) -> None:
+    model = _views_model()
+    x = torch.cat([r["views"]["inputs"] for r in ranks])
+    ((model(x) ** 2).mean()).backward()
+    expected = model[2].weight.grad.norm()
+    for r in ranks:
+        torch.testing.assert_close(r["views"]["lone_norm"], expected, rtol=1e-6, atol=0)
 
 
 def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[Any], expected: Any) -> None:

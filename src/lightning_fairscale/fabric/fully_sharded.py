@@ -29,6 +29,7 @@ from lightning_fairscale.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
+from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
 from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
@@ -178,7 +179,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
     def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
         # The global norm of all shards: `torch.nn.utils.clip_grad_norm_` of the unsharded model.
         params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-        return clip_grad_norm_(params, max_norm, norm_type)
+        return clip_grad_norm_(params, max_norm, norm_type, group=param_views.norm_group(optimizer))
 
     def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state of ``module`` (set up), and peak device

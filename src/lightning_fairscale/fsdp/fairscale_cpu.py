@@ -95,7 +95,8 @@ The workarounds, and why each is needed:
     training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
 
-Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass, identical on CUDA.
+Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
+by the workarounds above that say "all devices".
 """
 
 from __future__ import annotations
@@ -338,8 +339,9 @@ def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype])
 class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
-    On CUDA it behaves like FairScale's class, except that bf16 mixed precision really computes in bf16
-    (workaround 6) and that its reduce-scatter bucketer is freed with it (workaround 9). On CPU it uses no-op streams
+    On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9 and 11 to
+    15: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters in
+    one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root). On CPU it uses no-op streams
     (after :func:`install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
 
     A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
@@ -469,7 +471,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         Must be called on the root instance, on all ranks. On CUDA this is FairScale's own implementation, unless an
         optimizer holds the original parameters' views (then frozen parameters are left out, as unsharded).
         """
-        if self.compute_device.type == "cuda" and not param_views.trainable_views(self.parameters()):
+        if self.compute_device.type == "cuda" and not param_views.has_views(self):
             return super().clip_grad_norm_(max_norm, norm_type)
         self._lazy_init()
         assert self._is_root, "clip_grad_norm_ must be called on the root FullyShardedDataParallel instance"
@@ -477,10 +479,15 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def gradient_holders(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients are the model's, with a gradient: the trainable original parameters' views
-        where an optimizer holds views (frozen parameters' elements excluded), else FSDP's own parameters."""
+        where the model's optimizers hold views (frozen parameters' elements excluded; decided alike on every rank,
+        also one that holds no trainable view), else FSDP's own parameters."""
         own = list(self.parameters())
-        views = param_views.trainable_views(own)
-        return [p for p in (views or own) if p.grad is not None]
+        holders = param_views.trainable_views(own) if param_views.has_views(self) else own
+        return [p for p in holders if p.grad is not None]
+
+    def _init_param_attributes(self, p: torch.nn.Parameter) -> None:
+        super()._init_param_attributes(p)
+        param_views.repoint_data(p)  # FairScale may have replaced the shard (a pinned copy): views follow it
 
 
 @torch.no_grad()

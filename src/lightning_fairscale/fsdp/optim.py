@@ -237,6 +237,11 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
         group["params"] = list(views.values())
         orders.append(order)
     optimizer.state = defaultdict(dict)
+    if layout.root is not None:  # its gradient holders are views now, on every rank alike
+        param_views.mark_has_views(layout.root)
+    units = [layout.managed[m].unit for order in orders for m, _ in order]
+    if units:  # every unit of the strategy shards over one group (one replica's, under hybrid sharding)
+        param_views.mark_norm_group(optimizer, units[0].process_group)
     return orders
 
 

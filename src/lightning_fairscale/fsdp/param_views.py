@@ -24,16 +24,34 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ParamView", "attach", "forget", "share_gradients", "take_back_gradients", "trainable_views", "views_of"]
+__all__ = [
+    "ParamView",
+    "attach",
+    "forget",
+    "has_views",
+    "mark_has_views",
+    "mark_norm_group",
+    "norm_group",
+    "repoint_data",
+    "share_gradients",
+    "take_back_gradients",
+    "trainable_views",
+    "views_of",
+]
 
 #: The attribute of a flat (or sharded) parameter that lists its views on this rank.
 _VIEWS = "_lightning_fairscale_views"
 #: Set on a flat parameter while its gradient is the one shared with its views (after a synchronising backward).
 _SHARED = "_lightning_fairscale_grad_shared"
+#: Set on an optimizer that holds views: the process group over which the norm of its gradients is taken.
+_NORM_GROUP = "_lightning_fairscale_norm_group"
+#: Set on the root FSDP unit of a model whose optimizers hold views (on every rank alike, even one holding none).
+_HAS_VIEWS = "_lightning_fairscale_has_views"
 
 
 @dataclass(eq=False)
@@ -103,6 +121,36 @@ def take_back_gradients(managed: nn.Parameter) -> None:
         flat[view.start : view.stop].zero_()
 
 
+def mark_norm_group(optimizer: Any, group: Any) -> None:
+    """Record on ``optimizer`` the group its gradients' norm is taken over (every rank records the same, also one
+    that holds no view of its parameters: all ranks must take part in the same collective)."""
+    optimizer.__dict__[_NORM_GROUP] = group
+
+
+def norm_group(optimizer: Any) -> Any:
+    """The group recorded by :func:`mark_norm_group` (``None``: the default group)."""
+    return getattr(optimizer, "__dict__", {}).get(_NORM_GROUP)
+
+
+def mark_has_views(root: nn.Module) -> None:
+    """Record that the optimizers of ``root``'s model hold views (so its gradient holders are views, on every rank)."""
+    root.__dict__[_HAS_VIEWS] = True
+
+
+def has_views(root: nn.Module) -> bool:
+    """Whether :func:`mark_has_views` was called for ``root``."""
+    return bool(root.__dict__.get(_HAS_VIEWS))
+
+
+@torch.no_grad()
+def repoint_data(managed: nn.Parameter) -> None:
+    """Point every view of ``managed`` at its current shard (FairScale replaces it with a pinned copy at its lazy
+    initialisation when shards live in CPU memory)."""
+    shard = _shard(managed)
+    for view in views_of(managed):
+        view.param.data = shard[view.start : view.stop]
+
+
 @torch.no_grad()
 def share_gradients(managed: nn.Parameter) -> None:
     """After a synchronising backward: point every view at the current shard, and give the trainable ones their
@@ -110,11 +158,11 @@ def share_gradients(managed: nn.Parameter) -> None:
     views = views_of(managed)
     if not views:
         return
+    repoint_data(managed)
     shard = _shard(managed)
     grad = managed.grad
     shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
     for view in views:
-        view.param.data = shard[view.start : view.stop]
         if view.trainable and shares:
             view.param.grad = grad.view(-1)[view.start : view.stop]  # type: ignore[union-attr]
     if shares:

@@ -333,15 +333,24 @@ class SavedShards:
                     found.append((rank * size + lo, state[j]))
         if not found:
             return None
-        first = found[0][1]
+        offset, first = found[0]
+        view_numel = self._view_numel(index, m, piece, offset, sizes[m])
         out: dict[str, Any] = {}
         for key, value in first.items():
-            if isinstance(value, Tensor) and value.dim() == 1:
+            if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == view_numel:
                 segments = [(offset, saved[key]) for offset, saved in found]
                 out[key] = copy_overlaps(value.new_empty(stop - start), start, segments)
             else:  # per-parameter values ("step") are the same in every view
                 out[key] = copy.deepcopy(value)
         return out
+
+    def _view_numel(self, index: int, m: int, piece: int, offset: int, size: int) -> int:
+        """The number of elements of the saved view of ``(m, piece)`` that starts at global ``offset``."""
+        rank = offset // size
+        for _, lo, hi in self._saved_views(rank, index).get((m, piece), []):
+            if rank * size + lo == offset:
+                return hi - lo
+        raise KeyError((m, piece, offset))
 
     def _from_managed_shards(
         self, index: int, sizes: Sequence[int], m: int, piece: int, start: int, stop: int

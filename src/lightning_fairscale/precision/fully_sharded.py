@@ -10,6 +10,7 @@ from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGr
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
+from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 from lightning_fairscale.mixed_precision import (
@@ -38,7 +39,9 @@ class _GlobalNormClipping:
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float], norm_type: float = 2.0) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        clip_grad_norm_(parameters, clip_val, norm_type)
+        # Over the group recorded when the optimizer was re-pointed: one replica's under hybrid sharding, on every
+        # rank alike (a rank holding no trainable element has no parameter to tell it).
+        clip_grad_norm_(parameters, clip_val, norm_type, group=param_views.norm_group(optimizer))
 
 
 class FullyShardedPrecisionPlugin(_GlobalNormClipping, Precision):

@@ -7,6 +7,7 @@ import torch
 from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
+from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
 from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, compute_dtype, fsdp_grad_scaler, half_dtype, mixed_precision_name, unsupported
