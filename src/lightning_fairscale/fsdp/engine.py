@@ -226,7 +226,7 @@ def shard_writer(ranks: Ranks, root: FullyShardedDataParallel) -> tuple[int, int
     their global rank (see :func:`~lightning_fairscale.fsdp.options.hybrid_groups`).
     """
     shard_rank, shards = root.rank, root.world_size
-    return shard_rank, shards, ranks.global_rank == shard_rank and ranks.global_rank < shards
+    return shard_rank, shards, ranks.global_rank == shard_rank
 
 
 def buffer_name(name: str) -> str:
