@@ -1,21 +1,30 @@
 """Hybrid sharding (``sharding_strategy="HYBRID_SHARD"``) on 4 CPU processes as 2 simulated nodes of 2, against
 single-process training without any wrapper.
 
-Every training of this module runs in one launch of 4 processes (``conftest.run_jobs(nodes=2)``): each shards over
-the 2 ranks of its node and replicates across the 2 nodes.
+The trainings under hybrid sharding run in one launch of 4 processes (``conftest.run_jobs(nodes=2)``): each shards
+over the 2 ranks of its node and replicates across the 2 nodes. A small launch of 2 processes after it resumes a
+hybrid sharded checkpoint under full sharding.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
 from conftest import Jobs, run_jobs
+from lightning_fairscale import consolidate
+from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
 
 ATOL = 2e-5
 NODES = ["--num-nodes", "2", "--devices", "2"]
 CLIP = ["--clip-val", "0.05", "--clip-alg", "norm"]  # the clip value bites
+STEPS = ["--steps", "4", "--samples", "8", "--scheduler"]  # one step per epoch: every epoch end resumes exactly
+HYBRID_STEPS = ["--sharding-strategy", "HYBRID_SHARD", *STEPS, "--state-dict-type", "sharded"]
+SOURCE = "epoch=1-step=2.ckpt"  # the sharded checkpoint of step 2 that the other runs resume from
 JOBS = {
     # Shard over each node's ranks (the default mesh), Adam, clipping by norm.
     "hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP, "--save-ckpt", "hybrid.ckpt"],
@@ -24,15 +33,34 @@ JOBS = {
                         "--accumulate", "2", "--samples", "32", *CLIP],
     # Today's behaviour over all 4 ranks, for the memory comparison.
     "full": [*NODES, "--steps", "3", *CLIP],
-    # Sharded checkpoints are not written under hybrid sharding yet: refused before training.
-    "sharded-refused": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--state-dict-type", "sharded"],
+    # Sharded checkpoints at every epoch end (one step each), written by replica 0; then resumed at step 2.
+    "sharded": [*NODES, *HYBRID_STEPS, "--checkpoint-dir", "ck-sharded"],
+    "sharded-resumed": [*NODES, *HYBRID_STEPS, "--ckpt-path", f"ck-sharded/{SOURCE}"],
 }  # fmt: skip
-FAILING = ["sharded-refused"]
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
-    return run_jobs(tmp_path_factory.mktemp("hybrid"), JOBS, failing=FAILING, nodes=2)
+    return run_jobs(tmp_path_factory.mktemp("hybrid"), JOBS, nodes=2)
+
+
+@pytest.fixture(scope="module")
+def consolidated(jobs: Jobs) -> Path:
+    """The hybrid sharded checkpoint of step 2, consolidated with the command-line tool's code."""
+    target = jobs.folder / "consolidated.ckpt"
+    assert consolidate.main([str(jobs.folder / "ck-sharded" / SOURCE), str(target)]) == 0
+    return target
+
+
+@pytest.fixture(scope="module")
+def two_processes(jobs: Jobs, consolidated: Path) -> Jobs:
+    """2 processes, one node, FULL_SHARD: resume from the hybrid sharded checkpoint and from its consolidation."""
+    steps = ["--devices", "2", *STEPS, "--state-dict-type", "sharded"]
+    resumes = {
+        "full-from-hybrid": [*steps, "--ckpt-path", str(jobs.folder / "ck-sharded" / SOURCE)],
+        "full-from-consolidated": [*steps, "--ckpt-path", str(consolidated)],
+    }
+    return run_jobs(jobs.folder / "two_processes", resumes)
 
 
 def test_hybrid_equals_unsharded_training(jobs: Jobs) -> None:
@@ -68,10 +96,47 @@ def test_one_all_reduce_of_the_gradient_shards_crosses_the_nodes_per_step(jobs: 
     assert jobs["full"]["replica_bytes"] is None
 
 
-def test_sharded_checkpoints_are_refused_under_hybrid_sharding(jobs: Jobs) -> None:
-    for error in jobs.errors("sharded-refused", ranks=4):
-        assert error["type"] == "NotImplementedError"
-        assert 'state_dict_type="full"' in error["message"]
+def test_sharded_checkpoint_is_written_once_by_replica_0(jobs: Jobs) -> None:
+    """One shard per rank of a shard group (2), not one per process (4): the replicas' identical shards are written
+    once; nothing is left staged beside the checkpoints."""
+    folder = jobs.folder / "ck-sharded"
+    assert sorted(p.name for p in folder.iterdir()) == [f"epoch={e}-step={e + 1}.ckpt" for e in range(4)]
+    directory = folder / SOURCE
+    assert sorted(p.name for p in directory.iterdir()) == [META_FILE, shard_file_name(0, 2), shard_file_name(1, 2)]
+    assert torch.load(directory / META_FILE, weights_only=False)["lightning_fairscale"]["world_size"] == 2
+    total = sum(v.numel() for v in jobs["sharded"]["state_dict"].values())
+    for rank in range(2):  # each file holds its half of the model (plus padding)
+        shard = torch.load(directory / shard_file_name(rank, 2), weights_only=True)
+        assert sum(t.numel() for t in shard["state_dict"].values()) <= total / 2 + 8
+
+
+def test_resume_from_hybrid_sharded_checkpoint_is_exact(jobs: Jobs) -> None:
+    """Every replica loads the same 2 shards: the resumed run is the straight one, bit for bit."""
+    straight, resumed = jobs["sharded"], jobs["sharded-resumed"]
+    assert resumed["global_step"] == 4
+    assert max_difference(resumed["state_dict"], straight["state_dict"]) == 0.0
+    expected = reference_training(4, "adam", scheduler=True, num_samples=8)
+    assert max_difference(straight["state_dict"], expected) < ATOL
+
+
+@pytest.mark.parametrize("name", ["full-from-hybrid", "full-from-consolidated"])
+def test_full_sharding_on_2_processes_resumes_a_hybrid_sharded_checkpoint(
+    jobs: Jobs, two_processes: Jobs, name: str
+) -> None:
+    """The hybrid checkpoint of step 2 (directly, and consolidated) resumes on one node of 2 under FULL_SHARD."""
+    resumed = two_processes[name]
+    assert resumed["global_step"] == 4 and {unit["world_size"] for unit in resumed["units"]} == {2}
+    assert max_difference(resumed["state_dict"], jobs["sharded"]["state_dict"]) < ATOL
+
+
+def test_consolidated_hybrid_checkpoint_is_the_model_and_optimizer_of_step_2(consolidated: Path) -> None:
+    checkpoint: dict[str, Any] = torch.load(consolidated, weights_only=False)
+    expected = reference_training(2, "adam", scheduler=True, num_samples=8)
+    assert checkpoint["global_step"] == 2
+    assert max_difference(checkpoint["state_dict"], expected) < ATOL
+    (optimizer,) = checkpoint["optimizer_states"]
+    shapes = [value.shape for value in expected.values()]
+    assert [state["exp_avg"].shape for _, state in sorted(optimizer["state"].items())] == shapes
 
 
 def test_full_checkpoint_is_the_unsharded_model_and_optimizer(jobs: Jobs) -> None:

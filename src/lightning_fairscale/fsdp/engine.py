@@ -69,6 +69,7 @@ __all__ = [
     "optimizer_state",
     "repoint",
     "save_sharded",
+    "shard_writer",
     "state_dict_keys",
     "together",
     "wrap_model",
@@ -198,18 +199,34 @@ def save_sharded(
     ranks: Ranks, io: Any, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
     optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder], fabric: Optional[dict[str, Any]] = None,
 ) -> None:
-    """Every rank writes its shard of ``checkpoint`` (made with :func:`module_state_dict` and
+    """The ranks of one replica write their shards of ``checkpoint`` (made with :func:`module_state_dict` and
     :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last.
+
+    Without hybrid sharding that replica is every rank. Under hybrid sharding every replica holds the same shards,
+    so the shard group of rank 0 writes them once (a checkpoint of ``shard_size`` shards); the other replicas write
+    nothing but take part in every agreement, so that a failure anywhere fails everywhere.
 
     ``checkpoint`` is the Trainer's, or with ``fabric`` (the keys of the model and of the optimizers) what
     ``fabric.save`` writes (see :func:`~lightning_fairscale.checkpoint.sharded.split_checkpoint`)."""
-    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, ranks.world_size, fabric)
+    shard_rank, shards, writes = shard_writer(ranks, model.root)
+    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric)
     # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
     # previous checkpoint untouched, instead of leaving the others waiting for it.
     zero = ranks.is_global_zero
     together(ranks, io, lambda: io.begin_sharded(path) if zero else None, path, "prepare")
-    together(ranks, io, lambda: io.save_shard(shard, path, ranks.global_rank, ranks.world_size), path, "write")
-    together(ranks, io, lambda: io.commit_sharded(meta, path, ranks.world_size) if zero else None, path, "complete")
+    together(ranks, io, lambda: io.save_shard(shard, path, shard_rank, shards) if writes else None, path, "write")
+    together(ranks, io, lambda: io.commit_sharded(meta, path, shards) if zero else None, path, "complete")
+
+
+def shard_writer(ranks: Ranks, root: FullyShardedDataParallel) -> tuple[int, int, bool]:
+    """``(shard rank, number of shards, whether this rank writes its shard)`` in a sharded checkpoint.
+
+    The shards are those of the root unit's group: every rank without hybrid sharding, the shard group under it.
+    Replica 0, the shard group of global rank 0, writes: its ranks are ``0 ... shard_size - 1``, whose shard rank is
+    their global rank (see :func:`~lightning_fairscale.fsdp.options.hybrid_groups`).
+    """
+    shard_rank, shards = root.rank, root.world_size
+    return shard_rank, shards, ranks.global_rank == shard_rank
 
 
 def buffer_name(name: str) -> str:

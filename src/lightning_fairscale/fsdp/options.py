@@ -187,12 +187,6 @@ class FullyShardedOptions:
             rank: int = self.global_rank  # type: ignore[attr-defined]
             *self._process_groups, self._replica_group = hybrid_groups(self._mesh, rank, timeout)
         self._check_settings(device)
-        if self._mesh is not None and self.state_dict_type == "sharded":
-            raise NotImplementedError(
-                f'`DDPFullyShardedStrategy(sharding_strategy="{self.sharding_strategy}", state_dict_type="sharded")`'
-                " is not supported yet: a sharded checkpoint would be written once per replica. Use"
-                ' `state_dict_type="full"` (gathered within one replica, written by rank 0), or FULL_SHARD.'
-            )
         if self.state_dict_type == "sharded":
             self._sharded_io()  # fail before training, not at the first save
 
