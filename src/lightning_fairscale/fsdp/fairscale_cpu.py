@@ -433,8 +433,6 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             for unit in fsdp_instances(self):
                 for param in unit.params:
                     param_views.share_gradients(param)
-                    if getattr(unit, "replica_group", None) is not None:  # workaround 14: clipping takes the norm over one replica
-                        _mark_norm_group([param, *(view.param for view in param_views.views_of(param))], unit)
         self._reshard_frozen_params()
 
     def _reshard_frozen_params(self) -> None:
@@ -534,26 +532,16 @@ def _record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.
             param.requires_grad_(False)
 
 
-#: Set on the parameters (FSDP's and the optimizer's views) of a hybrid-sharded unit: the group of one replica.
-_NORM_GROUP = "_lightning_fairscale_norm_group"
-
-
-def _mark_norm_group(params: list[torch.nn.Parameter], unit: _FairScaleFSDP) -> None:
-    for param in params:
-        param.__dict__[_NORM_GROUP] = unit.process_group
-
-
 @torch.no_grad()
 def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: Any = None) -> Tensor:
     """The norm of all ranks' gradient shards together, as if they were one vector. A collective call.
 
     Shards are disjoint (padding gradients are zero), so the p-norm of the whole is the p-th root of the sum of
     the shards' p-th powers, and the infinity norm is the maximum of the shards' maxima. Under hybrid sharding every
-    replica holds the same shards: without a ``group`` given, the norm is taken over one replica's (the group the
-    parameters were marked with), which every replica computes alike.
+    replica holds the same shards: the callers pass one replica's ``group`` (the unit's ``process_group``, which the
+    optimizer records when it is re-pointed: :func:`lightning_fairscale.fsdp.param_views.norm_group`), which every
+    replica computes alike.
     """
-    if group is None and params:
-        group = params[0].__dict__.get(_NORM_GROUP)
     device = params[0].grad.device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if norm_type == math.inf:
