@@ -195,6 +195,13 @@ class ParameterLayout:
                 self._viewed[id(view.param)] = (managed, piece)
         return self._views[key]
 
+    def view_of(self, param: nn.Parameter) -> tuple[nn.Parameter, ParamView]:
+        """The managed parameter and the :class:`ParamView` of ``param``, a view an optimizer holds."""
+        managed, piece = self._viewed[id(param)]
+        view = self._views[(id(managed), piece)]
+        assert view is not None and view.param is param
+        return managed, view
+
     def global_range(self, managed: nn.Parameter, view: ParamView) -> tuple[int, int]:
         """The elements ``[start, stop)`` of the whole flat parameter that ``view`` holds."""
         start, _, _ = local_range(managed, self.managed[managed].unit)
@@ -285,9 +292,7 @@ def _local_views(
     found: dict[int, list[tuple[ParamView, dict[str, Any]]]] = defaultdict(list)
     for group in optimizer.param_groups:
         for param in group["params"]:
-            managed, piece = layout.locate(param)[0]
-            view = layout.view(managed, piece)
-            assert view is not None and view.param is param
+            managed, view = layout.view_of(param)
             found[id(managed)].append((view, optimizer.state.get(param, {})))
     return found
 
@@ -379,10 +384,8 @@ def describe_layout(optimizer: Optimizer, orders: GroupOrder, root: nn.Module, l
     views = []
     for group in optimizer.param_groups:
         for param in group["params"]:
-            managed, piece = layout.locate(param)[0]
-            view = layout.view(managed, piece)
-            assert view is not None
-            views.append((position[id(managed)], piece, view.start, view.stop))
+            managed, view = layout.view_of(param)
+            views.append((position[id(managed)], view.piece, view.start, view.stop))
     return {
         "params": managed_positions(params, root),
         "orders": [[(position[id(managed)], k) for managed, k in order] for order in orders],
@@ -464,26 +467,28 @@ def load_view_states(
     Raises:
         ValueError: ``groups`` has another number of param groups than the optimizer.
     """
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"The checkpoint's optimizer state has {len(groups)} param groups but the optimizer has"
-            f" {len(optimizer.param_groups)}. Resume with the optimizer configuration the checkpoint was saved with."
-        )
+    _check_group_count(groups, optimizer)
     out_state: dict[int, dict[str, Any]] = {}
     out_groups: list[dict[str, Any]] = []
     index = 0
     for group, saved in zip(optimizer.param_groups, groups):
         first = index
         for param in group["params"]:
-            managed, piece = layout.locate(param)[0]
-            view = layout.view(managed, piece)
-            assert view is not None
-            state = source(managed, piece, *layout.global_range(managed, view))
+            managed, view = layout.view_of(param)
+            state = source(managed, view.piece, *layout.global_range(managed, view))
             if state:
                 out_state[index] = state
             index += 1
         out_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(first, index))})
     optimizer.load_state_dict({"state": out_state, "param_groups": out_groups})
+
+
+def _check_group_count(groups: Sequence[Any], optimizer: Optimizer) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer state has {len(groups)} param groups but the optimizer has"
+            f" {len(optimizer.param_groups)}. Resume with the optimizer configuration the checkpoint was saved with."
+        )
 
 
 def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder) -> None:
@@ -496,11 +501,7 @@ def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: Paramet
         ValueError: ``full`` was saved for other parameters or param groups.
     """
     saved_groups = full.get("param_groups", [])
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"The checkpoint's optimizer state has {len(saved_groups)} param groups but the optimizer has"
-            f" {len(optimizer.param_groups)}. Resume with the optimizer configuration the checkpoint was saved with."
-        )
+    _check_group_count(saved_groups, optimizer)
     saved_state = full.get("state", {})
     by_piece: dict[tuple[int, int], Any] = {}
     for saved_group, order in zip(saved_groups, orders):
