@@ -29,6 +29,7 @@ from .helpers import (
     Net,
     Sharded,
     assert_optimizer_states_equal,
+    assert_tensors_equal,
     batches,
     param_groups,
     parameters_of,
@@ -131,9 +132,7 @@ def test_param_groups_may_split_units_and_name_any_subset() -> None:
         step(sharded.root, sharded.optimizer, batch)
         step(reference, plain, batch)
     assert_optimizer_states_equal(sharded.consolidate(), plain.state_dict())
-    expected = parameters_of(reference)
-    for name, value in unwrap_module(sharded.root).named_parameters():
-        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_tensors_equal(parameters_of(unwrap_module(sharded.root)), parameters_of(reference))
 
 
 def test_frozen_parameters_share_a_unit_with_trainable_ones() -> None:
@@ -161,9 +160,7 @@ def test_frozen_parameters_share_a_unit_with_trainable_ones() -> None:
     values = parameters_of(unwrap_module(sharded.root))
     assert torch.equal(values["inp.weight"], initial["inp.weight"])
     assert torch.equal(values["inp.bias"], initial["inp.bias"])
-    expected = parameters_of(reference)
-    for name, value in values.items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_tensors_equal(values, parameters_of(reference))
 
 
 def test_a_new_layout_of_the_same_model_replaces_the_views_of_the_earlier_one() -> None:
@@ -192,9 +189,7 @@ def test_zero_grad_reaches_the_flat_gradient_and_accumulation_without_it_adds() 
     for opt, net in ((sharded.optimizer, sharded.root), (plain, reference)):
         nn.functional.mse_loss(net(first[0]), first[1]).backward()
         opt.step()
-    expected = parameters_of(reference)
-    for name, value in unwrap_module(sharded.root).named_parameters():
-        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_tensors_equal(parameters_of(unwrap_module(sharded.root)), parameters_of(reference))
 
 
 @pytest.mark.parametrize("flatten", [True, False])
@@ -230,9 +225,7 @@ def test_training_resumes_exactly_from_a_plain_optimizers_state(optimizer: str, 
         step(sharded.root, sharded.optimizer, batch)
         step(reference, plain, batch)
     assert_optimizer_states_equal(sharded.consolidate(), plain.state_dict())
-    expected = parameters_of(reference)
-    for name, value in unwrap_module(sharded.root).named_parameters():
-        torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_tensors_equal(parameters_of(unwrap_module(sharded.root)), parameters_of(reference))
 
 
 def test_load_plain_state_refuses_a_state_of_other_groups_or_parameters() -> None:
