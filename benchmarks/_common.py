@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
@@ -56,6 +57,23 @@ QUIET_TRAINER: dict[str, Any] = {
     "enable_model_summary": False,
     "num_sanity_val_steps": 0,
 }
+
+
+#: Deprecation notices from FairScale 0.4.13 and Lightning internals on recent torch: noise for a benchmark.
+_KNOWN_WARNINGS = (
+    "TypedStorage is deprecated",
+    "`torch.distributed._all_gather_base`",
+    "`torch.distributed.reduce_scatter_tensor`",
+    r"`isinstance\(treespec, LeafSpec\)`",
+    "The number of training batches",
+    "does not have many workers",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Silence :data:`_KNOWN_WARNINGS` in this process."""
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=".*" + message)
 
 
 def status_kib(field: str) -> int:

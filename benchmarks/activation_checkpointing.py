@@ -51,7 +51,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -82,16 +81,7 @@ TARGET_TIME_RATIO = 1.40
 #: A configuration whose launch takes longer than this has hung (a rank waiting for a dead peer, say).
 CONFIG_TIMEOUT_S = 900
 
-# Deprecation notices from FairScale 0.4.13 and Lightning internals on recent torch: noise for a benchmark.
-for _message in (
-    "TypedStorage is deprecated",
-    "`torch.distributed._all_gather_base`",
-    "`torch.distributed.reduce_scatter_tensor`",
-    r"`isinstance\(treespec, LeafSpec\)`",
-    "The number of training batches",
-    "does not have many workers",
-):
-    warnings.filterwarnings("ignore", message=".*" + _message)
+_common.quiet_known_warnings()
 
 
 # ----------------------------------------------------------------------------------------------------------------

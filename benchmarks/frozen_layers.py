@@ -51,7 +51,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -79,16 +78,7 @@ STEP_BYTES = 4
 TARGET_TOLERANCE = 0.05
 CONFIG_TIMEOUT_S = 600
 
-# Deprecation notices from FairScale 0.4.13 and Lightning internals on recent torch: noise for a benchmark.
-for _message in (
-    "TypedStorage is deprecated",
-    "`torch.distributed._all_gather_base`",
-    "`torch.distributed.reduce_scatter_tensor`",
-    r"`isinstance\(treespec, LeafSpec\)`",
-    "The number of training batches",
-    "does not have many workers",
-):
-    warnings.filterwarnings("ignore", message=".*" + _message)
+_common.quiet_known_warnings()
 
 
 # ----------------------------------------------------------------------------------------------------------------
