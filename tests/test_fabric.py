@@ -29,10 +29,10 @@ from scenarios.common import (
 import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
 from conftest import TESTS, Jobs, run_jobs, run_script
-from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
+from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 from lightning_fairscale.checkpoint.fabric import Roles, restore
 from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY
-from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"
 #: Adam over clipped gradients amplifies the float differences between one batch and two half-batches (a 2-rank

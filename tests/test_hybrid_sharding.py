@@ -17,7 +17,7 @@ from scenarios.common import max_difference, reference_training
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale import consolidate
-from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
+from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 
 ATOL = 2e-5
 NODES = ["--num-nodes", "2", "--devices", "2"]

@@ -90,7 +90,7 @@ def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     # Modules without Lightning classes are the same module objects in both.
     assert mirror.fsdp_engine is top.fsdp_engine
     assert mirror.FullyShardedDataParallel is top.FullyShardedDataParallel
-    assert for_lightning.checkpoint_io.CheckpointFileError is lightning_fairscale.checkpoint_io.CheckpointFileError
+    assert for_lightning.checkpoint_io.CheckpointFileError is lightning_fairscale.plugins.checkpoint_io.CheckpointFileError
 
 
 def _imported_at_import_time(statements: list[ast.stmt]) -> set[str]:

@@ -11,7 +11,7 @@ from scenarios.common import IN_FEATURES, Block, RegressionModel
 from torch import nn
 
 from conftest import TRAIN_SCRIPT, run_script
-from lightning_fairscale.model_summary import FullyShardedSummary, ParameterCounts, user_modules
+from lightning_fairscale.callbacks.model_summary import FullyShardedSummary, ParameterCounts, user_modules
 
 
 @pytest.mark.parametrize(

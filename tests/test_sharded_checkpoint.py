@@ -31,7 +31,7 @@ from conftest import (
     run_script,
 )
 from lightning_fairscale import consolidate as consolidate_tool
-from lightning_fairscale.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
+from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
 TrainFailing = Callable[..., Any]
 STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # one step per epoch: every epoch end is a clean resume point

@@ -23,7 +23,7 @@ from lightning_utilities.core.imports import module_available
 
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale._deprecated import deprecated_alias
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision import (
     FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,

@@ -122,7 +122,7 @@ class RecordUnits(Callback):
         # Under hybrid sharding: the bytes this rank all-reduced across the replicas (the inter-node traffic).
         replicas = getattr(trainer.strategy, "_replica_group", None)
         if replicas is not None:
-            from lightning_fairscale import collectives
+            from lightning_fairscale.distributed import collectives
 
             self.replica_bytes = collectives.all_reduced_bytes(replicas)
 

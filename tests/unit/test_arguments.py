@@ -17,7 +17,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, ShardedCheckpointIO
 from lightning_fairscale import fabric
 from lightning_fairscale.precision import FullyShardedHalfPrecisionPlugin, FullyShardedMixedPrecisionPlugin
-from lightning_fairscale import oss
+from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.fsdp import options as fsdp_options
 from lightning_fairscale.checkpoint.checks import (
     RELAX_FABRIC,

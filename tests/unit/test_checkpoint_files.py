@@ -21,7 +21,7 @@ from lightning_fairscale.checkpoint.files import (
     shard_file_name,
     write_atomically,
 )
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 
 WORLD_SIZE = 2
 

@@ -1,4 +1,4 @@
-"""``lightning_fairscale.collectives``: tensors go to the group's device for the transfer and come back."""
+"""``lightning_fairscale.distributed.collectives``: tensors go to the group's device for the transfer and come back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from unit.fake_nccl import FAKE_GPU, FakeNccl, OnFakeGpu
 
-from lightning_fairscale import collectives
+from lightning_fairscale.distributed import collectives
 
 
 def test_the_fake_backend_refuses_cpu_tensors_like_nccl(fake_nccl: FakeNccl) -> None:

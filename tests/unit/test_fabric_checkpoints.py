@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY, consolidate
-from lightning_fairscale.checkpoint_io import META_FILE, shard_file_name
+from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 from lightning_fairscale.fabric import DDPFullyShardedStrategy, DDPShardedStrategy
 
 from .helpers import Block, Net, assert_optimizer_states_equal, assert_tensors_equal, batches

@@ -20,10 +20,10 @@ from lightning_fairscale.fsdp import fairscale_cpu
 from lightning_fairscale.fsdp.fairscale_cpu import (
     GlooReduceScatterBucketer,
     ReduceScatterBucketer,
-    ShardedGradScaler,
     clip_grad_norm_,
     global_grad_norm,
 )
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 from .helpers import Block, Net, batches, parameters_of, step, wrap
 

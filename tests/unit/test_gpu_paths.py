@@ -17,7 +17,8 @@ from unit.fake_nccl import FAKE_GPU, FakeNccl
 from torch import nn
 
 from lightning_fairscale.fsdp import fairscale_cpu
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, ShardedGradScaler
+from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.fsdp.optim import ParameterLayout, consolidate_state, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedMixedPrecisionPlugin, FullyShardedPrecisionPlugin
 from lightning_fairscale.strategies import DDPFullyShardedStrategy

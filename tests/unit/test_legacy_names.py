@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
 
-from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 #: Today's home of each class: (module, name).
 FSDP = ("strategies.fully_sharded", "DDPFullyShardedStrategy")

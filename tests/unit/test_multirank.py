@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fairscale.fsdp import fairscale_cpu
-from lightning_fairscale.fsdp.fairscale_cpu import GlooReduceScatterBucketer, ShardedGradScaler, clip_grad_norm_
+from lightning_fairscale.fsdp.fairscale_cpu import GlooReduceScatterBucketer, clip_grad_norm_
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.fsdp.optim import describe_layout
 from lightning_fairscale.fsdp.wrapping import unwrap_module
 

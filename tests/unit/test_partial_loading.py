@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp import engine, fairscale_cpu
 from lightning_fairscale.fsdp.optim import ParameterLayout, repoint_optimizer
 from lightning_fairscale.fsdp.wrapping import unwrap_module

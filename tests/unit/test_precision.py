@@ -13,7 +13,7 @@ from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch import nn
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy
-from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.precision import (
     FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.checkpoint.sharded import FORMAT_KEY, check_fits, check_wrapping, consolidate, split_checkpoint
 from lightning_fairscale.fsdp.wrapping import module_aliases
 

@@ -1,6 +1,6 @@
 """The files of a checkpoint, whoever writes them: atomic writes, errors that name a damaged file, shard names.
 
-These functions do not depend on Lightning; :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO` (the
+These functions do not depend on Lightning; :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` (the
 CheckpointIO plugin), the strategy and the offline consolidation all use them, for either Lightning package.
 
 **How a checkpoint is replaced.** A checkpoint ``NAME`` is a file (full) or a directory (sharded, complete once it

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
 from lightning_fairscale.fsdp.engine import is_sharded_checkpoint
-from lightning_fairscale.mixed_precision import unsupported
+from lightning_fairscale.mixed_precision.settings import unsupported
 
 __all__ = ["FabricAdapter", "NoBackwardSync", "fabric_precision"]
 

@@ -1,6 +1,6 @@
 """``DDPShardedStrategy`` for Fabric: FairScale's sharded optimizer state and gradients in loops you write yourself.
 
-The same pieces as the Trainer's strategy (:mod:`lightning_fairscale.oss`) behind Fabric's strategy API: the
+The same pieces as the Trainer's strategy (:mod:`lightning_fairscale.sharded_ddp.engine`) behind Fabric's strategy API: the
 optimizers given to ``fabric.setup`` become ``fairscale.optim.OSS`` (same class, param groups and hyperparameters),
 the model a ``ShardedDataParallel``; ``fabric.save``/``fabric.load`` write Fabric's checkpoints (the optimizers'
 states consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpoint.fabric`).
@@ -21,9 +21,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale import oss
+from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.fabric._common import FabricAdapter
-from lightning_fairscale.mixed_precision import sharded_grad_scaler
+from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 
 if TYPE_CHECKING:
     from lightning_fairscale._compat import _LRScheduler

@@ -286,7 +286,7 @@ def load_sharded(
 
     Args:
         ranks: the strategy.
-        io: the :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO`.
+        io: the :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`.
         path: the checkpoint directory.
         model: the wrapped model.
         optimizers: given the meta dict and the number of optimizer states saved, the optimizers to restore, each

@@ -24,13 +24,13 @@ The workarounds, and why each is needed:
 4. **``clip_grad_norm_`` calls ``.cuda()``** on the local norm. :class:`FullyShardedDataParallel` computes the global
    norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA. The
    precision plugins clip with :func:`clip_grad_norm_` on every device; its all-reduce goes through
-   :mod:`lightning_fairscale.collectives`, which moves the norm to CUDA for NCCL when the gradients are in CPU memory
+   :mod:`lightning_fairscale.distributed.collectives`, which moves the norm to CUDA for NCCL when the gradients are in CPU memory
    (``move_grads_to_cpu``).
 5. **fp16 loss scaling.** FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and for
    gradients in CPU memory it all-reduces a CUDA copy of the inf/NaN flags and then drops the result.
    :class:`ShardedGradScaler` here is PyTorch's device-generic ``torch.amp.GradScaler`` plus the one thing sharding
    needs: the "found inf" flags are combined across ranks, in place, wherever they are (through
-   :mod:`lightning_fairscale.collectives`), so every rank skips the same steps. The FSDP precision plugin uses it on
+   :mod:`lightning_fairscale.distributed.collectives`), so every rank skips the same steps. The FSDP precision plugin uses it on
    every device (this one is not CPU-specific), the sharded-DDP plugin off CUDA.
 6. **bf16 compute (all devices).** With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to
    fp16, whatever ``compute_dtype`` is, which breaks bf16 compute. :class:`FullyShardedDataParallel` casts them to
@@ -117,7 +117,7 @@ from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_modu
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale import collectives
+from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
 
@@ -125,7 +125,6 @@ __all__ = [
     "FullyShardedDataParallel",
     "GlooReduceScatterBucketer",
     "ReduceScatterBucketer",
-    "ShardedGradScaler",
     "install",
     "is_installed",
     "true_half_dtype",
@@ -282,26 +281,6 @@ def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]
 
     with torch.no_grad():
         return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
-
-
-class ShardedGradScaler(torch.amp.GradScaler):
-    """Loss scaling for sharded gradients on any device (workaround 5).
-
-    Each rank only sees its own gradient shards, so an inf/NaN found on one rank must make every rank skip the step
-    and back off the scale: the per-device "found inf" flags are summed over the process group after unscaling.
-    """
-
-    def __init__(self, device: str = "cpu", process_group: Any = None, **kwargs: Any) -> None:
-        super().__init__(device=device, **kwargs)
-        self.process_group = process_group
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale this rank's gradient shards, then agree with the other ranks on whether any was inf/NaN."""
-        super().unscale_(optimizer)
-        if not self._enabled:
-            return
-        for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            collectives.all_reduce(found_inf, group=self.process_group)  # in place, on the flag's device
 
 
 _FSDP_SIGNATURE = inspect.signature(_FairScaleFSDP.__init__)

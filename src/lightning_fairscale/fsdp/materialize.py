@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale import collectives
+from lightning_fairscale.distributed import collectives
 
 __all__ = [
     "ParamInitFn",

@@ -28,7 +28,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_fairscale import collectives
+from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.param_views import ParamView
@@ -275,7 +275,7 @@ def _gather_full(shard: Tensor, numel: int, group: Any) -> Tensor | None:
     """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks.
 
     The shards may be in CPU memory (``cpu_offload``) where the backend takes CUDA tensors only (NCCL):
-    :func:`~lightning_fairscale.collectives.gather` moves them for the transfer.
+    :func:`~lightning_fairscale.distributed.collectives.gather` moves them for the transfer.
     """
     # The group's first rank: global rank 0, or under hybrid sharding the first rank of another replica.
     first = dist.get_global_rank(group, 0) if group is not None else 0

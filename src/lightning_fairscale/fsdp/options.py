@@ -25,8 +25,8 @@ from torch.nn import Module
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.fsdp import fairscale_cpu
 from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
-from lightning_fairscale.mixed_precision import compute_dtype, half_dtype
-from lightning_fairscale.process_exit import close_process_group_at_exit
+from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dtype
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
 from lightning_fairscale.fsdp.wrapping import (
     AutoWrapPolicy,
@@ -192,7 +192,7 @@ class FullyShardedOptions:
 
     @property
     def checkpoint_io(self) -> Any:
-        """The CheckpointIO plugin: a :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO` by default."""
+        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by default."""
         if self._checkpoint_io_slot() is None:  # type: ignore[attr-defined]  # _compat.StrategyInternals
             self._set_checkpoint_io_slot(self._checkpoint_io_class())  # type: ignore[attr-defined]
         return super().checkpoint_io  # type: ignore[misc]

@@ -49,7 +49,7 @@ except ModuleNotFoundError as error:
 
 _loader.install()
 
-from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO  # noqa: E402
+from lightning_fairscale.lightning.plugins import ShardedCheckpointIO  # noqa: E402
 from lightning_fairscale.lightning.precision import (  # noqa: E402
     FullyShardedHalfPrecisionPlugin,
     FullyShardedMixedPrecisionPlugin,

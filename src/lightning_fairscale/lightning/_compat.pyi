@@ -5,7 +5,7 @@ Lightning and torch may rename or remove a private name in any release; importin
 breaks this one module, with an error that names what moved, instead of any file of the package. No other module
 of the package imports a private Lightning name, and no other module reads or writes a private attribute of a
 Lightning object: :class:`StrategyInternals` and :func:`attached_trainer` do (``tests/unit/test_import_graph.py``
-checks both). The one exception by design is :mod:`lightning_fairscale.model_summary`, whose summary subclasses
+checks both). The one exception by design is :mod:`lightning_fairscale.callbacks.model_summary`, whose summary subclasses
 Lightning's ``ModelSummary`` and overrides its private hooks.
 
 Checked against pytorch-lightning / lightning-fabric / lightning 2.6.0 and 2.6.6, and torch 2.13. This module is
@@ -30,7 +30,7 @@ class StrategyInternals:
     ``DDPStrategy``) that our strategies read or write, behind methods of ours.
 
     Every strategy of ours has this class among its bases; the engine's option classes
-    (:class:`~lightning_fairscale.fsdp.options.FullyShardedOptions`, :class:`~lightning_fairscale.oss.ShardedDDPOptions`)
+    (:class:`~lightning_fairscale.fsdp.options.FullyShardedOptions`, :class:`~lightning_fairscale.sharded_ddp.engine.ShardedDDPOptions`)
     call these methods, so that they need no Lightning import and a renamed attribute breaks this module only.
     """
 

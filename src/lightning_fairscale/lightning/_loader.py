@@ -37,12 +37,14 @@ TARGET_PACKAGE = "lightning_fairscale.lightning"
 #: prefixes of others. Everything else is shared by both Lightning packages.
 BOUND = (
     "_compat",
-    "checkpoint_io",
+    "callbacks",
+    "callbacks.model_summary",
     "fabric",
     "fabric._common",
     "fabric.fully_sharded",
     "fabric.sharded",
-    "model_summary",
+    "plugins",
+    "plugins.checkpoint_io",
     "precision",
     "precision.fully_sharded",
     "precision.fully_sharded_amp",

@@ -12,11 +12,10 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
-from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
-from lightning_fairscale.mixed_precision import (
+from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler, fsdp_grad_scaler
+from lightning_fairscale.mixed_precision.settings import (
     SUPPORTED_PRECISION,
     compute_dtype,
-    fsdp_grad_scaler,
     half_dtype,
     mixed_precision_name,
     unsupported,
@@ -53,14 +52,14 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
 
     FSDP keeps FP32 parameter shards and computes in ``compute_dtype`` (fp16 or bf16, following ``precision``),
     under ``torch.autocast``. For fp16 the loss is scaled with a sharded grad scaler
-    (:class:`~lightning_fairscale.fsdp.fairscale_cpu.ShardedGradScaler`, on every device), whose inf/NaN checks agree across
+    (:class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler`, on every device), whose inf/NaN checks agree across
     ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled before clipping.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning 1.x's ``16``, ``"16"`` and ``"bf16"`` work too, with
             a deprecation warning).
         device: ``"cuda"`` or ``"cpu"``.
-        scaler: a :class:`~lightning_fairscale.fsdp.fairscale_cpu.ShardedGradScaler` for fp16 (default: one for
+        scaler: a :class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler` for fp16 (default: one for
             ``device``); must be ``None`` for bf16.
 
     Raises:
@@ -88,7 +87,7 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
                 f"`FullyShardedMixedPrecisionPlugin` needs a sharded grad scaler, got {type(scaler).__module__}."
                 f"{type(scaler).__qualname__}: {why}, so the ranks would skip different steps and their models drift"
                 " apart. Leave `scaler=None` (the default: a sharded one), or pass"
-                f" `lightning_fairscale.fsdp.fairscale_cpu.ShardedGradScaler(device={device!r})`."
+                f" `lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler(device={device!r})`."
             )
         super().__init__(precision=precision, device=device, scaler=scaler)
 

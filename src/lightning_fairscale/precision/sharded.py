@@ -9,13 +9,8 @@ from fairscale.optim import OSS
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_fairscale.mixed_precision import (
-    SUPPORTED_PRECISION,
-    is_sharded_grad_scaler,
-    sharded_grad_scaler,
-    mixed_precision_name,
-    unsupported,
-)
+from lightning_fairscale.mixed_precision.grad_scaler import is_sharded_grad_scaler, sharded_grad_scaler
+from lightning_fairscale.mixed_precision.settings import SUPPORTED_PRECISION, mixed_precision_name, unsupported
 
 __all__ = [
     "SUPPORTED_PRECISION",

@@ -33,7 +33,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.oss import (
+from lightning_fairscale.sharded_ddp.engine import (
     ShardedDDPOptions,
     SpawnOnly,
     full_state,
@@ -44,7 +44,7 @@ from lightning_fairscale.oss import (
     sync_module_states,
 )
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
 from lightning_fairscale.fsdp.engine import is_sharded_checkpoint
-from lightning_fairscale.mixed_precision import unsupported
+from lightning_fairscale.mixed_precision.settings import unsupported
 __all__ = ...
 
 class FabricAdapter:

@@ -21,9 +21,9 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.lightning.fabric._common import FabricAdapter
-from lightning_fairscale.mixed_precision import fsdp_grad_scaler
+from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import param_views

@@ -6,7 +6,8 @@ from typing import Any, Literal, Optional, Union
 from fairscale.optim import OSS
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
-from lightning_fairscale.mixed_precision import SUPPORTED_PRECISION, is_sharded_grad_scaler, sharded_grad_scaler, mixed_precision_name, unsupported
+from lightning_fairscale.mixed_precision.grad_scaler import is_sharded_grad_scaler, sharded_grad_scaler
+from lightning_fairscale.mixed_precision.settings import SUPPORTED_PRECISION, mixed_precision_name, unsupported
 __all__ = ...
 
 class _OSSNormClipping:

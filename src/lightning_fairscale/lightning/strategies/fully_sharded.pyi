@@ -21,13 +21,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
-from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
-from lightning_fairscale.lightning.model_summary import use_for_model_summaries
+from lightning_fairscale.lightning.callbacks.model_summary import use_for_model_summaries
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys, describe_partial_load, restores_optimizer_states, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
@@ -201,7 +201,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any]=None) -> None:
         """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
-        checkpoint directory (see :class:`~lightning_fairscale.checkpoint_io.ShardedCheckpointIO`)."""
+        checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`)."""
         ...
 
     def _wrapped(self) -> fsdp_engine.WrappedModel:

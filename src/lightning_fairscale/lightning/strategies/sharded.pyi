@@ -30,9 +30,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
-from lightning_fairscale.oss import ShardedDDPOptions, SpawnOnly, full_state, load_full_state, reattach_bucketed_gradients, repoint_schedulers, shard_optimizer, sync_module_states
+from lightning_fairscale.sharded_ddp.engine import ShardedDDPOptions, SpawnOnly, full_state, load_full_state, reattach_bucketed_gradients, repoint_schedulers, shard_optimizer, sync_module_states
 from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.lightning.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.lightning.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout

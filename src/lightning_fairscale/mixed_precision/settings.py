@@ -13,16 +13,12 @@ from typing import Any, Optional
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_deprecation
 
-from lightning_fairscale.fsdp.fairscale_cpu import ShardedGradScaler
 
 __all__ = [
     "SUPPORTED_PRECISION",
     "compute_dtype",
-    "fsdp_grad_scaler",
     "half_dtype",
-    "is_sharded_grad_scaler",
     "mixed_precision_name",
-    "sharded_grad_scaler",
     "unsupported",
 ]
 
@@ -84,34 +80,6 @@ def half_dtype(precision: str) -> Optional[torch.dtype]:
         (torch.bfloat16, torch.float16, None)
     """
     return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
-
-
-def fsdp_grad_scaler(device: str) -> ShardedGradScaler:
-    """FSDP's loss scaler for fp16: ours on every device, CUDA included.
-
-    Not FairScale's: with ``cpu_offload`` the gradients, and so the inf/NaN flags, are in CPU memory; FairScale's scaler
-    all-reduces a CUDA copy of such a flag and drops the result (``v_on_cuda.cpu()``), so a rank that found an inf
-    skips its step while the others step theirs. Ours reduces the flags in place.
-    """
-    return ShardedGradScaler(device=device)
-
-
-def sharded_grad_scaler(device: str) -> Any:
-    """Sharded DDP's loss scaler for fp16, whose inf/NaN checks are combined across ranks: FairScale's
-    ``ShardedGradScaler`` on CUDA (OSS keeps gradients on the GPU), the device-generic one of
-    :mod:`lightning_fairscale.fsdp.fairscale_cpu` elsewhere."""
-    if device == "cuda":
-        from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
-
-        return FairScaleShardedGradScaler()
-    return ShardedGradScaler(device=device)
-
-
-def is_sharded_grad_scaler(scaler: Any) -> bool:
-    """Whether ``scaler`` combines its inf/NaN checks across ranks (one of the two scalers above)."""
-    from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
-
-    return isinstance(scaler, (FairScaleShardedGradScaler, ShardedGradScaler))
 
 
 def unsupported(strategy: str, plugin: Any, how: str, own: Optional[str] = None) -> ValueError:

@@ -26,9 +26,9 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale import collectives
+from lightning_fairscale.distributed import collectives
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
-from lightning_fairscale.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
 
 __all__ = [

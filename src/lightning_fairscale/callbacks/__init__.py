@@ -1,0 +1,2 @@
+"""Callbacks of the Trainer that FSDP changes: the model summary counts sharded parameters
+(:mod:`~lightning_fairscale.callbacks.model_summary`)."""
