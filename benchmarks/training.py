@@ -11,8 +11,8 @@ What runs:
 
 1. **Integration overhead.** ``Trainer(strategy=DDPFullyShardedStrategy(auto_wrap_policy={Block}))`` ("ours")
    against a hand-written FairScale FSDP loop: ``torch.distributed`` initialised with gloo by hand, one process per
-   rank started like Lightning's launcher starts them (``_common.start_ranks``), ``fairscale_cpu.install()``, each
-   ``Block`` wrapped in ``lightning_fairscale.fsdp.fairscale_cpu.FullyShardedDataParallel`` and then the root, with the
+   rank started like Lightning's launcher starts them (``_common.start_ranks``), ``cpu_streams.install()``, each
+   ``Block`` wrapped in ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` and then the root, with the
    strategy's default FSDP arguments; Adam over the wrapped parameters. Target: ours at most 5% slower.
 2. **Alternatives**, on the middle size and 2 ranks: Lightning's ``strategy="ddp"``, our ``strategy="ddp_sharded"``
    (OSS + ShardedDataParallel) and a hand-written loop with PyTorch's own FSDP
@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import Block  # noqa: E402
 
-from lightning_fairscale.fsdp import fairscale_cpu  # noqa: E402
+from lightning_fairscale.fsdp import cpu_streams, units  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 from lightning_fairscale.fsdp.summary import memory_figures  # noqa: E402
 
@@ -291,7 +291,7 @@ def wrap_fairscale(model: BlockStack) -> nn.Module:
     after forward, 25 MB reduce-scatter buckets, float32, no offload. FairScale's defaults give the same two process
     groups as the strategy (the default group for all-gathers, one more for reduce-scatters).
     """
-    fairscale_cpu.install()  # no-op CUDA streams and record_stream on CPU tensors (see its docstring)
+    cpu_streams.install()  # no-op CUDA streams and record_stream on CPU tensors (see its docstring)
     kwargs: dict[str, Any] = {
         "compute_device": torch.device("cpu"),
         "reshard_after_forward": True,
@@ -304,8 +304,8 @@ def wrap_fairscale(model: BlockStack) -> nn.Module:
         "state_dict_device": torch.device("cpu"),
     }
     for index, block in enumerate(model.blocks):
-        model.blocks[index] = fairscale_cpu.FullyShardedDataParallel(block, **kwargs)
-    return fairscale_cpu.FullyShardedDataParallel(model, **kwargs)
+        model.blocks[index] = units.FullyShardedDataParallel(block, **kwargs)
+    return units.FullyShardedDataParallel(model, **kwargs)
 
 
 def torch_fsdp_refuses_no_device() -> Optional[str]:

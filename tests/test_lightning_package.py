@@ -145,8 +145,8 @@ def test_the_bound_modules_are_those_that_import_lightning() -> None:
         ("import pytorch_lightning", "import lightning.pytorch as pytorch_lightning"),
         ("from lightning_fabric.plugins import CheckpointIO", "from lightning.fabric.plugins import CheckpointIO"),
         ("from lightning_fairscale.precision import X", "from lightning_fairscale.lightning.precision import X"),
-        ("from lightning_fairscale.fsdp.wrapping import X", "from lightning_fairscale.fsdp.wrapping import X"),
-        ("from lightning_fairscale import fairscale_cpu", "from lightning_fairscale import fairscale_cpu"),
+        ("from lightning_fairscale.fsdp.policies import X", "from lightning_fairscale.fsdp.policies import X"),
+        ("from lightning_fairscale.fsdp import units", "from lightning_fairscale.fsdp import units"),
         ("import torch.distributed as dist", "import torch.distributed as dist"),
     ],
 )

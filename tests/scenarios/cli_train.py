@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from jsonargparse import ArgumentParser  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from lightning_fairscale.fsdp.wrapping import clean_path  # noqa: E402
+from lightning_fairscale.fsdp.state_names import clean_path  # noqa: E402
 from scenarios.common import RegressionModel  # noqa: E402
 from scenarios.flavor import PACKAGE, Callback, Trainer  # noqa: E402
 

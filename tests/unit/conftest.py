@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fairscale.fsdp import fairscale_cpu
+from lightning_fairscale.fsdp import cpu_streams
 from unit.fake_nccl import FakeNccl
 
 
@@ -30,7 +30,7 @@ def process_group() -> Iterator[dist.ProcessGroup]:
     compared exactly with a plain module's.
     """
     assert not dist.is_initialized(), "a previous test left its process group behind"
-    fairscale_cpu.install()
+    cpu_streams.install()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dist.group.WORLD

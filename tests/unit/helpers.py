@@ -24,9 +24,10 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FairScaleFSDP
 from fairscale.nn.wrap import enable_wrap
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, consolidate_state, load_plain_state, repoint_optimizer
-from lightning_fairscale.fsdp.wrapping import auto_wrap_policy, clean_path, wrap_module
+from lightning_fairscale.fsdp.policies import auto_wrap_policy, wrap_module
+from lightning_fairscale.fsdp.state_names import clean_path
 
 #: Samples per global batch: divisible by the world sizes 1, 2 and 3 the tests use.
 GLOBAL_BATCH = 6

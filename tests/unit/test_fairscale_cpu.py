@@ -1,4 +1,4 @@
-"""fairscale_cpu.py on one rank: the CPU patches, the bucketers, global-norm clipping and the sharded grad scaler.
+"""fsdp/cpu_streams.py, bucketing.py, grad_norm.py and the grad scaler on one rank: the CPU patches, the bucketers, global-norm clipping and the sharded grad scaler.
 
 (Their behaviour across ranks is in test_multirank.py.)
 """
@@ -16,13 +16,10 @@ from fairscale.internal import reduce_scatter_bucketer as fairscale_bucketer
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 from torch import nn
 
-from lightning_fairscale.fsdp import fairscale_cpu
-from lightning_fairscale.fsdp.fairscale_cpu import (
-    GlooReduceScatterBucketer,
-    ReduceScatterBucketer,
-    clip_grad_norm_,
-    global_grad_norm,
-)
+from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp import units as fsdp_units
+from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_, global_grad_norm
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 from .helpers import Block, Net, batches, parameters_of, step, wrap
@@ -37,8 +34,8 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches 
 @no_cuda
 def test_install_gives_fsdp_a_torch_whose_streams_do_nothing() -> None:
     patched = fsdp_module.torch
-    fairscale_cpu.install()  # idempotent
-    assert fairscale_cpu.is_installed() and fsdp_module.torch is patched
+    cpu_streams.install()  # idempotent
+    assert cpu_streams.is_installed() and fsdp_module.torch is patched
     stream = patched.cuda.current_stream()
     assert stream.device == torch.device("cpu") and patched.cuda.Stream() is stream
     stream.wait_stream(stream)
@@ -62,7 +59,7 @@ def test_record_stream_on_a_cpu_tensor_does_nothing() -> None:
 def test_fsdp_on_gloo_uses_one_shared_gloo_bucketer() -> None:
     root = wrap(Net(), policy={Block})
     step(root, torch.optim.SGD(root.parameters(), lr=0.1), batches(1)[0])
-    units = [m for m in root.modules() if isinstance(m, fairscale_cpu.FullyShardedDataParallel)]
+    units = [m for m in root.modules() if isinstance(m, fsdp_units.FullyShardedDataParallel)]
     assert len(units) == 3
     assert type(root._reducer) is GlooReduceScatterBucketer
     assert all(unit._reducer is root._reducer for unit in units)
@@ -246,7 +243,7 @@ def test_a_true_half_precision_unit_holds_and_computes_in_its_dtype(
     model = Net().to(dtype) if built_in == "half" else Net()
     originals = list(model.parameters())
     root = wrap(model, policy={Block}, flatten=flatten, mixed_precision=False, compute_dtype=dtype)
-    units = list(fairscale_cpu.fsdp_instances(root))
+    units = list(fsdp_units.fsdp_instances(root))
     assert len(units) == 3 and all((u.compute_dtype, u.buffer_dtype) == (dtype, dtype) for u in units)
     assert {p.dtype for p in root.parameters()} == {p.dtype for p in originals} == {dtype}  # no FP32 left behind
     reference = Net().to(dtype)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from unit.fake_nccl import FAKE_GPU, FakeNccl
 from torch import nn
 
-from lightning_fairscale.fsdp import fairscale_cpu
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.fsdp.optim import ParameterLayout, consolidate_state, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedMixedPrecisionPlugin, FullyShardedPrecisionPlugin
@@ -32,7 +32,7 @@ def _network() -> nn.Module:
 @pytest.fixture
 def trained(process_group: None) -> Iterator[tuple[torch.optim.Optimizer, ParameterLayout, list, nn.Module]]:
     """Two Adam steps of a one-rank FSDP model on the CPU: optimizer state in CPU memory, as with ``cpu_offload``."""
-    fairscale_cpu.install()
+    cpu_streams.install()
     module = _network()
     optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
     layout = ParameterLayout.before_wrapping(module)

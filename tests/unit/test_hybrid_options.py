@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.fsdp import ShardingStrategy
 
-from lightning_fairscale.fsdp.options import mesh_request, resolve_mesh, sharding_name
+from lightning_fairscale.fsdp.hybrid import mesh_request, resolve_mesh, sharding_name
 from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
 

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fairscale.fsdp import fairscale_cpu
-from lightning_fairscale.fsdp.fairscale_cpu import GlooReduceScatterBucketer, clip_grad_norm_
+from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.fsdp.optim import describe_layout
-from lightning_fairscale.fsdp.wrapping import unwrap_module
+from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
 from .helpers import (
     OPTIMIZERS,
@@ -145,7 +146,7 @@ def frozen_root_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
-    fairscale_cpu.install()
+    cpu_streams.install()
     out: dict[str, Any] = {"views": view_checks(rank, world_size), "frozen_root": frozen_root_checks(rank, world_size)}
     for optimizer, flatten in CASES:
         model = Net()

@@ -21,7 +21,7 @@ from lightning_fairscale.fsdp.optim import (
     repoint_optimizer,
 )
 from lightning_fairscale.fsdp.param_views import views_of
-from lightning_fairscale.fsdp.wrapping import unwrap_module
+from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
 from .helpers import (
     OPTIMIZERS,

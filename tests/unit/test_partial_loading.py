@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.fsdp import engine, fairscale_cpu
+from lightning_fairscale.fsdp import cpu_streams, engine
 from lightning_fairscale.fsdp.optim import ParameterLayout, repoint_optimizer
-from lightning_fairscale.fsdp.wrapping import unwrap_module
+from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
 from .helpers import OUT_FEATURES, Block, Net, batches, parameters_of, run_ranks, step, wrap
 
@@ -191,12 +191,12 @@ def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(proces
 
 
 def save_on_ranks(rank: int, world_size: int, path: Path) -> None:
-    fairscale_cpu.install()
+    cpu_streams.install()
     save_sharded(wrapped(Net(seed=0), {Block}), path, Ranks())
 
 
 def load_on_ranks(rank: int, world_size: int, path: Path, policy: str) -> dict[str, Any]:
-    fairscale_cpu.install()
+    cpu_streams.install()
     sharded = wrapped(PartialNet(seed=1), POLICIES[policy])
     _, keys = load_sharded(sharded, path, Ranks(), strict=False)
     full = wrapped(PartialNet(seed=1), POLICIES[policy])  # the full state dict's path, on these ranks too

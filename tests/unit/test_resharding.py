@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.fsdp import fairscale_cpu
+from lightning_fairscale.fsdp import units
 from lightning_fairscale.fsdp.resharding import SavedShards, copy_overlaps, owned_range, release_pages
 
 
@@ -69,8 +69,8 @@ def _wrapped(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2)))
     cpu = torch.device("cpu")
-    net[2] = fairscale_cpu.FullyShardedDataParallel(net[2], compute_device=cpu)
-    return fairscale_cpu.FullyShardedDataParallel(net, compute_device=cpu)
+    net[2] = units.FullyShardedDataParallel(net[2], compute_device=cpu)
+    return units.FullyShardedDataParallel(net, compute_device=cpu)
 
 
 def test_a_checkpoint_of_two_ranks_loads_into_one(process_group: None) -> None:

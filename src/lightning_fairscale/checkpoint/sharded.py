@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint.files import load_meta, load_shard
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece, describe_layout, plain_state_dict
-from lightning_fairscale.fsdp.wrapping import apply_aliases, module_aliases
+from lightning_fairscale.fsdp.state_names import apply_aliases, module_aliases
 
 
 __all__ = [

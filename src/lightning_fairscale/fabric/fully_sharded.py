@@ -30,7 +30,8 @@ from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import param_views
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel, clip_grad_norm_
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state

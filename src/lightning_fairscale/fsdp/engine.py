@@ -26,7 +26,7 @@ from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
@@ -48,15 +48,10 @@ from lightning_fairscale.checkpoint.sharded import (
 )
 from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys, check_state_dict_fits
 from lightning_fairscale.fsdp.summary import unit_summary
-from lightning_fairscale.fsdp.wrapping import (
-    add_aliases,
-    apply_activation_checkpointing,
-    apply_aliases,
-    clean_path,
-    module_aliases,
-    remember_root,
-    wrap_module,
-)
+from lightning_fairscale.fsdp.activation_checkpointing import apply_activation_checkpointing
+from lightning_fairscale.fsdp.policies import wrap_module
+from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, module_aliases
+from lightning_fairscale.fsdp.unwrapping import remember_root
 
 __all__ = [
     "Ranks",
@@ -223,7 +218,7 @@ def shard_writer(ranks: Ranks, root: FullyShardedDataParallel) -> tuple[int, int
 
     The shards are those of the root unit's group: every rank without hybrid sharding, the shard group under it.
     Replica 0, the shard group of global rank 0, writes: its ranks are ``0 ... shard_size - 1``, whose shard rank is
-    their global rank (see :func:`~lightning_fairscale.fsdp.options.hybrid_groups`).
+    their global rank (see :func:`~lightning_fairscale.fsdp.hybrid.hybrid_groups`).
     """
     shard_rank, shards = root.rank, root.world_size
     return shard_rank, shards, ranks.global_rank == shard_rank

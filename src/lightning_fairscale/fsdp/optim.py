@@ -30,10 +30,10 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp import param_views
-from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances, named_fsdp_instances
+from lightning_fairscale.fsdp.units import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.param_views import ParamView
 from lightning_fairscale.fsdp.resharding import local_range
-from lightning_fairscale.fsdp.wrapping import clean_path
+from lightning_fairscale.fsdp.state_names import clean_path
 
 __all__ = [
     "PIECES_KEY",

@@ -16,7 +16,7 @@ the next backward. What the user does to the views' gradients decides what happe
 (:func:`take_back_gradients`): ``optimizer.zero_grad()`` (views' gradients ``None``) frees it, so that the next
 backward starts afresh, exactly as for the original parameters of an unsharded model.
 
-The functions here are called by :class:`lightning_fairscale.fsdp.fairscale_cpu.FullyShardedDataParallel` at the
+The functions here are called by :class:`lightning_fairscale.fsdp.units.FullyShardedDataParallel` at the
 start and the end of each backward; the views are made by :class:`lightning_fairscale.fsdp.optim.ParameterLayout`.
 """
 

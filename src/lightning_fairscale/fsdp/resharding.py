@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
+from lightning_fairscale.fsdp.units import fsdp_instances
 
 __all__ = [
     "SavedPiece",
@@ -215,7 +215,7 @@ class SavedShards:
 
     def pieces(self, aliases: Iterable[tuple[str, str]] = ()) -> dict[str, SavedPiece]:
         """Where each original parameter lies in the saved flat parameters, by the unwrapped module's name (also
-        under each alias: see :func:`lightning_fairscale.fsdp.wrapping.module_aliases`)."""
+        under each alias: see :func:`lightning_fairscale.fsdp.state_names.module_aliases`)."""
         found: dict[str, SavedPiece] = {}
         for unit in self.metadata["param_metadata"]:
             prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""

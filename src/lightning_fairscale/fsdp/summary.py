@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp.fairscale_cpu import named_fsdp_instances
-from lightning_fairscale.fsdp.wrapping import clean_path
+from lightning_fairscale.fsdp.units import named_fsdp_instances
+from lightning_fairscale.fsdp.state_names import clean_path
 
 __all__ = ["memory_figures", "unit_summary"]
 

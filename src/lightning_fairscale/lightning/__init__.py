@@ -19,7 +19,7 @@ those built on ``pytorch_lightning``. This subpackage has the same classes as th
 
 The registry names need no import from here: ``import lightning_fairscale`` registers them with both packages'
 registries when both are installed, so ``L.Trainer(strategy="fsdp_fairscale")`` works after it. Modules without
-Lightning classes (:mod:`lightning_fairscale.fsdp.fairscale_cpu`, :mod:`lightning_fairscale.fsdp.wrapping`, the checkpoint
+Lightning classes (:mod:`lightning_fairscale.fsdp.units`, :mod:`lightning_fairscale.fsdp.policies`, the checkpoint
 format, consolidation...) are shared: import them from the top-level package. Checkpoints are the same files either
 way.
 

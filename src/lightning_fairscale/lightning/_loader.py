@@ -11,7 +11,7 @@ renamed before compiling:
 * ``lightning_fairscale.<m>`` becomes ``lightning_fairscale.lightning.<m>`` when ``<m>`` is one of the modules in
   :data:`BOUND` (they subclass or register with Lightning), and stays as it is otherwise: FairScale glue, wrapping,
   optimizer layouts, the checkpoint file format and consolidation do not depend on which Lightning runs them, and
-  both packages share them (one ``fairscale_cpu``, one ``CheckpointFileError``...).
+  both packages share them (one ``fsdp.units``, one ``CheckpointFileError``...).
 
 Nothing else changes: the code compiles from the original file with its line numbers, so tracebacks, coverage and
 debuggers point at the one source. This is what Lightning does itself to build ``lightning.pytorch`` from one source
@@ -72,8 +72,8 @@ def renamed_module(module: str) -> str:
         'lightning.pytorch.strategies'
         >>> renamed_module("lightning_fairscale.strategies.fully_sharded")
         'lightning_fairscale.lightning.strategies.fully_sharded'
-        >>> renamed_module("lightning_fairscale.fsdp.fairscale_cpu")
-        'lightning_fairscale.fsdp.fairscale_cpu'
+        >>> renamed_module("lightning_fairscale.fsdp.units")
+        'lightning_fairscale.fsdp.units'
     """
     top, _, rest = module.partition(".")
     if top in RENAMED:

@@ -11,7 +11,7 @@ from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.optim import Optimizer
 
 from lightning_fairscale.fsdp import param_views
-from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler, fsdp_grad_scaler
 from lightning_fairscale.mixed_precision.settings import (
     SUPPORTED_PRECISION,

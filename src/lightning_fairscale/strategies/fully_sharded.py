@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
@@ -41,13 +41,8 @@ from lightning_fairscale.checkpoint.checks import (
 )
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
-from lightning_fairscale.fsdp.wrapping import (
-    forget_root,
-    remove_activation_checkpointing,
-    root_parameters_visible,
-    unwrap_module,
-    wrapped_root,
-)
+from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
+from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
 
 class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrategy):

@@ -25,7 +25,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from fairscale.nn.misc import FlattenParamsWrapper
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning_fairscale.lightning._compat import _ModuleMode, attached_trainer
-from lightning_fairscale.fsdp.fairscale_cpu import fsdp_instances
+from lightning_fairscale.fsdp.units import fsdp_instances
 from lightning.pytorch.utilities.model_summary.model_summary import NOT_APPLICABLE, LayerSummary, ModelSummary, get_human_readable_count
 from torch import nn
 from typing_extensions import override

@@ -8,7 +8,7 @@ from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGr
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 from lightning_fairscale.fsdp import param_views
-from lightning_fairscale.fsdp.fairscale_cpu import clip_grad_norm_
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler, fsdp_grad_scaler
 from lightning_fairscale.mixed_precision.settings import SUPPORTED_PRECISION, compute_dtype, half_dtype, mixed_precision_name, unsupported
 __all__ = ...

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.fsdp.fairscale_cpu import FullyShardedDataParallel
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
@@ -32,7 +32,8 @@ from lightning_fairscale.lightning.strategies._callbacks import check_callbacks,
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys, describe_partial_load, restores_optimizer_states, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
-from lightning_fairscale.fsdp.wrapping import forget_root, remove_activation_checkpointing, root_parameters_visible, unwrap_module, wrapped_root
+from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
+from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
 class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.

@@ -1,34 +1,36 @@
-"""CPU compatibility layer for FairScale 0.4.13's ``FullyShardedDataParallel``.
+"""FairScale 0.4.13's ``FullyShardedDataParallel`` as this package builds its units, and the one numbered list of
+the FairScale workarounds.
 
 FairScale's FSDP was written for CUDA and NCCL. It runs unchanged on GPUs, but on a CPU process group (gloo) it
-fails in several places. FairScale is frozen, so the fixes live here, in one place, and each one is bounded: the
-CPU-only ones (1 to 3) change nothing on a CUDA device, the others say where they apply, and no installed file is
-edited.
+fails in several places, and some of its bugs hit every device. FairScale is frozen, so the fixes live in this
+package, each bounded: the CPU-only ones (1 to 3, in :mod:`~lightning_fairscale.fsdp.cpu_streams` and
+:mod:`~lightning_fairscale.fsdp.bucketing`) change nothing on a CUDA device, the others say where they apply, and no
+installed file is edited. :class:`FullyShardedDataParallel` here is the unit class every other module uses.
 
 The workarounds, and why each is needed:
 
 1. **CUDA streams.** FSDP overlaps communication with computation on ``torch.cuda.Stream`` objects and calls
    ``torch.cuda.current_stream()``, ``torch.cuda.stream(...)`` and ``torch.cuda.synchronize()`` unconditionally,
    which raise on a machine without CUDA. CPU work is executed in program order, so streams have nothing to do
-   there. :func:`install` gives FairScale's FSDP module (and only that module) a view of ``torch`` whose ``cuda``
+   there. :func:`~lightning_fairscale.fsdp.cpu_streams.install` gives FairScale's FSDP module (and only that module) a view of ``torch`` whose ``cuda``
    attribute answers these calls with a single no-op CPU stream. It is installed only when
    ``torch.cuda.is_available()`` is ``False``; with CUDA present FairScale keeps the real ``torch``.
 2. **``Tensor.record_stream`` on CPU tensors.** FSDP records its CUDA streams on gradient and parameter buffers so
    the caching allocator does not reuse them early. PyTorch has no CPU kernel for ``aten::record_stream`` (it raises
-   ``NotImplementedError``). CPU memory is not stream-ordered, so recording is meaningless there: :func:`install`
+   ``NotImplementedError``). CPU memory is not stream-ordered, so recording is meaningless there: :func:`~lightning_fairscale.fsdp.cpu_streams.install`
    registers a no-op CPU kernel. CUDA tensors keep PyTorch's own kernel.
 3. **Reduce-scatter buckets on gloo.** FairScale's ``ReduceScatterBucketer`` hands a 2-D ``(world_size, n)`` tensor
    to ``_reduce_scatter_base``. NCCL accepts that; gloo checks ``output.numel() * world_size == input.shape[0]`` and
-   aborts. :class:`GlooReduceScatterBucketer` passes the same memory as a 1-D view, which is the layout gloo
+   aborts. :class:`~lightning_fairscale.fsdp.bucketing.GlooReduceScatterBucketer` passes the same memory as a 1-D view, which is the layout gloo
    expects and gives the identical result. It is used only when the reduce-scatter group's backend is gloo.
 4. **``clip_grad_norm_`` calls ``.cuda()``** on the local norm. :class:`FullyShardedDataParallel` computes the global
    norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA. The
-   precision plugins clip with :func:`clip_grad_norm_` on every device; its all-reduce goes through
+   precision plugins clip with :func:`~lightning_fairscale.fsdp.grad_norm.clip_grad_norm_` on every device; its all-reduce goes through
    :mod:`lightning_fairscale.distributed.collectives`, which moves the norm to CUDA for NCCL when the gradients are in CPU memory
    (``move_grads_to_cpu``).
 5. **fp16 loss scaling.** FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and for
    gradients in CPU memory it all-reduces a CUDA copy of the inf/NaN flags and then drops the result.
-   :class:`ShardedGradScaler` here is PyTorch's device-generic ``torch.amp.GradScaler`` plus the one thing sharding
+   :class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler` is PyTorch's device-generic ``torch.amp.GradScaler`` plus the one thing sharding
    needs: the "found inf" flags are combined across ranks, in place, wherever they are (through
    :mod:`lightning_fairscale.distributed.collectives`), so every rank skips the same steps. The FSDP precision plugin uses it on
    every device (this one is not CPU-specific), the sharded-DDP plugin off CUDA.
@@ -51,7 +53,7 @@ The workarounds, and why each is needed:
    ``ReduceScatterBucketer._get_shard_size`` with ``functools.lru_cache`` on the method, so the cache holds every
    bucketer ever used — with its bucket buffers (``bucket_cap_mb`` per dtype) and its process group — for the rest of
    the process: each ``fit`` leaked its buffers, and gloo's threads outlived the process group into interpreter
-   shutdown, where they could abort a finished run. :class:`ReduceScatterBucketer` computes the same size without
+   shutdown, where they could abort a finished run. :class:`~lightning_fairscale.fsdp.bucketing.ReduceScatterBucketer` computes the same size without
    the cache, and :class:`FullyShardedDataParallel` uses it (or its gloo variant) on every device.
 10. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
     CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
@@ -101,173 +103,29 @@ by the workarounds above that say "all devices".
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import math
-import threading
-import types
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from fairscale.internal import reduce_scatter_bucketer as _rs_bucketer
 from fairscale.internal.containers import apply_to_tensors
-from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_module
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp import param_views
+from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
+from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.hybrid import replicate_gradient
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
 
 __all__ = [
     "FullyShardedDataParallel",
-    "GlooReduceScatterBucketer",
-    "ReduceScatterBucketer",
-    "install",
-    "is_installed",
+    "fsdp_instances",
+    "named_fsdp_instances",
     "true_half_dtype",
 ]
-
-
-class _CpuStream(torch.Stream):
-    """A stream that orders nothing: CPU work already runs in program order."""
-
-    def __new__(cls) -> _CpuStream:
-        return super().__new__(cls, device="cpu")
-
-    def wait_stream(self, stream: Any) -> None:
-        """Nothing to wait for on the CPU."""
-
-    def wait_event(self, event: Any) -> None:
-        """Nothing to wait for on the CPU."""
-
-    def synchronize(self) -> None:
-        """Nothing to synchronize on the CPU."""
-
-
-_CPU_STREAM = _CpuStream()
-
-
-def _cpu_current_stream(device: Any = None) -> _CpuStream:
-    return _CPU_STREAM
-
-
-def _cpu_stream_context(stream: Any) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
-
-
-def _cpu_synchronize(device: Any = None) -> None:
-    return None
-
-
-def _cpu_new_stream(*args: Any, **kwargs: Any) -> _CpuStream:
-    return _CPU_STREAM
-
-
-class _CudaWithoutCuda(types.ModuleType):
-    """``torch.cuda`` as FairScale's FSDP sees it on a host without CUDA (workaround 1).
-
-    Stream calls become no-ops on one CPU stream; every other attribute is the real ``torch.cuda`` one.
-    """
-
-    current_stream = staticmethod(_cpu_current_stream)
-    stream = staticmethod(_cpu_stream_context)
-    synchronize = staticmethod(_cpu_synchronize)
-    Stream = staticmethod(_cpu_new_stream)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
-
-
-class _TorchWithoutCuda(types.ModuleType):
-    """``torch`` as FairScale's FSDP sees it on a host without CUDA: only ``cuda`` differs."""
-
-    cuda = _CudaWithoutCuda("torch.cuda")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-_install_lock = threading.Lock()
-_record_stream_library: Optional[torch.library.Library] = None
-
-
-def is_installed() -> bool:
-    """Whether the CPU workarounds are active in this process."""
-    return isinstance(getattr(_fsdp_module, "torch", None), _TorchWithoutCuda)
-
-
-def install() -> None:
-    """Activate the workarounds 1 and 2 for this process. Idempotent; does nothing when CUDA is available.
-
-    The strategy calls this before wrapping a module for a CPU run. Calling it yourself is only needed when you
-    use :class:`FullyShardedDataParallel` directly on CPU, outside the Trainer.
-
-    Example:
-        >>> from lightning_fairscale.fsdp import fairscale_cpu
-        >>> fairscale_cpu.install()
-        >>> fairscale_cpu.is_installed() or torch.cuda.is_available()
-        True
-    """
-    global _record_stream_library
-    if torch.cuda.is_available():
-        return
-    with _install_lock:
-        if _record_stream_library is None:
-            library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - registering a missing kernel
-            library.impl("record_stream", _record_stream_on_cpu, "CPU")
-            _record_stream_library = library
-        if not is_installed():
-            _fsdp_module.torch = _TorchWithoutCuda("torch")  # type: ignore[attr-defined]
-
-
-def _record_stream_on_cpu(tensor: Tensor, stream: Any) -> None:
-    """CPU memory is not stream-ordered: there is nothing to record (workaround 2)."""
-    return None
-
-
-class ReduceScatterBucketer(_rs_bucketer.ReduceScatterBucketer):
-    """FairScale's reduce-scatter bucketer, without the cache that keeps every instance alive (workaround 9)."""
-
-    def _get_shard_size(self, element_size: int, num_shards: int) -> int:
-        if self.bucket_cap_mb <= 0:  # bucketing disabled
-            return 0
-        elements_per_bucket = self.bucket_cap_mb * 2**20 / element_size
-        return int(elements_per_bucket // num_shards)
-
-
-class GlooReduceScatterBucketer(ReduceScatterBucketer):
-    """The reduce-scatter bucketer with gloo-compatible input shapes (workaround 3)."""
-
-    def _get_bucket(self, tensor: Tensor, group: Any) -> _rs_bucketer.Bucket:
-        key = (tensor.dtype, tensor.device, group)
-        if key not in self.buckets:
-            world_size = group.size()
-            shard_size = self._get_shard_size(tensor.element_size(), world_size)
-            data = tensor.new_zeros((world_size, shard_size))
-            self.buckets[key] = _GlooBucket(data, group)
-        self.buckets[key].setup()
-        return self.buckets[key]
-
-
-class _GlooBucket(_rs_bucketer.Bucket):
-    """A bucket whose flush hands gloo a 1-D input of ``world_size * n`` elements."""
-
-    def flush(self) -> None:
-        if self.offset == 0:
-            return
-        # Row r of ``data`` holds the chunk destined for rank r, so the row-major 1-D view is exactly the
-        # concatenation of chunks that ``_reduce_scatter_base`` expects.
-        flat_input = self.data[:, : self.offset].contiguous().view(-1)
-        collectives.reduce_scatter_tensor(self.output_shard[: self.offset], flat_input, group=self.group)
-        for callback_fn in self.callbacks:
-            callback_fn()
-        self.data[:, : self.offset].zero_()
-        self.offset = 0
-        self.callbacks.clear()
-        self.output_shard = torch.zeros_like(self.data[0])
 
 
 def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -321,7 +179,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9 and 11 to
     15: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters in
     one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root). On CPU it uses no-op streams
-    (after :func:`install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
+    (after :func:`~lightning_fairscale.fsdp.cpu_streams.install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
 
     A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
     meta tensors become real ones on the unit's device, initialised by each module's ``reset_parameters()`` or by
@@ -467,17 +325,6 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         param_views.repoint_data(p)  # FairScale may have replaced the shard (a pinned copy): views follow it
 
 
-@torch.no_grad()
-def replicate_gradient(reduced_grad: Tensor, replica_group: Any) -> None:
-    """Average a gradient shard over the replicas, in place (workaround 14). A collective call on ``replica_group``.
-
-    Before this, ``reduced_grad`` is the sum of the shard group's gradients (FairScale divides it by the shard group's
-    size afterwards): summing over the replicas and dividing by their number makes the average over every rank.
-    """
-    collectives.all_reduce(reduced_grad, group=replica_group)
-    reduced_grad.div_(dist.get_world_size(replica_group))
-
-
 def _unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
     """Make the frozen parameters that this unit will own (not those of units inside it) trainable; returns them,
     by ``(id(owner module), name)``, so that they can be frozen again."""
@@ -511,46 +358,6 @@ def _record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.
             param.requires_grad_(False)
 
 
-@torch.no_grad()
-def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: Any = None) -> Tensor:
-    """The norm of all ranks' gradient shards together, as if they were one vector. A collective call.
-
-    Shards are disjoint (padding gradients are zero), so the p-norm of the whole is the p-th root of the sum of
-    the shards' p-th powers, and the infinity norm is the maximum of the shards' maxima. Under hybrid sharding every
-    replica holds the same shards: the callers pass one replica's ``group`` (the unit's ``process_group``, which the
-    optimizer records when it is re-pointed: :func:`lightning_fairscale.fsdp.param_views.norm_group`), which every
-    replica computes alike.
-    """
-    device = params[0].grad.device if params else torch.device("cpu")
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    if norm_type == math.inf:
-        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
-        collectives.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
-    if grads:
-        local = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        local = (local**norm_type).sum()
-    else:
-        local = torch.zeros((), device=device)
-    collectives.all_reduce(local, group=group)
-    return local ** (1.0 / norm_type)
-
-
-@torch.no_grad()
-def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, norm_type: float, group: Any = None) -> Tensor:
-    """Scale every shard's gradients by ``max_norm / global_norm`` when the global norm exceeds ``max_norm``.
-
-    Uses the same coefficient as :func:`torch.nn.utils.clip_grad_norm_`: ``max_norm / (norm + 1e-6)``, clamped to 1.
-    """
-    norm_type = float(norm_type)
-    total_norm = global_grad_norm(params, norm_type, group)
-    clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.detach().mul_(clip_coef.to(device=p.grad.device, dtype=p.grad.dtype))
-    return total_norm
-
-
 def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:
     """Every FairScale FSDP instance in ``module`` (itself included), outermost first: the one scan for the FSDP
     units of a module that the package uses."""
@@ -559,6 +366,5 @@ def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:
 
 def named_fsdp_instances(module: torch.nn.Module) -> Iterator[tuple[str, _FairScaleFSDP]]:
     """:func:`fsdp_instances` with each unit's path in ``module`` (``""`` for ``module`` itself, wrapper names
-    included: ``lightning_fairscale.fsdp.wrapping.clean_path`` removes them)."""
+    included: ``lightning_fairscale.fsdp.state_names.clean_path`` removes them)."""
     return ((path, m) for path, m in module.named_modules() if isinstance(m, _FairScaleFSDP))
-

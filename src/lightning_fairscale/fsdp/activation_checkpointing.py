@@ -1,0 +1,100 @@
+"""Activation checkpointing: instances of given layer classes recompute their activations in the backward pass
+(FairScale's ``checkpoint_wrapper``), applied before wrapping so that checkpointing runs inside the FSDP unit."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from fairscale.nn.checkpoint import checkpoint_wrapper
+from torch import nn
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+
+from lightning_fairscale.fsdp.state_names import is_wrapped
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpointing_layer_classes",
+    "remove_activation_checkpointing",
+    "validate_layer_classes",
+]
+
+
+def checkpointing_layer_classes(policy: Any) -> tuple[type[nn.Module], ...]:
+    """The layer classes named by ``activation_checkpointing_policy`` (the argument of Lightning's ``FSDPStrategy``).
+
+    Lightning checkpoints the modules its policy selects; the policies that select by class (a set of classes,
+    ``ModuleWrapPolicy``, ``partial(transformer_auto_wrap_policy, transformer_layer_cls=...)``) become those classes,
+    the strategy's ``activation_checkpointing``. A ``TypeError`` says what to pass for any other policy.
+
+    Example:
+        >>> checkpointing_layer_classes(ModuleWrapPolicy({nn.Linear}))
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    classes: Any = policy
+    if isinstance(policy, ModuleWrapPolicy):
+        classes = policy._module_classes  # torch's record of the classes it was given
+    elif isinstance(policy, functools.partial) and policy.func is transformer_auto_wrap_policy:
+        classes = policy.keywords.get("transformer_layer_cls")
+    try:
+        return validate_layer_classes(classes, "activation_checkpointing_policy")
+    except TypeError:
+        raise TypeError(
+            "`activation_checkpointing_policy` must name the classes of the layers to checkpoint: a set of"
+            " `nn.Module` subclasses (`{Block}`), `ModuleWrapPolicy({Block})` or"
+            " `functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`, got"
+            f" {policy!r}. The strategy checkpoints every instance of the given classes; a policy that selects"
+            " layers otherwise (by size, by a function) cannot be mapped onto classes: pass the classes of the"
+            " layers it selects."
+        ) from None
+
+
+def validate_layer_classes(value: Any, argument: str) -> tuple[type[nn.Module], ...]:
+    """``value`` as a tuple of ``nn.Module`` subclasses; a ``TypeError`` naming ``argument`` when it is not one.
+
+    Example:
+        >>> validate_layer_classes(nn.Linear, "activation_checkpointing")
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    if value is None:
+        return ()
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, (list, tuple, set, frozenset)) and all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+    ):
+        return tuple(classes)
+    raise TypeError(
+        f"`{argument}` must be an `nn.Module` subclass or a list of them (for example `{argument}=MyTransformerBlock`),"
+        f" got {value!r}."
+    )
+
+
+def apply_activation_checkpointing(
+    module: nn.Module, classes: tuple[type[nn.Module], ...], offload_to_cpu: bool = False
+) -> list[nn.Module]:
+    """Make every instance of ``classes`` in ``module`` recompute its activations in backward. Returns them.
+
+    FairScale's ``checkpoint_wrapper`` patches the instance's ``forward`` in place, so module names (and so
+    state-dict keys) do not change. Instances inside FSDP units (manual wrap) are checkpointed inside their unit.
+    """
+    if not classes:
+        return []
+    checkpointed = []
+    for submodule in module.modules():
+        if isinstance(submodule, classes) and is_wrapped(submodule):
+            raise ValueError(
+                f"`activation_checkpointing` includes {type(submodule).__name__}, but an instance of it contains FSDP"
+                " units (wrapped in `configure_model`). Checkpointing must happen inside one FSDP unit: wrap the"
+                f" {type(submodule).__name__} instance itself, not its children."
+            )
+        if isinstance(submodule, classes) and "forward" not in submodule.__dict__:
+            checkpoint_wrapper(submodule, offload_to_cpu=offload_to_cpu)
+            checkpointed.append(submodule)
+    return checkpointed
+
+
+def remove_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
+    """Give the modules their class's ``forward`` back (undo :func:`apply_activation_checkpointing`)."""
+    for submodule in modules:
+        submodule.__dict__.pop("forward", None)

@@ -1,0 +1,122 @@
+"""Hybrid sharding: shard within a group of ranks (a node), replicate across groups (workaround 14 of
+:mod:`lightning_fairscale.fsdp.units`). The names and shapes a user gives, the process groups, and the all-reduce of
+each gradient shard over its replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_fairscale.distributed import collectives
+
+__all__ = [
+    "hybrid_groups",
+    "mesh_request",
+    "replicate_gradient",
+    "resolve_mesh",
+    "sharding_name",
+]
+
+
+_SHARDING_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def sharding_name(sharding_strategy: Any) -> str:
+    """The name of a ``sharding_strategy`` given as a string (any case) or as torch's ``ShardingStrategy``.
+
+    Example:
+        >>> from torch.distributed.fsdp import ShardingStrategy
+        >>> sharding_name("hybrid_shard"), sharding_name(ShardingStrategy.SHARD_GRAD_OP)
+        ('HYBRID_SHARD', 'SHARD_GRAD_OP')
+    """
+    name = getattr(sharding_strategy, "name", sharding_strategy)
+    name = name.upper() if isinstance(name, str) else name
+    if name == "NO_SHARD":
+        raise ValueError(
+            '`sharding_strategy="NO_SHARD"` keeps a full replica on every rank: that is plain data parallel, use'
+            ' `strategy="ddp"` instead of `DDPFullyShardedStrategy`.'
+        )
+    if name not in _SHARDING_NAMES:
+        raise ValueError(
+            f"`sharding_strategy` must be one of {', '.join(map(repr, _SHARDING_NAMES))} (or torch's"
+            f" `ShardingStrategy` of that name), got {sharding_strategy!r}."
+        )
+    return name
+
+
+def mesh_request(name: str, device_mesh: Any) -> Any:
+    """What shape the strategy shards over: ``None`` (every rank), ``"node"`` (hybrid: the ranks of each node), or
+    ``(replicas, shard_size)`` from ``device_mesh`` (a tuple, or torch's 2-D ``DeviceMesh``).
+
+    Example:
+        >>> mesh_request("FULL_SHARD", None), mesh_request("HYBRID_SHARD", None), mesh_request("HYBRID_SHARD", (2, 4))
+        (None, 'node', (2, 4))
+    """
+    hybrid = name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    if device_mesh is None:
+        return "node" if hybrid else None
+    if not hybrid:
+        raise ValueError(
+            f'`device_mesh` shapes hybrid sharding, but `sharding_strategy` is {name!r}: pass'
+            ' `sharding_strategy="HYBRID_SHARD"` with it, or remove `device_mesh` to shard over every rank.'
+        )
+    shape = tuple(getattr(device_mesh, "shape", device_mesh)) if not isinstance(device_mesh, tuple) else device_mesh
+    if len(shape) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        raise ValueError(
+            "`device_mesh` must be `(replicas, shard_size)`: two positive ints, e.g. `(2, 4)` for 2 nodes of 4"
+            f" processes (each shards over its node's 4 and replicates across the 2 nodes), got {device_mesh!r}."
+        )
+    return shape
+
+
+def resolve_mesh(request: Any, world_size: int, num_nodes: int) -> tuple[int, int]:
+    """``(replicas, shard_size)`` for a :func:`mesh_request` other than ``None``, checked against the world size.
+
+    Example:
+        >>> resolve_mesh("node", 8, 2), resolve_mesh((2, 2), 4, 1)
+        ((2, 4), (2, 2))
+    """
+    if request == "node":
+        if world_size % num_nodes:
+            raise ValueError(f"{world_size} processes do not split into {num_nodes} equal nodes for HYBRID_SHARD.")
+        return num_nodes, world_size // num_nodes
+    replicas, shard_size = request
+    if replicas * shard_size != world_size:
+        raise ValueError(
+            f"`device_mesh=({replicas}, {shard_size})` holds {replicas * shard_size} processes, but the run has"
+            f" {world_size} (`num_nodes` x `devices`): make `replicas * shard_size` equal {world_size}."
+        )
+    return replicas, shard_size
+
+
+def hybrid_groups(mesh: tuple[int, int], rank: int, timeout: Any) -> tuple[Any, Any, Any]:
+    """This rank's groups under hybrid sharding: its shard group twice (FSDP's all-gather and reduce-scatter
+    groups) and its replica group. Ranks ``r * shard_size ...`` form replica ``r`` (consecutive ranks: a node's,
+    under torchrun and SLURM), so a shard group never crosses a node and a replica group joins one rank per node.
+
+    Every rank creates every group, in the same order (``new_group`` is collective over the world).
+    """
+    replicas, shard_size = mesh
+    shard_groups = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(replicas)]
+    replica_groups = [list(range(s, replicas * shard_size, shard_size)) for s in range(shard_size)]
+    mine: list[Any] = [None, None, None]
+    for slot, layouts in ((0, shard_groups), (1, shard_groups), (2, replica_groups)):
+        for ranks in layouts:
+            group = torch.distributed.new_group(ranks=ranks, timeout=timeout)
+            if rank in ranks:
+                mine[slot] = group
+    return mine[0], mine[1], mine[2]
+
+
+@torch.no_grad()
+def replicate_gradient(reduced_grad: Tensor, replica_group: Any) -> None:
+    """Average a gradient shard over the replicas, in place (workaround 14). A collective call on ``replica_group``.
+
+    Before this, ``reduced_grad`` is the sum of the shard group's gradients (FairScale divides it by the shard group's
+    size afterwards): summing over the replicas and dividing by their number makes the average over every rank.
+    """
+    collectives.all_reduce(reduced_grad, group=replica_group)
+    reduced_grad.div_(dist.get_world_size(replica_group))
