@@ -26,7 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_object", "all_reduce", "all_reduced_bytes", "gather", "group_device", "reduce_scatter_tensor"]
+__all__ = [
+    "all_gather_object",
+    "all_reduce",
+    "all_reduced_bytes",
+    "forget_group",
+    "gather",
+    "group_device",
+    "reduce_scatter_tensor",
+]
 
 
 def _device_types(group: Any) -> set[str]:
@@ -81,6 +89,12 @@ def all_reduced_bytes(group: Any = None) -> int:
     synchronising backward: the figure the documentation's traffic model is checked against.
     """
     return _all_reduced.get(group, 0)
+
+
+def forget_group(group: Any) -> None:
+    """Drop what this module keeps about ``group`` (its :func:`all_reduced_bytes`), which is being destroyed: no
+    reference here must keep a destroyed group alive."""
+    _all_reduced.pop(group, None)
 
 
 def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:

@@ -31,6 +31,7 @@ from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_par
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
@@ -98,6 +99,14 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
         self._orders: weakref.WeakKeyDictionary[Optimizer, tuple[ParameterLayout, GroupOrder]] = (
             weakref.WeakKeyDictionary()
         )
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
+        still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.hybrid`)."""
+        if release_groups(self._process_groups, list(self._roots)):
+            self._process_groups, self._replica_group = (), None
+        super().teardown()
 
     # ------------------------------------------------------------------------------------------------------------
     # Models and optimizers

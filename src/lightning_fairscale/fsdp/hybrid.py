@@ -1,10 +1,29 @@
 """Hybrid sharding: shard within a group of ranks (a node), replicate across groups (workaround 14 of
 :mod:`lightning_fairscale.fsdp.units`). The names and shapes a user gives, the process groups, and the all-reduce of
-each gradient shard over its replicas."""
+each gradient shard over its replicas.
+
+The process groups of every layout (full sharding too) live here, from the first stage that shards that way to the
+moment nothing shards over them any more:
+
+* :func:`sharding_groups` makes a layout's groups at a strategy's set-up (a collective call) and gives the same ones
+  to every later set-up of that layout (another stage, another Trainer), as long as they live: FairScale's caches
+  keyed by group (its reduce-scatter buckets) stay valid, and a run of many stages makes no new groups.
+* A root unit kept sharded after a stage (``fit`` then ``validate``: :func:`~lightning_fairscale.fsdp.unwrapping.
+  remember_root`) shards over its groups in the later stages, so it owns them: :func:`release_groups`, at a
+  strategy's teardown, destroys the strategy's groups only when no kept root shards over them, and
+  :func:`drop_groups_of` destroys a root's groups when the root is unsharded (``unshard_module``).
+* Whatever is left (a root the user dropped without unsharding it) is closed with the default group when the process
+  exits (:mod:`lightning_fairscale.distributed.process_exit`). This module keeps only weak references: it never keeps
+  a group alive.
+
+Destroying a group is local (each rank shuts its own end down), so a failed stage may do it too.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,10 +32,14 @@ from torch import Tensor
 from lightning_fairscale.distributed import collectives
 
 __all__ = [
+    "ShardingGroups",
+    "drop_groups_of",
     "hybrid_groups",
     "mesh_request",
+    "release_groups",
     "replicate_gradient",
     "resolve_mesh",
+    "sharding_groups",
     "sharding_name",
 ]
 
@@ -120,3 +143,82 @@ def replicate_gradient(reduced_grad: Tensor, replica_group: Any) -> None:
     """
     collectives.all_reduce(reduced_grad, group=replica_group)
     reduced_grad.div_(dist.get_world_size(replica_group))
+
+
+class ShardingGroups(NamedTuple):
+    """This rank's process groups for one layout: FSDP's all-gather and reduce-scatter groups (its shard group, or
+    every rank), and under hybrid sharding its replica group."""
+
+    all_gather: Any
+    reduce_scatter: Any
+    replica: Any = None
+
+
+#: Each layout's groups while they live, by (world size, mesh, timeout): weak references (torch's own registry of
+#: groups holds them until they are destroyed).
+_layouts: dict[tuple[Any, ...], tuple[Optional[weakref.ref], ...]] = {}
+
+
+def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, timeout: Any) -> ShardingGroups:
+    """This rank's groups for ``mesh`` (``None``: every rank in one group): the groups made for the same layout
+    before, while they live, else new ones (:func:`hybrid_groups`, or two groups of every rank).
+
+    A collective call when it makes groups: every rank calls it at the same point (a strategy's set-up), and all
+    find the layout's groups alive or none does, since they are made and destroyed at the same points.
+    """
+    key = (dist.get_world_size(), mesh, timeout)
+    groups = _alive(_layouts.get(key, ()))
+    if groups is None:
+        if mesh is None:  # two, so that all-gathers and reduce-scatters can overlap on GPUs
+            groups = ShardingGroups(*(dist.new_group(timeout=timeout) for _ in range(2)))
+        else:
+            groups = ShardingGroups(*hybrid_groups(mesh, rank, timeout))
+        _layouts[key] = tuple(None if group is None else weakref.ref(group) for group in groups)
+    return groups
+
+
+def release_groups(groups: Iterable[Any], roots: Iterable[Any]) -> bool:
+    """At a strategy's teardown: destroy ``groups`` (its groups, e.g. ``(all_gather, reduce_scatter)``) unless one
+    of ``roots`` (root units kept sharded for a later stage) shards over them, which then owns them (see
+    :func:`drop_groups_of`). Returns whether they were destroyed. Groups this module did not make are left alone."""
+    groups = list(groups)
+    if not groups or any(getattr(root, "process_group", None) is groups[0] for root in roots):
+        return False
+    return _destroy(groups[0])
+
+
+def drop_groups_of(root: Any) -> None:
+    """Destroy the groups that ``root`` (a root unit being unsharded or dropped) shards over, if this module made
+    them. Call it on every rank, when nothing will run a collective on them any more."""
+    group = getattr(root, "process_group", None)
+    if group is not None:
+        _destroy(group)
+
+
+def _destroy(all_gather: Any) -> bool:
+    """Destroy the groups of the layout whose all-gather group is ``all_gather``; whether this module made it."""
+    for key, refs in list(_layouts.items()):
+        groups = _alive(refs)
+        if groups is None or groups.all_gather is not all_gather:
+            continue
+        del _layouts[key]
+        for group in groups:
+            if group is not None:
+                collectives.forget_group(group)
+                dist.destroy_process_group(group)
+        return True
+    return False
+
+
+def _alive(refs: tuple[Optional[weakref.ref], ...]) -> Optional[ShardingGroups]:
+    """The groups behind ``refs`` when they all still exist and none was destroyed, else ``None``."""
+    groups = [None if ref is None else ref() for ref in refs]
+    if not groups or any(ref is not None and group is None for ref, group in zip(refs, groups)):
+        return None
+    try:
+        for group in groups:
+            if group is not None:
+                dist.get_backend(group)  # raises for a group torch no longer knows (destroyed, or its world)
+    except (ValueError, RuntimeError):
+        return None
+    return ShardingGroups(*groups)

@@ -26,7 +26,7 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate
 from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
 from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.activation_checkpointing import checkpointing_layer_classes, validate_layer_classes
-from lightning_fairscale.fsdp.hybrid import hybrid_groups, mesh_request, resolve_mesh, sharding_name
+from lightning_fairscale.fsdp.hybrid import mesh_request, resolve_mesh, sharding_groups, sharding_name
 from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy, auto_wrap_policy, validate_auto_wrap_policy
 from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dtype
@@ -175,13 +175,12 @@ class FullyShardedOptions:
         # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
         timeout = self._collective_timeout()  # type: ignore[attr-defined]  # _compat.StrategyInternals
         world_size: int = self.world_size  # type: ignore[attr-defined]
-        if self._mesh_request is None:
-            self._process_groups = tuple(torch.distributed.new_group(timeout=timeout) for _ in range(2))
-        else:
+        if self._mesh_request is not None:
             num_nodes: int = getattr(self, "num_nodes", 1)
             self._mesh = resolve_mesh(self._mesh_request, world_size, num_nodes)
-            rank: int = self.global_rank  # type: ignore[attr-defined]
-            *self._process_groups, self._replica_group = hybrid_groups(self._mesh, rank, timeout)
+        # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
+        groups = sharding_groups(self._mesh, self.global_rank, timeout)  # type: ignore[attr-defined]
+        self._process_groups, self._replica_group = (groups.all_gather, groups.reduce_scatter), groups.replica
         self._check_settings(device)
         if self.state_dict_type == "sharded":
             self._sharded_io()  # fail before training, not at the first save

@@ -42,6 +42,7 @@ from lightning_fairscale.checkpoint.checks import (
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
+from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
 from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
 
@@ -406,8 +407,11 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         as during training. Call :meth:`unshard_module` to get the full module back. As Lightning's own FSDP
         strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
         parameter shards that moving them would break. A module still on the meta device (the stage failed before
-        wrapping it) is not moved either: it has no data to move.
+        wrapping it) is not moved either: it has no data to move. The process groups go with the sharded module
+        (see :mod:`lightning_fairscale.fsdp.hybrid`): destroyed here when no module is kept sharded over them.
         """
+        if release_groups(self._process_groups, [self.model]):
+            self._process_groups, self._replica_group = (), None
         if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
             return
@@ -440,6 +444,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             return module
         keep = self.is_global_zero or not rank_zero_only
         unwrap_module(self.model, torch.device("cpu"), keep=keep)
+        drop_groups_of(self.model)  # nothing shards over them any more
         forget_root(module)
         remove_activation_checkpointing(self._checkpointed)
         self._checkpointed = []

@@ -28,6 +28,7 @@ from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_par
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
 from lightning_fairscale.fsdp.options import FullyShardedOptions
@@ -79,6 +80,12 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
 
     @override
     def _init_adapter(self) -> None:
+        ...
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
+        still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.hybrid`)."""
         ...
 
     @override
