@@ -50,6 +50,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: How the ranks of a multi-process run are started (see :func:`run_script`).
+LAUNCHERS = ("env", "torchrun", "lightning")
+
+
 def run_script(
     args: list[str],
     cwd: Path,
@@ -58,34 +62,36 @@ def run_script(
     package: str = "pytorch_lightning",
     ranks: int = 1,
     nodes: int = 1,
+    launcher: str = "env",
 ) -> subprocess.CompletedProcess:
     """Run a Python script in its own session; whatever it started (the other ranks) is killed when it ends.
 
     Scenarios run with the Lightning ``package`` given (``scenarios/flavor.py``): ``"pytorch_lightning"`` or
     ``"lightning"``. With ``ranks=1`` the script starts alone and Lightning's launcher starts the other ranks when
-    the run begins (as a user's script does). With ``ranks > 1`` all ranks start together, each told its rank by the
-    environment variables a cluster launcher sets (``LOCAL_RANK``, ``WORLD_SIZE``...), and Lightning launches
-    nothing: the ranks import torch and Lightning in parallel instead of one after the other, which halves a launch
-    (~6 s instead of ~10 s on 2 cores). With ``nodes > 1`` the ranks are split into that many simulated nodes of
-    consecutive ranks (each told its ``NODE_RANK`` and its ``LOCAL_RANK`` within the node), all on this machine.
-    The output is every rank's, in rank order; the return code the first non-zero one.
+    the run begins (as a user's script does). With ``ranks > 1`` the ``launcher`` starts them, in ``nodes``
+    simulated nodes of consecutive ranks, all on this machine:
+
+    * ``"env"``: all ranks start together, each told its rank by the environment variables a cluster launcher sets
+      (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``...), and Lightning launches nothing: the ranks import torch and
+      Lightning in parallel instead of one after the other, which halves a launch (~6 s instead of ~10 s on 2 cores).
+    * ``"torchrun"``: one ``torchrun --nnodes N --nproc-per-node M --node-rank n`` per node, with a shared
+      ``--master-addr``/``--master-port`` (as on a cluster; Lightning sees ``TorchElasticEnvironment``).
+    * ``"lightning"``: one process per node, told only ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``, as
+      Lightning's documentation starts a multi-node run by hand: the Trainer's (or Fabric's) own launcher starts the
+      node's other ranks.
+
+    The output is every started process's, in order; the return code the first non-zero one.
     """
     env = clean_env(TEST_LIGHTNING_PACKAGE=package)
     command = [sys.executable, *args]
-    if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(ranks))
     processes, outputs = [], []
     try:
-        for rank in range(ranks):
-            per_node = ranks // nodes
-            node = {"LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node)}
-            node.update({"LOCAL_WORLD_SIZE": str(per_node)} if nodes > 1 else {})
-            rank_env = {**env, **node} if ranks > 1 else env
+        for start, start_env in _starts(command, env, ranks, nodes, launcher):
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             outputs.append((out, err))
             processes.append(
                 subprocess.Popen(
-                    command, cwd=cwd, env=rank_env, stdout=out, stderr=err, text=True, start_new_session=True
+                    start, cwd=cwd, env=start_env, stdout=out, stderr=err, text=True, start_new_session=True
                 )
             )
         deadline = time.monotonic() + timeout
@@ -114,6 +120,32 @@ def run_script(
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{args} exited with {codes}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _starts(
+    command: list[str], env: dict[str, str], ranks: int, nodes: int, launcher: str
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The processes :func:`run_script` starts: each one's command line and environment."""
+    assert launcher in LAUNCHERS, launcher
+    if ranks == 1:
+        return [(command, env)]
+    per_node = ranks // nodes
+    address = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    if launcher == "torchrun":
+        torchrun = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(per_node),
+            "--master-addr", address["MASTER_ADDR"], "--master-port", address["MASTER_PORT"],
+        ]  # fmt: skip
+        return [([*torchrun, "--node-rank", str(node), *command[1:]], env) for node in range(nodes)]
+    if launcher == "lightning":
+        return [(command, {**env, **address, "NODE_RANK": str(node)}) for node in range(nodes)]
+    starts = []
+    for rank in range(ranks):
+        rank_env = {**env, **address, "NODE_RANK": "0", "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank % per_node)}
+        if nodes > 1:
+            rank_env.update(NODE_RANK=str(rank // per_node), LOCAL_WORLD_SIZE=str(per_node))
+        starts.append((command, rank_env))
+    return starts
 
 
 def _devices(args: Sequence[str]) -> int:
@@ -156,34 +188,42 @@ def _section(output: str, name: str) -> str:
     return "".join(chunk.partition("\n")[2] for chunk in chunks[1:] if chunk.partition("\n")[0] == name)
 
 
+def fabric_job(*args: str) -> dict[str, Any]:
+    """A job of a ``scenarios/train.py --jobs`` launch that runs ``scenarios/fabric_train.py`` (Fabric) instead."""
+    return {"script": "fabric_train", "args": list(args)}
+
+
 def run_jobs(
     folder: Path,
-    jobs: dict[str, Sequence[str]],
+    jobs: dict[str, Any],
     failing: Sequence[str] = (),
     package: str = "pytorch_lightning",
     script: Path | None = None,
     nodes: int = 1,
+    launcher: str = "env",
 ) -> Jobs:
     """Run ``scenarios/train.py`` once for every job (name -> command line), one after another in one launch.
 
     Every job trains on the same number of processes (its ``--devices``). The jobs named in ``failing`` must fail
-    on every rank; the others must succeed. See ``scenarios/jobs.py``. With ``nodes`` the processes are that many
-    simulated nodes of ``--devices`` processes each (see :func:`run_script`).
+    on every rank; the others must succeed. See ``scenarios/jobs.py``. A job made by :func:`fabric_job` runs the
+    Fabric scenario in the same processes. With ``nodes`` the processes are that many simulated nodes of
+    ``--devices`` processes each, started by ``launcher`` (see :func:`run_script`).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    devices = {_devices(args) for args in jobs.values()}
+    spec = []
+    for name, job in jobs.items():
+        args = job["args"] if isinstance(job, dict) else list(job)
+        entry = {"name": name, "args": [*args, "--out", str(folder / f"{name}.pt")], "fails": name in failing}
+        spec.append({**entry, "script": job["script"]} if isinstance(job, dict) else entry)
+    devices = {_devices(entry["args"]) for entry in spec}
     assert len(devices) == 1, f"one launch trains on one number of processes, not {devices}"
     assert set(failing) <= set(jobs), set(failing) - set(jobs)
-    spec = [
-        {"name": name, "args": [*args, "--out", str(folder / f"{name}.pt")], "fails": name in failing}
-        for name, args in jobs.items()
-    ]
     path = folder / "jobs.json"
     path.write_text(json.dumps(spec))
     (ranks,) = devices
     proc = run_script(
         [str(script or TRAIN_SCRIPT), "--jobs", str(path)], cwd=folder, package=package, ranks=ranks * nodes,
-        nodes=nodes,
+        nodes=nodes, launcher=launcher,
     )
     return Jobs(folder, list(jobs), proc)
 

@@ -1,9 +1,16 @@
 """Hybrid sharding (``sharding_strategy="HYBRID_SHARD"``) on 4 CPU processes as 2 simulated nodes of 2, against
 single-process training without any wrapper.
 
-The trainings under hybrid sharding run in one launch of 4 processes (``conftest.run_jobs(nodes=2)``): each shards
-over the 2 ranks of its node and replicates across the 2 nodes. A small launch of 2 processes after it resumes a
-hybrid sharded checkpoint under full sharding.
+Three launches, one after the other (each runs many jobs in the same processes, ``conftest.run_jobs``):
+
+1. 4 processes started by torchrun as on two nodes (``torchrun --nnodes 2 --nproc-per-node 2 --node-rank n``, one
+   per node, sharing ``--master-addr``/``--master-port``): the Trainer's trainings and a Fabric loop. Each rank
+   shards over the 2 ranks of its node and replicates across the 2 nodes.
+2. 2 processes, one node, full sharding: resumes the hybrid sharded checkpoint, and writes one of its own.
+3. 4 processes started as Lightning's documentation starts a multi-node run: one process per node, given
+   ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; the Trainer's own launcher (``Trainer(num_nodes=2,
+   devices=2)``) starts each node's second rank. It trains again, checks the process groups' lifecycle over several
+   stages, and resumes the 2-process checkpoint under hybrid sharding.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import pytest
 import torch
 from scenarios.common import max_difference, reference_training
 
-from conftest import Jobs, run_jobs
+from conftest import Jobs, fabric_job, run_jobs
 from lightning_fairscale import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 
@@ -36,12 +43,15 @@ JOBS = {
     # Sharded checkpoints at every epoch end (one step each), written by replica 0; then resumed at step 2.
     "sharded": [*NODES, *HYBRID_STEPS, "--checkpoint-dir", "ck-sharded"],
     "sharded-resumed": [*NODES, *HYBRID_STEPS, "--ckpt-path", f"ck-sharded/{SOURCE}"],
+    # Fabric's strategy, hybrid, in the same processes: Adam, clipping by norm.
+    "fabric-hybrid": fabric_job("--strategy", "fsdp", "--num-nodes", "2", "--sharding-strategy", "HYBRID_SHARD",
+                                "--steps", "3", "--clip-norm", "0.05"),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
-    return run_jobs(tmp_path_factory.mktemp("hybrid"), JOBS, nodes=2)
+    return run_jobs(tmp_path_factory.mktemp("hybrid"), JOBS, nodes=2, launcher="torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +69,85 @@ def two_processes(jobs: Jobs, consolidated: Path) -> Jobs:
     resumes = {
         "full-from-hybrid": [*steps, "--ckpt-path", str(jobs.folder / "ck-sharded" / SOURCE)],
         "full-from-consolidated": [*steps, "--ckpt-path", str(consolidated)],
+        # Sharded checkpoints of its own (2 shards, full sharding), for the hybrid resume of the third launch.
+        "full-source": [*steps, "--checkpoint-dir", "ck-full"],
     }
     return run_jobs(jobs.folder / "two_processes", resumes)
 
 
-def test_hybrid_equals_unsharded_training(jobs: Jobs) -> None:
-    result = jobs["hybrid"]
-    assert result["world_size"] == 4 and result["num_nodes"] == 2
+@pytest.fixture(scope="module")
+def lightning_launcher(two_processes: Jobs) -> Jobs:
+    """4 processes, 2 nodes: one started per node, Lightning's launcher starts the other (see the module's doc)."""
+    launched = {
+        # Adam, clipping by norm; then validate, test and predict on the sharded module; then `unshard_module`.
+        "launcher-hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP, "--eval-after"],
+        # The full-sharding checkpoint of step 2 (2 shards) resumed on 4 processes under hybrid sharding.
+        "hybrid-from-full": [*NODES, *HYBRID_STEPS, "--record-loaded",
+                             "--ckpt-path", str(two_processes.folder / "ck-full" / SOURCE)],
+    }  # fmt: skip
+    return run_jobs(two_processes.folder.parent / "lightning_launcher", launched, nodes=2, launcher="lightning")
+
+
+def _assert_hybrid_training(result: dict[str, Any], cluster: str, steps: int) -> None:
+    """4 processes as 2 nodes of 2 (started by the launcher behind ``cluster``): unsharded training's weights, half
+    of the model's 16 bytes per parameter (Adam) on each rank, and across the nodes one all-reduce of this rank's
+    gradient shards (fp32) per step."""
+    assert (result["cluster"], result["world_size"], result["num_nodes"]) == (cluster, 4, 2)
     assert {unit["world_size"] for unit in result["units"]} == {2}  # each unit shards over its node's 2 ranks
-    assert max_difference(result["state_dict"], reference_training(3, "adam", clip=(0.05, "norm"))) < ATOL
+    assert max_difference(result["state_dict"], reference_training(steps, "adam", clip=(0.05, "norm"))) < ATOL
+    _assert_half_of_16_bytes_per_parameter(result["memory"], result["state_dict"])
+    assert result["replica_bytes"] == steps * 4 * sum(unit["local_numel"] for unit in result["units"])
+
+
+def _assert_half_of_16_bytes_per_parameter(memory: dict[str, float], state_dict: dict[str, torch.Tensor]) -> None:
+    """Parameters, gradients and Adam's two moments in fp32, of half the model: 16Ψ/2 bytes (padding and Adam's
+    `step` tensors aside)."""
+    total = sum(v.numel() for v in state_dict.values())  # no buffers in this model
+    kinds = ("parameters", "gradients", "optimizer_state")
+    assert sum(memory[f"memory/{kind}_bytes"] for kind in kinds) == pytest.approx(16 * total / 2, rel=0.03)
+
+
+def test_hybrid_under_torchrun_equals_unsharded_training(jobs: Jobs) -> None:
+    _assert_hybrid_training(jobs["hybrid"], "TorchElasticEnvironment", steps=3)
+
+
+def test_hybrid_under_the_trainers_own_launcher_equals_unsharded_training(lightning_launcher: Jobs) -> None:
+    _assert_hybrid_training(lightning_launcher["launcher-hybrid"], "LightningEnvironment", steps=3)
+
+
+def test_fabric_hybrid_loop_equals_unsharded_training(jobs: Jobs) -> None:
+    result = jobs["fabric-hybrid"]
+    assert (result["cluster"], result["world_size"]) == ("TorchElasticEnvironment", 4)
+    assert all(norm > 0.05 for norm in result["norms"])  # every step was clipped
+    assert max_difference(result["final"], reference_training(3, "adam", clip=(0.05, "norm"))) < ATOL
+    _assert_half_of_16_bytes_per_parameter(result["memory"], result["final"])
+    assert result["replica_bytes"] == 3 * result["shard_bytes"]
+
+
+def test_process_groups_are_made_once_and_destroyed_with_the_sharded_module(jobs: Jobs, lightning_launcher: Jobs) -> None:
+    """fit, validate, test and predict on one sharded module: the groups of the first stage serve every later one
+    (none is made again), live while the module is sharded over them, and are destroyed by ``unshard_module``; the
+    same under full sharding (one fit: its all-gather and reduce-scatter groups)."""
+    hybrid, full = lightning_launcher["launcher-hybrid"]["groups"], jobs["full"]["groups"]
+    assert (hybrid["stages"], hybrid["reused"], full["stages"]) == (4, True, 1)
+    assert hybrid["alive_before_unshard"] == [True] * 3  # all-gather, reduce-scatter, replica
+    assert hybrid["alive_after_unshard"] == [False] * 3
+    assert (full["alive_before_unshard"], full["alive_after_unshard"]) == ([True] * 2, [False] * 2)
+
+
+def test_full_sharded_checkpoint_of_2_processes_resumes_under_hybrid_sharding_on_4(
+    two_processes: Jobs, lightning_launcher: Jobs
+) -> None:
+    """The 2 shards of full sharding, loaded by each node's 2 ranks: the weights of step 2 exactly as saved, then
+    two steps under hybrid sharding as the 2 processes took them."""
+    consolidated = two_processes.folder / "ck-full-consolidated.ckpt"
+    assert consolidate.main([str(two_processes.folder / "ck-full" / SOURCE), str(consolidated)]) == 0
+    saved = torch.load(consolidated, weights_only=False)
+    resumed = lightning_launcher["hybrid-from-full"]
+    assert saved["global_step"] == 2 and resumed["global_step"] == 4
+    assert max_difference(resumed["loaded"], saved["state_dict"]) == 0.0
+    assert max_difference(resumed["state_dict"], two_processes["full-source"]["state_dict"]) < ATOL
+    assert max_difference(resumed["state_dict"], reference_training(4, "adam", scheduler=True, num_samples=8)) < ATOL
 
 
 def test_mesh_with_accumulation_equals_unsharded_training(jobs: Jobs) -> None:

@@ -31,6 +31,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from lightning_fairscale.distributed import collectives  # noqa: E402
 from scenarios.common import (  # noqa: E402
     GLOBAL_BATCH,
     Block,
@@ -50,6 +51,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="fsdp_fairscale", help="a registry name, or 'fsdp'/'sharded' for an instance")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--sharding-strategy", default=None, help="the FSDP strategy's sharding_strategy (--strategy fsdp)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--optimizer", default="adam")
@@ -89,6 +92,7 @@ def make_strategy(args: argparse.Namespace) -> Any:
             auto_wrap_policy={Block} if args.policy == "blocks" else None,
             min_num_params=1000,
             activation_checkpointing=Block if args.checkpointing else None,
+            **({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}),
         )
     if args.strategy == "sharded":
         from scenarios.flavor import FabricDDPShardedStrategy
@@ -202,7 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         precision: dict[str, Any] = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
     else:
         precision = {"precision": args.precision}
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=make_strategy(args), **precision)
+    fabric = Fabric(
+        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=make_strategy(args), **precision
+    )
     fabric.launch(run, args)  # a function: `spawn` strategies need one
 
 
@@ -219,6 +225,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
         "world_size": fabric.world_size,
+        "cluster": type(fabric.strategy.cluster_environment).__name__,
         "units": sum(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
         "created": getattr(set_up, "created", None),  # the parameters' dtypes as `fabric.init_module()` made them
         "compute": set(),  # (weight dtype, output dtype) of a Block's Linear while training
@@ -245,7 +252,12 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
             fabric.save(work / "sharded.ckpt", state)
             fabric.strategy.state_dict_type = kind
 
+    replicas = getattr(fabric.strategy, "_replica_group", None)
+    replica_start = collectives.all_reduced_bytes(replicas)
     result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save, record=result)
+    if replicas is not None:  # hybrid sharding: the bytes all-reduced across the replicas, and this rank's shards
+        result["replica_bytes"] = collectives.all_reduced_bytes(replicas) - replica_start
+        result["shard_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     handle.remove()
     if hasattr(fabric.strategy, "memory_figures"):
         result["memory"] = fabric.strategy.memory_figures(model, [optimizer])

@@ -12,6 +12,7 @@ Markers in both output streams (:data:`MARK` + the job's name) let a test read w
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -39,12 +40,14 @@ def error_file(out: str, rank: int) -> Path:
 
 
 def run_jobs(path: str, run_one: Callable[[list[str]], None]) -> None:
-    """Run the jobs of the JSON file ``path`` in order: ``[{"name", "args", "fails"}, ...]``."""
+    """Run the jobs of the JSON file ``path`` in order: ``[{"name", "args", "fails"}, ...]``; a job with a
+    ``"script"`` (``"fabric_train"``) runs that scenario module's ``main`` instead of ``run_one``."""
     for job in json.loads(Path(path).read_text()):
         for stream in (sys.stdout, sys.stderr):
             print(f"{MARK}{job['name']}", file=stream, flush=True)
+        run = importlib.import_module(f"scenarios.{job['script']}").main if "script" in job else run_one
         try:
-            run_one(job["args"])
+            run(job["args"])
         except Exception as error:
             if not job.get("fails"):
                 raise

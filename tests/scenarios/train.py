@@ -108,6 +108,7 @@ class RecordUnits(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+        self.replica_start = _replica_bytes(trainer)
         self.units = [
             {"path": name, "local_numel": sum(p.numel() for p in m.params), "world_size": m.world_size}
             for name, m in trainer.strategy.model.named_modules()
@@ -120,11 +121,39 @@ class RecordUnits(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.memory = getattr(trainer.strategy, "memory_figures", dict)()
         # Under hybrid sharding: the bytes this rank all-reduced across the replicas (the inter-node traffic).
-        replicas = getattr(trainer.strategy, "_replica_group", None)
-        if replicas is not None:
-            from lightning_fairscale.distributed import collectives
+        if self.replica_start is not None:
+            self.replica_bytes = _replica_bytes(trainer) - self.replica_start
 
-            self.replica_bytes = collectives.all_reduced_bytes(replicas)
+
+def _replica_bytes(trainer: Trainer) -> Optional[int]:
+    """Under hybrid sharding, the bytes this process has all-reduced over its replica group so far; else ``None``."""
+    from lightning_fairscale.distributed import collectives
+
+    replicas = getattr(trainer.strategy, "_replica_group", None)
+    return None if replicas is None else collectives.all_reduced_bytes(replicas)
+
+
+class RecordGroups(Callback):
+    """Records the strategy's process groups as every stage starts (they are made before the ``setup`` hook)."""
+
+    def __init__(self) -> None:
+        self.stages: list[tuple[Any, ...]] = []
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        strategy = trainer.strategy
+        self.stages.append((*getattr(strategy, "_process_groups", ()), getattr(strategy, "_replica_group", None)))
+
+    def alive(self) -> list[bool]:
+        """For each group of the first stage, whether torch still knows it (it was not destroyed)."""
+        return [_group_alive(group) for group in self.stages[0] if group is not None] if self.stages else []
+
+
+def _group_alive(group: Any) -> bool:
+    try:
+        torch.distributed.get_backend(group)
+    except ValueError:
+        return False
+    return True
 
 
 class RecordSummary(Callback):
@@ -354,9 +383,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         **({"device_mesh": tuple(args.device_mesh)} if args.device_mesh else {}),
     )
     recorder = RecordUnits()
+    groups = RecordGroups()
     training = RecordTraining()
     counter = CountTrainBatches()
-    callbacks: list[Callback] = [recorder, training, counter]
+    callbacks: list[Callback] = [recorder, training, counter, groups]
     summaries = RecordSummary()
     if args.model_summary:
         callbacks.append(summaries)
@@ -430,6 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "package": PACKAGE,
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
+        "cluster": type(trainer.strategy.cluster_environment).__name__,
         "losses": training.losses,
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
@@ -446,9 +477,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         result["predict"] = torch.cat(predictions) if predictions else None
         if args.save_ckpt_after_eval:
             trainer.save_checkpoint(args.save_ckpt_after_eval)
-    # The module stays sharded after `fit`; the full one is an explicit call (rank 0 gets it).
+    # The module stays sharded after `fit` (and over its process groups); the full one is an explicit call (rank 0
+    # gets it), which ends the groups.
+    alive_before_unshard = groups.alive()
     if hasattr(trainer.strategy, "unshard_module"):
         trainer.strategy.unshard_module()
+    result["groups"] = {
+        "stages": len(groups.stages),
+        "reused": all(len(stage) == len(groups.stages[0]) and all(a is b for a, b in zip(stage, groups.stages[0]))
+                      for stage in groups.stages),
+        "alive_before_unshard": alive_before_unshard,
+        "alive_after_unshard": groups.alive(),
+    }  # fmt: skip
     result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if trainer.global_rank == 0:
         torch.save(result, args.out)
