@@ -74,3 +74,24 @@ def test_no_copy_where_the_backend_takes_the_tensor(process_group: None, monkeyp
     tensor = torch.ones(3)
     collectives.all_reduce(tensor)
     assert seen[0] is tensor
+
+
+@pytest.mark.usefixtures("process_group")
+def test_recording_traffic_counts_each_collective_once_with_its_group_and_payload() -> None:
+    import warnings
+
+    group = dist.new_group()
+    real = dist.all_gather_into_tensor
+    with collectives.recording_traffic() as transfers:
+        collectives.all_reduce(torch.ones(3), group=group)  # through this package
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # `_all_gather_base` is deprecated: FairScale still calls it
+            dist._all_gather_base(torch.empty(4), torch.ones(4))  # calls `all_gather_into_tensor`: counted once
+        collectives.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    dist.all_reduce(torch.ones(1))  # after the block: not recorded
+    assert transfers == [
+        collectives.Transfer("all_reduce", (0,), 12),
+        collectives.Transfer("all_gather", (0,), 16),
+        collectives.Transfer("reduce_scatter", (0,), 16),
+    ]
+    assert dist.all_gather_into_tensor is real  # torch's functions are given back

@@ -20,6 +20,11 @@ This module does not import Lightning: both Lightning packages share it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,7 +38,9 @@ __all__ = [
     "forget_group",
     "gather",
     "group_device",
+    "recording_traffic",
     "reduce_scatter_tensor",
+    "Transfer",
 ]
 
 
@@ -143,3 +150,72 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, obj, group=group)
     return everyone
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective call seen by :func:`recording_traffic`: its kind (``"all_gather"``, ``"reduce_scatter"`` or
+    ``"all_reduce"``), the global ranks of its group, and its payload: the bytes of the whole tensor it gathers,
+    scatters or reduces (a reduce-scatter's input, an all-gather's output)."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    nbytes: int
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+#: The collectives of ``torch.distributed`` that :func:`recording_traffic` counts: name -> (kind, payload of the
+#: bound arguments). The underscored ones are the names FairScale calls.
+_RECORDED: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
+    "all_gather": ("all_gather", lambda a: _nbytes(a["tensor"]) * len(a["tensor_list"])),
+    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
+    "_all_gather_base": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
+    "reduce_scatter": ("reduce_scatter", lambda a: sum(_nbytes(t) for t in a["input_list"])),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"])),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a: _nbytes(a["input"])),
+    "all_reduce": ("all_reduce", lambda a: _nbytes(a["tensor"])),
+}
+
+
+@contextlib.contextmanager
+def recording_traffic() -> Iterator[list[Transfer]]:
+    """Record the all-gathers, reduce-scatters and all-reduces that this process runs through ``torch.distributed``
+    while inside: this package's, FairScale's (FSDP's parameter all-gathers and gradient reduce-scatters) and DDP's
+    when its communication hook calls ``torch.distributed.all_reduce``. Yields the list the calls are appended to.
+
+    A measurement tool (``benchmarks/hybrid_traffic.py`` models the bytes each rank sends with it): while it is
+    active, those functions of ``torch.distributed`` are wrapped; a collective that calls another (``_all_gather_base``
+    calls ``all_gather_into_tensor``) counts once.
+    """
+    transfers: list[Transfer] = []
+    originals = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
+    depth = [0]
+
+    def recorded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        kind, payload = _RECORDED[name]
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                bound = signature.bind(*args, **kwargs).arguments
+                group = bound.get("group") or dist.group.WORLD
+                transfers.append(Transfer(kind, tuple(dist.get_process_group_ranks(group)), payload(bound)))
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    for name, function in originals.items():
+        setattr(dist, name, recorded(name, function))
+    try:
+        yield transfers
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
