@@ -225,7 +225,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
         "world_size": fabric.world_size,
-        "cluster": type(fabric.strategy.cluster_environment).__name__,
+        "cluster": type(getattr(fabric.strategy, "cluster_environment", None)).__name__,
         "units": sum(isinstance(m, FullyShardedDataParallel) for m in model.modules()),
         "created": getattr(set_up, "created", None),  # the parameters' dtypes as `fabric.init_module()` made them
         "compute": set(),  # (weight dtype, output dtype) of a Block's Linear while training
