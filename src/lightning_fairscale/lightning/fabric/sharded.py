@@ -1,0 +1,166 @@
+# Generated from lightning_fairscale/fabric/sharded.py by `make lightning`: do not edit.
+"""``DDPShardedStrategy`` for Fabric: FairScale's sharded optimizer state and gradients in loops you write yourself.
+
+The same pieces as the Trainer's strategy (:mod:`lightning_fairscale.sharded_ddp.engine`) behind Fabric's strategy API: the
+optimizers given to ``fabric.setup`` become ``fairscale.optim.OSS`` (same class, param groups and hyperparameters),
+the model a ``ShardedDataParallel``; ``fabric.save``/``fabric.load`` write Fabric's checkpoints (the optimizers'
+states consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpoint.fabric`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from fairscale.nn.data_parallel import ShardedDataParallel
+from fairscale.optim import OSS
+from lightning.fabric.strategies import DDPStrategy
+from lightning_fairscale.lightning._compat import StrategyInternals, _optimizers_to_device
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fairscale.sharded_ddp import engine as oss
+from lightning_fairscale.lightning.fabric._common import FabricAdapter
+from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
+
+if TYPE_CHECKING:
+    from lightning_fairscale.lightning._compat import _LRScheduler
+
+__all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
+
+
+class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals, DDPStrategy):
+    """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
+
+    The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric
+    passes its precision plugin as ``precision``. Registered as ``"ddp_sharded"``.
+
+    * ``fabric.setup(model, optimizer, scheduler=...)`` (together: ``ShardedDataParallel`` needs the optimizers):
+      each optimizer is rebuilt as ``fairscale.optim.OSS`` and returned in its place, and the LR scheduler given is
+      re-pointed to it. ``fabric.setup(model)`` alone gives the plain model, with rank 0's weights, for evaluation.
+    * ``fabric.clip_gradients``: by norm, the norm of all ranks' gradients (``OSS.clip_grad_norm``); by value.
+    * ``fabric.no_backward_sync(model)``: gradient accumulation without reductions.
+    * ``fabric.save``/``fabric.load``: one file written by rank 0, Fabric's layout (``torch.load(path)["model"]`` is
+      the model's state dict; each optimizer's the state of a plain optimizer, consolidated from the shards): it
+      resumes on any number of processes, with the Trainer too; the Trainer's files load as well.
+
+    Example:
+        >>> from lightning_fairscale.fabric import DDPShardedStrategy
+        >>> DDPShardedStrategy(reduce_buffer_size=2**20).reduce_buffer_size
+        1048576
+    """
+
+    _grad_scaler = staticmethod(sharded_grad_scaler)
+
+    strategy_name = "ddp_sharded"
+    _precision_name = "precision"
+
+    @override
+    def _init_adapter(self) -> None:
+        super()._init_adapter()
+        #: The models set up, wrapped (``ShardedDataParallel``) or plain (set up without optimizers).
+        self._models: weakref.WeakSet[Module] = weakref.WeakSet()
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[_LRScheduler] = None
+    ) -> tuple[Module, list[Optimizer], Optional[_LRScheduler]]:
+        """Rebuild the optimizers as OSS (the scheduler follows its optimizer) and wrap the model in
+        ``ShardedDataParallel``."""
+        sharded = []
+        for optimizer in optimizers:
+            new = optimizer if isinstance(optimizer, OSS) else oss.shard_optimizer(optimizer, self.broadcast_fp16)
+            if scheduler is not None:
+                oss.repoint_schedulers([scheduler], optimizer, new)
+            sharded.append(new)
+        wrapped = self._wrap(module, sharded)
+        self._models.add(wrapped)
+        return wrapped, sharded, scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """The plain model, with rank 0's weights on every rank: for evaluation (training needs the optimizers)."""
+        oss.sync_module_states(module)
+        self._models.add(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        raise RuntimeError(
+            f"`{type(self).__name__}` shards the optimizers and the gradients together: set up the model and its"
+            " optimizers in one call, `model, optimizer = fabric.setup(model, optimizer)`."
+        )
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        # Before each backward pass the gradient buckets must hold the gradients (see `reduce_buffer_size`).
+        for model in list(self._models):
+            if isinstance(model, ShardedDataParallel):
+                oss.reattach_bucketed_gradients(model)
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
+        if isinstance(optimizer, OSS):  # the norm of all ranks' gradients, each rank holding those it owns
+            return optimizer.clip_grad_norm(max_norm, norm_type=norm_type)
+        params = [param for group in optimizer.param_groups for param in group["params"]]  # whole on every rank
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State dicts and checkpoints
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return super().get_module_state_dict(_unwrap(module))
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        super().load_module_state_dict(_unwrap(module), state_dict, strict=strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The state of a plain optimizer of the same class, on rank 0 (a collective call for OSS)."""
+        return oss.full_state(optimizer, self.is_global_zero)
+
+    @override
+    def _is_ours(self, module: Module) -> bool:
+        return module in self._models
+
+    @override
+    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
+        return self.get_module_state_dict(module)
+
+    @override
+    def _model_keys(self, module: Module) -> list[str]:
+        return list(_unwrap(module).state_dict())
+
+    @override
+    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
+        return self.get_optimizer_state(optimizer)
+
+    @override
+    def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        if isinstance(optimizer, OSS):
+            oss.load_full_state(optimizer, state)  # each rank keeps its shard
+            _optimizers_to_device([optimizer, optimizer.optim], self.root_device)
+        else:
+            optimizer.load_state_dict(state)
+
+
+class DDPSpawnShardedStrategy(oss.SpawnOnly, DDPShardedStrategy):
+    """:class:`DDPShardedStrategy` that starts its processes with ``torch.multiprocessing`` (``"spawn"``):
+    ``fabric.launch(function)`` runs ``function`` in each. Registered as ``"ddp_sharded_spawn"``.
+
+    Example:
+        >>> DDPSpawnShardedStrategy()._start_method
+        'spawn'
+    """
+
+    strategy_name = "ddp_sharded_spawn"
+
+
+def _unwrap(module: Module) -> Module:
+    return module.module if isinstance(module, ShardedDataParallel) else module

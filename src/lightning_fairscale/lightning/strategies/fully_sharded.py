@@ -1,0 +1,466 @@
+# Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit.
+"""``DDPFullyShardedStrategy``: FairScale's Fully Sharded Data Parallel under Lightning 2.x's Trainer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from lightning_fairscale.lightning._compat import _optimizers_to_device
+from lightning_fairscale.lightning._compat import _PATH, StrategyInternals
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
+from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
+from lightning_fairscale.lightning.callbacks.model_summary import use_for_model_summaries
+from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
+from lightning_fairscale.checkpoint.checks import (
+    RELAX_TRAINER,
+    IncompatibleKeys,
+    describe_partial_load,
+    restores_optimizer_states,
+    resumable_optimizer_states,
+)
+from lightning_fairscale.strategies._lost_ranks import report_collective_failure
+from lightning_fairscale.fsdp.summary import memory_figures
+from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
+from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
+
+
+class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrategy):
+    """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
+
+    Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
+    Lightning 1.x's ``DDPFullyShardedStrategy``, plus ``auto_wrap_policy``; any other keyword goes to FairScale's
+    ``FullyShardedDataParallel``. Runs on GPUs (NCCL) and on CPUs (gloo).
+
+    Args:
+        accelerator: the accelerator; the Trainer sets it.
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
+            bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
+        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
+        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+        move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
+            precision, whose gradients are fp16 or bf16).
+        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
+            half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
+        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
+        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
+        parallel_devices: the devices of this node; the Trainer sets them.
+        cluster_environment: the cluster environment; the Trainer sets it.
+        checkpoint_io: the checkpoint IO plugin.
+        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
+            (each instance its own unit), a callable with FairScale's policy signature
+            ``(module, recurse, unwrapped_params, module_is_root) -> bool``, or what Lightning's ``FSDPStrategy``
+            takes: a callable with torch's signature ``(module, recurse, nonwrapped_numel) -> bool`` (such as
+            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or torch's
+            ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
+            (``min_num_params``).
+        exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
+            still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
+        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
+            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``) for the size policy, none else.
+        activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
+            the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
+        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``: a set of
+            layer classes, ``ModuleWrapPolicy({Block})`` or ``partial(transformer_auto_wrap_policy,
+            transformer_layer_cls={Block})``. Pass one of the two arguments.
+        state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
+            gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
+            directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
+            and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        precision: another name for ``precision_plugin`` (Fabric's).
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
+            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
+            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
+            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
+        param_init_fn: for a model built on the ``meta`` device (``trainer.init_module(empty_init=True)``, or
+            ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
+            (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
+            argument). Default: each such module's ``reset_parameters()``.
+        sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
+            (``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
+            across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
+            (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
+        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
+            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape.
+        **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
+
+    Example:
+        >>> from lightning_fairscale.strategies import DDPFullyShardedStrategy
+        >>> strategy = DDPFullyShardedStrategy(min_num_params=1_000_000, bucket_cap_mb=50)
+        >>> strategy.min_num_params
+        1000000
+    """
+
+    strategy_name = "fsdp_fairscale"
+    _precision_name = "precision_plugin"
+    _checkpoint_io_class = ShardedCheckpointIO
+
+    @override
+    def _init_adapter(self) -> None:
+        #: Where the original parameters went, while the module is wrapped.
+        self._layout: Optional[ParameterLayout] = None
+        #: For each optimizer, the order of its state in checkpoints (see `fsdp_engine.repoint`).
+        self._group_orders: Sequence[GroupOrder] = []
+        #: Whether the stage failed (teardown must then start no collective).
+        self._failed = False
+        #: The layers that recompute their activations.
+        self._checkpointed: Sequence[Module] = []
+
+    # ------------------------------------------------------------------------------------------------------------
+    # FSDP configuration
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin_slot()
+        return plugin if plugin is not None else FullyShardedPrecisionPlugin()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._set_precision_plugin_slot(None if plugin is None else fully_sharded_precision_plugin(plugin))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lightning hooks
+
+    @override
+    def model_sharded_context(self) -> AbstractContextManager:
+        """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
+        return fsdp_engine.wrapping_context(self)
+
+    @override
+    def setup_environment(self) -> None:
+        check_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        root = wrapped_root(self.model)
+        if root is not None:
+            self._setup_sharded_again(trainer, root, fitting)
+        else:
+            self._setup_unwrapped(trainer, fitting)
+        use_for_model_summaries(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.barrier()
+
+    def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool) -> None:
+        assert self.model is not None
+        layer_sync = self._layer_sync_plugin()
+        if fitting and layer_sync:
+            self.model = layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if fitting:
+            # Optimizers are created on the unwrapped module, so `self.parameters()` works in
+            # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
+            self.setup_optimizers(trainer)
+        self.model_to_device()
+        # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
+        wrapped = fsdp_engine.wrap_model(self, self.model, describe=rank_zero_info)
+        self.model, self._layout, self._checkpointed = wrapped.root, wrapped.layout, wrapped.checkpointed
+        optimizers = [_unwrap(opt) for opt in self.optimizers] if fitting else []
+        self._group_orders = [fsdp_engine.repoint(optimizer, self._layout) for optimizer in optimizers]
+        # From here on nothing refers to the unsharded original parameters any more: they are freed.
+        self._layout.forget_originals()
+
+    def _setup_sharded_again(self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool) -> None:
+        """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so."""
+        if self._layout is None or self._layout.root is not root:  # another strategy wrapped it: learn the layout
+            self._layout = ParameterLayout().after_wrapping(root)
+            self._group_orders = []
+        self.model = root
+        if fitting:
+            with root_parameters_visible(root):
+                self.setup_optimizers(trainer)
+            self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``;
+        with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does.
+
+        ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
+        parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
+        were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
+        model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
+
+        A model built with ``empty_init=True`` (``trainer.init_module(empty_init=True)``) takes no memory: each FSDP
+        unit materialises its part on its device just before sharding it, with ``reset_parameters()`` or the
+        strategy's ``param_init_fn`` (see :mod:`lightning_fairscale.fsdp.materialize`).
+        """
+        if empty_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            with torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else contextlib.nullcontext():
+                yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
+        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs. Tensors on the
+        # meta device stay there: each unit materialises its own when it wraps them.
+        device = torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device
+        to_device_keeping_meta(self.model, device)
+
+    def memory_figures(self) -> dict[str, float]:
+        """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
+
+        Log them from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``.
+        """
+        assert self.model is not None
+        return memory_figures(self.model, [_unwrap(opt) for opt in self.optimizers])
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduce-scatter on accumulation steps (FSDP's ``no_sync``)."""
+        if isinstance(self.model, _FairScaleFSDP):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def _saves_sharded(self) -> bool:
+        return self.state_dict_type == "sharded" and self._is_wrapped()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only;
+        with ``state_dict_type="sharded"``, this rank's parameter shards (FairScale's ``local_state_dict``)."""
+        assert self.model is not None
+        if not isinstance(self.model, _FairScaleFSDP):
+            return super().lightning_module_state_dict()
+        return fsdp_engine.module_state_dict(self.model, self._saves_sharded(), self.is_global_zero)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks); with
+        ``state_dict_type="sharded"``, this rank's state over its shards."""
+        if self._layout is None:  # not wrapped (after a stage): a plain optimizer over the unwrapped module
+            return super().optimizer_state(optimizer)
+        optimizer = _unwrap(optimizer)
+        index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
+        return fsdp_engine.optimizer_state(optimizer, self._layout, self._group_orders[index], self._saves_sharded())
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
+        checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`)."""
+        if not self._saves_sharded():
+            if self.state_dict_type == "sharded" and self.lightning_module is not None:
+                rank_zero_warn(
+                    f"The model is not sharded (`unshard_module()` gave it its full parameters back), so {filepath} is"
+                    " written as a full checkpoint file.",
+                )
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        optimizers = [_unwrap(opt) for opt in self.optimizers]
+        fsdp_engine.save_sharded(
+            self, self._sharded_io(), checkpoint, filepath, self._wrapped(), optimizers, self._group_orders
+        )
+        return None
+
+    def _wrapped(self) -> fsdp_engine.WrappedModel:
+        assert isinstance(self.model, FullyShardedDataParallel) and self._layout is not None
+        return fsdp_engine.WrappedModel(self.model, self._layout, list(self._checkpointed))
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # `load_checkpoint` loads the optimizer states itself, into this rank's shards.
+        return not self._is_wrapped()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load the model's and the optimizers' states into this rank's shards, and return the rest of the checkpoint.
+
+        Either kind of checkpoint loads without gathering anything: a full file is memory-mapped and each rank reads
+        the slices of each parameter that it owns, unit by unit; a sharded directory saved by any number of
+        processes is read the same way from the saved shards (see :mod:`lightning_fairscale.fsdp.resharding`).
+
+        With ``LightningModule.strict_loading = False``, the model's parameters and buffers that the checkpoint lacks
+        keep their values and its other entries are ignored (a warning names them); shapes must still match.
+
+        A Fabric checkpoint (``fabric.save``, full or sharded) is read in the Trainer's layout (see
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`): its model, optimizers and LR schedulers
+        resume; the file is not changed.
+        """
+        if not self._is_wrapped():
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if is_trainer_layout(checkpoint):
+                return checkpoint
+            assert self.lightning_module is not None
+            return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
+        optimizers = [_unwrap(opt) for opt in self.optimizers] if self._restores_optimizers() else []
+        io = self.checkpoint_io
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        if fsdp_engine.is_sharded_checkpoint(io, checkpoint_path):
+
+            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
+                if not optimizers or not restores_optimizer_states(saved, len(optimizers), rank_zero_warn):
+                    return []
+                return [(i, opt, self._group_orders[i]) for i, opt in enumerate(optimizers)]
+
+            meta, keys = fsdp_engine.load_sharded(
+                self, io, checkpoint_path, self._wrapped(), restored, weights_only, strict, RELAX_TRAINER
+            )
+            _report_partial_load(keys)
+            return meta if is_trainer_layout(meta) else to_trainer_layout(meta, pl.__version__, model_keys=None)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not is_trainer_layout(checkpoint):
+            checkpoint = to_trainer_layout(checkpoint, pl.__version__, fsdp_engine.state_dict_keys(self._wrapped()))
+        assert self._layout is not None
+        states = self._resumable_states(checkpoint, optimizers) if optimizers else []
+        keys = fsdp_engine.load_full(
+            self._wrapped(),
+            checkpoint.pop("state_dict"),
+            strict,
+            list(zip(optimizers, self._group_orders, states)),
+            RELAX_TRAINER,
+        )
+        _report_partial_load(keys)
+        checkpoint.pop("optimizer_states", None)
+        return checkpoint
+
+    def _resumable_states(self, checkpoint: dict[str, Any], optimizers: list[Optimizer]) -> list[dict[str, Any]]:
+        """The checkpoint's optimizer states in the plain layout (Lightning 1.x's are adopted, see
+        :mod:`lightning_fairscale.checkpoint.legacy`)."""
+        assert self._layout is not None
+        # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
+        managed = self._layout.managed
+        shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
+        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
+
+    def _restores_optimizers(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return bool(self.optimizers) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._is_wrapped():  # `load_checkpoint` has loaded the sharded model
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._is_wrapped():  # `load_checkpoint` has loaded the optimizers' shards
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Another rank may be gone: teardown must not start collectives that would wait for it.
+        self._failed = True
+        report_collective_failure(exception, self._collective_timeout(), self.launcher)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """End a stage without gathering anything: the LightningModule stays sharded.
+
+        The next stage (``validate``, ``test``, ``predict`` or another ``fit``, with this Trainer or another one)
+        takes the sharded module as it is, and ``trainer.save_checkpoint`` after ``fit`` writes the same checkpoint
+        as during training. Call :meth:`unshard_module` to get the full module back. As Lightning's own FSDP
+        strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
+        parameter shards that moving them would break. A module still on the meta device (the stage failed before
+        wrapping it) is not moved either: it has no data to move.
+        """
+        if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
+            super().teardown()
+            return
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        self._failed = False
+
+    def unshard_module(self, rank_zero_only: bool = True) -> Module:
+        """Give the LightningModule its full parameters back, as a plain module: an explicit, collective call.
+
+        After ``fit`` the module stays sharded, so nothing is gathered at the end of a run. Call this on every rank
+        when a full module is wanted in memory (to export it, or to use it outside the Trainer). FSDP units are
+        gathered one at a time; with ``rank_zero_only`` (the default) only rank 0 keeps the full parameters (on the
+        CPU), the other ranks' parameters are left on the ``meta`` device, so the memory of one full model is needed
+        on one rank only. With ``rank_zero_only=False`` every rank gets the full module, which can then be wrapped
+        again by a later stage.
+
+        The optimizers' state lives in the shards this frees: the strategy's optimizers and LR schedulers are dropped
+        (save a checkpoint first to keep them).
+
+        Returns:
+            The LightningModule, unwrapped.
+        """
+        module = self.lightning_module
+        assert module is not None
+        if not self._is_wrapped():
+            return module
+        keep = self.is_global_zero or not rank_zero_only
+        unwrap_module(self.model, torch.device("cpu"), keep=keep)
+        forget_root(module)
+        remove_activation_checkpointing(self._checkpointed)
+        self._checkpointed = []
+        self.model = module
+        self._layout = None
+        self._group_orders = []
+        self.optimizers = []
+        self.lr_scheduler_configs = []
+        return module
+
+    def _is_wrapped(self) -> bool:
+        return isinstance(self.model, _FairScaleFSDP)
+
+
+def _report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with ``strict_loading = False`` left out."""
+    message = describe_partial_load(keys)
+    if message:
+        rank_zero_warn(message)
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

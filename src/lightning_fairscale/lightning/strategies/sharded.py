@@ -1,0 +1,396 @@
+# Generated from lightning_fairscale/strategies/sharded.py by `make lightning`: do not edit.
+"""``DDPShardedStrategy``: FairScale's sharded optimizer state and gradients (OSS + ShardedDDP) under Lightning 2.x.
+
+Each optimizer from ``configure_optimizers`` is rebuilt as a :class:`fairscale.optim.OSS` over the same param groups
+and hyperparameters, so every rank keeps the optimizer state of its share of the parameters only (ZeRO stage 1),
+and the module is wrapped in :class:`fairscale.nn.data_parallel.ShardedDataParallel`, which reduces each gradient
+to the rank that owns its parameter (stage 2). Parameters stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from fairscale.nn.data_parallel import ShardedDataParallel
+from fairscale.optim import OSS
+from lightning.fabric.plugins import CheckpointIO
+from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher, StrategyInternals
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fairscale.sharded_ddp.engine import (
+    ShardedDDPOptions,
+    SpawnOnly,
+    full_state,
+    load_full_state,
+    reattach_bucketed_gradients,
+    repoint_schedulers,
+    shard_optimizer,
+    sync_module_states,
+)
+from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
+from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
+from lightning_fairscale.strategies._lost_ranks import report_collective_failure
+
+__all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
+
+
+class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
+    """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Lightning 2.x.
+
+    Lightning 1.x's ``DDPShardedStrategy``: the optimizers that ``configure_optimizers`` returns (any
+    ``torch.optim`` optimizer, param groups kept) are rebuilt as ``fairscale.optim.OSS`` with the same
+    hyperparameters, LR schedulers follow them, and the module is wrapped in FairScale's ``ShardedDataParallel``
+    while fitting (validation, test and predict run on the plain module). Checkpoints hold the model's and a plain
+    optimizer's state dicts, consolidated on rank 0, so they load without FairScale and resume on any number of
+    processes. Runs on GPUs (NCCL) and on CPUs (gloo).
+
+    Args:
+        accelerator: the accelerator; the Trainer sets it.
+        parallel_devices: the devices of this node; the Trainer sets them.
+        cluster_environment: the cluster environment; the Trainer sets it.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which
+            writes each checkpoint file atomically).
+        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
+            parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
+            supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
+        precision: another name for ``precision_plugin`` (Fabric's).
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
+            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
+        **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
+            node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
+
+    Example:
+        >>> from lightning_fairscale.strategies import DDPShardedStrategy
+        >>> strategy = DDPShardedStrategy(reduce_buffer_size=2**20)
+        >>> strategy.reduce_buffer_size
+        1048576
+    """
+
+    strategy_name = "ddp_sharded"
+    _precision_name = "precision_plugin"
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Configuration
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin_slot()
+        return plugin if plugin is not None else ShardedPrecisionPlugin()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._set_precision_plugin_slot(None if plugin is None else sharded_precision_plugin(plugin))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lightning hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        layer_sync = self._layer_sync_plugin()
+        if fitting and layer_sync:
+            self.model = layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            self.optimizers = [self._shard(optimizer) for optimizer in self.optimizers]
+            if self._sharded_optimizers():
+                self.model = self._setup_model(self.model)
+        else:
+            # Nothing to reduce outside `fit`: the plain module, with rank 0's weights on every rank.
+            sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self._local_optimizers(), self.root_device)
+
+    def _shard(self, optimizer: Optimizer) -> Optimizer:
+        if isinstance(optimizer, (OSS, _MockOptimizer)):
+            return optimizer
+        sharded = shard_optimizer(optimizer, broadcast_fp16=self.broadcast_fp16)
+        repoint_schedulers([config.scheduler for config in self.lr_scheduler_configs], optimizer, sharded)
+        return sharded
+
+    def _sharded_optimizers(self) -> list[OSS]:
+        return [optimizer for optimizer in self.optimizers if isinstance(optimizer, OSS)]
+
+    def _local_optimizers(self) -> list[Optimizer]:
+        """Every optimizer object that holds state: the OSS wrappers and the optimizers of their shards."""
+        return self.optimizers + [optimizer.optim for optimizer in self._sharded_optimizers()]
+
+    @override
+    def _setup_model(self, model: Module) -> ShardedDataParallel:
+        return self._wrap(model, self._sharded_optimizers())
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Before each backward pass: the gradient buckets must hold the gradients (see ``reduce_buffer_size``)."""
+        super().pre_backward(closure_loss)
+        if isinstance(self.model, ShardedDataParallel):
+            reattach_bucketed_gradients(self.model)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduction on accumulation steps (``ShardedDataParallel.no_sync``)."""
+        wrapped = isinstance(self.model, ShardedDataParallel)
+        with self.model.no_sync() if wrapped else contextlib.nullcontext():  # type: ignore[union-attr]
+            yield
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The full state of a plain optimizer of the same class, on rank 0 (``{}`` on the other ranks).
+
+        A collective call: OSS gathers every rank's shard of the state on rank 0.
+        """
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_state(optimizer, self.is_global_zero)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`~lightning_fairscale.ShardedCheckpointIO` unless the Trainer got another: checkpoint files are
+        written beside their target and renamed into place, so a save killed midway keeps the previous one."""
+        if self._checkpoint_io_slot() is None:
+            self._set_checkpoint_io_slot(ShardedCheckpointIO())
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._set_checkpoint_io_slot(io)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._use_multiprocessing_launcher(_SpawnLauncher)  # start_method "spawn", "fork" or "forkserver"
+
+    @override
+    def on_train_end(self) -> None:
+        """At the end of a spawned ``fit``, keep rank 0's training state for the launching process (see
+        :class:`DDPSpawnShardedStrategy`)."""
+        super().on_train_end()
+        if isinstance(self.launcher, _SpawnLauncher):
+            assert self.lightning_module is not None
+            self.launcher.end_of_fit = self._end_of_fit(self.lightning_module.trainer)
+
+    def _end_of_fit(self, trainer: pl.Trainer) -> Optional[_EndOfFit]:
+        """Rank 0's training state (``None`` on the other ranks): every entry of a checkpoint but the module's own.
+
+        The optimizer and LR scheduler states only when the run writes checkpoints that hold them: gathering the
+        sharded optimizer state on rank 0 (a collective call) is what each of those checkpoints does anyway.
+        """
+        gather = _writes_optimizer_states(trainer)
+        optimizer_states = [self.optimizer_state(optimizer) for optimizer in trainer.optimizers] if gather else []
+        if not self.is_global_zero:
+            return None
+        entries: dict[str, Any] = {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "loops": {name: getattr(trainer, name).state_dict() for name in _LOOPS},
+            "callbacks": {cb.state_key: state for cb in trainer.callbacks if (state := cb.state_dict())},
+            "optimizer_states": optimizer_states,
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs if gather],
+        }
+        for owner in (trainer.precision_plugin, trainer.datamodule):  # Lightning keys their states by class name
+            state = owner.state_dict() if owner is not None else None
+            if state:
+                entries[type(owner).__qualname__] = state
+        return _EndOfFit(entries, optimizer_state_left_out=bool(trainer.optimizers) and not gather)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Write the checkpoint (rank 0); in the process that launched a spawned ``fit``, with the training state
+        rank 0 had at its end (see :class:`DDPSpawnShardedStrategy`)."""
+        end_of_fit = self.launcher.end_of_fit if isinstance(self.launcher, _SpawnLauncher) else None
+        if end_of_fit is not None:
+            checkpoint = end_of_fit.complete(checkpoint, type(self).__name__)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def setup_environment(self) -> None:
+        check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
+        super().setup_environment()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The checkpoint, a Fabric checkpoint (``fabric.save``) read in the Trainer's layout (see
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`); the file is not changed."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if is_trainer_layout(checkpoint):
+            return checkpoint
+        assert self.lightning_module is not None
+        return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load full optimizer state dicts (saved with any number of processes); each rank keeps its shard."""
+        # The user's optimizer (OSS builds it on each rank) names the class; OSS's param groups hold every parameter.
+        users = [opt.optim if isinstance(opt, OSS) else opt for opt in self.optimizers]
+        shapes = [[[p.shape for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers]
+        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        states = resumable_optimizer_states(checkpoint, users, shapes, policy, owner, rank_zero_warn)
+        for optimizer, state in zip(self.optimizers, states):
+            if isinstance(optimizer, OSS):
+                load_full_state(optimizer, state)
+            else:
+                optimizer.load_state_dict(state)
+        _optimizers_to_device(self._local_optimizers(), self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        report_collective_failure(exception, self._collective_timeout(), self.launcher)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """Give the Trainer back the plain LightningModule.
+
+        The optimizers stay the sharded ones, so ``trainer.save_checkpoint`` after ``fit`` (on all ranks) writes the
+        same checkpoint as during training.
+        """
+        if isinstance(self.model, ShardedDataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+        _optimizers_to_device(self._local_optimizers(), torch.device("cpu"))
+
+
+class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
+    """:class:`DDPShardedStrategy` that starts its processes with ``torch.multiprocessing`` (``"spawn"``).
+
+    Lightning 2 has no ``DDPSpawnStrategy`` class: this is ``DDPShardedStrategy(start_method="spawn")``. The script
+    is not run again for each rank, so it also works inside other programs (e.g. a test runner); the model and the
+    Trainer are pickled to the processes, so the model's class must be importable. Rank 0's trained weights are
+    loaded into the model of the calling process afterwards.
+
+    Rank 0's training state at the end of ``fit`` comes back too (Lightning's launcher brings the weights and the
+    callback metrics only), so ``trainer.save_checkpoint`` in the calling process writes a checkpoint that resumes
+    exactly: the loops' progress, the callbacks', precision plugin's and datamodule's states and, when the run writes
+    checkpoints with optimizer state (a ``ModelCheckpoint`` without ``save_weights_only``: Lightning's default), the
+    optimizer and LR scheduler states, gathered on rank 0 at the end of ``fit`` as each of those checkpoints gathers
+    them. Otherwise nothing is gathered, and that checkpoint holds no optimizer state (saving it warns; resuming it
+    continues with a fresh optimizer state and a warning). The same holds for ``DDPShardedStrategy`` with
+    ``start_method="spawn"`` or ``"fork"``.
+
+    Example:
+        >>> DDPSpawnShardedStrategy()._start_method
+        'spawn'
+    """
+
+    strategy_name = "ddp_sharded_spawn"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The end of a spawned `fit`: Lightning's launcher brings the weights and the callback metrics back to the launching
+# process, whose Trainer never trained; this one also brings rank 0's training state, for `trainer.save_checkpoint`.
+
+#: Lightning's loops, whose states a checkpoint holds under ``"loops"``.
+_LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+#: The entries that say how far training got: every checkpoint has them, ``weights_only`` ones too.
+_PROGRESS = ("epoch", "global_step", "loops")
+#: The launcher's extra result that names the folder of the end-of-fit state, and the file in it.
+_END_OF_FIT, _END_OF_FIT_FILE = "lightning_fairscale_end_of_fit", "end-of-fit.pt"
+
+
+def _writes_optimizer_states(trainer: pl.Trainer) -> bool:
+    """Whether the run writes checkpoints with the optimizer state: it has a checkpoint callback without
+    ``save_weights_only`` (Lightning's default ``ModelCheckpoint`` is one)."""
+    return any(not getattr(callback, "save_weights_only", False) for callback in trainer.checkpoint_callbacks)
+
+
+@dataclass
+class _EndOfFit:
+    """Rank 0's training state at the end of a spawned ``fit``, for the checkpoints of the launching process."""
+
+    #: Checkpoint entries, as ``trainer.save_checkpoint`` on rank 0 would have written them then, but the module's.
+    entries: dict[str, Any]
+    #: Whether the run had optimizers whose state was not gathered (it wrote no checkpoints that hold it).
+    optimizer_state_left_out: bool
+
+    def complete(self, checkpoint: dict[str, Any], strategy: str) -> dict[str, Any]:
+        """``checkpoint``, of the launching process, with this training state; the module's own entries (weights,
+        hyperparameters, what its ``on_save_checkpoint`` added) stay the launching process's."""
+        if "optimizer_states" not in checkpoint:  # `weights_only=True`
+            return {**checkpoint, **{key: self.entries[key] for key in _PROGRESS}}
+        if self.optimizer_state_left_out:
+            rank_zero_warn(
+                f"This checkpoint, saved in the process that launched `fit` with `{strategy}`, holds the weights and"
+                " the training progress but no optimizer state: the run wrote no checkpoints with optimizer state (no"
+                " `ModelCheckpoint`, or `save_weights_only=True`), so its ranks did not gather their shards of it at"
+                " the end of `fit`. Resuming from this checkpoint continues with a fresh optimizer state and fresh LR"
+                " schedulers. For a complete checkpoint here, keep Lightning's checkpointing on"
+                " (`enable_checkpointing=True`, the default), or resume from a checkpoint written during the run."
+            )
+        callbacks = {**checkpoint.get("callbacks", {}), **self.entries["callbacks"]}
+        return {**checkpoint, **self.entries, "callbacks": callbacks}
+
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for processes started by ``torch.multiprocessing``, which also brings rank 0's training
+    state at the end of ``fit`` (:class:`_EndOfFit`) back to the launching process."""
+
+    def __init__(self, strategy: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn") -> None:
+        super().__init__(strategy, start_method=start_method)
+        #: Rank 0's state at the end of ``fit``: set there by the strategy, then here in the launching process.
+        self.end_of_fit: Optional[_EndOfFit] = None
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Lightning's extra results (on rank 0), and the folder of a file with the end-of-fit state."""
+        extra = super().get_extra_results(trainer)
+        if self.end_of_fit is not None:
+            # Through a file, as Lightning sends the weights: no pickled copy of the optimizer state in memory.
+            folder = tempfile.mkdtemp()
+            torch.save(self.end_of_fit, os.path.join(folder, _END_OF_FIT_FILE))
+            extra[_END_OF_FIT] = folder
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        """Lightning's (the callback metrics), and the end-of-fit state (in the launching process)."""
+        super().update_main_process_results(trainer, extra)
+        folder = extra.get(_END_OF_FIT)
+        if folder is not None:
+            try:
+                path = os.path.join(folder, _END_OF_FIT_FILE)
+                self.end_of_fit = torch.load(path, map_location="cpu", weights_only=False)  # written by rank 0 above
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        # The processes started later (`validate` or `test` after `fit`) neither need it nor may write it.
+        return {**super().__getstate__(), "end_of_fit": None}
