@@ -62,7 +62,7 @@ def source_modules() -> dict[str, Path]:
 def imported_modules(tree: ast.Module) -> set[str]:
     """The absolute module names that the imports of ``tree`` name, anywhere in it (function bodies and
     ``if TYPE_CHECKING:`` blocks included: the copy must rename those too)."""
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
