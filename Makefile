@@ -18,7 +18,7 @@ TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 LIGHTNING_PINS := $(if $(LIGHTNING_VERSION),"pytorch-lightning==$(LIGHTNING_VERSION)" "lightning==$(LIGHTNING_VERSION)")
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSION)),newest)
 
-.PHONY: install demo test unit doctest docs bench stubs clean
+.PHONY: install demo test unit doctest docs bench lightning clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,10 +52,12 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]" "torch==$(TORCH_VERSION)"
 	$(PY) benchmarks/run.py $(BENCHMARKS)
 
-# The type stubs of the `lightning` flavour (src/lightning_fairscale/lightning/**/*.pyi), after a change to a module
-# that subclasses or registers with Lightning; `make unit` fails while one is out of date.
-stubs: $(STAMP)
-	$(PY) -c "from lightning_fairscale.lightning._stubs import write_stubs; write_stubs()"
+# The modules of `lightning_fairscale.lightning` (for `import lightning as L`): copies of the modules that import
+# Lightning, with `pytorch_lightning` -> `lightning.pytorch` and `lightning_fabric` -> `lightning.fabric` renamed
+# (tools/generate_lightning.py). Run it after changing such a module, or after a merge that touches one; a unit test
+# (`make unit`) fails while a copy is out of date. Needs no installed package: it only reads and writes files.
+lightning:
+	$(PYTHON) tools/generate_lightning.py
 
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html

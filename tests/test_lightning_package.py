@@ -6,7 +6,6 @@ through the other.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import subprocess
 from pathlib import Path
@@ -21,7 +20,6 @@ import lightning_fairscale
 import lightning_fairscale.lightning as for_lightning
 from conftest import TESTS, Jobs, run_jobs, run_script
 from lightning_fairscale.fsdp.options import FullyShardedOptions
-from lightning_fairscale.lightning import _loader
 
 PACKAGES = ["pytorch_lightning", "lightning"]
 LIGHTNING = {"pytorch_lightning": pl, "lightning": L}
@@ -79,7 +77,10 @@ def test_each_trainer_gets_its_own_true_half_precision_plugin(package: str, name
 
 def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     top, mirror = lightning_fairscale.strategies.fully_sharded, for_lightning.strategies.fully_sharded
-    assert top is not mirror and top.__file__ == mirror.__file__  # one source file, compiled twice
+    # A real module of its own, generated from the top-level one (`make lightning`), whose first line names it.
+    assert Path(mirror.__file__) == Path(top.__file__).parents[1] / "lightning" / "strategies" / "fully_sharded.py"
+    header = "# Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit."
+    assert Path(mirror.__file__).read_text().partition("\n")[0] == header
     # The options (shared) come first, then each package's access to Lightning's internals and its base class.
     assert mirror.DDPFullyShardedStrategy.__mro__[1:4] == (
         FullyShardedOptions, for_lightning._compat.StrategyInternals, L.strategies.DDPStrategy
@@ -90,82 +91,7 @@ def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     # Modules without Lightning classes are the same module objects in both.
     assert mirror.fsdp_engine is top.fsdp_engine
     assert mirror.FullyShardedDataParallel is top.FullyShardedDataParallel
-    assert for_lightning.checkpoint_io.CheckpointFileError is lightning_fairscale.plugins.checkpoint_io.CheckpointFileError
-
-
-def _imported_at_import_time(statements: list[ast.stmt]) -> set[str]:
-    """The modules that top-level statements import (``if TYPE_CHECKING:`` blocks and function bodies excluded)."""
-    found: set[str] = set()
-    for node in statements:
-        if isinstance(node, ast.ImportFrom) and node.module == "lightning_fairscale":
-            found.update(f"lightning_fairscale.{alias.name}" for alias in node.names)  # submodules
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
-            found |= _imported_at_import_time(node.body) | _imported_at_import_time(node.orelse)
-        elif isinstance(node, ast.Try):
-            found |= _imported_at_import_time(node.body)
-    return found
-
-
-def test_the_bound_modules_are_those_that_import_lightning() -> None:
-    """Every module that imports Lightning is in ``_loader.BOUND``, and every bound module needs Lightning.
-
-    A bound module imports Lightning itself or imports another bound module (``precision/__init__`` imports its
-    submodules, say). Shared modules may use the ``pytorch_lightning`` classes (``consolidate`` reads files with the
-    default ``ShardedCheckpointIO``); they must not import Lightning themselves.
-    """
-    root = Path(lightning_fairscale.__file__).parent
-    imports: dict[str, set[str]] = {}
-    for path in root.rglob("*.py"):
-        relative = path.relative_to(root).with_suffix("")
-        if relative.parts[0] == "lightning":
-            continue  # the flavour's own package
-        name = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
-        imports[name] = _imported_at_import_time(ast.parse(path.read_text()).body)
-
-    def imports_lightning(name: str) -> bool:
-        return any(module.partition(".")[0] in _loader.RENAMED for module in imports[name])
-
-    def imports_bound(name: str) -> bool:
-        return any(module.removeprefix("lightning_fairscale.") in _loader.BOUND for module in imports[name])
-
-    direct = {name for name in imports if name and imports_lightning(name)}
-    assert direct <= set(_loader.BOUND), "these modules import Lightning: add them to _loader.BOUND"
-    assert all(imports_lightning(name) or imports_bound(name) for name in _loader.BOUND)
-    assert direct  # the scan found the imports at all
-
-
-@pytest.mark.parametrize(
-    ("source", "renamed"),
-    [
-        ("import pytorch_lightning as pl", "import lightning.pytorch as pl"),
-        ("import pytorch_lightning", "import lightning.pytorch as pytorch_lightning"),
-        ("from lightning_fabric.plugins import CheckpointIO", "from lightning.fabric.plugins import CheckpointIO"),
-        ("from lightning_fairscale.precision import X", "from lightning_fairscale.lightning.precision import X"),
-        ("from lightning_fairscale.fsdp.policies import X", "from lightning_fairscale.fsdp.policies import X"),
-        ("from lightning_fairscale.fsdp import units", "from lightning_fairscale.fsdp import units"),
-        ("import torch.distributed as dist", "import torch.distributed as dist"),
-    ],
-)
-def test_imports_are_renamed_for_lightning(source: str, renamed: str) -> None:
-    tree = _loader._RenameImports("x.py").visit(ast.parse(source))
-    assert ast.unparse(tree) == renamed
-
-
-@pytest.mark.parametrize(
-    ("source", "match"),
-    [
-        ("from .fully_sharded import X", "relative imports"),
-        ("import pytorch_lightning.strategies", "cannot be renamed"),
-        ("from lightning_fairscale import strategies", "by their full name"),
-    ],
-)
-def test_imports_that_cannot_be_renamed_are_refused(source: str, match: str) -> None:
-    with pytest.raises(ImportError, match=match):
-        _loader.compile_for_lightning(source.encode(), "x.py")
+    assert for_lightning.plugins.checkpoint_io.CheckpointFileError is lightning_fairscale.plugins.checkpoint_io.CheckpointFileError
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -283,17 +209,38 @@ def test_a_consolidated_checkpoint_loads_through_lightning(lightning_runs: Jobs,
     assert "loaded through lightning" in proc.stdout
 
 
-def test_the_lightning_flavour_names_the_extra_when_lightning_is_missing(tmp_path: Path) -> None:
+def test_import_lightning_fairscale_does_not_import_lightning(tmp_path: Path) -> None:
+    """A ``pytorch_lightning`` user gets no second Lightning; where ``lightning`` is not installed, the subpackage for
+    it names the extra to install."""
     script = tmp_path / "missing.py"
     script.write_text(
         "import sys\n"
+        "import lightning_fairscale\n"
+        "print('imported lightning:', 'lightning' in sys.modules)\n"
         "sys.modules['lightning'] = None  # as if not installed\n"
-        "import lightning_fairscale  # works: pytorch_lightning users are not affected\n"
         "try:\n"
         "    import lightning_fairscale.lightning\n"
         "except ModuleNotFoundError as error:\n"
         "    print(error)\n"
     )
     proc = run_script([str(script)], cwd=tmp_path)
+    assert "imported lightning: False" in proc.stdout
     assert 'pip install "lightning-fairscale[lightning]"' in proc.stdout
     assert importlib.import_module("lightning_fairscale.lightning") is for_lightning
+
+
+def test_import_lightning_fairscale_after_lightning_registers_the_names_with_lightning_too(tmp_path: Path) -> None:
+    """``import lightning as L`` then ``import lightning_fairscale`` (isort's order): the names reach ``L.Trainer``
+    and ``lightning.fabric.Fabric`` without importing ``lightning_fairscale.lightning`` by hand."""
+    script = tmp_path / "registers.py"
+    script.write_text(
+        "import lightning as L\n"
+        "import lightning_fairscale\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "trainer = L.Trainer(accelerator='cpu', devices=2, strategy='fsdp_fairscale', logger=False)\n"
+        "print(type(trainer.strategy).__module__)\n"
+        "print(STRATEGY_REGISTRY['ddp_sharded']['strategy'].__module__)\n"
+    )
+    lines = run_script([str(script)], cwd=tmp_path).stdout.split()
+    assert "lightning_fairscale.lightning.strategies.fully_sharded" in lines
+    assert "lightning_fairscale.lightning.fabric.sharded" in lines

@@ -11,15 +11,15 @@ Lightning 1.x's names of the mixed-precision plugins, ``ShardedNativeMixedPrecis
 ``FullyShardedNativeMixedPrecisionPlugin``, are deprecated aliases of :class:`ShardedMixedPrecisionPlugin` and
 :class:`FullyShardedMixedPrecisionPlugin` (see :mod:`lightning_fairscale.precision`).
 
-The classes here are built on ``pytorch_lightning``. Where the unified ``lightning`` package is installed too, the
-import also registers the names with ``lightning.pytorch``'s registry, whose Trainer then gets the same classes built
-on ``lightning.pytorch`` (:mod:`lightning_fairscale.lightning`).
+The classes here are built on ``pytorch_lightning``; :mod:`lightning_fairscale.lightning` has the same classes built on
+the unified ``lightning`` package, and importing it registers the names with ``lightning.pytorch``'s and
+``lightning.fabric``'s registries. This import does that too when ``lightning`` has been imported already; it never
+imports ``lightning`` itself (a ``pytorch_lightning`` user does not pay for a second Lightning).
 """
 
 import importlib
+import sys
 from typing import Any
-
-from lightning_utilities.core.imports import module_available
 
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale._deprecated import deprecated_alias
@@ -57,7 +57,9 @@ def __getattr__(name: str) -> Any:
     return deprecated_alias(__name__, name, globals(), _RENAMED_PRECISION)
 
 
-# ``L.Trainer(strategy="fsdp_fairscale")`` should work after ``import lightning_fairscale`` as well; importing our
-# classes for ``lightning.pytorch`` registers them with its registry. Skipped when ``lightning`` is not installed.
-if module_available("lightning"):
+# ``import lightning as L; import lightning_fairscale`` (isort's order) then ``L.Trainer(strategy="fsdp_fairscale")``
+# should work: importing our classes for ``lightning.pytorch`` registers them with its registries. Only when the user
+# imported ``lightning``: a ``pytorch_lightning`` user must not get a second copy of Lightning in the process.
+# (``sys.modules["lightning"]`` is None where it was blocked on purpose.)
+if sys.modules.get("lightning") is not None:
     importlib.import_module("lightning_fairscale.lightning")

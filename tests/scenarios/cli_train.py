@@ -18,11 +18,11 @@ import importlib  # noqa: E402
 import torch  # noqa: E402
 from jsonargparse import ArgumentParser  # noqa: E402
 
-import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from lightning_fairscale.fsdp.state_names import clean_path  # noqa: E402
 from scenarios.common import RegressionModel  # noqa: E402
-from scenarios.flavor import PACKAGE, Callback, Trainer  # noqa: E402
+from scenarios.flavor import PACKAGE, Callback, Trainer, register_strategy_names  # noqa: E402
 
+register_strategy_names()  # `--trainer.strategy=fsdp_fairscale`, as a user's script imports our package
 LightningCLI = importlib.import_module(f"{'lightning.pytorch' if PACKAGE == 'lightning' else PACKAGE}.cli").LightningCLI
 
 

@@ -30,7 +30,6 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 from lightning_fairscale.distributed import collectives  # noqa: E402
 from scenarios.common import (  # noqa: E402
     GLOBAL_BATCH,
@@ -42,8 +41,10 @@ from scenarios.common import (  # noqa: E402
     make_optimizer,
     split_param_groups,
 )
-from scenarios.flavor import PACKAGE, Fabric  # noqa: E402
+from scenarios.flavor import PACKAGE, Fabric, register_strategy_names  # noqa: E402
 from scenarios.jobs import run_jobs  # noqa: E402
+
+register_strategy_names()  # `--strategy fsdp_fairscale`: a name in the registry of the chosen package's Fabric
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

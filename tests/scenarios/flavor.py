@@ -38,6 +38,13 @@ _OUR_CLASSES = {
 }
 
 
+def register_strategy_names() -> None:
+    """Register our strategy names with ``PACKAGE``'s registries (its Trainer's and Fabric's) as its users do:
+    ``import lightning_fairscale`` for ``pytorch_lightning``, ``import lightning_fairscale.lightning`` for ``lightning``
+    (``import lightning_fairscale`` does not import ``lightning``)."""
+    importlib.import_module(OURS)
+
+
 def __getattr__(name: str) -> Any:
     if name in _OUR_CLASSES:
         return getattr(importlib.import_module(OURS), name)

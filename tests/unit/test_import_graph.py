@@ -157,20 +157,3 @@ def test_the_engine_runs_where_lightning_cannot_be_imported() -> None:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-
-def test_the_type_stubs_of_the_lightning_flavour_are_current() -> None:
-    """``lightning_fairscale/lightning/**/*.pyi`` is what ``make stubs`` writes from the sources: type checkers
-    and IDEs see the ``lightning`` flavour's classes (built by an import hook they cannot follow) as they are."""
-    from lightning_fairscale.lightning._stubs import stubs
-
-    written = stubs()
-    stale = [str(p.relative_to(SOURCE)) for p, text in written.items() if not p.is_file() or p.read_text() != text]
-    assert not stale, f"out of date: {stale}; run `make stubs`"
-    on_disk = set((SOURCE / "lightning").rglob("*.pyi"))
-    assert on_disk == set(written), on_disk ^ set(written)  # none left over from a module that is gone
-    for text in written.values():
-        compile(text, "stub", "exec")
-    fully_sharded = written[SOURCE / "lightning" / "strategies" / "fully_sharded.pyi"]
-    bases = "(FullyShardedOptions, StrategyInternals, DDPStrategy):"
-    assert f"class DDPFullyShardedStrategy{bases}" in fully_sharded
-    assert "from lightning.pytorch.strategies import DDPStrategy" in fully_sharded

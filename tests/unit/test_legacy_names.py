@@ -136,7 +136,7 @@ def test_every_module_is_a_real_file_whose_names_warn_only_when_asked_for(flavou
         expected = Path(*module.split(".")).with_suffix(".py")
         if Path(namespace.__file__).name == "__init__.py":
             expected = Path(*module.split("."), "__init__.py")
-        assert Path(namespace.__file__).as_posix().endswith(f"lightning_fairscale/{expected.as_posix()}")
+        assert Path(namespace.__file__).as_posix().endswith(f"{flavour.replace('.', '/')}/{expected.as_posix()}")
     # Star imports, `dir()` and tools that scan a module (doctest collection, Sphinx, IDEs) see no deprecated name.
     _no_deprecation(lambda: exec(f"from {namespace.__name__} import *", {}))
     _no_deprecation(lambda: inspect.getmembers(namespace))

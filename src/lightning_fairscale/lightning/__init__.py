@@ -2,7 +2,9 @@
 
 ``L.Trainer`` accepts only strategies and plugins built on ``lightning.pytorch``; ``pytorch_lightning.Trainer`` only
 those built on ``pytorch_lightning``. This subpackage has the same classes as the top-level package, built on
-``lightning.pytorch``, from the same source (see :mod:`lightning_fairscale.lightning._loader`)::
+``lightning.pytorch``, from the same source: its modules (``lightning_fairscale.lightning.strategies``...) are copies
+of the top-level package's Lightning-bound modules with their imports renamed, written by ``make lightning``
+(``tools/generate_lightning.py``)::
 
     import lightning as L
     from lightning_fairscale.lightning import DDPFullyShardedStrategy
@@ -17,11 +19,12 @@ those built on ``pytorch_lightning``. This subpackage has the same classes as th
 
     fabric = Fabric(strategy=DDPFullyShardedStrategy(), accelerator="cpu", devices=2)
 
-The registry names need no import from here: ``import lightning_fairscale`` registers them with both packages'
-registries when both are installed, so ``L.Trainer(strategy="fsdp_fairscale")`` works after it. Modules without
-Lightning classes (:mod:`lightning_fairscale.fsdp.units`, :mod:`lightning_fairscale.fsdp.policies`, the checkpoint
-format, consolidation...) are shared: import them from the top-level package. Checkpoints are the same files either
-way.
+Importing this subpackage registers the registry names (``"fsdp_fairscale"``, ``"ddp_sharded"``...) with
+``lightning.pytorch``'s and ``lightning.fabric``'s registries, so ``L.Trainer(strategy="fsdp_fairscale")`` works after
+it. ``import lightning_fairscale`` imports it too when ``lightning`` is already imported (``import lightning as L``
+first, as isort orders them), and never imports ``lightning`` itself. Modules without Lightning classes
+(:mod:`lightning_fairscale.fsdp.units`, :mod:`lightning_fairscale.fsdp.policies`, the checkpoint format,
+consolidation...) are shared: import them from the top-level package. Checkpoints are the same files either way.
 
 Lightning 1.x's names ``ShardedNativeMixedPrecisionPlugin`` and ``FullyShardedNativeMixedPrecisionPlugin`` are
 deprecated aliases here too, as in the top-level package and in the modules of the original extension's layout
@@ -33,7 +36,6 @@ Needs the ``lightning`` package: ``pip install "lightning-fairscale[lightning]"`
 from typing import Any
 
 from lightning_fairscale._deprecated import deprecated_alias
-from lightning_fairscale.lightning import _loader
 
 try:
     import lightning.pytorch  # noqa: F401
@@ -46,8 +48,6 @@ except ModuleNotFoundError as error:
         " `pytorch_lightning`.",
         name="lightning",
     ) from error
-
-_loader.install()
 
 from lightning_fairscale.lightning.plugins import ShardedCheckpointIO  # noqa: E402
 from lightning_fairscale.lightning.precision import (  # noqa: E402

@@ -1,0 +1,297 @@
+# Generated from lightning_fairscale/fabric/fully_sharded.py by `make lightning`: do not edit.
+"""``DDPFullyShardedStrategy`` for Fabric: FairScale's FSDP in loops you write yourself.
+
+The same engine as the Trainer's strategy (:mod:`lightning_fairscale.fsdp.engine`), behind Fabric's strategy API:
+``fabric.setup`` wraps the model and re-points its optimizers, ``fabric.save``/``fabric.load`` write Fabric's
+checkpoints, in the Trainer strategy's two formats, and read them and the Trainer's
+(:mod:`lightning_fairscale.checkpoint.fabric`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from lightning_fairscale.lightning._compat import StrategyInternals, _Sharded
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_fairscale.lightning._compat import _PATH
+from torch import Tensor
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.fabric._common import FabricAdapter
+from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
+from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
+from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
+from lightning_fairscale.fsdp import param_views
+from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.hybrid import release_groups
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
+from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
+from lightning_fairscale.fsdp.summary import memory_figures
+
+if TYPE_CHECKING:
+    from lightning_fairscale.lightning._compat import _LRScheduler
+
+__all__ = ["DDPFullyShardedStrategy"]
+
+#: The attribute of a root unit that holds what the strategy knows about it (see `_Model`).
+_RECORD = "_lightning_fairscale_fabric"
+
+
+@dataclass
+class _Model:
+    """A model the strategy set up: the wrapped model, and its original parameters while they live (optimizers made
+    over them before ``setup_module`` are re-pointed by ``setup_optimizers``)."""
+
+    wrapped: fsdp_engine.WrappedModel
+    originals: weakref.WeakValueDictionary[int, Parameter]
+
+    def knows(self, param: Parameter) -> bool:
+        return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
+
+
+class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyInternals, DDPStrategy, _Sharded):
+    """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
+
+    Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
+    The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
+    passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``.
+
+    * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
+      strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``
+      works with an optimizer made before or after ``setup_module`` (over the returned model's parameters).
+    * ``fabric.init_module()``: ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` in the model's
+      constructor make FSDP units (manual wrap; auto wrap is then off); ``empty_init=True`` builds the model on the
+      ``meta`` device, and each unit materialises its part when it is sharded (``reset_parameters()`` or
+      ``param_init_fn``), so that no rank ever holds the whole model.
+    * ``fabric.clip_gradients``: by norm, the global norm of all shards (after unscaling fp16 gradients); by value.
+    * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters.
+    * ``fabric.save``/``fabric.load``: Fabric's checkpoints (``torch.load(path)["model"]`` is the model's full state
+      dict; see :mod:`lightning_fairscale.checkpoint.fabric`), which the Trainer resumes from too, and the Trainer's:
+      ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
+
+    Example:
+        >>> from lightning_fairscale.fabric import DDPFullyShardedStrategy
+        >>> DDPFullyShardedStrategy(min_num_params=1_000, state_dict_type="sharded").state_dict_type
+        'sharded'
+    """
+
+    _grad_scaler = staticmethod(fsdp_grad_scaler)
+
+    strategy_name = "fsdp_fairscale"
+    _precision_name = "precision"
+    _checkpoint_io_class = ShardedCheckpointIO
+
+    @override
+    def _init_adapter(self) -> None:
+        super()._init_adapter()
+        #: The root units of the models set up (each knows its `_Model`), and each optimizer's layout and order.
+        self._roots: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
+        self._orders: weakref.WeakKeyDictionary[Optimizer, tuple[ParameterLayout, GroupOrder]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
+        still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.hybrid`)."""
+        if release_groups(self._process_groups, list(self._roots)):
+            self._process_groups, self._replica_group = (), None
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Models and optimizers
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
+        return fsdp_engine.wrapping_context(self)
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """Tensors on the root device (the CPU with ``cpu_offload``: offloaded shards start there), or with
+        ``empty_init=True`` on the ``meta`` device: each FSDP unit then materialises its part just before sharding
+        it (see :mod:`lightning_fairscale.fsdp.materialize`); ``wrap`` makes FSDP units."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        elif not self.fsdp_kwargs()["cpu_offload"]:
+            stack.enter_context(self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(self.module_sharded_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        if not self.fsdp_kwargs()["cpu_offload"]:
+            to_device_keeping_meta(module, self.root_device)  # meta tensors are materialised by their unit
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[_LRScheduler] = None
+    ) -> tuple[Module, list[Optimizer], Optional[_LRScheduler]]:
+        """Wrap the model and re-point its optimizers (made over its parameters) to the shards; LR schedulers work
+        as they are."""
+        root = self.setup_module(module)
+        return root, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> FullyShardedDataParallel:
+        """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit."""
+        if isinstance(module, FullyShardedDataParallel) and _RECORD in module.__dict__:
+            raise ValueError("The model is set up already: pass the model you created to `fabric.setup` once.")
+        originals: weakref.WeakValueDictionary[int, Parameter] = weakref.WeakValueDictionary(
+            {id(param): param for param in module.parameters()}
+        )
+        wrapped = fsdp_engine.wrap_model(self, module, describe=rank_zero_info)
+        wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
+        self._roots.add(wrapped.root)
+        return wrapped.root
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Re-point the optimizer to the shards of the model whose parameters it holds."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        for root in self._roots:
+            model: _Model = root.__dict__[_RECORD]
+            if params and all(model.knows(param) for param in params):
+                layout = model.wrapped.layout
+                self._orders[optimizer] = (layout, fsdp_engine.repoint(optimizer, layout))
+                return optimizer
+        raise ValueError(
+            "The optimizer holds parameters that are not those of a model set up with this strategy. Create it over"
+            " `model.parameters()`, before `fabric.setup(model, optimizer)` (or over the parameters of the model that"
+            " `fabric.setup_module` returned), and keep every trained module inside that model."
+        )
+
+    def _fsdp_model(self, module: Any) -> Optional[_Model]:
+        """What the strategy knows of ``module``, when it is (the root unit of) a model it set up."""
+        return module.__dict__.get(_RECORD) if isinstance(module, FullyShardedDataParallel) else None
+
+    def _order(self, optimizer: Optimizer) -> tuple[ParameterLayout, GroupOrder]:
+        if optimizer not in self._orders:
+            raise ValueError(
+                f"The {type(optimizer).__name__} was not set up with this strategy: pass it to `fabric.setup` or"
+                " `fabric.setup_optimizers` before saving or loading it."
+            )
+        return self._orders[optimizer]
+
+    @override
+    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
+        # The global norm of all shards: `torch.nn.utils.clip_grad_norm_` of the unsharded model.
+        params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+        return clip_grad_norm_(params, max_norm, norm_type, group=param_views.norm_group(optimizer))
+
+    def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:
+        """This rank's bytes of parameters, gradients and optimizer state of ``module`` (set up), and peak device
+        memory on CUDA; e.g. ``fabric.log_dict(fabric.strategy.memory_figures(model, [optimizer]))``."""
+        root = getattr(module, "_forward_module", module)  # what `fabric.setup` returned, or the unit itself
+        return memory_figures(root, [getattr(opt, "optimizer", opt) for opt in optimizers or []])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State dicts and checkpoints
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The full state dict with the unwrapped module's keys, on rank 0 (a collective call)."""
+        if self._fsdp_model(module) is None:
+            return super().get_module_state_dict(module)
+        return fsdp_engine.module_state_dict(module, sharded=False, is_global_zero=self.is_global_zero)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a full state dict (the unwrapped module's keys) into this rank's shards, reading only their slices.
+
+        With ``strict=False``, the model's parameters and buffers that the state dict lacks keep their values and its
+        other entries are ignored (a warning names them); shapes must still match."""
+        model = self._fsdp_model(module)
+        if model is None:
+            return super().load_module_state_dict(module, state_dict, strict=strict)
+        _report_partial_load(fsdp_engine.load_full(model.wrapped, state_dict, strict))
+        return None
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The state of a plain optimizer over the unwrapped module, on rank 0 (a collective call)."""
+        return self._optimizer_state(optimizer, sharded=False)
+
+    @override
+    def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        if optimizer not in self._orders:
+            optimizer.load_state_dict(state)
+            return
+        layout, order = self._order(optimizer)
+        load_plain_state(state, optimizer, layout, order)
+
+    @override
+    def _is_ours(self, module: Module) -> bool:
+        return self._fsdp_model(module) is not None
+
+    @override
+    def _saves_sharded(self, module: Module) -> bool:
+        return self.state_dict_type == "sharded" and self._is_ours(module)
+
+    @override
+    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
+        if not self._is_ours(module):
+            return module.state_dict()
+        return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
+
+    @override
+    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
+        if optimizer not in self._orders:
+            return super().get_optimizer_state(optimizer)
+        return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
+
+    @override
+    def _model_keys(self, module: Module) -> list[str]:
+        model = self._fsdp_model(module)
+        return fsdp_engine.state_dict_keys(model.wrapped) if model is not None else list(module.state_dict())
+
+    @override
+    def _save_sharded(
+        self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
+    ) -> None:
+        model = self._fsdp_model(module)
+        assert model is not None
+        orders = [self._order(optimizer)[1] for optimizer in optimizers]
+        io = self._sharded_io()
+        fsdp_engine.save_sharded(self, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
+
+    @override
+    def _load_sharded(
+        self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
+    ) -> dict[str, Any]:
+        model = self._fsdp_model(state[roles.model]) if roles.model else None
+        if model is None:
+            raise ValueError(
+                f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
+                " `fabric.load(path, {'model': model, ...})`."
+            )
+
+        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
+            positions = optimizer_positions(meta, roles, saved, strict)
+            return [(position, state[key], self._order(state[key])[1]) for position, key in positions]
+
+        meta, keys = fsdp_engine.load_sharded(
+            self, self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
+        )
+        _report_partial_load(keys)
+        return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
+
+
+def _report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with ``strict=False`` left out."""
+    message = describe_partial_load(keys)
+    if message:
+        rank_zero_warn(message)
