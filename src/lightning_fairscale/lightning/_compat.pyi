@@ -4,9 +4,9 @@
 Lightning and torch may rename or remove a private name in any release; importing them all here means an upgrade
 breaks this one module, with an error that names what moved, instead of any file of the package. No other module
 of the package imports a private Lightning name, and no other module reads or writes a private attribute of a
-Lightning object: :class:`StrategyInternals` and :func:`attached_trainer` do (``tests/unit/test_import_graph.py``
-checks both). The one exception by design is :mod:`lightning_fairscale.callbacks.model_summary`, whose summary subclasses
-Lightning's ``ModelSummary`` and overrides its private hooks.
+Lightning object: the functions here do (``tests/unit/test_import_graph.py`` checks both). The one exception by
+design is :mod:`lightning_fairscale.callbacks.model_summary`, whose summary subclasses Lightning's ``ModelSummary``
+and overrides its private hooks.
 
 Checked against pytorch-lightning / lightning-fabric / lightning 2.6.0 and 2.6.6, and torch 2.13. This module is
 bound to Lightning (see :mod:`lightning_fairscale.lightning`): for ``import lightning as L`` it is compiled again with
@@ -25,53 +25,40 @@ from torch.optim.lr_scheduler import _LRScheduler
 __all__ = ...
 PRIVATE_ATTRIBUTES = ...
 
-class StrategyInternals:
-    """The private attributes of Lightning's strategy classes (the Trainer's and Fabric's ``Strategy`` and
-    ``DDPStrategy``) that our strategies read or write, behind methods of ours.
+def collective_timeout(strategy: Any) -> Optional[timedelta]:
+    """``DDPStrategy._timeout``: the timeout the strategy's collectives were given (``timeout=``)."""
+    ...
 
-    Every strategy of ours has this class among its bases; the engine's option classes
-    (:class:`~lightning_fairscale.fsdp.options.FullyShardedOptions`, :class:`~lightning_fairscale.sharded_ddp.engine.ShardedDDPOptions`)
-    call these methods, so that they need no Lightning import and a renamed attribute breaks this module only.
-    """
+def checkpoint_io_slot(strategy: Any) -> Optional[Any]:
+    """``Strategy._checkpoint_io``: the CheckpointIO plugin given to the strategy, ``None`` when none was."""
+    ...
 
-    def _collective_timeout(self) -> Optional[timedelta]:
-        """``DDPStrategy._timeout``: the timeout the strategy's collectives were given (``timeout=``)."""
-        ...
+def set_checkpoint_io_slot(strategy: Any, io: Optional[Any]) -> None:
+    ...
 
-    def _checkpoint_io_slot(self) -> Optional[Any]:
-        """``Strategy._checkpoint_io``: the CheckpointIO plugin given to the strategy, ``None`` when none was."""
-        ...
+def layer_sync_plugin(strategy: Any) -> Optional[Any]:
+    """The Trainer's ``DDPStrategy._layer_sync``: ``SyncBatchNorm`` conversion when ``sync_batchnorm=True``."""
+    ...
 
-    def _set_checkpoint_io_slot(self, io: Optional[Any]) -> None:
-        ...
+def precision_plugin_slot(strategy: Any) -> Optional[Any]:
+    """The Trainer's ``Strategy._precision_plugin``: the precision plugin given, ``None`` when none was."""
+    ...
 
-    def _ddp_keyword_arguments(self) -> dict[str, Any]:
-        """``DDPStrategy._ddp_kwargs``: the keyword arguments the strategy passes on to its DDP wrapper."""
-        ...
+def set_precision_plugin_slot(strategy: Any, plugin: Optional[Any]) -> None:
+    ...
 
-    def _layer_sync_plugin(self) -> Optional[Any]:
-        """The Trainer's ``DDPStrategy._layer_sync``: ``SyncBatchNorm`` conversion when ``sync_batchnorm=True``."""
-        ...
+def use_multiprocessing_launcher(strategy: Any, launcher_class: type) -> None:
+    """``Strategy._launcher``: where Lightning chose its multiprocessing launcher (``start_method`` ``"spawn"``,
+    ``"fork"`` or ``"forkserver"``), put ``launcher_class`` (a subclass of it) in its place, built the same way
+    (``DDPStrategy._start_method``). Call it after Lightning's ``_configure_launcher``."""
+    ...
 
-    def _precision_plugin_slot(self) -> Optional[Any]:
-        """The Trainer's ``Strategy._precision_plugin``: the precision plugin given, ``None`` when none was."""
-        ...
+def fabric_precision_slot(strategy: Any) -> Optional[Any]:
+    """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` when none was."""
+    ...
 
-    def _set_precision_plugin_slot(self, plugin: Optional[Any]) -> None:
-        ...
-
-    def _use_multiprocessing_launcher(self, launcher_class: type) -> None:
-        """``Strategy._launcher``: where Lightning chose its multiprocessing launcher (``start_method`` ``"spawn"``,
-        ``"fork"`` or ``"forkserver"``), put ``launcher_class`` (a subclass of it) in its place, built the same way
-        (``DDPStrategy._start_method``). Call it after Lightning's ``_configure_launcher``."""
-        ...
-
-    def _fabric_precision_slot(self) -> Optional[Any]:
-        """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` when none was."""
-        ...
-
-    def _set_fabric_precision_slot(self, precision: Optional[Any]) -> None:
-        ...
+def set_fabric_precision_slot(strategy: Any, precision: Optional[Any]) -> None:
+    ...
 
 def attached_trainer(module: Any) -> Optional[Any]:
     """``LightningModule._trainer``: the Trainer the module is attached to, ``None`` when none (the public

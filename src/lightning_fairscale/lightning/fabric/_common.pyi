@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning_fairscale.lightning._compat import fabric_precision_slot, set_fabric_precision_slot
 from lightning_fairscale.lightning._compat import _BackwardSyncControl
 from lightning_fairscale.lightning._compat import _PATH
 from torch import Tensor
@@ -34,6 +35,7 @@ class FabricAdapter:
     _grad_scaler: Callable[[str], Any]
 
     def _init_adapter(self) -> None:
+        """Set up the adapter's state: at the end of ``__init__``, and again when unpickled."""
         ...
 
     def __getstate__(self) -> dict[str, Any]:

@@ -8,20 +8,32 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 """
 from __future__ import annotations
 import weakref
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning_fairscale.lightning._compat import StrategyInternals, _Sharded
+from lightning_fairscale.lightning._compat import checkpoint_io_slot, collective_timeout, set_checkpoint_io_slot
+from lightning_fairscale.lightning._compat import _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_fairscale.lightning._compat import _PATH
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
+from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.policies import AutoWrapPolicy
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
 from lightning_fairscale.lightning.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
@@ -29,8 +41,7 @@ from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, re
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
-from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.lightning._compat import _LRScheduler
@@ -47,7 +58,7 @@ class _Model:
     def knows(self, param: Parameter) -> bool:
         ...
 
-class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyInternals, DDPStrategy, _Sharded):
+class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
@@ -74,11 +85,60 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
     """
     _grad_scaler = ...
     strategy_name = ...
-    _precision_name = ...
-    _checkpoint_io_class = ShardedCheckpointIO
+
+    def __init__(self, accelerator: Optional[Any]=None, cpu_offload: Union[bool, CPUOffload]=False, flatten_parameters: bool=True, reshard_after_forward: bool=True, move_grads_to_cpu: Optional[bool]=None, fp32_reduce_scatter: Optional[bool]=None, compute_dtype: Optional[torch.dtype]=None, bucket_cap_mb: int=25, min_num_params: int=int(100000000.0), state_dict_to_cpu: bool=True, parallel_devices: Optional[list[torch.device]]=None, cluster_environment: Optional[Any]=None, checkpoint_io: Optional[Any]=None, precision_plugin: Optional[Precision]=None, process_group_backend: Optional[str]=None, auto_wrap_policy: Optional[AutoWrapPolicy]=None, exclude_wrap_modules: Optional[Iterable[type[Module]]]=None, force_leaf_modules: Optional[Iterable[type[Module]]]=None, activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]]=None, activation_checkpointing_offload: bool=False, state_dict_type: Literal['full', 'sharded']='full', timeout: Optional[timedelta]=default_pg_timeout, start_method: Literal['popen', 'spawn', 'fork', 'forkserver']='popen', precision: Optional[Precision]=None, lightning_1x_optimizer_state: OptimizerStatePolicy='error', activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]]=None, param_init_fn: Optional[ParamInitFn]=None, sharding_strategy: Any='FULL_SHARD', device_mesh: Optional[Any]=None, **kwargs: Any) -> None:
+        ...
+    cpu_offload = ...
+    flatten_parameters = ...
+    reshard_after_forward = ...
+    move_grads_to_cpu = ...
+    fp32_reduce_scatter = ...
+    compute_dtype = ...
+    bucket_cap_mb = ...
+    min_num_params = ...
+    state_dict_to_cpu = ...
+    auto_wrap_policy = ...
+    exclude_wrap_modules = ...
+    force_leaf_modules = ...
+    activation_checkpointing = ...
+    activation_checkpointing_offload = ...
+    state_dict_type = ...
+    lightning_1x_optimizer_state = ...
+    param_init_fn = ...
+    sharding_strategy = ...
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with Fabric's registry, where free: Lightning's
+        own ``"fsdp"`` stays Lightning's."""
+        ...
 
     @override
     def _init_adapter(self) -> None:
+        ...
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by
+        default."""
+        ...
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[Any]) -> None:
+        ...
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the precision plugin asks FairScale for mixed precision."""
+        ...
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FSDP unit of this strategy is built with."""
+        ...
+
+    @override
+    def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
         ...
 
     @override

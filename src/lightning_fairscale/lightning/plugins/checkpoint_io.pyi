@@ -111,3 +111,8 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     def load_shard(self, path: _PATH, rank: int, world_size: int, map_location: MapLocation='cpu', weights_only: Optional[bool]=None) -> dict[str, Any]:
         """``rank``'s file of the sharded checkpoint directory ``path``."""
         ...
+
+def sharded_checkpoint_io(io: Any) -> ShardedCheckpointIO:
+    """``io``, the CheckpointIO plugin of a ``DDPFullyShardedStrategy(state_dict_type="sharded")``, which must write
+    sharded checkpoint directories."""
+    ...

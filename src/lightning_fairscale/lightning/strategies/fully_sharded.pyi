@@ -2,29 +2,38 @@
 """``DDPFullyShardedStrategy``: FairScale's Fully Sharded Data Parallel under Lightning 2.x's Trainer."""
 from __future__ import annotations
 import contextlib
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from lightning_fairscale.lightning._compat import checkpoint_io_slot, collective_timeout, layer_sync_plugin, precision_plugin_slot, set_checkpoint_io_slot, set_precision_plugin_slot
 from lightning_fairscale.lightning._compat import _optimizers_to_device
-from lightning_fairscale.lightning._compat import _PATH, StrategyInternals
+from lightning_fairscale.lightning._compat import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
+from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
-from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
-from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
+from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.callbacks.model_summary import use_for_model_summaries
@@ -35,7 +44,7 @@ from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
-class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrategy):
+class DDPFullyShardedStrategy(DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
@@ -101,18 +110,43 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
+    The arguments other than Lightning's are checked once, here, and kept in :attr:`config` (a frozen
+    :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`); the strategy's attributes of the same names read
+    it (setting one replaces the config by a checked copy).
+
     Example:
         >>> from lightning_fairscale.strategies import DDPFullyShardedStrategy
         >>> strategy = DDPFullyShardedStrategy(min_num_params=1_000_000, bucket_cap_mb=50)
-        >>> strategy.min_num_params
-        1000000
+        >>> strategy.min_num_params, strategy.config.bucket_cap_mb
+        (1000000, 50)
     """
     strategy_name = ...
-    _precision_name = ...
-    _checkpoint_io_class = ShardedCheckpointIO
 
-    @override
-    def _init_adapter(self) -> None:
+    def __init__(self, accelerator: Optional[Any]=None, cpu_offload: Union[bool, CPUOffload]=False, flatten_parameters: bool=True, reshard_after_forward: bool=True, move_grads_to_cpu: Optional[bool]=None, fp32_reduce_scatter: Optional[bool]=None, compute_dtype: Optional[torch.dtype]=None, bucket_cap_mb: int=25, min_num_params: int=int(100000000.0), state_dict_to_cpu: bool=True, parallel_devices: Optional[list[torch.device]]=None, cluster_environment: Optional[Any]=None, checkpoint_io: Optional[Any]=None, precision_plugin: Optional[Precision]=None, process_group_backend: Optional[str]=None, auto_wrap_policy: Optional[AutoWrapPolicy]=None, exclude_wrap_modules: Optional[Iterable[type[Module]]]=None, force_leaf_modules: Optional[Iterable[type[Module]]]=None, activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]]=None, activation_checkpointing_offload: bool=False, state_dict_type: Literal['full', 'sharded']='full', timeout: Optional[timedelta]=default_pg_timeout, start_method: Literal['popen', 'spawn', 'fork', 'forkserver']='popen', precision: Optional[Precision]=None, lightning_1x_optimizer_state: OptimizerStatePolicy='error', activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]]=None, param_init_fn: Optional[ParamInitFn]=None, sharding_strategy: Any='FULL_SHARD', device_mesh: Optional[Any]=None, **kwargs: Any) -> None:
+        ...
+    cpu_offload = ...
+    flatten_parameters = ...
+    reshard_after_forward = ...
+    move_grads_to_cpu = ...
+    fp32_reduce_scatter = ...
+    compute_dtype = ...
+    bucket_cap_mb = ...
+    min_num_params = ...
+    state_dict_to_cpu = ...
+    auto_wrap_policy = ...
+    exclude_wrap_modules = ...
+    force_leaf_modules = ...
+    activation_checkpointing = ...
+    activation_checkpointing_offload = ...
+    state_dict_type = ...
+    lightning_1x_optimizer_state = ...
+    param_init_fn = ...
+    sharding_strategy = ...
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with the Trainer's registry, where free:
+        Lightning's own ``"fsdp"`` stays Lightning's."""
         ...
 
     @property
@@ -125,6 +159,27 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         ...
 
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by
+        default."""
+        ...
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[Any]) -> None:
+        ...
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the precision plugin asks FairScale for mixed precision."""
+        ...
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FSDP unit of this strategy is built with."""
+        ...
+
     @override
     def model_sharded_context(self) -> AbstractContextManager:
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
@@ -132,6 +187,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
     @override
     def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
         ...
 
     @override

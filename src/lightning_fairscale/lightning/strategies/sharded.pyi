@@ -13,24 +13,32 @@ import shutil
 import tempfile
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning.fabric.plugins import CheckpointIO
+from lightning_fairscale.lightning._compat import checkpoint_io_slot, collective_timeout, layer_sync_plugin, precision_plugin_slot, set_checkpoint_io_slot, set_precision_plugin_slot, use_multiprocessing_launcher
 from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher, StrategyInternals
+from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
-from lightning_fairscale.sharded_ddp.engine import ShardedDDPOptions, SpawnOnly, full_state, load_full_state, reattach_bucketed_gradients, repoint_schedulers, shard_optimizer, sync_module_states
+from lightning_fairscale._adapters import check_spawn_start_method, config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.sharded_ddp import config as sharded_config
+from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
+from lightning_fairscale.sharded_ddp.engine import full_state, load_full_state, reattach_bucketed_gradients, repoint_schedulers, shard_optimizer, sync_module_states, wrap_model
 from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.lightning.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
@@ -39,7 +47,7 @@ from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 __all__ = ...
 
-class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
+class DDPShardedStrategy(DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Lightning 2.x.
 
     Lightning 1.x's ``DDPShardedStrategy``: the optimizers that ``configure_optimizers`` returns (any
@@ -76,7 +84,30 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
         1048576
     """
     strategy_name = ...
-    _precision_name = ...
+    _registry_names: tuple[str, ...] = ...
+
+    def __init__(self, accelerator: Optional[Any]=None, parallel_devices: Optional[list[torch.device]]=None, cluster_environment: Optional[Any]=None, checkpoint_io: Optional[CheckpointIO]=None, precision_plugin: Optional[Precision]=None, process_group_backend: Optional[str]=None, timeout: Optional[timedelta]=default_pg_timeout, start_method: Literal['popen', 'spawn', 'fork', 'forkserver']='popen', find_unused_parameters: bool=False, precision: Optional[Precision]=None, lightning_1x_optimizer_state: OptimizerStatePolicy='error', **kwargs: Any) -> None:
+        ...
+    lightning_1x_optimizer_state = ...
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register :attr:`_registry_names` with the Trainer's registry, where free."""
+        ...
+
+    @property
+    def reduce_buffer_size(self) -> int:
+        """Size of ``ShardedDataParallel``'s gradient buckets in elements: ``0`` (no buckets) on one node by default."""
+        ...
+
+    @property
+    def broadcast_fp16(self) -> bool:
+        """Whether OSS sends updated parameters in fp16: under fp16 mixed precision on several nodes."""
+        ...
+
+    def sharded_ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
+        ...
 
     @property
     @override
@@ -163,6 +194,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), and its clean-up at exit."""
         ...
 
     @override
@@ -189,7 +221,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
         """
         ...
 
-class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
+class DDPSpawnShardedStrategy(DDPShardedStrategy):
     """:class:`DDPShardedStrategy` that starts its processes with ``torch.multiprocessing`` (``"spawn"``).
 
     Lightning 2 has no ``DDPSpawnStrategy`` class: this is ``DDPShardedStrategy(start_method="spawn")``. The script
@@ -211,6 +243,10 @@ class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
         'spawn'
     """
     strategy_name = ...
+    _registry_names = ...
+
+    def __init__(self, *args: Any, start_method: Literal['spawn', 'fork', 'forkserver']='spawn', **kwargs: Any) -> None:
+        ...
 _LOOPS = ...
 _PROGRESS = ...
 _END_OF_FIT, _END_OF_FIT_FILE = ...
