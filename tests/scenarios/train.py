@@ -120,7 +120,8 @@ class RecordUnits(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         self.memory = getattr(trainer.strategy, "memory_figures", dict)()
         # Under hybrid sharding: the bytes this rank all-reduced across the replicas (the inter-node traffic).
-        replicas = getattr(trainer.strategy, "_replica_group", None)
+        groups = getattr(trainer.strategy, "_groups", None)
+        replicas = groups.replica if groups is not None else None
         if replicas is not None:
             from lightning_fairscale.distributed import collectives
 
