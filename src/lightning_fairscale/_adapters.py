@@ -15,6 +15,7 @@ their ``lightning`` flavour (:mod:`lightning_fairscale.lightning`) share this on
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,7 +69,7 @@ def config_arguments(config_class: type, arguments: Mapping[str, Any]) -> dict[s
         >>> config_arguments(ShardedDDPConfig, {"self": None, "timeout": 5, "kwargs": {"reduce_buffer_size": 8}})
         {'fairscale_kwargs': {'reduce_buffer_size': 8}}
     """
-    names = set(config_class.__dataclass_fields__) - {"fairscale_kwargs", "owner"}
+    names = set(inspect.signature(config_class).parameters) - {"fairscale_kwargs", "owner"}
     return {
         **{name: value for name, value in arguments.items() if name in names},
         "fairscale_kwargs": arguments["kwargs"],

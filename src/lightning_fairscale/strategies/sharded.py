@@ -376,13 +376,13 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
     """
 
     strategy_name = "ddp_sharded_spawn"
-    _registry_names = ("ddp_sharded_spawn", "ddp_sharded_spawn_find_unused_parameters_false")
+    _registry_names: tuple[str, ...] = ("ddp_sharded_spawn", "ddp_sharded_spawn_find_unused_parameters_false")
 
     def __init__(
         self, *args: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn", **kwargs: Any
     ) -> None:
         check_spawn_start_method(start_method)
-        super().__init__(*args, start_method=start_method, **kwargs)
+        super().__init__(*args, start_method=start_method, **kwargs)  # type: ignore[misc]  # keyword-only here
 
 
 # ----------------------------------------------------------------------------------------------------------------
