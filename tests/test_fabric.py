@@ -382,7 +382,7 @@ def test_registry_names_reach_either_fabric(package: str, name: str) -> None:
 def test_constructor_takes_the_trainers_arguments_and_checks_them() -> None:
     strategy = ours.DDPFullyShardedStrategy(min_num_params=1e6, cpu_offload=True, verbose=True)
     assert (strategy.min_num_params, strategy.cpu_offload) == (1_000_000, True)
-    assert strategy._fsdp_kwargs == {"verbose": True}
+    assert strategy.config.fairscale_kwargs == {"verbose": True}
     with pytest.raises(TypeError, match="unexpected argument `not_an_argument`"):
         ours.DDPFullyShardedStrategy(not_an_argument=1)
     with pytest.raises(ValueError, match="ddp_find_unused_parameters_true"):

@@ -19,7 +19,7 @@ from scenarios.common import max_difference, reference_training
 import lightning_fairscale
 import lightning_fairscale.lightning as for_lightning
 from conftest import TESTS, Jobs, run_jobs, run_script
-from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.config import FullyShardedConfig
 
 PACKAGES = ["pytorch_lightning", "lightning"]
 LIGHTNING = {"pytorch_lightning": pl, "lightning": L}
@@ -81,13 +81,11 @@ def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     assert Path(mirror.__file__) == Path(top.__file__).parents[1] / "lightning" / "strategies" / "fully_sharded.py"
     header = "# Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit."
     assert Path(mirror.__file__).read_text().partition("\n")[0] == header
-    # The options (shared) come first, then each package's access to Lightning's internals and its base class.
-    assert mirror.DDPFullyShardedStrategy.__mro__[1:4] == (
-        FullyShardedOptions, for_lightning._compat.StrategyInternals, L.strategies.DDPStrategy
-    )
-    assert top.DDPFullyShardedStrategy.__mro__[1:4] == (
-        FullyShardedOptions, lightning_fairscale._compat.StrategyInternals, pl.strategies.DDPStrategy
-    )
+    # Each subclasses its package's Lightning class only, and holds the configuration, of one shared class.
+    assert mirror.DDPFullyShardedStrategy.__bases__ == (L.strategies.DDPStrategy,)
+    assert top.DDPFullyShardedStrategy.__bases__ == (pl.strategies.DDPStrategy,)
+    assert type(mirror.DDPFullyShardedStrategy().config) is type(top.DDPFullyShardedStrategy().config)
+    assert type(top.DDPFullyShardedStrategy().config) is FullyShardedConfig
     # Modules without Lightning classes are the same module objects in both.
     assert mirror.fsdp_engine is top.fsdp_engine
     assert mirror.FullyShardedDataParallel is top.FullyShardedDataParallel

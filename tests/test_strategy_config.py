@@ -50,7 +50,7 @@ def test_lightning_1x_arguments_are_accepted() -> None:
     )
     assert strategy.min_num_params == 1_000_000
     assert strategy.process_group_backend == "gloo"
-    assert strategy._fsdp_kwargs == {"verbose": True}
+    assert strategy.config.fairscale_kwargs == {"verbose": True}
 
 
 @pytest.mark.parametrize(

@@ -253,7 +253,8 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
             fabric.save(work / "sharded.ckpt", state)
             fabric.strategy.state_dict_type = kind
 
-    replicas = getattr(fabric.strategy, "_replica_group", None)
+    groups = getattr(fabric.strategy, "_groups", None)
+    replicas = None if groups is None else groups.replica
     replica_start = collectives.all_reduced_bytes(replicas)
     result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save, record=result)
     if replicas is not None:  # hybrid sharding: the bytes all-reduced across the replicas, and this rank's shards

@@ -129,7 +129,8 @@ def _replica_bytes(trainer: Trainer) -> Optional[int]:
     """Under hybrid sharding, the bytes this process has all-reduced over its replica group so far; else ``None``."""
     from lightning_fairscale.distributed import collectives
 
-    replicas = getattr(trainer.strategy, "_replica_group", None)
+    groups = getattr(trainer.strategy, "_groups", None)
+    replicas = groups.replica if groups is not None else None
     return None if replicas is None else collectives.all_reduced_bytes(replicas)
 
 
@@ -141,7 +142,8 @@ class RecordGroups(Callback):
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         strategy = trainer.strategy
-        self.stages.append((*getattr(strategy, "_process_groups", ()), getattr(strategy, "_replica_group", None)))
+        groups = strategy._groups
+        self.stages.append((groups.all_gather, groups.reduce_scatter, groups.replica))
 
     def alive(self) -> list[bool]:
         """For each group of the first stage, whether torch still knows it (it was not destroyed)."""

@@ -16,9 +16,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, ShardedCheckpointIO
 from lightning_fairscale import fabric
+from lightning_fairscale.plugins.checkpoint_io import sharded_checkpoint_io
 from lightning_fairscale.precision import FullyShardedHalfPrecisionPlugin, FullyShardedMixedPrecisionPlugin
-from lightning_fairscale.sharded_ddp import engine as oss
-from lightning_fairscale.fsdp import options as fsdp_options
+from lightning_fairscale.sharded_ddp import config as sharded_config
+from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.checkpoint.checks import (
     RELAX_FABRIC,
     RELAX_TRAINER,
@@ -31,7 +32,7 @@ FSDP_ARGUMENTS = {"min_num_params": 0, "bucket_cap_mb": 25, "compute_dtype": Non
 
 
 def validate_fsdp(**changes: Any) -> None:
-    fsdp_options.validate_arguments(**{**FSDP_ARGUMENTS, **changes})
+    fsdp_config.validate_arguments(**{**FSDP_ARGUMENTS, **changes})
 
 
 @pytest.mark.parametrize(
@@ -97,7 +98,7 @@ def test_an_unknown_fsdp_argument_lists_the_ones_that_can_be_passed() -> None:
     assert "unexpected argument `reshard_after_fwd`" in message
     listed = set(message.split("which takes: ")[1].rstrip(".").split(", "))
     assert {"reshard_after_forward", "verbose", "bucket_cap_mb"} <= listed
-    assert not listed & set(fsdp_options._MANAGED_FSDP_ARGUMENTS)  # those set by the strategy are not offered
+    assert not listed & set(fsdp_config._MANAGED_FSDP_ARGUMENTS)  # those set by the strategy are not offered
 
 
 def test_fsdp_validates_the_policy() -> None:
@@ -172,6 +173,11 @@ def test_fsdp_keeps_the_wrap_controls_as_tuples_or_none() -> None:
     assert default.exclude_wrap_modules is None and default.force_leaf_modules is None
 
 
+def check_settings(strategy: DDPFullyShardedStrategy, device: torch.device) -> None:
+    """The strategy's check of its options against the device and its precision plugin (in `setup_environment`)."""
+    fsdp_config.check_settings(strategy.config, device, strategy.precision_plugin.precision)
+
+
 @pytest.mark.parametrize(("dtype", "flag"), [(torch.float16, "16-mixed"), (torch.bfloat16, "bf16-mixed")])
 def test_compute_dtype_without_mixed_precision_names_the_flag_to_use(dtype: torch.dtype, flag: str) -> None:
     strategy = DDPFullyShardedStrategy(compute_dtype=dtype)
@@ -179,10 +185,10 @@ def test_compute_dtype_without_mixed_precision_names_the_flag_to_use(dtype: torc
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=f"needs mixed precision, but the precision is '32-true'.*"
                                          f"precision='{flag}'"):
-        strategy._check_settings(cpu)
+        check_settings(strategy, cpu)
     strategy.precision_plugin = FullyShardedMixedPrecisionPlugin(flag, "cpu")  # type: ignore[arg-type]
-    strategy._check_settings(cpu)
-    DDPFullyShardedStrategy(compute_dtype=torch.float32)._check_settings(cpu)  # float32 needs nothing
+    check_settings(strategy, cpu)
+    check_settings(DDPFullyShardedStrategy(compute_dtype=torch.float32), cpu)  # float32 needs nothing
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
@@ -194,15 +200,15 @@ def test_true_half_precision_refuses_options_asking_for_another_dtype(precision:
         strategy.precision_plugin = FullyShardedHalfPrecisionPlugin(precision)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=f"compute_dtype={other}\\)` contradicts precision='{precision}', which"
                                              f" holds .* in {dtype}.*Leave `compute_dtype` unset.*'{mixed}'"):
-            strategy._check_settings(cpu)
+            check_settings(strategy, cpu)
     strategy = DDPFullyShardedStrategy(fp32_reduce_scatter=True)
     strategy.precision_plugin = FullyShardedHalfPrecisionPlugin(precision)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"fp32_reduce_scatter=True\\)` needs mixed precision.*'{mixed}'"):
-        strategy._check_settings(cpu)
+        check_settings(strategy, cpu)
     for agreeing in (None, dtype):  # unset, or the precision's own dtype: nothing to contradict
         strategy = DDPFullyShardedStrategy(compute_dtype=agreeing)
         strategy.precision_plugin = FullyShardedHalfPrecisionPlugin(precision)  # type: ignore[arg-type]
-        strategy._check_settings(cpu)
+        check_settings(strategy, cpu)
 
 
 def test_sharded_checkpoints_need_the_sharded_checkpoint_io() -> None:
@@ -210,13 +216,13 @@ def test_sharded_checkpoints_need_the_sharded_checkpoint_io() -> None:
     assert type(strategy.checkpoint_io) is ShardedCheckpointIO  # the default
     strategy.checkpoint_io = TorchCheckpointIO()
     with pytest.raises(TypeError, match="directories with .*ShardedCheckpointIO.*given TorchCheckpointIO"):
-        strategy._sharded_io()
+        sharded_checkpoint_io(strategy.checkpoint_io)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"reduce_buffer_size": 0}, {"reduce_buffer_size": 2**20},
                                     {"broadcast_buffers": False, "auto_refresh_trainable": False}])
 def test_sharded_accepts_valid_arguments(kwargs: dict[str, Any]) -> None:
-    oss.validate_arguments("DDPShardedStrategy", False, kwargs)
+    sharded_config.validate_arguments("DDPShardedStrategy", False, kwargs)
     assert DDPShardedStrategy(**kwargs).sharded_ddp_kwargs() == {"reduce_buffer_size": 0, **kwargs}
 
 
@@ -230,16 +236,16 @@ def test_sharded_accepts_valid_arguments(kwargs: dict[str, Any]) -> None:
 )
 def test_sharded_refuses_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        oss.validate_arguments("DDPSpawnShardedStrategy", False, kwargs)
+        sharded_config.validate_arguments("DDPSpawnShardedStrategy", False, kwargs)
 
 
 def test_sharded_errors_name_the_strategy_used() -> None:
     with pytest.raises(ValueError, match="`DDPSpawnShardedStrategy` does not support `find_unused_parameters=True`"):
-        oss.validate_arguments("DDPSpawnShardedStrategy", True, {})
+        sharded_config.validate_arguments("DDPSpawnShardedStrategy", True, {})
     with pytest.raises(TypeError) as error:
-        oss.validate_arguments("DDPShardedStrategy", False, {"bucket_cap_mb": 25})
+        sharded_config.validate_arguments("DDPShardedStrategy", False, {"bucket_cap_mb": 25})
     listed = set(str(error.value).split("which takes: ")[1].rstrip(".").split(", "))
-    assert "reduce_buffer_size" in listed and not listed & set(oss._MANAGED_SDP_ARGUMENTS)
+    assert "reduce_buffer_size" in listed and not listed & set(sharded_config._MANAGED_SDP_ARGUMENTS)
 
 
 SHAPES = {"w": torch.Size([2, 3]), "b": torch.Size([2])}

@@ -36,14 +36,16 @@ _strategies: weakref.WeakSet[Any] = weakref.WeakSet()
 _registered = False
 
 
-def close_process_group_at_exit(strategy: Any) -> None:
-    """Have the process groups that ``strategy``'s objects use closed and freed when the interpreter exits.
+def close_process_group_at_exit(holder: Any = None) -> None:
+    """Have the process groups closed and freed when the interpreter exits.
 
     Args:
-        strategy: a strategy that may keep process groups as attributes.
+        holder: an object that keeps process groups as attributes (a strategy's
+            :class:`~lightning_fairscale.fsdp.config.ProcessGroups`), dropped then too.
     """
     global _registered
-    _strategies.add(strategy)
+    if holder is not None:
+        _strategies.add(holder)
     if not _registered:
         atexit.register(_close_process_groups)
         _registered = True

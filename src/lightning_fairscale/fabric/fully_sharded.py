@@ -9,22 +9,34 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
+from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fairscale._compat import StrategyInternals, _Sharded
+from lightning_fairscale._compat import checkpoint_io_slot, collective_timeout, set_checkpoint_io_slot
+from lightning_fairscale._compat import _Sharded
 from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_fairscale._compat import _PATH
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.policies import AutoWrapPolicy
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
 from lightning_fairscale.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
@@ -33,8 +45,7 @@ from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import to_device_keeping_meta
-from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
 from lightning_fairscale.fsdp.summary import memory_figures
 
@@ -59,7 +70,7 @@ class _Model:
         return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
 
 
-class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyInternals, DDPStrategy, _Sharded):
+class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
@@ -88,8 +99,73 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
     _grad_scaler = staticmethod(fsdp_grad_scaler)
 
     strategy_name = "fsdp_fairscale"
-    _precision_name = "precision"
-    _checkpoint_io_class = ShardedCheckpointIO
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        cpu_offload: Union[bool, CPUOffload] = False,
+        flatten_parameters: bool = True,
+        reshard_after_forward: bool = True,
+        move_grads_to_cpu: Optional[bool] = None,
+        fp32_reduce_scatter: Optional[bool] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        bucket_cap_mb: int = 25,
+        min_num_params: int = int(1e8),
+        state_dict_to_cpu: bool = True,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        exclude_wrap_modules: Optional[Iterable[type[Module]]] = None,
+        force_leaf_modules: Optional[Iterable[type[Module]]] = None,
+        activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
+        activation_checkpointing_offload: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        precision: Optional[Precision] = None,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
+        param_init_fn: Optional[ParamInitFn] = None,
+        sharding_strategy: Any = "FULL_SHARD",
+        device_mesh: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> None:
+        config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
+        super().__init__(**lightning_arguments(locals(), "precision"))
+        #: The options: everything the user chose but Lightning's arguments, checked.
+        self.config = config
+        #: FSDP's process groups, made in ``setup_environment``.
+        self._groups = ProcessGroups()
+        self._init_adapter()
+
+    cpu_offload = config_property("cpu_offload")
+    flatten_parameters = config_property("flatten_parameters")
+    reshard_after_forward = config_property("reshard_after_forward")
+    move_grads_to_cpu = config_property("move_grads_to_cpu")
+    fp32_reduce_scatter = config_property("fp32_reduce_scatter")
+    compute_dtype = config_property("compute_dtype")
+    bucket_cap_mb = config_property("bucket_cap_mb")
+    min_num_params = config_property("min_num_params")
+    state_dict_to_cpu = config_property("state_dict_to_cpu")
+    auto_wrap_policy = config_property("auto_wrap_policy")
+    exclude_wrap_modules = config_property("exclude_wrap_modules")
+    force_leaf_modules = config_property("force_leaf_modules")
+    activation_checkpointing = config_property("activation_checkpointing")
+    activation_checkpointing_offload = config_property("activation_checkpointing_offload")
+    state_dict_type = config_property("state_dict_type")
+    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
+    param_init_fn = config_property("param_init_fn")
+    sharding_strategy = config_property("sharding_strategy")
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with Fabric's registry, where free: Lightning's
+        own ``"fsdp"`` stays Lightning's."""
+        names = ("fsdp_fairscale", "ddp_fully_sharded")
+        register_strategies(strategy_registry, cls, names, "FairScale's Fully Sharded Data Parallel")
 
     @override
     def _init_adapter(self) -> None:
@@ -100,12 +176,45 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
             weakref.WeakKeyDictionary()
         )
 
+    @property
+    def checkpoint_io(self) -> Any:
+        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by
+        default."""
+        if checkpoint_io_slot(self) is None:
+            set_checkpoint_io_slot(self, ShardedCheckpointIO())
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[Any]) -> None:
+        set_checkpoint_io_slot(self, io)
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the precision plugin asks FairScale for mixed precision."""
+        return self.precision.precision in ("16-mixed", "bf16-mixed")
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FSDP unit of this strategy is built with."""
+        return fsdp_config.fsdp_kwargs(self.config, self.root_device, self._groups, self.precision.precision)
+
+    @override
+    def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
+        super().setup_environment()
+        close_process_group_at_exit()
+        self._groups = fsdp_engine.set_up_run(
+            self.config, self.root_device, self.precision.precision, self.global_rank, self.world_size,
+            self.num_nodes, collective_timeout(self),
+        )
+        if self.config.state_dict_type == "sharded":
+            sharded_checkpoint_io(self.checkpoint_io)  # fail before training, not at the first save
+
     @override
     def teardown(self) -> None:
         """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
         still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.hybrid`)."""
-        if release_groups(self._process_groups, list(self._roots)):
-            self._process_groups, self._replica_group = (), None
+        if release_groups(self._groups.sharding(), list(self._roots)):
+            self._groups = ProcessGroups()
         super().teardown()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -114,7 +223,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
     @override
     def module_sharded_context(self) -> AbstractContextManager:
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
-        return fsdp_engine.wrapping_context(self)
+        return fsdp_engine.wrapping_context(self.config, self.root_device, self._groups, self.precision.precision)
 
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
@@ -124,7 +233,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
         stack = ExitStack()
         if empty_init:
             stack.enter_context(torch.device("meta"))
-        elif not self.fsdp_kwargs()["cpu_offload"]:
+        elif not fsdp_config.offloads_to_cpu(self.config, self.root_device):
             stack.enter_context(self.root_device)
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(self.module_sharded_context())
@@ -132,7 +241,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not self.fsdp_kwargs()["cpu_offload"]:
+        if not fsdp_config.offloads_to_cpu(self.config, self.root_device):
             to_device_keeping_meta(module, self.root_device)  # meta tensors are materialised by their unit
 
     @override
@@ -152,7 +261,9 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
         originals: weakref.WeakValueDictionary[int, Parameter] = weakref.WeakValueDictionary(
             {id(param): param for param in module.parameters()}
         )
-        wrapped = fsdp_engine.wrap_model(self, module, describe=rank_zero_info)
+        wrapped = fsdp_engine.wrap_model(
+            self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info
+        )
         wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
         self._roots.add(wrapped.root)
         return wrapped.root
@@ -238,7 +349,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
 
     @override
     def _saves_sharded(self, module: Module) -> bool:
-        return self.state_dict_type == "sharded" and self._is_ours(module)
+        return self.config.state_dict_type == "sharded" and self._is_ours(module)
 
     @override
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
@@ -264,7 +375,7 @@ class DDPFullyShardedStrategy(FabricAdapter, FullyShardedOptions, StrategyIntern
         model = self._fsdp_model(module)
         assert model is not None
         orders = [self._order(optimizer)[1] for optimizer in optimizers]
-        io = self._sharded_io()
+        io = sharded_checkpoint_io(self.checkpoint_io)
         fsdp_engine.save_sharded(self, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
 
     @override

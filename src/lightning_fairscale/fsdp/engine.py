@@ -3,14 +3,17 @@
 The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and Fabric's
 (:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
 
+* :func:`set_up_run`: the process groups of a run (:class:`~lightning_fairscale.fsdp.config.ProcessGroups`), made
+  once the default group exists;
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing, and the
   :class:`~lightning_fairscale.fsdp.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
 * :func:`module_state_dict`, :func:`optimizer_state`, :func:`save_sharded`: the two checkpoint formats;
 * :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing;
   with strict loading off, what fits (partial loading), reporting the keys that did not as ``torch`` does.
 
-Their options and set-up are :class:`~lightning_fairscale.fsdp.options.FullyShardedOptions`. Nothing here imports
-Lightning; the strategies pass what they know (options, ranks, the CheckpointIO plugin).
+They take the strategy's :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` and what the run adds (the
+device, the precision, the process groups, the ranks, the CheckpointIO plugin), passed in by the strategies: nothing
+here imports Lightning or calls back into a strategy.
 """
 
 from __future__ import annotations
@@ -18,16 +21,27 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+import torch
 import torch.distributed.fsdp.wrap as torch_wrap
 from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.config import (
+    FullyShardedConfig,
+    ProcessGroups,
+    check_settings,
+    fsdp_kwargs,
+    wrap_policy,
+)
+from lightning_fairscale.fsdp.hybrid import resolve_mesh, sharding_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
     ParameterLayout,
@@ -60,10 +74,12 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_full",
     "load_sharded",
+    "make_process_groups",
     "module_state_dict",
     "optimizer_state",
     "repoint",
     "save_sharded",
+    "set_up_run",
     "shard_writer",
     "state_dict_keys",
     "together",
@@ -98,20 +114,54 @@ class WrappedModel:
     checkpointed: list[Module] = field(default_factory=list)
 
 
+def set_up_run(
+    config: FullyShardedConfig, device: torch.device, precision: str, rank: int, world_size: int, num_nodes: int,
+    timeout: Optional[timedelta],
+) -> ProcessGroups:
+    """Everything FSDP needs before the first unit is made, on every rank together: the check of the options against
+    the device and ``precision`` (the precision plugin's setting), FairScale's CPU streams on the CPU, and the
+    process groups (returned)."""
+    check_settings(config, device, precision)
+    if device.type == "cpu":
+        cpu_streams.install()
+    return make_process_groups(config, rank, world_size, num_nodes, timeout)
+
+
+def make_process_groups(
+    config: FullyShardedConfig, rank: int, world_size: int, num_nodes: int, timeout: Optional[timedelta]
+) -> ProcessGroups:
+    """FSDP's process groups (see :class:`~lightning_fairscale.fsdp.config.ProcessGroups`): a collective call.
+
+    All ranks create them together; they honour ``timeout``, so a lost rank cannot stall the others. They are closed
+    when the interpreter exits (see :mod:`lightning_fairscale.distributed.process_exit`).
+    """
+    request = config.mesh_request
+    mesh = None if request is None else resolve_mesh(request, world_size, num_nodes)
+    # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
+    groups = ProcessGroups(*sharding_groups(mesh, rank, timeout), mesh=mesh)
+    close_process_group_at_exit(groups)
+    return groups
+
+
 @contextlib.contextmanager
-def wrapping_context(options: FullyShardedOptions) -> Generator[None, None, None]:
+def wrapping_context(
+    config: FullyShardedConfig, device: torch.device, groups: ProcessGroups, precision: str
+) -> Generator[None, None, None]:
     """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
-    kwargs = options.fsdp_kwargs()
-    policy = options._auto_wrap_policy()
+    kwargs = fsdp_kwargs(config, device, groups, precision)
     with (
-        enable_wrap(wrapper_cls=FullyShardedDataParallel, auto_wrap_policy=policy, **kwargs),
+        enable_wrap(wrapper_cls=FullyShardedDataParallel, auto_wrap_policy=wrap_policy(config), **kwargs),
         torch_wrap.enable_wrap(wrapper_cls=FullyShardedDataParallel, **kwargs),
     ):
         yield
 
 
-def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[Callable[[str], Any]]) -> WrappedModel:
-    """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit).
+def wrap_model(
+    config: FullyShardedConfig, module: Module, device: torch.device, groups: ProcessGroups, precision: str,
+    describe: Optional[Callable[[str], Any]] = None,
+) -> WrappedModel:
+    """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit) on
+    ``device``, over ``groups``, under ``precision`` (the precision plugin's setting).
 
     The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
     ``layout.forget_originals()``. ``describe`` gets the summary of the units (the front end's way to log it).
@@ -121,16 +171,16 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[
     placeholders = [param for param in module.parameters() if param.is_meta]
     layout = ParameterLayout.before_wrapping(module)
     checkpointed = apply_activation_checkpointing(
-        module, options.activation_checkpointing, options.activation_checkpointing_offload
+        module, config.activation_checkpointing, config.activation_checkpointing_offload
     )
-    policy = options._auto_wrap_policy(own_units=checkpointed, root=module)
-    with wrapping_context(options):
-        root = wrap_module(module, policy, **options.fsdp_kwargs())
+    policy = wrap_policy(config, own_units=checkpointed, root=module)
+    with wrapping_context(config, device, groups, precision):
+        root = wrap_module(module, policy, **fsdp_kwargs(config, device, groups, precision))
     layout.after_wrapping(root)
     del placeholders
     remember_root(module, root)
     if describe is not None:
-        describe(f"{type(options).__name__}: {unit_summary(root)}")
+        describe(f"{config.owner}: {unit_summary(root)}")
     return WrappedModel(root, layout, checkpointed)
 
 

@@ -48,7 +48,7 @@ from lightning_fairscale.checkpoint.files import (
 )
 
 # The file-level names are re-exported here, where they were first defined.
-__all__ = ["META_FILE", "CheckpointFileError", "ShardedCheckpointIO", "shard_file_name"]
+__all__ = ["META_FILE", "CheckpointFileError", "ShardedCheckpointIO", "shard_file_name", "sharded_checkpoint_io"]
 
 
 def _is_local(path: _PATH) -> bool:
@@ -158,3 +158,16 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         """``rank``'s file of the sharded checkpoint directory ``path``."""
         return files.load_shard(Path(path), rank, world_size, map_location=map_location, weights_only=weights_only)
+
+
+def sharded_checkpoint_io(io: Any) -> ShardedCheckpointIO:
+    """``io``, the CheckpointIO plugin of a ``DDPFullyShardedStrategy(state_dict_type="sharded")``, which must write
+    sharded checkpoint directories."""
+    if not isinstance(io, ShardedCheckpointIO):
+        raise TypeError(
+            f'`DDPFullyShardedStrategy(state_dict_type="sharded")` writes its checkpoint directories with'
+            f" `lightning_fairscale.ShardedCheckpointIO`, but the strategy was given {type(io).__name__}. Remove"
+            " the CheckpointIO plugin, pass a `ShardedCheckpointIO` (or a subclass), or use"
+            ' `state_dict_type="full"`.'
+        )
+    return io

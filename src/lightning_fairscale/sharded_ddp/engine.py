@@ -5,9 +5,9 @@ hyperparameters (:func:`shard_optimizer`), so every rank keeps the optimizer sta
 only (ZeRO stage 1), and wraps the module in :class:`fairscale.nn.data_parallel.ShardedDataParallel`, which reduces
 each gradient to the rank that owns its parameter (stage 2). Parameters stay whole on every rank.
 
-:class:`ShardedDDPOptions` holds the strategy's arguments and what follows from them; the Trainer's strategy
-(:mod:`lightning_fairscale.strategies.sharded`) and Fabric's (:mod:`lightning_fairscale.fabric.sharded`) are it plus an
-adapter each, and call the functions here. Nothing here imports Lightning.
+The strategy's arguments are a :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig`; the Trainer's
+strategy (:mod:`lightning_fairscale.strategies.sharded`) and Fabric's (:mod:`lightning_fairscale.fabric.sharded`) hold
+one each and call the functions here. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -16,137 +16,31 @@ import functools
 import inspect
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import timedelta
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any
 
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
-from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
-from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
-from lightning_fairscale.strategy_arguments import lightning_arguments
+from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs
 
 __all__ = [
-    "ShardedDDPOptions",
-    "SpawnOnly",
     "full_state",
     "load_full_state",
     "reattach_bucketed_gradients",
     "repoint_schedulers",
     "shard_optimizer",
     "sync_module_states",
-    "validate_arguments",
+    "wrap_model",
 ]
 
-#: Arguments of ``ShardedDataParallel`` that the strategy sets itself.
-_MANAGED_SDP_ARGUMENTS = {
-    "module": "the strategy wraps the model itself",
-    "sharded_optimizer": "the strategy shards the optimizers of `configure_optimizers` (or of `fabric.setup`)",
-    "process_group": "the strategy uses the default process group",
-}
-_SDP_ARGUMENTS = set(inspect.signature(ShardedDataParallel.__init__).parameters) - {"self"}
-#: Gradient bucket size (elements) for multi-node runs, as in Lightning 1.x; single-node runs reduce unbucketed.
-_MULTI_NODE_REDUCE_BUFFER_SIZE = 2**23
 
-
-class ShardedDDPOptions:
-    """The arguments of ``DDPShardedStrategy`` and what follows from them; a base class of both strategies.
-
-    The arguments are documented on :class:`lightning_fairscale.strategies.DDPShardedStrategy`. The Lightning base
-    class (the Trainer's or Fabric's ``DDPStrategy``) follows this class in the strategy's bases; it gets the
-    arguments it knows, the precision plugin under the name it uses (:attr:`_precision_name`).
-    """
-
-    #: The name under which the Lightning base strategy takes and holds its precision plugin.
-    _precision_name: ClassVar[str]
-    #: The names the strategy registers (see :meth:`register_strategies`).
-    _registry_names: ClassVar[tuple[str, ...]] = ("ddp_sharded", "ddp_sharded_find_unused_parameters_false")
-
-    def __init__(
-        self,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        find_unused_parameters: bool = False,
-        precision: Optional[Any] = None,
-        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
-        **kwargs: Any,
-    ) -> None:
-        self.lightning_1x_optimizer_state = validate_policy(lightning_1x_optimizer_state, type(self).__name__)
-        validate_arguments(type(self).__name__, find_unused_parameters, kwargs)
-        base = lightning_arguments(locals(), self._precision_name)
-        super().__init__(**base, **kwargs)  # type: ignore[call-arg]  # `kwargs` go to Lightning's DDP kwargs, for SDP
-        self._init_adapter()
-
-    def _init_adapter(self) -> None:
-        """Set up the state of the strategy's adapter (its Lightning-specific part), at the end of ``__init__``."""
-
-    def setup_environment(self) -> None:
-        """The Lightning base's set-up (the default process group), and its clean-up at exit."""
-        super().setup_environment()  # type: ignore[misc]
-        close_process_group_at_exit(self)
-
-    @property
-    def reduce_buffer_size(self) -> int:
-        """Size of ``ShardedDataParallel``'s gradient buckets in elements: ``0`` (no buckets) on one node by default."""
-        default = 0 if self.num_nodes == 1 else _MULTI_NODE_REDUCE_BUFFER_SIZE  # type: ignore[attr-defined]
-        kwargs = self._ddp_keyword_arguments()  # type: ignore[attr-defined]  # _compat.StrategyInternals
-        return int(kwargs.get("reduce_buffer_size", default))
-
-    @property
-    def broadcast_fp16(self) -> bool:
-        """Whether OSS sends updated parameters in fp16: under fp16 mixed precision on several nodes."""
-        precision = getattr(self, self._precision_name).precision
-        return precision == "16-mixed" and self.num_nodes > 1  # type: ignore[attr-defined]
-
-    def sharded_ddp_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
-        kwargs = self._ddp_keyword_arguments()  # type: ignore[attr-defined]  # _compat.StrategyInternals
-        return {**kwargs, "reduce_buffer_size": self.reduce_buffer_size}
-
-    def _wrap(self, module: Module, optimizers: list[OSS]) -> ShardedDataParallel:
-        return ShardedDataParallel(module, sharded_optimizer=optimizers, **self.sharded_ddp_kwargs())
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register :attr:`_registry_names` with a Lightning registry (the Trainer's or Fabric's), where free."""
-        for name in cls._registry_names:
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"FairScale's sharded optimizer and gradients ({cls.__name__})",
-                    find_unused_parameters=False,
-                )
-
-
-class SpawnOnly:
-    """Makes a sharded DDP strategy start its processes with ``torch.multiprocessing`` (``"spawn"``) by default."""
-
-    _registry_names: ClassVar[tuple[str, ...]] = (
-        "ddp_sharded_spawn",
-        "ddp_sharded_spawn_find_unused_parameters_false",
-    )
-
-    def __init__(
-        self, *args: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn", **kwargs: Any
-    ) -> None:
-        if start_method == "popen":
-            raise ValueError(
-                "`DDPSpawnShardedStrategy` starts its processes with multiprocessing; for `start_method='popen'` use"
-                " `DDPShardedStrategy` (`strategy='ddp_sharded'`)."
-            )
-        super().__init__(*args, start_method=start_method, **kwargs)  # type: ignore[call-arg]
+def wrap_model(config: ShardedDDPConfig, module: Module, optimizers: list[OSS], num_nodes: int) -> ShardedDataParallel:
+    """``module`` in ``ShardedDataParallel``, which reduces each gradient to the rank whose OSS shard owns it."""
+    return ShardedDataParallel(module, sharded_optimizer=optimizers, **sharded_ddp_kwargs(config, num_nodes))
 
 
 def full_state(optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
@@ -288,23 +182,3 @@ def _flag_steps_for_schedulers(optimizer: Optimizer) -> None:
 
     flagged_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = flagged_step  # type: ignore[method-assign]
-
-
-def validate_arguments(strategy: str, find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
-    if find_unused_parameters:
-        raise ValueError(
-            f"`{strategy}` does not support `find_unused_parameters=True`: FairScale's ShardedDataParallel reduces"
-            " each gradient when backward produces it and cannot wait for parameters that some ranks leave unused."
-            " Use `strategy='ddp_find_unused_parameters_true'` for such models."
-        )
-    size = kwargs.get("reduce_buffer_size", 0)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"`reduce_buffer_size` must be a number of elements >= 0 (0: no buckets), got {size!r}.")
-    for name in kwargs:
-        if name in _MANAGED_SDP_ARGUMENTS:
-            raise TypeError(f"`{strategy}` does not take `{name}`: {_MANAGED_SDP_ARGUMENTS[name]}.")
-        if name not in _SDP_ARGUMENTS:
-            raise TypeError(
-                f"`{strategy}` got an unexpected argument `{name}`. Extra keyword arguments go to FairScale's"
-                f" ShardedDataParallel, which takes: {', '.join(sorted(_SDP_ARGUMENTS - set(_MANAGED_SDP_ARGUMENTS)))}."
-            )

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning_fairscale.lightning._compat import fabric_precision_slot, set_fabric_precision_slot
 from lightning_fairscale.lightning._compat import _BackwardSyncControl
 from lightning_fairscale.lightning._compat import _PATH
 from torch import Tensor
@@ -43,8 +44,8 @@ class FabricAdapter:
     _grad_scaler: Callable[[str], Any]
 
     def _init_adapter(self) -> None:
+        """Set up the adapter's state: at the end of ``__init__``, and again when unpickled."""
         self._backward_sync_control = NoBackwardSync()
-        super()._init_adapter()  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled for `start_method="spawn"`, before anything is set up: the registries of set-up models and
@@ -58,13 +59,13 @@ class FabricAdapter:
 
     @property
     def precision(self) -> Precision:
-        precision = self._fabric_precision_slot()  # type: ignore[attr-defined]  # _compat.StrategyInternals
+        precision = fabric_precision_slot(self)
         return precision if precision is not None else Precision()
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
         plugin = fabric_precision(precision, type(self).__name__, self._grad_scaler)
-        self._set_fabric_precision_slot(plugin)  # type: ignore[attr-defined]
+        set_fabric_precision_slot(self, plugin)
 
     def clip_gradients_norm(
         self,

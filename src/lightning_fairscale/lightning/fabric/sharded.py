@@ -10,19 +10,33 @@ states consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Union
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning_fairscale.lightning._compat import StrategyInternals, _optimizers_to_device
+from lightning_fairscale.lightning._compat import _optimizers_to_device
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fairscale._adapters import (
+    check_spawn_start_method,
+    config_arguments,
+    config_property,
+    lightning_arguments,
+    register_strategies,
+)
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp import engine as oss
+from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.lightning.fabric._common import FabricAdapter
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 
@@ -32,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
 
 
-class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals, DDPStrategy):
+class DDPShardedStrategy(FabricAdapter, DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
 
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric
@@ -56,7 +70,57 @@ class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals
     _grad_scaler = staticmethod(sharded_grad_scaler)
 
     strategy_name = "ddp_sharded"
-    _precision_name = "precision"
+    #: The names :meth:`register_strategies` registers.
+    _registry_names: tuple[str, ...] = ("ddp_sharded", "ddp_sharded_find_unused_parameters_false")
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        precision: Optional[Precision] = None,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        **kwargs: Any,
+    ) -> None:
+        config = ShardedDDPConfig(**config_arguments(ShardedDDPConfig, locals()), owner=type(self).__name__)
+        super().__init__(**lightning_arguments(locals(), "precision"))
+        #: The options: everything the user chose but Lightning's arguments, checked.
+        self.config = config
+        self._init_adapter()
+
+    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register :attr:`_registry_names` with Fabric's registry, where free."""
+        description = f"FairScale's sharded optimizer and gradients ({cls.__name__})"
+        register_strategies(strategy_registry, cls, cls._registry_names, description, find_unused_parameters=False)
+
+    @property
+    def reduce_buffer_size(self) -> int:
+        """Size of ``ShardedDataParallel``'s gradient buckets in elements: ``0`` (no buckets) on one node by default."""
+        return sharded_config.reduce_buffer_size(self.config, self.num_nodes)
+
+    @property
+    def broadcast_fp16(self) -> bool:
+        """Whether OSS sends updated parameters in fp16: under fp16 mixed precision on several nodes."""
+        return sharded_config.broadcast_fp16(self.precision.precision, self.num_nodes)
+
+    def sharded_ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
+        return sharded_config.sharded_ddp_kwargs(self.config, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), and its clean-up at exit."""
+        super().setup_environment()
+        close_process_group_at_exit()
 
     @override
     def _init_adapter(self) -> None:
@@ -76,7 +140,7 @@ class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals
             if scheduler is not None:
                 oss.repoint_schedulers([scheduler], optimizer, new)
             sharded.append(new)
-        wrapped = self._wrap(module, sharded)
+        wrapped = oss.wrap_model(self.config, module, sharded, self.num_nodes)
         self._models.add(wrapped)
         return wrapped, sharded, scheduler
 
@@ -150,7 +214,7 @@ class DDPShardedStrategy(FabricAdapter, oss.ShardedDDPOptions, StrategyInternals
             optimizer.load_state_dict(state)
 
 
-class DDPSpawnShardedStrategy(oss.SpawnOnly, DDPShardedStrategy):
+class DDPSpawnShardedStrategy(DDPShardedStrategy):
     """:class:`DDPShardedStrategy` that starts its processes with ``torch.multiprocessing`` (``"spawn"``):
     ``fabric.launch(function)`` runs ``function`` in each. Registered as ``"ddp_sharded_spawn"``.
 
@@ -160,6 +224,13 @@ class DDPSpawnShardedStrategy(oss.SpawnOnly, DDPShardedStrategy):
     """
 
     strategy_name = "ddp_sharded_spawn"
+    _registry_names: tuple[str, ...] = ("ddp_sharded_spawn", "ddp_sharded_spawn_find_unused_parameters_false")
+
+    def __init__(
+        self, *args: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn", **kwargs: Any
+    ) -> None:
+        check_spawn_start_method(start_method)
+        super().__init__(*args, start_method=start_method, **kwargs)  # type: ignore[misc]  # keyword-only here
 
 
 def _unwrap(module: Module) -> Module:

@@ -4,31 +4,47 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from lightning_fairscale.lightning._compat import (
+    checkpoint_io_slot,
+    collective_timeout,
+    layer_sync_plugin,
+    precision_plugin_slot,
+    set_checkpoint_io_slot,
+    set_precision_plugin_slot,
+)
 from lightning_fairscale.lightning._compat import _optimizers_to_device
-from lightning_fairscale.lightning._compat import _PATH, StrategyInternals
+from lightning_fairscale.lightning._compat import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
-from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_keeping_meta
-from lightning_fairscale.fsdp.options import FullyShardedOptions
+from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
+from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.callbacks.model_summary import use_for_model_summaries
@@ -47,7 +63,7 @@ from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
 from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
 
-class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrategy):
+class DDPFullyShardedStrategy(DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
@@ -113,19 +129,58 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
+    The arguments other than Lightning's are checked once, here, and kept in :attr:`config` (a frozen
+    :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`); the strategy's attributes of the same names read
+    it (setting one replaces the config by a checked copy).
+
     Example:
         >>> from lightning_fairscale.strategies import DDPFullyShardedStrategy
         >>> strategy = DDPFullyShardedStrategy(min_num_params=1_000_000, bucket_cap_mb=50)
-        >>> strategy.min_num_params
-        1000000
+        >>> strategy.min_num_params, strategy.config.bucket_cap_mb
+        (1000000, 50)
     """
 
     strategy_name = "fsdp_fairscale"
-    _precision_name = "precision_plugin"
-    _checkpoint_io_class = ShardedCheckpointIO
 
-    @override
-    def _init_adapter(self) -> None:
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        cpu_offload: Union[bool, CPUOffload] = False,
+        flatten_parameters: bool = True,
+        reshard_after_forward: bool = True,
+        move_grads_to_cpu: Optional[bool] = None,
+        fp32_reduce_scatter: Optional[bool] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        bucket_cap_mb: int = 25,
+        min_num_params: int = int(1e8),
+        state_dict_to_cpu: bool = True,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        exclude_wrap_modules: Optional[Iterable[type[Module]]] = None,
+        force_leaf_modules: Optional[Iterable[type[Module]]] = None,
+        activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
+        activation_checkpointing_offload: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        precision: Optional[Precision] = None,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
+        param_init_fn: Optional[ParamInitFn] = None,
+        sharding_strategy: Any = "FULL_SHARD",
+        device_mesh: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> None:
+        config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
+        super().__init__(**lightning_arguments(locals(), "precision_plugin"))
+        #: The options: everything the user chose but Lightning's arguments, checked.
+        self.config = config
+        #: FSDP's process groups, made in ``setup_environment``.
+        self._groups = ProcessGroups()
         #: Where the original parameters went, while the module is wrapped.
         self._layout: Optional[ParameterLayout] = None
         #: For each optimizer, the order of its state in checkpoints (see `fsdp_engine.repoint`).
@@ -138,16 +193,65 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration
 
+    cpu_offload = config_property("cpu_offload")
+    flatten_parameters = config_property("flatten_parameters")
+    reshard_after_forward = config_property("reshard_after_forward")
+    move_grads_to_cpu = config_property("move_grads_to_cpu")
+    fp32_reduce_scatter = config_property("fp32_reduce_scatter")
+    compute_dtype = config_property("compute_dtype")
+    bucket_cap_mb = config_property("bucket_cap_mb")
+    min_num_params = config_property("min_num_params")
+    state_dict_to_cpu = config_property("state_dict_to_cpu")
+    auto_wrap_policy = config_property("auto_wrap_policy")
+    exclude_wrap_modules = config_property("exclude_wrap_modules")
+    force_leaf_modules = config_property("force_leaf_modules")
+    activation_checkpointing = config_property("activation_checkpointing")
+    activation_checkpointing_offload = config_property("activation_checkpointing_offload")
+    state_dict_type = config_property("state_dict_type")
+    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
+    param_init_fn = config_property("param_init_fn")
+    sharding_strategy = config_property("sharding_strategy")
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with the Trainer's registry, where free:
+        Lightning's own ``"fsdp"`` stays Lightning's."""
+        names = ("fsdp_fairscale", "ddp_fully_sharded")
+        register_strategies(strategy_registry, cls, names, "FairScale's Fully Sharded Data Parallel")
+
     @property
     @override
     def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin_slot()
+        plugin = precision_plugin_slot(self)
         return plugin if plugin is not None else FullyShardedPrecisionPlugin()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._set_precision_plugin_slot(None if plugin is None else fully_sharded_precision_plugin(plugin))
+        set_precision_plugin_slot(self, None if plugin is None else fully_sharded_precision_plugin(plugin))
+
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by
+        default."""
+        if checkpoint_io_slot(self) is None:
+            set_checkpoint_io_slot(self, ShardedCheckpointIO())
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[Any]) -> None:
+        set_checkpoint_io_slot(self, io)
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the precision plugin asks FairScale for mixed precision."""
+        return self.precision_plugin.precision in ("16-mixed", "bf16-mixed")
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every FSDP unit of this strategy is built with."""
+        return fsdp_config.fsdp_kwargs(self.config, self.root_device, self._groups, self.precision_plugin.precision)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -155,12 +259,21 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     @override
     def model_sharded_context(self) -> AbstractContextManager:
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
-        return fsdp_engine.wrapping_context(self)
+        precision = self.precision_plugin.precision
+        return fsdp_engine.wrapping_context(self.config, self.root_device, self._groups, precision)
 
     @override
     def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
         check_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
         super().setup_environment()
+        close_process_group_at_exit()
+        self._groups = fsdp_engine.set_up_run(
+            self.config, self.root_device, self.precision_plugin.precision, self.global_rank, self.world_size,
+            self.num_nodes, collective_timeout(self),
+        )
+        if self.config.state_dict_type == "sharded":
+            sharded_checkpoint_io(self.checkpoint_io)  # fail before training, not at the first save
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -181,7 +294,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
 
     def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool) -> None:
         assert self.model is not None
-        layer_sync = self._layer_sync_plugin()
+        layer_sync = layer_sync_plugin(self)
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -191,7 +304,9 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             self.setup_optimizers(trainer)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
-        wrapped = fsdp_engine.wrap_model(self, self.model, describe=rank_zero_info)
+        wrapped = fsdp_engine.wrap_model(
+            self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info
+        )
         self.model, self._layout, self._checkpointed = wrapped.root, wrapped.layout, wrapped.checkpointed
         optimizers = [_unwrap(opt) for opt in self.optimizers] if fitting else []
         self._group_orders = [fsdp_engine.repoint(optimizer, self._layout) for optimizer in optimizers]
@@ -229,7 +344,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
                 yield
             return
         with super().tensor_init_context(empty_init):
-            with torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else contextlib.nullcontext():
+            offload = fsdp_config.offloads_to_cpu(self.config, self.root_device)
+            with torch.device("cpu") if offload else contextlib.nullcontext():
                 yield
 
     @override
@@ -238,7 +354,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
         # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs. Tensors on the
         # meta device stay there: each unit materialises its own when it wraps them.
-        device = torch.device("cpu") if self.fsdp_kwargs()["cpu_offload"] else self.root_device
+        offload = fsdp_config.offloads_to_cpu(self.config, self.root_device)
+        device = torch.device("cpu") if offload else self.root_device
         to_device_keeping_meta(self.model, device)
 
     def memory_figures(self) -> dict[str, float]:
@@ -265,7 +382,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         return True
 
     def _saves_sharded(self) -> bool:
-        return self.state_dict_type == "sharded" and self._is_wrapped()
+        return self.config.state_dict_type == "sharded" and self._is_wrapped()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -293,7 +410,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
         checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`)."""
         if not self._saves_sharded():
-            if self.state_dict_type == "sharded" and self.lightning_module is not None:
+            if self.config.state_dict_type == "sharded" and self.lightning_module is not None:
                 rank_zero_warn(
                     f"The model is not sharded (`unshard_module()` gave it its full parameters back), so {filepath} is"
                     " written as a full checkpoint file.",
@@ -301,7 +418,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         optimizers = [_unwrap(opt) for opt in self.optimizers]
         fsdp_engine.save_sharded(
-            self, self._sharded_io(), checkpoint, filepath, self._wrapped(), optimizers, self._group_orders
+            self, sharded_checkpoint_io(self.checkpoint_io), checkpoint, filepath, self._wrapped(), optimizers,
+            self._group_orders,
         )
         return None
 
@@ -375,7 +493,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
         managed = self._layout.managed
         shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
-        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        owner, policy = type(self).__name__, self.config.lightning_1x_optimizer_state
         return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
 
     def _restores_optimizers(self) -> bool:
@@ -396,7 +514,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may be gone: teardown must not start collectives that would wait for it.
         self._failed = True
-        report_collective_failure(exception, self._collective_timeout(), self.launcher)
+        report_collective_failure(exception, collective_timeout(self), self.launcher)
         super().on_exception(exception)
 
     @override
@@ -411,8 +529,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         wrapping it) is not moved either: it has no data to move. The process groups go with the sharded module
         (see :mod:`lightning_fairscale.fsdp.hybrid`): destroyed here when no module is kept sharded over them.
         """
-        if release_groups(self._process_groups, [self.model]):
-            self._process_groups, self._replica_group = (), None
+        if release_groups(self._groups.sharding(), [self.model]):
+            self._groups = ProcessGroups()
         if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
             return

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -22,27 +23,47 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning.fabric.plugins import CheckpointIO
+from lightning_fairscale.lightning._compat import (
+    checkpoint_io_slot,
+    collective_timeout,
+    layer_sync_plugin,
+    precision_plugin_slot,
+    set_checkpoint_io_slot,
+    set_precision_plugin_slot,
+    use_multiprocessing_launcher,
+)
 from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher, StrategyInternals
+from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fairscale._adapters import (
+    check_spawn_start_method,
+    config_arguments,
+    config_property,
+    lightning_arguments,
+    register_strategies,
+)
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.sharded_ddp import config as sharded_config
+from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.engine import (
-    ShardedDDPOptions,
-    SpawnOnly,
     full_state,
     load_full_state,
     reattach_bucketed_gradients,
     repoint_schedulers,
     shard_optimizer,
     sync_module_states,
+    wrap_model,
 )
 from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
 from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
@@ -54,7 +75,7 @@ from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
 
-class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
+class DDPShardedStrategy(DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Lightning 2.x.
 
     Lightning 1.x's ``DDPShardedStrategy``: the optimizers that ``configure_optimizers`` returns (any
@@ -92,21 +113,64 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
     """
 
     strategy_name = "ddp_sharded"
-    _precision_name = "precision_plugin"
+    #: The names :meth:`register_strategies` registers.
+    _registry_names: tuple[str, ...] = ("ddp_sharded", "ddp_sharded_find_unused_parameters_false")
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,  # Lightning's default too
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        precision: Optional[Precision] = None,
+        lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        **kwargs: Any,
+    ) -> None:
+        config = ShardedDDPConfig(**config_arguments(ShardedDDPConfig, locals()), owner=type(self).__name__)
+        super().__init__(**lightning_arguments(locals(), "precision_plugin"))
+        #: The options: everything the user chose but Lightning's arguments, checked.
+        self.config = config
 
     # ------------------------------------------------------------------------------------------------------------
     # Configuration
 
+    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register :attr:`_registry_names` with the Trainer's registry, where free."""
+        description = f"FairScale's sharded optimizer and gradients ({cls.__name__})"
+        register_strategies(strategy_registry, cls, cls._registry_names, description, find_unused_parameters=False)
+
+    @property
+    def reduce_buffer_size(self) -> int:
+        """Size of ``ShardedDataParallel``'s gradient buckets in elements: ``0`` (no buckets) on one node by default."""
+        return sharded_config.reduce_buffer_size(self.config, self.num_nodes)
+
+    @property
+    def broadcast_fp16(self) -> bool:
+        """Whether OSS sends updated parameters in fp16: under fp16 mixed precision on several nodes."""
+        return sharded_config.broadcast_fp16(self.precision_plugin.precision, self.num_nodes)
+
+    def sharded_ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
+        return sharded_config.sharded_ddp_kwargs(self.config, self.num_nodes)
+
     @property
     @override
     def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin_slot()
+        plugin = precision_plugin_slot(self)
         return plugin if plugin is not None else ShardedPrecisionPlugin()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._set_precision_plugin_slot(None if plugin is None else sharded_precision_plugin(plugin))
+        set_precision_plugin_slot(self, None if plugin is None else sharded_precision_plugin(plugin))
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -117,7 +181,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        layer_sync = self._layer_sync_plugin()
+        layer_sync = layer_sync_plugin(self)
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -150,7 +214,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> ShardedDataParallel:
-        return self._wrap(model, self._sharded_optimizers())
+        return wrap_model(self.config, model, self._sharded_optimizers(), self.num_nodes)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -182,19 +246,19 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
     def checkpoint_io(self) -> CheckpointIO:
         """:class:`~lightning_fairscale.ShardedCheckpointIO` unless the Trainer got another: checkpoint files are
         written beside their target and renamed into place, so a save killed midway keeps the previous one."""
-        if self._checkpoint_io_slot() is None:
-            self._set_checkpoint_io_slot(ShardedCheckpointIO())
+        if checkpoint_io_slot(self) is None:
+            set_checkpoint_io_slot(self, ShardedCheckpointIO())
         return super().checkpoint_io
 
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._set_checkpoint_io_slot(io)
+        set_checkpoint_io_slot(self, io)
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        self._use_multiprocessing_launcher(_SpawnLauncher)  # start_method "spawn", "fork" or "forkserver"
+        use_multiprocessing_launcher(self, _SpawnLauncher)  # start_method "spawn", "fork" or "forkserver"
 
     @override
     def on_train_end(self) -> None:
@@ -242,8 +306,10 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        """Lightning's set-up (the default process group), and its clean-up at exit."""
         check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
         super().setup_environment()
+        close_process_group_at_exit()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -272,7 +338,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        report_collective_failure(exception, self._collective_timeout(), self.launcher)
+        report_collective_failure(exception, collective_timeout(self), self.launcher)
         super().on_exception(exception)
 
     @override
@@ -288,7 +354,7 @@ class DDPShardedStrategy(ShardedDDPOptions, StrategyInternals, DDPStrategy):
         _optimizers_to_device(self._local_optimizers(), torch.device("cpu"))
 
 
-class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
+class DDPSpawnShardedStrategy(DDPShardedStrategy):
     """:class:`DDPShardedStrategy` that starts its processes with ``torch.multiprocessing`` (``"spawn"``).
 
     Lightning 2 has no ``DDPSpawnStrategy`` class: this is ``DDPShardedStrategy(start_method="spawn")``. The script
@@ -311,6 +377,13 @@ class DDPSpawnShardedStrategy(SpawnOnly, DDPShardedStrategy):
     """
 
     strategy_name = "ddp_sharded_spawn"
+    _registry_names: tuple[str, ...] = ("ddp_sharded_spawn", "ddp_sharded_spawn_find_unused_parameters_false")
+
+    def __init__(
+        self, *args: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn", **kwargs: Any
+    ) -> None:
+        check_spawn_start_method(start_method)
+        super().__init__(*args, start_method=start_method, **kwargs)  # type: ignore[misc]  # keyword-only here
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""What the Trainer's and Fabric's strategies share about their constructors and names, without importing Lightning.
+
+Each strategy of ours subclasses one Lightning class (the Trainer's or Fabric's ``DDPStrategy``) and holds its
+engine's configuration (:class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`,
+:class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig`) as ``strategy.config``. Its constructor takes the
+arguments of both: :func:`lightning_arguments` are those its Lightning base class gets, :func:`config_arguments` those
+of the configuration. :func:`config_property` gives the strategy its options as attributes, and
+:func:`register_strategies` its names in a Lightning registry.
+
+This is adapter knowledge (the names of Lightning's arguments), kept apart from the engine; it imports no Lightning
+module, so that the Trainer's adapters (``strategies/``, which need ``pytorch_lightning``), Fabric's (``fabric/``) and
+their ``lightning`` flavour (:mod:`lightning_fairscale.lightning`) share this one module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "check_spawn_start_method",
+    "config_arguments",
+    "config_property",
+    "lightning_arguments",
+    "register_strategies",
+]
+
+#: The arguments of Lightning's ``DDPStrategy`` (the Trainer's and Fabric's alike) that the strategies take too.
+_BASE_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
+
+
+def lightning_arguments(arguments: Mapping[str, Any], precision_name: str) -> dict[str, Any]:
+    """The keyword arguments of the Lightning base strategy, from a strategy constructor's arguments.
+
+    The precision plugin comes as ``precision_plugin`` (the Trainer's and Lightning 1.x's name) or as ``precision``
+    (Fabric's); the base class takes it as ``precision_name``.
+
+    Example:
+        >>> arguments = dict.fromkeys(_BASE_ARGUMENTS) | {"precision_plugin": None, "precision": "plugin"}
+        >>> lightning_arguments(arguments, "precision_plugin")["precision_plugin"]
+        'plugin'
+    """
+    plugin, precision = arguments["precision_plugin"], arguments["precision"]
+    if plugin is not None and precision is not None:
+        raise ValueError(
+            "Pass the precision plugin as `precision` or as `precision_plugin` (the same argument), not both."
+        )
+    base = {name: arguments[name] for name in _BASE_ARGUMENTS}
+    return {**base, precision_name: plugin if precision is None else precision}
+
+
+def config_arguments(config_class: type, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``config_class`` (a dataclass), from a strategy constructor's arguments: those named
+    as its fields (its ``InitVar`` too), and the constructor's extra keyword arguments (``kwargs``) as
+    ``fairscale_kwargs``.
+
+    Example:
+        >>> from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
+        >>> config_arguments(ShardedDDPConfig, {"self": None, "timeout": 5, "kwargs": {"reduce_buffer_size": 8}})
+        {'fairscale_kwargs': {'reduce_buffer_size': 8}}
+    """
+    names = set(inspect.signature(config_class).parameters) - {"fairscale_kwargs", "owner"}
+    return {
+        **{name: value for name, value in arguments.items() if name in names},
+        "fairscale_kwargs": arguments["kwargs"],
+    }
+
+
+def config_property(name: str) -> Any:
+    """A property of a strategy that reads its ``config.<name>``; setting it gives the strategy a copy of the config
+    with the new value, checked as the constructor checks it (``strategy.state_dict_type = "sharded"``)."""
+
+    def get(strategy: Any) -> Any:
+        return getattr(strategy.config, name)
+
+    def set_(strategy: Any, value: Any) -> None:
+        strategy.config = dataclasses.replace(strategy.config, **{name: value})
+
+    return property(get, set_, doc=f"The strategy's ``config.{name}``.")
+
+
+def register_strategies(
+    registry: Any, strategy: type, names: Iterable[str], description: str, **init_params: Any
+) -> None:
+    """Register ``strategy`` under ``names`` with a Lightning registry (the Trainer's or Fabric's), where free:
+    Lightning's own names (``"fsdp"``...) stay Lightning's, and registering again is no error."""
+    for name in names:
+        if name not in registry:
+            registry.register(name, strategy, description=description, **init_params)
+
+
+def check_spawn_start_method(start_method: str) -> None:
+    """``DDPSpawnShardedStrategy`` starts its processes with multiprocessing: any ``start_method`` but ``"popen"``."""
+    if start_method == "popen":
+        raise ValueError(
+            "`DDPSpawnShardedStrategy` starts its processes with multiprocessing; for `start_method='popen'` use"
+            " `DDPShardedStrategy` (`strategy='ddp_sharded'`)."
+        )

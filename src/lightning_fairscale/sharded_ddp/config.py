@@ -1,0 +1,107 @@
+"""The configuration of ``DDPShardedStrategy``, for the Trainer's strategy and for Fabric's.
+
+:class:`ShardedDDPConfig` holds what the user chose, checked once, when it is built, and frozen. Both strategies
+build one in their constructor and hold it as ``strategy.config``; the functions here turn it, with what a run adds
+(the number of nodes, the precision), into the arguments of ``ShardedDataParallel`` and OSS. Nothing here imports
+Lightning.
+
+Example:
+    >>> config = ShardedDDPConfig(fairscale_kwargs={"reduce_buffer_size": 2**20})
+    >>> sharded_ddp_kwargs(config, num_nodes=2)
+    {'reduce_buffer_size': 1048576}
+    >>> reduce_buffer_size(ShardedDDPConfig(), num_nodes=2), broadcast_fp16("16-mixed", num_nodes=2)
+    (8388608, True)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from fairscale.nn.data_parallel import ShardedDataParallel
+
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
+
+__all__ = [
+    "ShardedDDPConfig",
+    "broadcast_fp16",
+    "reduce_buffer_size",
+    "sharded_ddp_kwargs",
+    "validate_arguments",
+]
+
+#: Arguments of ``ShardedDataParallel`` that the strategy sets itself.
+_MANAGED_SDP_ARGUMENTS = {
+    "module": "the strategy wraps the model itself",
+    "sharded_optimizer": "the strategy shards the optimizers of `configure_optimizers` (or of `fabric.setup`)",
+    "process_group": "the strategy uses the default process group",
+}
+_SDP_ARGUMENTS = set(inspect.signature(ShardedDataParallel.__init__).parameters) - {"self"}
+#: Gradient bucket size (elements) for multi-node runs, as in Lightning 1.x; single-node runs reduce unbucketed.
+_MULTI_NODE_REDUCE_BUFFER_SIZE = 2**23
+
+
+@dataclass(frozen=True)
+class ShardedDDPConfig:
+    """The options of ``DDPShardedStrategy``, checked when built; frozen.
+
+    The arguments are those of the strategies, documented on :class:`lightning_fairscale.strategies.DDPShardedStrategy`,
+    less Lightning's own; the strategy's extra keyword arguments are :attr:`fairscale_kwargs`.
+
+    Raises:
+        ValueError, TypeError: an argument is not accepted; the message says what is.
+    """
+
+    #: Only ``False``: ``ShardedDataParallel`` has no search for unused parameters.
+    find_unused_parameters: bool = False
+    lightning_1x_optimizer_state: OptimizerStatePolicy = "error"
+    #: Keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are.
+    fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The strategy's class name, which the error messages name.
+    owner: str = "DDPShardedStrategy"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "lightning_1x_optimizer_state", validate_policy(self.lightning_1x_optimizer_state, self.owner)
+        )
+        validate_arguments(self.owner, self.find_unused_parameters, self.fairscale_kwargs)
+        object.__setattr__(self, "fairscale_kwargs", dict(self.fairscale_kwargs))
+
+
+def reduce_buffer_size(config: ShardedDDPConfig, num_nodes: int) -> int:
+    """Size of ``ShardedDataParallel``'s gradient buckets in elements: ``0`` (no buckets) on one node by default."""
+    default = 0 if num_nodes == 1 else _MULTI_NODE_REDUCE_BUFFER_SIZE
+    return int(config.fairscale_kwargs.get("reduce_buffer_size", default))
+
+
+def broadcast_fp16(precision: str, num_nodes: int) -> bool:
+    """Whether OSS sends updated parameters in fp16: under fp16 mixed precision (the precision plugin's setting) on
+    several nodes."""
+    return precision == "16-mixed" and num_nodes > 1
+
+
+def sharded_ddp_kwargs(config: ShardedDDPConfig, num_nodes: int) -> dict[str, Any]:
+    """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
+    return {**config.fairscale_kwargs, "reduce_buffer_size": reduce_buffer_size(config, num_nodes)}
+
+
+def validate_arguments(strategy: str, find_unused_parameters: Any, kwargs: dict[str, Any]) -> None:
+    """Raise an error that says what is accepted when an argument of ``strategy`` (its class name) is not."""
+    if find_unused_parameters:
+        raise ValueError(
+            f"`{strategy}` does not support `find_unused_parameters=True`: FairScale's ShardedDataParallel reduces"
+            " each gradient when backward produces it and cannot wait for parameters that some ranks leave unused."
+            " Use `strategy='ddp_find_unused_parameters_true'` for such models."
+        )
+    size = kwargs.get("reduce_buffer_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"`reduce_buffer_size` must be a number of elements >= 0 (0: no buckets), got {size!r}.")
+    for name in kwargs:
+        if name in _MANAGED_SDP_ARGUMENTS:
+            raise TypeError(f"`{strategy}` does not take `{name}`: {_MANAGED_SDP_ARGUMENTS[name]}.")
+        if name not in _SDP_ARGUMENTS:
+            raise TypeError(
+                f"`{strategy}` got an unexpected argument `{name}`. Extra keyword arguments go to FairScale's"
+                f" ShardedDataParallel, which takes: {', '.join(sorted(_SDP_ARGUMENTS - set(_MANAGED_SDP_ARGUMENTS)))}."
+            )
