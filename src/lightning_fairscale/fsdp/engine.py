@@ -26,7 +26,9 @@ from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.distributed import process_exit
+from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
@@ -129,6 +131,8 @@ def wrap_model(options: FullyShardedOptions, module: Module, describe: Optional[
     layout.after_wrapping(root)
     del placeholders
     remember_root(module, root)
+    cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
+    process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
     if describe is not None:
         describe(f"{type(options).__name__}: {unit_summary(root)}")
     return WrappedModel(root, layout, checkpointed)

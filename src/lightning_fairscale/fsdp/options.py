@@ -23,8 +23,7 @@ from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp.activation_checkpointing import checkpointing_layer_classes, validate_layer_classes
 from lightning_fairscale.fsdp.hybrid import hybrid_groups, mesh_request, resolve_mesh, sharding_name
 from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
@@ -166,11 +165,10 @@ class FullyShardedOptions:
 
     def setup_environment(self) -> None:
         """The Lightning base's set-up (the default process group), then everything FSDP needs; all ranks together."""
+        default_before = process_exit.default_group()
         super().setup_environment()  # type: ignore[misc]
         device: torch.device = self.root_device  # type: ignore[attr-defined]
-        close_process_group_at_exit(self)
-        if device.type == "cpu":
-            cpu_streams.install()
+        process_exit.close_process_group_at_exit(self, default_before)
         # FSDP uses two groups: one for all-gathers, one for reduce-scatters, so that they can overlap on GPUs.
         # All ranks create them here, together; they honour `timeout`, so a lost rank cannot stall the others.
         timeout = self._collective_timeout()  # type: ignore[attr-defined]  # _compat.StrategyInternals
@@ -182,6 +180,7 @@ class FullyShardedOptions:
             self._mesh = resolve_mesh(self._mesh_request, world_size, num_nodes)
             rank: int = self.global_rank  # type: ignore[attr-defined]
             *self._process_groups, self._replica_group = hybrid_groups(self._mesh, rank, timeout)
+        process_exit.record_groups(*self._process_groups, self._replica_group)
         self._check_settings(device)
         if self.state_dict_type == "sharded":
             self._sharded_io()  # fail before training, not at the first save

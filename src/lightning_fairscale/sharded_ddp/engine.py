@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.strategy_arguments import lightning_arguments
 
 __all__ = [
@@ -93,8 +93,9 @@ class ShardedDDPOptions:
 
     def setup_environment(self) -> None:
         """The Lightning base's set-up (the default process group), and its clean-up at exit."""
+        default_before = process_exit.default_group()
         super().setup_environment()  # type: ignore[misc]
-        close_process_group_at_exit(self)
+        process_exit.close_process_group_at_exit(self, default_before)
 
     @property
     def reduce_buffer_size(self) -> int:
@@ -115,7 +116,9 @@ class ShardedDDPOptions:
         return {**kwargs, "reduce_buffer_size": self.reduce_buffer_size}
 
     def _wrap(self, module: Module, optimizers: list[OSS]) -> ShardedDataParallel:
-        return ShardedDataParallel(module, sharded_optimizer=optimizers, **self.sharded_ddp_kwargs())
+        wrapped = ShardedDataParallel(module, sharded_optimizer=optimizers, **self.sharded_ddp_kwargs())
+        process_exit.release_at_exit(wrapped, *optimizers)
+        return wrapped
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

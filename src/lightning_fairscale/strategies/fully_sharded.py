@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale._compat import _optimizers_to_device
-from lightning_fairscale._compat import _PATH, StrategyInternals
+from lightning_fairscale._compat import _PATH, StrategyInternals, attached_trainer
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -30,7 +30,7 @@ from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_kee
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
-from lightning_fairscale.callbacks.model_summary import use_for_model_summaries
+from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import (
     RELAX_TRAINER,
@@ -41,6 +41,7 @@ from lightning_fairscale.checkpoint.checks import (
 )
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
+from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
@@ -408,6 +409,7 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         parameter shards that moving them would break. A module still on the meta device (the stage failed before
         wrapping it) is not moved either: it has no data to move.
         """
+        restore_model_summaries(attached_trainer(self.lightning_module) if self.lightning_module else None)
         if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
             return
@@ -441,7 +443,8 @@ class DDPFullyShardedStrategy(FullyShardedOptions, StrategyInternals, DDPStrateg
         keep = self.is_global_zero or not rank_zero_only
         unwrap_module(self.model, torch.device("cpu"), keep=keep)
         forget_root(module)
-        remove_activation_checkpointing(self._checkpointed)
+        remove_activation_checkpointing(module)
+        cpu_streams.release(self.model)  # the sharded model's hold on the CPU workarounds ends with it
         self._checkpointed = []
         self.model = module
         self._layout = None

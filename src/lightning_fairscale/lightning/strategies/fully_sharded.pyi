@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.lightning._compat import _optimizers_to_device
-from lightning_fairscale.lightning._compat import _PATH, StrategyInternals
+from lightning_fairscale.lightning._compat import _PATH, StrategyInternals, attached_trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -27,11 +27,12 @@ from lightning_fairscale.fsdp.materialize import has_meta_tensors, to_device_kee
 from lightning_fairscale.fsdp.options import FullyShardedOptions
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
-from lightning_fairscale.lightning.callbacks.model_summary import use_for_model_summaries
+from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys, describe_partial_load, restores_optimizer_states, resumable_optimizer_states
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
+from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
 
