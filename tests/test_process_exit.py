@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import TESTS, run_script
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the threads from /proc")
