@@ -324,7 +324,8 @@ def test_activation_checkpointing_recomputes_in_backward_and_is_removable() -> N
     assert len(calls) == 2, "the checkpointed block should run its forward again in backward"
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
-    remove_activation_checkpointing(checkpointed)
+    assert checkpointed == list(model.blocks)
+    remove_activation_checkpointing(model)
     assert all("forward" not in block.__dict__ for block in model.blocks)
     calls.clear()
     nn.functional.mse_loss(model(x), y).backward()

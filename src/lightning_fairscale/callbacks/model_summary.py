@@ -9,7 +9,8 @@ gathered; it shows the user's layers under their own names and types, runs the e
 unit, and adds a column with the elements of each layer that this rank holds.
 
 :func:`use_for_model_summaries` makes the Trainer's ``ModelSummary`` callbacks (the default one included) use it, as
-Lightning does with its ``DeepSpeedSummary`` for ZeRO stage 3; the strategy calls it at setup.
+Lightning does with its ``DeepSpeedSummary`` for ZeRO stage 3; the strategy calls it at setup, and
+:func:`restore_model_summaries` at teardown.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pytorch_lightning.utilities.model_summary.model_summary import (
 from torch import nn
 from typing_extensions import override
 
-__all__ = ["FullyShardedSummary", "ParameterCounts", "use_for_model_summaries"]
+__all__ = ["FullyShardedSummary", "ParameterCounts", "restore_model_summaries", "use_for_model_summaries"]
 
 #: A parameter, or one original parameter inside a flat parameter: (id of the parameter, index of the piece).
 _Key = tuple[int, int]
@@ -299,12 +300,22 @@ def _summary(
 
 def use_for_model_summaries(trainer: pl.Trainer) -> None:
     """Make the Trainer's ``ModelSummary`` callbacks (``RichModelSummary`` too) summarize FSDP models with
-    :class:`FullyShardedSummary`.
+    :class:`FullyShardedSummary`, until :func:`restore_model_summaries`.
 
     Lightning's callback picks its summary class in ``_summary``, knowing DeepSpeed only; each callback instance gets
-    its own ``_summary`` that answers for FairScale's FSDP and leaves everything else to Lightning's.
+    its own ``_summary`` that answers for FairScale's FSDP and leaves everything else to Lightning's. The class is not
+    changed: other Trainers' callbacks are Lightning's.
     """
     for callback in trainer.callbacks:
         if isinstance(callback, ModelSummaryCallback) and "_summary" not in vars(callback):
             lightning_summary = type(callback)._summary  # type: ignore[attr-defined]
             callback._summary = functools.partial(_summary, callback, lightning_summary)  # type: ignore[method-assign]
+
+
+def restore_model_summaries(trainer: Optional[pl.Trainer]) -> None:
+    """Give the Trainer's ``ModelSummary`` callbacks Lightning's ``_summary`` back (the strategy's teardown calls
+    this); a ``_summary`` that is not ours stays. Nothing to do without a Trainer."""
+    for callback in trainer.callbacks if trainer is not None else []:
+        hook = vars(callback).get("_summary")
+        if isinstance(hook, functools.partial) and hook.func is _summary:
+            del callback._summary

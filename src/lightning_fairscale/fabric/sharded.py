@@ -32,7 +32,7 @@ from lightning_fairscale._adapters import (
     register_strategies,
 )
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
@@ -118,8 +118,9 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), and its clean-up at exit."""
+        default_before = process_exit.default_group()
         super().setup_environment()
-        close_process_group_at_exit()
+        process_exit.close_process_group_at_exit(self, default_before)
 
     @override
     def _init_adapter(self) -> None:

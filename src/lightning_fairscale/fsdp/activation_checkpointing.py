@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from typing import Any
 
 from fairscale.nn.checkpoint import checkpoint_wrapper
@@ -12,6 +11,9 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
 from lightning_fairscale.fsdp.state_names import is_wrapped
+
+#: The attribute of a layer checkpointed here: the ``forward`` FairScale's ``checkpoint_wrapper`` gave it.
+_MARK = "_lightning_fairscale_checkpointed_forward"
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -90,11 +92,19 @@ def apply_activation_checkpointing(
             )
         if isinstance(submodule, classes) and "forward" not in submodule.__dict__:
             checkpoint_wrapper(submodule, offload_to_cpu=offload_to_cpu)
+            submodule.__dict__[_MARK] = submodule.__dict__["forward"]
             checkpointed.append(submodule)
     return checkpointed
 
 
-def remove_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
-    """Give the modules their class's ``forward`` back (undo :func:`apply_activation_checkpointing`)."""
-    for submodule in modules:
-        submodule.__dict__.pop("forward", None)
+def remove_activation_checkpointing(module: nn.Module) -> None:
+    """Give every layer of ``module`` that :func:`apply_activation_checkpointing` checkpointed its class's ``forward``
+    back; a ``forward`` set otherwise (by the user) stays.
+
+    The layers are found by the mark they carry, not by a list a strategy kept: whichever strategy or Trainer unwraps
+    the module (``unshard_module()`` after a second ``fit`` with another Trainer) gives it back without wrappers.
+    """
+    for submodule in module.modules():
+        forward = submodule.__dict__.pop(_MARK, None)
+        if forward is not None and submodule.__dict__.get("forward") is forward:
+            del submodule.__dict__["forward"]

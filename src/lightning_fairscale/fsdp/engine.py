@@ -31,7 +31,7 @@ from fairscale.nn.wrap import enable_wrap
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
@@ -41,7 +41,7 @@ from lightning_fairscale.fsdp.config import (
     wrap_policy,
 )
 from lightning_fairscale.fsdp.hybrid import resolve_mesh, sharding_groups
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
     ParameterLayout,
@@ -119,11 +119,9 @@ def set_up_run(
     timeout: Optional[timedelta],
 ) -> ProcessGroups:
     """Everything FSDP needs before the first unit is made, on every rank together: the check of the options against
-    the device and ``precision`` (the precision plugin's setting), FairScale's CPU streams on the CPU, and the
-    process groups (returned)."""
+    the device and ``precision`` (the precision plugin's setting), and the process groups (returned). FairScale's
+    CPU workarounds are held by each model :func:`wrap_model` wraps for the CPU, while it lives."""
     check_settings(config, device, precision)
-    if device.type == "cpu":
-        cpu_streams.install()
     return make_process_groups(config, rank, world_size, num_nodes, timeout)
 
 
@@ -139,7 +137,7 @@ def make_process_groups(
     mesh = None if request is None else resolve_mesh(request, world_size, num_nodes)
     # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
     groups = ProcessGroups(*sharding_groups(mesh, rank, timeout), mesh=mesh)
-    close_process_group_at_exit(groups)
+    process_exit.record_groups(groups.all_gather, groups.reduce_scatter, groups.replica)
     return groups
 
 
@@ -179,6 +177,8 @@ def wrap_model(
     layout.after_wrapping(root)
     del placeholders
     remember_root(module, root)
+    cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
+    process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
     if describe is not None:
         describe(f"{config.owner}: {unit_summary(root)}")
     return WrappedModel(root, layout, checkpointed)

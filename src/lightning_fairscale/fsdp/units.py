@@ -12,13 +12,16 @@ The workarounds, and why each is needed:
 1. **CUDA streams.** FSDP overlaps communication with computation on ``torch.cuda.Stream`` objects and calls
    ``torch.cuda.current_stream()``, ``torch.cuda.stream(...)`` and ``torch.cuda.synchronize()`` unconditionally,
    which raise on a machine without CUDA. CPU work is executed in program order, so streams have nothing to do
-   there. :func:`~lightning_fairscale.fsdp.cpu_streams.install` gives FairScale's FSDP module (and only that module) a view of ``torch`` whose ``cuda``
-   attribute answers these calls with a single no-op CPU stream. It is installed only when
-   ``torch.cuda.is_available()`` is ``False``; with CUDA present FairScale keeps the real ``torch``.
+   there. FairScale's FSDP module (and only that module) gets a view of ``torch`` whose ``cuda`` attribute answers
+   these calls with a single no-op CPU stream. Only when ``torch.cuda.is_available()`` is ``False``; with CUDA
+   present FairScale keeps the real ``torch``. Held by each model the engine wrapped to compute on the CPU, for as
+   long as it lives (:func:`~lightning_fairscale.fsdp.cpu_streams.hold_while_alive`; ``unshard_module()`` ends the
+   hold at once), and undone with the last one: FairScale's module then has its own ``torch`` again.
 2. **``Tensor.record_stream`` on CPU tensors.** FSDP records its CUDA streams on gradient and parameter buffers so
    the caching allocator does not reuse them early. PyTorch has no CPU kernel for ``aten::record_stream`` (it raises
-   ``NotImplementedError``). CPU memory is not stream-ordered, so recording is meaningless there: :func:`~lightning_fairscale.fsdp.cpu_streams.install`
-   registers a no-op CPU kernel. CUDA tensors keep PyTorch's own kernel.
+   ``NotImplementedError``). CPU memory is not stream-ordered, so recording is meaningless there: a no-op CPU kernel
+   is registered (``torch.library``) with workaround 1, and deregistered with it. CUDA tensors keep PyTorch's own
+   kernel.
 3. **Reduce-scatter buckets on gloo.** FairScale's ``ReduceScatterBucketer`` hands a 2-D ``(world_size, n)`` tensor
    to ``_reduce_scatter_base``. NCCL accepts that; gloo checks ``output.numel() * world_size == input.shape[0]`` and
    aborts. :class:`~lightning_fairscale.fsdp.bucketing.GlooReduceScatterBucketer` passes the same memory as a 1-D view, which is the layout gloo
@@ -179,7 +182,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9 and 11 to
     15: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters in
     one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root). On CPU it uses no-op streams
-    (after :func:`~lightning_fairscale.fsdp.cpu_streams.install`), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
+    (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
 
     A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
     meta tensors become real ones on the unit's device, initialised by each module's ``reset_parameters()`` or by

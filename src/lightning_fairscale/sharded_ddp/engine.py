@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs
+from lightning_fairscale.distributed import process_exit
 
 __all__ = [
     "full_state",
@@ -40,7 +41,9 @@ __all__ = [
 
 def wrap_model(config: ShardedDDPConfig, module: Module, optimizers: list[OSS], num_nodes: int) -> ShardedDataParallel:
     """``module`` in ``ShardedDataParallel``, which reduces each gradient to the rank whose OSS shard owns it."""
-    return ShardedDataParallel(module, sharded_optimizer=optimizers, **sharded_ddp_kwargs(config, num_nodes))
+    wrapped = ShardedDataParallel(module, sharded_optimizer=optimizers, **sharded_ddp_kwargs(config, num_nodes))
+    process_exit.release_at_exit(wrapped, *optimizers)  # their references to process groups are dropped at exit
+    return wrapped
 
 
 def full_state(optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
@@ -201,8 +201,9 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
     @override
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
+        default_before = process_exit.default_group()
         super().setup_environment()
-        close_process_group_at_exit()
+        process_exit.close_process_group_at_exit(self, default_before)
         self._groups = fsdp_engine.set_up_run(
             self.config, self.root_device, self.precision.precision, self.global_rank, self.world_size,
             self.num_nodes, collective_timeout(self),

@@ -21,7 +21,7 @@ from lightning_fairscale.lightning._compat import (
     set_precision_plugin_slot,
 )
 from lightning_fairscale.lightning._compat import _optimizers_to_device
-from lightning_fairscale.lightning._compat import _PATH
+from lightning_fairscale.lightning._compat import _PATH, attached_trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
@@ -47,7 +47,7 @@ from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
-from lightning_fairscale.lightning.callbacks.model_summary import use_for_model_summaries
+from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import (
     RELAX_TRAINER,
@@ -58,6 +58,7 @@ from lightning_fairscale.checkpoint.checks import (
 )
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
+from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
 from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
@@ -266,8 +267,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
         check_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
+        default_before = process_exit.default_group()
         super().setup_environment()
-        close_process_group_at_exit()
+        process_exit.close_process_group_at_exit(self, default_before)
         self._groups = fsdp_engine.set_up_run(
             self.config, self.root_device, self.precision_plugin.precision, self.global_rank, self.world_size,
             self.num_nodes, collective_timeout(self),
@@ -531,6 +533,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """
         if release_groups(self._groups.sharding(), [self.model]):
             self._groups = ProcessGroups()
+        restore_model_summaries(attached_trainer(self.lightning_module) if self.lightning_module else None)
         if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
             return
@@ -565,7 +568,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         unwrap_module(self.model, torch.device("cpu"), keep=keep)
         drop_groups_of(self.model)  # nothing shards over them any more
         forget_root(module)
-        remove_activation_checkpointing(self._checkpointed)
+        remove_activation_checkpointing(module)
+        cpu_streams.release(self.model)  # the sharded model's hold on the CPU workarounds ends with it
         self._checkpointed = []
         self.model = module
         self._layout = None

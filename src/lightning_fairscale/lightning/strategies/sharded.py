@@ -53,7 +53,7 @@ from lightning_fairscale._adapters import (
     register_strategies,
 )
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
-from lightning_fairscale.distributed.process_exit import close_process_group_at_exit
+from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.engine import (
@@ -308,8 +308,9 @@ class DDPShardedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), and its clean-up at exit."""
         check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
+        default_before = process_exit.default_group()
         super().setup_environment()
-        close_process_group_at_exit()
+        process_exit.close_process_group_at_exit(self, default_before)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
