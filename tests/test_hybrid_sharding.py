@@ -14,28 +14,29 @@ from typing import Any
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Scenario
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 
 ATOL = 2e-5
-NODES = ["--num-nodes", "2", "--devices", "2"]
-CLIP = ["--clip-val", "0.05", "--clip-alg", "norm"]  # the clip value bites
-STEPS = ["--steps", "4", "--samples", "8", "--scheduler"]  # one step per epoch: every epoch end resumes exactly
-HYBRID_STEPS = ["--sharding-strategy", "HYBRID_SHARD", *STEPS, "--state-dict-type", "sharded"]
+NODES = Scenario(num_nodes=2, devices=2)
+CLIP = (0.05, "norm")  # the clip value bites
+STEPS = {"steps": 4, "samples": 8, "scheduler": True}  # one step per epoch: every epoch end resumes exactly
+HYBRID_STEPS = NODES.replace(sharding_strategy="HYBRID_SHARD", **STEPS, state_dict_type="sharded")
 SOURCE = "epoch=1-step=2.ckpt"  # the sharded checkpoint of step 2 that the other runs resume from
 JOBS = {
     # Shard over each node's ranks (the default mesh), Adam, clipping by norm.
-    "hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP, "--save-ckpt", "hybrid.ckpt"],
+    "hybrid": NODES.replace(sharding_strategy="HYBRID_SHARD", steps=3, clip=CLIP, save_ckpt="hybrid.ckpt"),
     # The same shape given as a mesh, with gradient accumulation (`no_sync`: no traffic on the accumulating steps).
-    "mesh-accumulate": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--device-mesh", "2", "2", "--steps", "2",
-                        "--accumulate", "2", "--samples", "32", *CLIP],
+    "mesh-accumulate": NODES.replace(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2), steps=2, accumulate=2,
+                                     samples=32, clip=CLIP),
     # Today's behaviour over all 4 ranks, for the memory comparison.
-    "full": [*NODES, "--steps", "3", *CLIP],
+    "full": NODES.replace(steps=3, clip=CLIP),
     # Sharded checkpoints at every epoch end (one step each), written by replica 0; then resumed at step 2.
-    "sharded": [*NODES, *HYBRID_STEPS, "--checkpoint-dir", "ck-sharded"],
-    "sharded-resumed": [*NODES, *HYBRID_STEPS, "--ckpt-path", f"ck-sharded/{SOURCE}"],
+    "sharded": HYBRID_STEPS.replace(checkpoint_dir="ck-sharded"),
+    "sharded-resumed": HYBRID_STEPS.replace(ckpt_path=f"ck-sharded/{SOURCE}"),
 }  # fmt: skip
 
 
@@ -55,10 +56,10 @@ def consolidated(jobs: Jobs) -> Path:
 @pytest.fixture(scope="module")
 def two_processes(jobs: Jobs, consolidated: Path) -> Jobs:
     """2 processes, one node, FULL_SHARD: resume from the hybrid sharded checkpoint and from its consolidation."""
-    steps = ["--devices", "2", *STEPS, "--state-dict-type", "sharded"]
+    steps = Scenario(devices=2, **STEPS, state_dict_type="sharded")
     resumes = {
-        "full-from-hybrid": [*steps, "--ckpt-path", str(jobs.folder / "ck-sharded" / SOURCE)],
-        "full-from-consolidated": [*steps, "--ckpt-path", str(consolidated)],
+        "full-from-hybrid": steps.replace(ckpt_path=str(jobs.folder / "ck-sharded" / SOURCE)),
+        "full-from-consolidated": steps.replace(ckpt_path=str(consolidated)),
     }
     return run_jobs(jobs.folder / "two_processes", resumes)
 
