@@ -1,4 +1,4 @@
-"""What the benchmarks share: their models' repeated block, quiet Trainer arguments, memory readings, the machine's
+"""What the benchmarks share: their models' repeated block (the tests' ``Block``), quiet Trainer arguments, memory readings, the machine's
 description, fresh multi-process launches and the report's publication.
 
 Each benchmark measures its configurations in fresh launches of itself (``--worker ...``): Lightning's launcher
@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
+
+#: The tests' folder, for the one test model (``tests/models.py``): the benchmarks train the same ``Block``.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from models import Block  # noqa: E402
 
 MIB = 2**20
 #: glibc's initial mmap threshold (128 KiB), made fixed: otherwise glibc raises it after the first large ``free`` and
@@ -30,23 +33,15 @@ MIB = 2**20
 MALLOC_MMAP_THRESHOLD = 128 * 1024
 
 
-class Block(nn.Module):
-    """A pre-norm residual MLP block with a 4x wide hidden layer: ``x + fc2(GELU(fc1(LayerNorm(x))))``.
+def wide_block(width: int) -> Block:
+    """The benchmarks' block: the tests' ``Block`` (``tests/models.py``) with a 4x wide hidden layer and GELU,
+    ``x + down(GELU(up(LayerNorm(x))))``.
 
     The repeated layer of the benchmarks' models, standing in for a transformer block: one FSDP unit each, and
     internal activations (the two wide tensors above all) about 10 times the size of its input, which is all that
     activation checkpointing keeps of it.
     """
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 4 * width)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+    return Block(width, hidden=4 * width)
 
 
 #: The Trainer arguments every benchmark shares: nothing that writes files, prints per step or runs extra batches.

@@ -1,8 +1,8 @@
 """Benchmark: what LoRA-style fine-tuning costs per rank under ``DDPFullyShardedStrategy``: a frozen backbone with
 small trainable adapters inside the same FSDP units, against the same model fully trainable.
 
-The model is a stack of residual MLP blocks (``_common.Block``: ``x + fc2(GELU(fc1(LayerNorm(x))))``, 4x wide hidden
-layer) between an input projection and an output head, about 52 M parameters. In every block ``fc1`` and ``fc2`` get
+The model is a stack of residual MLP blocks (``Block``: ``x + down(GELU(up(LayerNorm(x))))``, 4x wide hidden
+layer) between an input projection and an output head, about 52 M parameters. In every block ``up`` and ``down`` get
 a low-rank adapter (LoRA: ``y = W x + b + B A x``, ``A`` of ``rank x in`` and ``B`` of ``out x rank``, ``B`` zero at the
 start), about 1% of the parameters. Adam over ``self.parameters()`` (the frozen ones included: they must get no
 state), float32, 2 processes. Three configurations, each in fresh launches:
@@ -103,12 +103,12 @@ class LoRALinear(nn.Module):
 
 
 class LoRABlock(Block):
-    """``_common.Block`` with a LoRA adapter on ``fc1`` and on ``fc2``."""
+    """The benchmarks' block (``_common.wide_block``) with a LoRA adapter on ``up`` and on ``down``."""
 
     def __init__(self, width: int, rank: int) -> None:
-        super().__init__(width)
-        self.fc1 = LoRALinear(self.fc1, rank)  # type: ignore[assignment]
-        self.fc2 = LoRALinear(self.fc2, rank)  # type: ignore[assignment]
+        super().__init__(width, hidden=4 * width)
+        self.up = LoRALinear(self.up, rank)  # type: ignore[assignment]
+        self.down = LoRALinear(self.down, rank)  # type: ignore[assignment]
 
 
 class AdaptedStack(LightningModule):

@@ -1,6 +1,6 @@
 """Benchmark: training with ``DDPFullyShardedStrategy`` — integration overhead, alternatives, memory, scaling.
 
-One model family, a stack of residual MLP blocks (``Block``: ``x + fc2(GELU(fc1(LayerNorm(x))))``, 4x wide hidden
+One model family, a stack of residual MLP blocks (``Block``: ``x + down(GELU(up(LayerNorm(x))))``, 4x wide hidden
 layer) between an input projection and an output head, in three sizes (about 10 M, 50 M and 200 M parameters),
 trains with Adam in float32 on CPU processes (gloo; CUDA devices are hidden from the workers, so the figures are
 comparable on any machine). Every configuration runs in a fresh launch of this script (``_common.launch``), with
@@ -128,7 +128,7 @@ class BlockStack(LightningModule):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
         self.stem = nn.Linear(width, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[_common.wide_block(width) for _ in range(depth)])
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, width)
 
@@ -499,7 +499,7 @@ def report(
         f"- Versions: {_common.versions()}",
         f"- Threads per rank: {ours.threads} with {ours.world_size} ranks; ranks x threads = {os.cpu_count()} cores in"
         " every configuration",
-        f"- Model: residual MLP blocks `x + fc2(GELU(fc1(LayerNorm(x))))` (4x wide hidden layer) between an input"
+        f"- Model: residual MLP blocks `x + down(GELU(up(LayerNorm(x))))` (4x wide hidden layer) between an input"
         f" projection and a head; sizes (width x blocks): "
         + ", ".join(f"{n} {w} x {d} = {parameter_count(w, d) / 1e6:.1f} M" for n, (w, d) in SIZES.items() if n in args.sizes)
         + "; float32; Adam; one FSDP unit per block plus the root",
