@@ -171,10 +171,13 @@ def main(config: FabricScenario, out: str) -> None:
     else:
         precision = {"precision": config.precision}
     fabric = Fabric(accelerator="cpu", devices=config.devices, strategy=make_strategy(config), **precision)
-    fabric.launch(run, config, out)  # a function: `spawn` strategies need one
+    # A function: `spawn` strategies need one. The configuration goes as JSON: Fabric's spawn launcher refuses
+    # frozen dataclasses among the arguments (`apply_to_collection`).
+    fabric.launch(run, config.to_json(), out)
 
 
-def run(fabric: Any, config: FabricScenario, out: str) -> None:
+def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
+    config = FabricScenario.from_json(fields)
     work = Path(config.save_dir or Path(out).parent)
     work.mkdir(parents=True, exist_ok=True)
     if config.partial_from:
