@@ -71,9 +71,12 @@ def run_jobs(path: str, config_class: type[Config], run_one: Callable[[Any, str]
 
 
 def module_job(spec: str) -> Config:
-    """The job ``NAME`` of a test module's ``JOBS`` (``spec``: ``test_module:NAME``, the module under tests/)."""
+    """The job ``NAME`` of a test module's ``JOBS`` (``spec``: ``test_module:NAME``, the module under tests/). Jobs
+    built in a fixture (their paths are the test's temporary folders) are not there: copy one into ``--config``."""
     module_name, _, name = spec.partition(":")
-    jobs = importlib.import_module(module_name.removesuffix(".py")).JOBS
+    jobs = getattr(importlib.import_module(module_name.removesuffix(".py")), "JOBS", None)
+    if jobs is None:
+        raise SystemExit(f"{module_name} has no module-level JOBS; pass the scenario's fields with --config instead")
     if name not in jobs:
         raise SystemExit(f"{module_name}.JOBS has no job {name!r}; it has: {', '.join(jobs)}")
     return jobs[name]
