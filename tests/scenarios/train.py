@@ -144,7 +144,8 @@ class RecordSummary(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
         from scenarios.flavor import OURS
 
-        summary = importlib.import_module(f"{OURS}.model_summary").FullyShardedSummary(pl_module, max_depth=-1)
+        summaries = importlib.import_module(f"{OURS}.callbacks.model_summary")
+        summary = summaries.FullyShardedSummary(pl_module, max_depth=-1)
         mine = {
             "names": summary.layer_names,
             "types": summary.layer_types,
