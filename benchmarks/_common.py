@@ -1,10 +1,18 @@
-"""What the benchmarks share: their models' repeated block, quiet Trainer arguments, memory readings, the machine's
-description, fresh multi-process launches and the report's publication.
+"""The benchmarks' harness: what every benchmark script shares, so that each script holds only its own idea (its
+model, its configurations, what it measures in a worker and how its report reads).
 
-Each benchmark measures its configurations in fresh launches of itself (``--worker ...``): Lightning's launcher
-re-runs the script for every rank, and memory high-water marks or allocator state must not carry over between
-configurations. A worker writes one ``rank<N>.json`` per rank into the folder it is given; :func:`launch` collects
-them.
+* the model's repeated block (:func:`wide_block`, the tests' ``Block``) and quiet Trainer arguments;
+* fresh launches: :func:`launch` runs the script itself as a worker (``--worker ...``; Lightning's launcher re-runs
+  it for every rank, and memory high-water marks or allocator state must not carry over between configurations);
+  a worker writes one ``rank<N>.json`` per rank (:func:`write_rank_result`), which :func:`launch` collects.
+  :func:`threads_env` gives every launch ranks x threads = cores; :func:`start_ranks` / :func:`join_ranks` start
+  the ranks of a hand-written loop the way Lightning's launcher does;
+* measuring in a worker: :class:`StepClock` marks each step, :func:`step_times` turns the ranks' marks into
+  medians (slowest rank); :func:`held_bytes` counts parameters, gradients and optimizer state by distinct storage;
+  :func:`resident_bytes` / :func:`status_kib` / :func:`reset_peak_rss` read the resident set and its peak
+  (``VmHWM``) per rank;
+* the report: :func:`markdown_table`, :func:`mib`, :func:`verdict`, :func:`machine`, :func:`versions`,
+  :func:`load_average`, and :func:`publish` (print and write ``benchmarks/results/<name>.md``).
 """
 
 from __future__ import annotations
@@ -14,15 +22,24 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
+
+#: The tests' folder, for the one test model (``tests/models.py``): the benchmarks train the same ``Block``.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from models import Block  # noqa: E402
 
 MIB = 2**20
 #: glibc's initial mmap threshold (128 KiB), made fixed: otherwise glibc raises it after the first large ``free`` and
@@ -30,23 +47,15 @@ MIB = 2**20
 MALLOC_MMAP_THRESHOLD = 128 * 1024
 
 
-class Block(nn.Module):
-    """A pre-norm residual MLP block with a 4x wide hidden layer: ``x + fc2(GELU(fc1(LayerNorm(x))))``.
+def wide_block(width: int) -> Block:
+    """The benchmarks' block: the tests' ``Block`` (``tests/models.py``) with a 4x wide hidden layer and GELU,
+    ``x + down(GELU(up(LayerNorm(x))))``.
 
     The repeated layer of the benchmarks' models, standing in for a transformer block: one FSDP unit each, and
     internal activations (the two wide tensors above all) about 10 times the size of its input, which is all that
     activation checkpointing keeps of it.
     """
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 4 * width)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+    return Block(width, hidden=4 * width)
 
 
 #: The Trainer arguments every benchmark shares: nothing that writes files, prints per step or runs extra batches.
@@ -206,3 +215,138 @@ def join_ranks(children: list[subprocess.Popen[bytes]], timeout_s: float = 120) 
         code = child.wait(timeout=timeout_s)
         if code != 0:
             raise RuntimeError(f"a rank started by start_ranks exited with code {code}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Measuring in a worker rank: step times, what the rank holds, its resident set
+
+
+class StepClock:
+    """Wall-clock and CPU-time marks at the start and the end of every training step of this rank."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.cpu_starts: list[float] = []
+
+    def start(self) -> None:
+        """Mark the start of a step (before anything of the step runs)."""
+        self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+
+    def end(self) -> None:
+        """Mark the end of a step's forward, backward and optimizer step."""
+        self.ends.append(time.perf_counter())
+
+    def marks(self) -> dict[str, list[float]]:
+        """The marks, for the rank's result (:func:`step_times` reads them back)."""
+        return {"starts": self.starts, "ends": self.ends, "cpu_starts": self.cpu_starts}
+
+
+@dataclass
+class StepTimes:
+    """The step times of a run, over its ranks (seconds).
+
+    Attributes:
+        step: median time between consecutive step starts, slowest rank.
+        step_range: fastest and slowest measured step of any rank.
+        window: median time from a step's start to its end (forward, backward, optimizer step), slowest rank.
+        cpu: median CPU time of a step (all threads of the process), largest over ranks.
+    """
+
+    step: float
+    step_range: tuple[float, float]
+    window: float
+    cpu: float
+
+
+def step_times(ranks: list[dict[str, Any]], warmup: int, steps: int) -> StepTimes:
+    """The :class:`StepTimes` of steps ``warmup .. warmup + steps - 1`` from each rank's :meth:`StepClock.marks`
+    (a run needs ``warmup + steps + 1`` steps: the extra step's start closes the last measured interval)."""
+    periods, windows, cpus = [], [], []
+    measured = range(warmup, warmup + steps)
+    for rank in ranks:
+        starts, ends, cpu = rank["starts"], rank["ends"], rank["cpu_starts"]
+        if len(starts) < warmup + steps + 1:
+            raise RuntimeError(f"a rank ran {len(starts)} steps, not {warmup + steps + 1}")
+        periods.append([starts[i + 1] - starts[i] for i in measured])
+        windows.append([ends[i] - starts[i] for i in measured])
+        cpus.append([cpu[i + 1] - cpu[i] for i in measured])
+    return StepTimes(
+        step=max(statistics.median(p) for p in periods),
+        step_range=(min(map(min, periods)), max(map(max, periods))),
+        window=max(statistics.median(w) for w in windows),
+        cpu=max(statistics.median(c) for c in cpus),
+    )
+
+
+def held_bytes(module: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, int]:
+    """The bytes this rank holds for parameters, gradients and optimizer state, counted by distinct storage.
+
+    :func:`lightning_fairscale.fsdp.summary.memory_figures` counts them (for every implementation alike): a tensor
+    counts with the whole storage it keeps alive, each storage once, so a shard that were a view into a full-size
+    buffer would count as the full buffer and the figure cannot look smaller than what is really held.
+    """
+    from lightning_fairscale.fsdp.summary import memory_figures
+
+    figures = memory_figures(module, optimizers)
+    return {kind: int(figures[f"memory/{kind}_bytes"]) for kind in ("parameters", "gradients", "optimizer_state")}
+
+
+def state_holders(optimizers: Iterable[Optimizer]) -> list[Optimizer]:
+    """The optimizer objects that may hold state: Lightning's wrappers unwrapped, and OSS's local optimizer added."""
+    holders = []
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        holders.append(optimizer)
+        if isinstance(getattr(optimizer, "optim", None), Optimizer):  # fairscale.optim.OSS
+            holders.append(optimizer.optim)
+    return holders
+
+
+def resident_bytes() -> dict[str, int]:
+    """This process's resident set now (``rss``) and its peak since it started (``peak_rss``: ``VmHWM``)."""
+    return {"rss": status_kib("VmRSS") * 1024, "peak_rss": status_kib("VmHWM") * 1024}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Launching: the environment of a run's ranks
+
+
+def threads_env(world_size: int) -> dict[str, str]:
+    """This environment for a fresh launch of ``world_size`` CPU ranks: no launcher's variables, ranks x threads =
+    cores (``OMP_NUM_THREADS``), and no CUDA device, so that the figures are comparable on any machine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world_size)), CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The report
+
+
+def mib(value: float) -> str:
+    """Bytes in MiB, one decimal, thousands separated."""
+    return f"{value / MIB:,.1f}"
+
+
+def verdict(ok: bool) -> str:
+    """A target's result in a report."""
+    return "PASS" if ok else "MISS"
+
+
+def load_average() -> str:
+    """The load average, for a report: other programs on the cores distort the step times."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def markdown_table(header: Sequence[str], align: str, rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines: ``align`` has one letter per column, ``l`` (left) or ``r`` (right); an empty cell
+    is written ``| |``."""
+    assert len(align) == len(header), (align, header)
+
+    def line(cells: Sequence[Any]) -> str:
+        return "|" + "|".join(f" {cell} " if str(cell) else " " for cell in cells) + "|"
+
+    return [line(header), line(["---" if a == "l" else "---:" for a in align]), *(line(row) for row in rows)]

@@ -1,9 +1,9 @@
 """Benchmark: the memory saved and the time paid by activation checkpointing under ``DDPFullyShardedStrategy``.
 
-The model is a deep stack of residual MLP blocks (``Block``: ``x + fc2(GELU(fc1(LayerNorm(x))))`` with a 4x wide
+The model is a deep stack of residual MLP blocks (``Block``: ``x + down(GELU(up(LayerNorm(x))))`` with a 4x wide
 hidden layer), trained on a large batch of short "sequences", so that the activations autograd keeps for the backward
 pass dominate the memory of a step: per block it keeps about ``10 * tokens * width`` floats (the block input, the
-LayerNorm output, the wide ``fc1`` output and the wide GELU output), while the parameters are small. With
+LayerNorm output, the wide ``up`` output and the wide GELU output), while the parameters are small. With
 ``activation_checkpointing=Block`` only each block's input is kept; the block runs its forward again in the backward
 pass to rebuild the rest.
 
@@ -98,7 +98,7 @@ class DeepResidualMLP(LightningModule):
     def __init__(self, depth: int, width: int) -> None:
         super().__init__()
         self.stem = nn.Linear(width, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[_common.wide_block(width) for _ in range(depth)])
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, width)
 
@@ -228,7 +228,7 @@ class Setup:
     def saved_activation_bytes(self, checkpointing: bool) -> int:
         """What autograd keeps of the blocks for backward, per process, from the model's structure (float32).
 
-        Without checkpointing each block keeps its input, the LayerNorm output, and the ``fc1`` and GELU outputs
+        Without checkpointing each block keeps its input, the LayerNorm output, and the ``up`` and GELU outputs
         (4x wide each): 10 ``tokens x width`` tensors. With checkpointing each block keeps its input, and one block
         at a time rebuilds its 10 in backward. Transients (gradients...) are not included.
         """

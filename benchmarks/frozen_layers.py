@@ -1,8 +1,8 @@
 """Benchmark: what LoRA-style fine-tuning costs per rank under ``DDPFullyShardedStrategy``: a frozen backbone with
 small trainable adapters inside the same FSDP units, against the same model fully trainable.
 
-The model is a stack of residual MLP blocks (``_common.Block``: ``x + fc2(GELU(fc1(LayerNorm(x))))``, 4x wide hidden
-layer) between an input projection and an output head, about 52 M parameters. In every block ``fc1`` and ``fc2`` get
+The model is a stack of residual MLP blocks (``Block``: ``x + down(GELU(up(LayerNorm(x))))``, 4x wide hidden
+layer) between an input projection and an output head, about 52 M parameters. In every block ``up`` and ``down`` get
 a low-rank adapter (LoRA: ``y = W x + b + B A x``, ``A`` of ``rank x in`` and ``B`` of ``out x rank``, ``B`` zero at the
 start), about 1% of the parameters. Adam over ``self.parameters()`` (the frozen ones included: they must get no
 state), float32, 2 processes. Three configurations, each in fresh launches:
@@ -103,12 +103,12 @@ class LoRALinear(nn.Module):
 
 
 class LoRABlock(Block):
-    """``_common.Block`` with a LoRA adapter on ``fc1`` and on ``fc2``."""
+    """The benchmarks' block (``_common.wide_block``) with a LoRA adapter on ``up`` and on ``down``."""
 
     def __init__(self, width: int, rank: int) -> None:
-        super().__init__(width)
-        self.fc1 = LoRALinear(self.fc1, rank)  # type: ignore[assignment]
-        self.fc2 = LoRALinear(self.fc2, rank)  # type: ignore[assignment]
+        super().__init__(width, hidden=4 * width)
+        self.up = LoRALinear(self.up, rank)  # type: ignore[assignment]
+        self.down = LoRALinear(self.down, rank)  # type: ignore[assignment]
 
 
 class AdaptedStack(LightningModule):
@@ -317,26 +317,12 @@ def launch(config: str, mode: str, argv: list[str], work: Path) -> list[dict[str
     return ranks
 
 
-def _mib(value: float) -> str:
-    return f"{value / MIB:,.1f}"
-
-
 def _kib(value: float) -> str:
     return f"{value / 1024:,.1f}"
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def _per_rank(values: list[str]) -> str:
     return " / ".join(values)
-
-
-def load_average() -> str:
-    """The load average, for the report: other programs on the cores distort the step times."""
-    one, five, _ = os.getloadavg()
-    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
 
 
 def report(args: argparse.Namespace, results: dict[str, ConfigResult], conditions: str) -> tuple[str, bool]:
@@ -379,16 +365,16 @@ def report(args: argparse.Namespace, results: dict[str, ConfigResult], condition
     for result in results.values():
         lines.append(
             f"| {result.name}"
-            f" | {_per_rank([_mib(result.figure(r, 'optimizer_state')) for r in ranks])}"
-            f" | {_per_rank([_mib(result.expected(r, 'optimizer_state')) for r in ranks])}"
-            f" | {_per_rank([_mib(result.figure(r, 'parameters')) for r in ranks])}"
-            f" | {_per_rank([_mib(result.expected(r, 'parameters')) for r in ranks])}"
-            f" | {_per_rank([_mib(result.figure(r, 'gradients')) for r in ranks])}"
-            f" | {_per_rank([_mib(result.expected(r, 'gradients')) for r in ranks])}"
-            f" | {_per_rank([_mib(result.peak_above_resting(r)) for r in ranks])}"
-            f" | {_per_rank([_mib(result.resting(r)) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.figure(r, 'optimizer_state')) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.expected(r, 'optimizer_state')) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.figure(r, 'parameters')) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.expected(r, 'parameters')) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.figure(r, 'gradients')) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.expected(r, 'gradients')) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.peak_above_resting(r)) for r in ranks])}"
+            f" | {_per_rank([_common.mib(result.resting(r)) for r in ranks])}"
             f" | {result.step_seconds:.3f} | {result.cpu_seconds:.3f}"
-            f" | {_per_rank([_mib(rank['process_peak']) for rank in result.timed])} |"
+            f" | {_per_rank([_common.mib(rank['process_peak']) for rank in result.timed])} |"
         )
     # The target: Adam state of the lora run against 8 x trainable / N plus the rank's step tensors.
     adam = ADAM_BYTES_PER_ELEMENT * trainable / world
@@ -408,10 +394,10 @@ def report(args: argparse.Namespace, results: dict[str, ConfigResult], condition
         f"| Adam state within {TARGET_TOLERANCE:.0%} of 8 B x trainable / N + 4 B per `step` tensor"
         f" | {_per_rank([_kib(f) for f in formula])} | {_per_rank([_kib(m) for m in measured])}"
         f" | {_per_rank([f'{d:+.1%}' for d in vs_formula])} (mean of ranks {mean_vs_formula:+.1%})"
-        f" | {_verdict(target_ok)} |",
+        f" | {_common.verdict(target_ok)} |",
         f"| Adam state within {TARGET_TOLERANCE:.0%} of 8 B x the trainable elements of this rank's shards"
         f" + 4 B per `step` tensor | {_per_rank([_kib(e) for e in exact])} | {_per_rank([_kib(m) for m in measured])}"
-        f" | {_per_rank([f'{d:+.1%}' for d in vs_exact])} | {_verdict(exact_ok)} |",
+        f" | {_per_rank([f'{d:+.1%}' for d in vs_exact])} | {_common.verdict(exact_ok)} |",
         "",
         f"Adam state of `lora` against `full`: {share:.2%} (adapters: {trainable / total:.2%} of the parameters).",
         "",
@@ -428,7 +414,7 @@ def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
     ranks = range(len(full.ranks))
 
     def mib(result: ConfigResult, key: str) -> str:
-        return _per_rank([_mib(result.figure(r, key)) for r in ranks])
+        return _per_rank([_common.mib(result.figure(r, key)) for r in ranks])
 
     rest_saved = [full.resting(r) - lora.resting(r) for r in ranks]
     held = [lora.ranks[r]["expected"]["trainable_elements"] for r in ranks]
@@ -440,7 +426,7 @@ def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
         f" about what a step of `full` costs, less Adam's update: {lora.step_seconds / full.step_seconds:.2f}x its"
         f" time here (CPU time {lora.cpu_seconds / full.cpu_seconds:.2f}x).",
         "",
-        f"Resting memory (before a step): `lora` is {_per_rank([_mib(d) for d in rest_saved])} MiB below `full`, the"
+        f"Resting memory (before a step): `lora` is {_per_rank([_common.mib(d) for d in rest_saved])} MiB below `full`, the"
         f" Adam state it does not hold ({mib(full, 'optimizer_state')} MiB in `full`).",
     ]
     if "lora-own-units" in results:
@@ -448,7 +434,7 @@ def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
         frozen_full = own.ranks[0]["expected"]["frozen_units_full"]
         rest_own = [lora.resting(r) - own.resting(r) for r in ranks]
         lines[-1] += (
-            f" `lora-own-units` is another {_per_rank([_mib(d) for d in rest_own])} MiB below `lora`: FairScale"
+            f" `lora-own-units` is another {_per_rank([_common.mib(d) for d in rest_own])} MiB below `lora`: FairScale"
             f" computes no gradient for units that do not train, so it holds {mib(own, 'gradients')} MiB of"
             " gradients per rank (the adapters' and the LayerNorms' shards), and its step is"
             f" {own.step_seconds / full.step_seconds:.2f}x the time of `full`'s (CPU time"
@@ -458,12 +444,12 @@ def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
         lines += [
             "",
             "Peak of a step above resting: `lora-own-units`"
-            f" {_per_rank([_mib(own.peak_above_resting(r)) for r in ranks])} MiB,"
-            f" `lora` {_per_rank([_mib(lora.peak_above_resting(r)) for r in ranks])} MiB. FairScale gathers a"
+            f" {_per_rank([_common.mib(own.peak_above_resting(r)) for r in ranks])} MiB,"
+            f" `lora` {_per_rank([_common.mib(lora.peak_above_resting(r)) for r in ranks])} MiB. FairScale gathers a"
             " unit again for the backward (its input's gradient needs the weights) and frees it in the post-backward"
             " hook of its parameters, which never fires for parameters that do not require gradients: a frozen unit"
             " is freed only at the end of the whole backward, so at that point a rank holds every frozen unit"
-            f" unsharded at once, {_mib(frozen_full)} MiB of parameters in `lora-own-units`. Units that mix frozen"
+            f" unsharded at once, {_common.mib(frozen_full)} MiB of parameters in `lora-own-units`. Units that mix frozen"
             " and trainable parameters are freed one by one as their gradients are reduced.",
         ]
     lines += [
@@ -501,13 +487,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes = [f"--{name}={getattr(args, name)}" for name in ("width", "depth", "rank", "batch", "warmup", "steps")]
     print(f"Frozen layers benchmark: {', '.join(CONFIGS)}", flush=True)
     results: dict[str, ConfigResult] = {}
-    started, conditions = time.perf_counter(), f"before: {load_average()}"
+    started, conditions = time.perf_counter(), f"before: {_common.load_average()}"
     with tempfile.TemporaryDirectory(prefix="bench-frozen-") as work:
         for config in CONFIGS:
             memory = launch(config, "memory", sizes, Path(work))
             timed = launch(config, "time", sizes, Path(work))
             results[config] = ConfigResult(config, memory, timed)
-    conditions += f"; after: {load_average()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
+    conditions += f"; after: {_common.load_average()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
     text, met = report(args, results, conditions)
     _common.publish(text, args.output)
     return 1 if args.strict and not met else 0

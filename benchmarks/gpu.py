@@ -4,7 +4,7 @@
 On a machine without CUDA it prints "no CUDA", measures nothing, writes nothing and exits 0, so ``make bench`` can
 run it everywhere.
 
-The model is the residual MLP stack of ``benchmarks/training.py`` (``_common.Block``: ``x + fc2(GELU(fc1(LayerNorm(
+The model is the residual MLP stack of ``benchmarks/training.py`` (``Block``: ``x + down(GELU(up(LayerNorm(
 x))))``, 4x wide hidden layer, between an input projection and a head), trained with Adam through the real
 ``Trainer`` on one GPU (world size 1, NCCL), each block an FSDP unit for both FSDP implementations. Each
 configuration runs in a fresh launch of this script (``--worker``), so that the CUDA allocator's high-water mark

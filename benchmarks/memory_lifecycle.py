@@ -17,7 +17,7 @@ A tiny model (75 K parameters) goes through the same launches first: its peaks, 
 the runtime's fixed baseline (interpreter, torch, Lightning, FairScale, gloo). A stage passes when every rank's peak is
 at most ``1.15 x 16Ψ/N`` plus its baseline. A full save cannot (rank 0 gathers the full model and Adam state).
 
-Models: a stem ``Linear(w, w)``, ``depth`` residual MLP blocks (``_common.Block``, 8w² + 7w parameters each, one FSDP
+Models: a stem ``Linear(w, w)``, ``depth`` residual MLP blocks (``Block``, 8w² + 7w parameters each, one FSDP
 unit each), a LayerNorm and a head ``Linear(w, w)``, width 2048, as deep as needed to reach the requested size:
 1,015.5 M parameters (30 blocks) for the large model, 209.8 M (6 blocks) for the medium one. 2 CPU processes (gloo),
 2 rows per rank per step, 2 steps. Checkpoints are written to a temporary folder under /tmp, deleted at the end.
@@ -116,9 +116,8 @@ class Stack(LightningModule):
 
     def _build(self, wrap_blocks: bool) -> None:
         self.stem = nn.Linear(self.width, self.width)
-        self.blocks = nn.Sequential(
-            *[wrap(Block(self.width)) if wrap_blocks else Block(self.width) for _ in range(self.depth)]
-        )
+        blocks = (_common.wide_block(self.width) for _ in range(self.depth))  # each wrapped as soon as it is built
+        self.blocks = nn.Sequential(*[wrap(block) if wrap_blocks else block for block in blocks])
         self.norm = nn.LayerNorm(self.width)
         self.head = nn.Linear(self.width, self.width)
 

@@ -1,6 +1,6 @@
 """Benchmark: training with ``DDPFullyShardedStrategy`` — integration overhead, alternatives, memory, scaling.
 
-One model family, a stack of residual MLP blocks (``Block``: ``x + fc2(GELU(fc1(LayerNorm(x))))``, 4x wide hidden
+One model family, a stack of residual MLP blocks (``Block``: ``x + down(GELU(up(LayerNorm(x))))``, 4x wide hidden
 layer) between an input projection and an output head, in three sizes (about 10 M, 50 M and 200 M parameters),
 trains with Adam in float32 on CPU processes (gloo; CUDA devices are hidden from the workers, so the figures are
 comparable on any machine). Every configuration runs in a fresh launch of this script (``_common.launch``), with
@@ -50,13 +50,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -73,7 +72,6 @@ from _common import Block  # noqa: E402
 
 from lightning_fairscale.fsdp import cpu_streams, units  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
-from lightning_fairscale.fsdp.summary import memory_figures  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "results" / "training.md"
@@ -128,7 +126,7 @@ class BlockStack(LightningModule):
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
         self.stem = nn.Linear(width, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[_common.wide_block(width) for _ in range(depth)])
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, width)
 
@@ -169,48 +167,8 @@ def data_loader(width: int, rows_per_rank: int, steps: int) -> DataLoader:
 # Measuring (in the workers)
 
 
-class StepClock:
-    """Wall-clock and CPU-time marks at the start and the end of every training step of this rank."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.cpu_starts: list[float] = []
-
-    def start(self) -> None:
-        """Mark the start of a step (before anything of the step runs)."""
-        self.starts.append(time.perf_counter())
-        self.cpu_starts.append(time.process_time())
-
-    def end(self) -> None:
-        """Mark the end of a step's forward, backward and optimizer step."""
-        self.ends.append(time.perf_counter())
-
-
-def held_bytes(module: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, int]:
-    """The bytes this rank holds for parameters, gradients and optimizer state, counted by distinct storage.
-
-    :func:`lightning_fairscale.fsdp.summary.memory_figures` counts them (for every implementation alike): a tensor counts
-    with the whole storage it keeps alive, each storage once, so a shard that were a view into a full-size buffer
-    would count as the full buffer and the figure cannot look smaller than what is really held.
-    """
-    figures = memory_figures(module, optimizers)
-    return {kind: int(figures[f"memory/{kind}_bytes"]) for kind in ("parameters", "gradients", "optimizer_state")}
-
-
-def state_holders(optimizers: Iterable[Optimizer]) -> list[Optimizer]:
-    """The optimizer objects that may hold state: Lightning's wrappers unwrapped, and OSS's local optimizer added."""
-    holders = []
-    for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        holders.append(optimizer)
-        if isinstance(getattr(optimizer, "optim", None), Optimizer):  # fairscale.optim.OSS
-            holders.append(optimizer.optim)
-    return holders
-
-
 def rank_result(
-    impl: str, rank: int, world_size: int, numel: int, clock: StepClock, snapshot: dict[str, Any]
+    impl: str, rank: int, world_size: int, numel: int, clock: _common.StepClock, snapshot: dict[str, Any]
 ) -> dict[str, Any]:
     """What a worker rank reports: its step marks, what it holds, its threads and its peak resident set."""
     return {
@@ -220,9 +178,7 @@ def rank_result(
         "numel": numel,
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "starts": clock.starts,
-        "ends": clock.ends,
-        "cpu_starts": clock.cpu_starts,
+        **clock.marks(),
         **snapshot,
     }
 
@@ -235,7 +191,7 @@ class StepProbe(Callback):
     """Marks every training step on a :class:`StepClock`; after the last one, counts what this rank holds."""
 
     def __init__(self, total_steps: int, with_memory_figures: bool) -> None:
-        self.clock = StepClock()
+        self.clock = _common.StepClock()
         self.total_steps = total_steps
         self.with_memory_figures = with_memory_figures
         self.snapshot: dict[str, Any] = {}
@@ -250,13 +206,10 @@ class StepProbe(Callback):
         # The last step only closes the last measured interval (its start), so counting here costs no measured time.
         if len(self.clock.ends) == self.total_steps:
             assert trainer.strategy.model is not None
-            self.snapshot = {
-                "held": held_bytes(trainer.strategy.model, state_holders(trainer.strategy.optimizers)),
-                "rss": _common.status_kib("VmRSS") * 1024,
-                # Never reset: the peak from the start of the process to the last step. The end of ``fit`` is not
-                # counted: it gives the LightningModule its full parameters back (the loops have no such step).
-                "peak_rss": _common.status_kib("VmHWM") * 1024,
-            }
+            optimizers = _common.state_holders(trainer.strategy.optimizers)
+            # The peak is never reset: from the start of the process to the last step. The end of ``fit`` is not
+            # counted: it gives the LightningModule its full parameters back (the loops have no such step).
+            self.snapshot = {"held": _common.held_bytes(trainer.strategy.model, optimizers), **_common.resident_bytes()}
             if self.with_memory_figures:
                 self.snapshot["memory_figures"] = trainer.strategy.memory_figures()  # type: ignore[attr-defined]
 
@@ -338,7 +291,7 @@ def run_loop(impl: str, width: int, depth: int, world_size: int, total_steps: in
     torch.manual_seed(0)
     model = BlockStack(width, depth)
     numel = sum(p.numel() for p in model.parameters())
-    clock = StepClock()
+    clock = _common.StepClock()
     snapshot: dict[str, Any] = {}
     if impl == "torch-fsdp-loop":
         snapshot["note"] = torch_fsdp_refuses_no_device()
@@ -352,11 +305,7 @@ def run_loop(impl: str, width: int, depth: int, world_size: int, total_steps: in
             loss(wrapped, batch).backward()
             optimizer.step()
             clock.end()
-        snapshot.update(
-            held=held_bytes(wrapped, [optimizer]),
-            rss=_common.status_kib("VmRSS") * 1024,
-            peak_rss=_common.status_kib("VmHWM") * 1024,
-        )
+        snapshot.update(held=_common.held_bytes(wrapped, [optimizer]), **_common.resident_bytes())
     except Exception as error:
         traceback.print_exc()
         snapshot["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
@@ -433,19 +382,11 @@ def summarise(impl: str, size: str, ranks: list[dict[str, Any]], warmup: int, st
     if errors:
         result.error = errors[0]
         return result
-    periods, windows, cpus = [], [], []
-    for rank in ranks:
-        starts, ends, cpu = rank["starts"], rank["ends"], rank["cpu_starts"]
-        if len(starts) < warmup + steps + 1:
-            raise RuntimeError(f"{impl} ({size}, {result.world_size} ranks) ran {len(starts)} steps, not {warmup + steps + 1}")
-        measured = range(warmup, warmup + steps)
-        periods.append([starts[i + 1] - starts[i] for i in measured])
-        windows.append([ends[i] - starts[i] for i in measured])
-        cpus.append([cpu[i + 1] - cpu[i] for i in measured])
-    result.step = max(statistics.median(p) for p in periods)
-    result.step_range = (min(map(min, periods)), max(map(max, periods)))
-    result.window = max(statistics.median(w) for w in windows)
-    result.cpu = max(statistics.median(c) for c in cpus)
+    try:
+        times = _common.step_times(ranks, warmup, steps)
+    except RuntimeError as error:
+        raise RuntimeError(f"{impl} ({size}, {result.world_size} ranks): {error}") from None
+    result.step, result.step_range, result.window, result.cpu = times.step, times.step_range, times.window, times.cpu
     result.held = [rank["held"] for rank in ranks]
     if "memory_figures" in first:
         result.figures = [sum(rank["memory_figures"].values()) for rank in ranks]
@@ -456,9 +397,7 @@ def summarise(impl: str, size: str, ranks: list[dict[str, Any]], warmup: int, st
 def measure(impl: str, size: str, world_size: int, args: argparse.Namespace, work: Path) -> Measured:
     """Run one configuration in a fresh launch and summarise it; a failed launch is a result with an ``error``."""
     width, depth = SIZES[size]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
-    # ranks x threads = cores, identically for every configuration; CPU only, even where CUDA is present.
-    env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world_size)), CUDA_VISIBLE_DEVICES="")
+    env = _common.threads_env(world_size)  # ranks x threads = cores in every configuration; CPU only
     worker = [f"--worker={impl}", f"--size={size}", f"--ranks={world_size}", f"--batch={args.batch}"]
     worker += [f"--warmup={args.warmup}", f"--steps={args.steps}"]
     name = f"{impl}-{size}-{world_size}"
@@ -476,33 +415,53 @@ def measure(impl: str, size: str, world_size: int, args: argparse.Namespace, wor
     return result
 
 
-def _mib(value: float) -> str:
-    return f"{value / MIB:,.1f}"
-
-
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def report(
     alternatives: list[Measured], scaling: list[Measured], args: argparse.Namespace, conditions: str
 ) -> tuple[str, bool]:
     """The markdown report, and whether every target was met."""
     ours = next(r for r in alternatives if r.impl == "ours")
-    by_impl = {r.impl: r for r in alternatives}
-    size = ours.size
-    width, depth = SIZES[size]
+    targets = target_rows(ours, alternatives, scaling)
     lines = [
+        *report_header(ours, args, conditions),
+        "",
+        *alternatives_table(ours, alternatives),
+        "",
+        "## Scaling: `DDPFullyShardedStrategy` by model size and ranks",
+        "",
+        *scaling_table(scaling, args.batch),
+        "",
+        *_common.markdown_table(
+            ["Target", "Measured", "Result"], "lrl", [(n, m, _common.verdict(bool(ok))) for n, m, ok in targets]
+        ),
+        *engines_note(alternatives),
+    ]
+    notes = sorted({r.note for r in alternatives if r.note})
+    if notes:
+        lines += ["", "PyTorch FSDP on the CPU needs `device_id=torch.device('cpu')`; with `device_id=None` it raises:"]
+        lines += [f"`{note}`" for note in notes]
+    lines += [
+        "",
+        "Regenerate with `make bench BENCHMARKS=training` or `.venv/bin/python benchmarks/training.py`; the plot is"
+        " `benchmarks/results/training.png`.",
+    ]
+    return "\n".join(lines) + "\n", all(bool(ok) for _, _, ok in targets)
+
+
+def report_header(ours: Measured, args: argparse.Namespace, conditions: str) -> list[str]:
+    """The report's title and its list of conditions: machine, model, batch, steps, what the bytes count."""
+    sizes = ", ".join(
+        f"{n} {w} x {d} = {parameter_count(w, d) / 1e6:.1f} M" for n, (w, d) in SIZES.items() if n in args.sizes
+    )
+    return [
         "# Training: integration overhead, alternatives, memory per rank, scaling",
         "",
         f"- Machine: {_common.machine()}; training on CPU processes (gloo)",
         f"- Versions: {_common.versions()}",
         f"- Threads per rank: {ours.threads} with {ours.world_size} ranks; ranks x threads = {os.cpu_count()} cores in"
         " every configuration",
-        f"- Model: residual MLP blocks `x + fc2(GELU(fc1(LayerNorm(x))))` (4x wide hidden layer) between an input"
-        f" projection and a head; sizes (width x blocks): "
-        + ", ".join(f"{n} {w} x {d} = {parameter_count(w, d) / 1e6:.1f} M" for n, (w, d) in SIZES.items() if n in args.sizes)
-        + "; float32; Adam; one FSDP unit per block plus the root",
+        f"- Model: residual MLP blocks `x + down(GELU(up(LayerNorm(x))))` (4x wide hidden layer) between an input"
+        f" projection and a head; sizes (width x blocks): {sizes}; float32; Adam; one FSDP unit per block plus the"
+        " root",
         f"- Batch: {args.batch} rows of `width` features per step in all, split over the ranks (same global batch on"
         " 1 and 2 ranks); every rank reads the same precomputed batches",
         f"- Steps: {args.warmup} warm-up, then {args.steps} measured; step time = median time between consecutive"
@@ -514,42 +473,61 @@ def report(
         " buffers, glibc's retained heap); the end of `fit`, which gives the LightningModule its full parameters"
         " back (and rank 0 the consolidated optimizer state, like a full checkpoint), is not counted",
         f"- Conditions: {conditions}",
-        "",
-        f"## {size.capitalize()} model ({ours.numel / 1e6:.1f} M parameters, {width} x {depth}) on"
+    ]
+
+
+def alternatives_table(ours: Measured, alternatives: list[Measured]) -> list[str]:
+    """Every implementation on the middle size: step times, and per-rank bytes against its ZeRO formula."""
+    mib = _common.mib
+    rows = []
+    for r in alternatives:
+        label, formula_name = IMPLEMENTATIONS[r.impl][0], FORMULAS[IMPLEMENTATIONS[r.impl][1]][0]
+        if not r.ok:
+            rows.append([label, f"did not run: {r.error}", "", "", "", "", formula_name, mib(r.formula), "", ""])
+            continue
+        rows.append([
+            label, f"{r.step:.3f}", f"{r.step_range[0]:.2f}-{r.step_range[1]:.2f}", f"{r.window:.3f}",
+            "(reference)" if r is ours else f"{ours.step / r.step:.3f}x", mib(r.per_rank), formula_name,
+            mib(r.formula), f"{r.per_rank / r.formula - 1:+.2%}", mib(max(r.peak_rss)),
+        ])  # fmt: skip
+    width, depth = SIZES[ours.size]
+    return [
+        f"## {ours.size.capitalize()} model ({ours.numel / 1e6:.1f} M parameters, {width} x {depth}) on"
         f" {ours.world_size} ranks",
         "",
-        "| Implementation | Step time (s) | Range (s) | Fwd+bwd+step (s) | Ours vs. it | Per-rank bytes (MiB)"
-        " | Formula | Formula (MiB) | Bytes vs. formula | Peak RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for r in alternatives:
-        label = IMPLEMENTATIONS[r.impl][0]
-        formula_name = FORMULAS[IMPLEMENTATIONS[r.impl][1]][0]
-        if not r.ok:
-            lines.append(f"| {label} | did not run: {r.error} | | | | | {formula_name} | {_mib(r.formula)} | | |")
-            continue
-        lines.append(
-            f"| {label} | {r.step:.3f} | {r.step_range[0]:.2f}-{r.step_range[1]:.2f} | {r.window:.3f}"
-            f" | {'(reference)' if r is ours else f'{ours.step / r.step:.3f}x'} | {_mib(r.per_rank)} | {formula_name}"
-            f" | {_mib(r.formula)} | {r.per_rank / r.formula - 1:+.2%} | {_mib(max(r.peak_rss))} |"
-        )
-    lines += [
-        "",
-        "## Scaling: `DDPFullyShardedStrategy` by model size and ranks",
-        "",
-        "| Size | Parameters | Ranks | Threads/rank | Step time (s) | Range (s) | Samples/s | Per-rank bytes (MiB)"
-        " | `memory_figures()` (MiB) | ZeRO-3 16Ψ/N (MiB) | Bytes vs. 16Ψ/N | DDP 16Ψ (MiB) | Peak RSS (MiB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+        *_common.markdown_table(
+            ["Implementation", "Step time (s)", "Range (s)", "Fwd+bwd+step (s)", "Ours vs. it", "Per-rank bytes (MiB)",
+             "Formula", "Formula (MiB)", "Bytes vs. formula", "Peak RSS (MiB)"],
+            "lrrrrrlrrr", rows,
+        ),
+    ]  # fmt: skip
+
+
+def scaling_table(scaling: list[Measured], batch: int) -> list[str]:
+    """Ours by model size and number of ranks."""
+    mib = _common.mib
+    rows = []
     for r in scaling:
         assert r.figures is not None
-        lines.append(
-            f"| {r.size} | {r.numel / 1e6:.1f} M | {r.world_size} | {r.threads.split()[0]} | {r.step:.3f}"
-            f" | {r.step_range[0]:.2f}-{r.step_range[1]:.2f} | {args.batch / r.step:,.0f} | {_mib(r.per_rank)}"
-            f" | {_mib(max(r.figures))} | {_mib(r.formula)} | {r.per_rank / r.formula - 1:+.2%}"
-            f" | {_mib(16 * r.numel)} | {_mib(max(r.peak_rss))} |"
-        )
+        rows.append([
+            r.size, f"{r.numel / 1e6:.1f} M", r.world_size, r.threads.split()[0], f"{r.step:.3f}",
+            f"{r.step_range[0]:.2f}-{r.step_range[1]:.2f}", f"{batch / r.step:,.0f}", mib(r.per_rank),
+            mib(max(r.figures)), mib(r.formula), f"{r.per_rank / r.formula - 1:+.2%}", mib(16 * r.numel),
+            mib(max(r.peak_rss)),
+        ])  # fmt: skip
+    return _common.markdown_table(
+        ["Size", "Parameters", "Ranks", "Threads/rank", "Step time (s)", "Range (s)", "Samples/s",
+         "Per-rank bytes (MiB)", "`memory_figures()` (MiB)", "ZeRO-3 16Ψ/N (MiB)", "Bytes vs. 16Ψ/N", "DDP 16Ψ (MiB)",
+         "Peak RSS (MiB)"],
+        "lrrrrrrrrrrrr", rows,
+    )  # fmt: skip
 
+
+def target_rows(
+    ours: Measured, alternatives: list[Measured], scaling: list[Measured]
+) -> list[tuple[str, str, Optional[bool]]]:
+    """Each target: what it asks, what was measured, whether it was met."""
+    by_impl = {r.impl: r for r in alternatives}
     targets: list[tuple[str, str, Optional[bool]]] = []
     loop = by_impl.get("fairscale-loop")
     if loop is not None:
@@ -586,8 +564,13 @@ def report(
         targets.append(
             (f'`"ddp_sharded"`: per-rank bytes within {TARGET_MEMORY_GAP:.0%} of 4Ψ + 12Ψ/N', f"{gap:+.2%}", gap <= TARGET_MEMORY_GAP)
         )
-    lines += ["", "| Target | Measured | Result |", "| --- | ---: | --- |"]
-    lines += [f"| {name} | {measured} | {_verdict(bool(ok))} |" for name, measured, ok in targets]
+    return targets
+
+
+def engines_note(alternatives: list[Measured]) -> list[str]:
+    """Where ours is slower than PyTorch's FSDP loop: whether the engines or the integration make the gap."""
+    by_impl = {r.impl: r for r in alternatives}
+    ours, loop, torch_fsdp = by_impl["ours"], by_impl.get("fairscale-loop"), by_impl.get("torch-fsdp-loop")
     if loop is not None and torch_fsdp is not None and loop.ok and torch_fsdp.ok and ours.step > torch_fsdp.step:
         engines = loop.step / torch_fsdp.step
         # Only a slower FairScale loop puts the gap on the engine; otherwise the gap is this run's noise or ours.
@@ -598,21 +581,12 @@ def report(
             else "The engines are not what separates ours from PyTorch's FSDP in this run: see the first target, and"
             " the step-time ranges, for the integration's share and this machine's noise."
         )
-        lines += [
+        return [
             "",
             f"Where ours is slower than PyTorch's FSDP loop, compare the two loops: FairScale's hand-written loop takes"
             f" {engines:.3f}x the step time of PyTorch's, on the same model, data and wrapping. {cause}",
         ]
-    notes = sorted({r.note for r in alternatives if r.note})
-    if notes:
-        lines += ["", "PyTorch FSDP on the CPU needs `device_id=torch.device('cpu')`; with `device_id=None` it raises:"]
-        lines += [f"`{note}`" for note in notes]
-    lines += [
-        "",
-        "Regenerate with `make bench BENCHMARKS=training` or `.venv/bin/python benchmarks/training.py`; the plot is"
-        " `benchmarks/results/training.png`.",
-    ]
-    return "\n".join(lines) + "\n", all(bool(ok) for _, _, ok in targets)
+    return []
 
 
 def plot(alternatives: list[Measured], scaling: list[Measured], path: Path) -> None:
@@ -669,12 +643,6 @@ def plot(alternatives: list[Measured], scaling: list[Measured], path: Path) -> N
     plt.close(figure)
 
 
-def conditions_now() -> str:
-    """The load average, for the report: other programs on the cores distort the step times."""
-    one, five, _ = os.getloadavg()
-    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark (or, with ``--worker``, one configuration's rank). Returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -703,7 +671,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sizes = sorted(args.sizes, key=lambda name: parameter_count(*SIZES[name]))
     middle = sizes[len(sizes) // 2]
     started = time.perf_counter()
-    conditions = f"before: {conditions_now()}"
+    conditions = f"before: {_common.load_average()}"
     print(f"Training benchmark: sizes {', '.join(sizes)}; alternatives on {middle}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-training-") as scratch:
         work = Path(scratch)
@@ -715,7 +683,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for world_size in (1, 2):
                 same = size == middle and world_size == 2
                 scaling.append(ours_middle if same else measure("ours", size, world_size, args, work))
-    conditions += f"; after: {conditions_now()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
+    conditions += f"; after: {_common.load_average()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
     text, met = report(alternatives, scaling, args, conditions)
     plot(alternatives, scaling, args.plot)
     _common.publish(text, args.output, args.plot)

@@ -24,7 +24,8 @@ sys.path.insert(0, str(TESTS))
 
 TRAIN_SCRIPT = TESTS / "scenarios" / "train.py"
 
-from scenarios.jobs import MARK, error_file  # noqa: E402
+from scenarios.config import Config, Scenario  # noqa: E402
+from scenarios.jobs import MARK, error_file, job_spec  # noqa: E402
 
 
 #: Variables that would make a script think it is a rank started by a launcher or a cluster, and their prefixes.
@@ -148,14 +149,14 @@ def _starts(
     return starts
 
 
-def _devices(args: Sequence[str]) -> int:
-    """The number of processes a ``scenarios/train.py`` command line trains on (its ``--devices``, 2 by default)."""
-    return int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+def command(config: Config, out: Path, script: Path = TRAIN_SCRIPT) -> list[str]:
+    """The arguments that run one scenario script with ``config`` and write the result to ``out``."""
+    return [str(script), "--config", json.dumps(config.to_json()), "--out", str(out)]
 
 
 @dataclass
 class Jobs:
-    """What one launch of ``scenarios/train.py --jobs`` left: each job's result (rank 0's ``--out``), the errors
+    """What one launch of ``scenarios/train.py --jobs`` left: each job's result (its result file, rank 0's), the errors
     every rank recorded for the jobs expected to fail, and the output."""
 
     folder: Path
@@ -188,36 +189,28 @@ def _section(output: str, name: str) -> str:
     return "".join(chunk.partition("\n")[2] for chunk in chunks[1:] if chunk.partition("\n")[0] == name)
 
 
-def fabric_job(*args: str) -> dict[str, Any]:
-    """A job of a ``scenarios/train.py --jobs`` launch that runs ``scenarios/fabric_train.py`` (Fabric) instead."""
-    return {"script": "fabric_train", "args": list(args)}
-
-
 def run_jobs(
     folder: Path,
-    jobs: dict[str, Any],
+    jobs: dict[str, Config],
     failing: Sequence[str] = (),
     package: str = "pytorch_lightning",
     script: Path | None = None,
     nodes: int = 1,
     launcher: str = "env",
 ) -> Jobs:
-    """Run ``scenarios/train.py`` once for every job (name -> command line), one after another in one launch.
+    """Run ``scenarios/train.py`` (or ``script``) once for every job (name -> its ``Scenario``, or the
+    ``FabricScenario`` of ``fabric_train.py``), one after another in one launch.
 
-    Every job trains on the same number of processes (its ``--devices``). The jobs named in ``failing`` must fail
-    on every rank; the others must succeed. See ``scenarios/jobs.py``. A job made by :func:`fabric_job` runs the
-    Fabric scenario in the same processes. With ``nodes`` the processes are that many simulated nodes of
-    ``--devices`` processes each, started by ``launcher`` (see :func:`run_script`).
+    Every job trains on the same number of processes (its ``devices``). The jobs named in ``failing`` must fail
+    on every rank; the others must succeed. See ``scenarios/jobs.py``; a ``FabricScenario`` job runs Fabric's loop in
+    the same processes. With ``nodes`` the processes are that many simulated nodes of ``devices`` processes each,
+    started by ``launcher`` (see :func:`run_script`).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    spec = []
-    for name, job in jobs.items():
-        args = job["args"] if isinstance(job, dict) else list(job)
-        entry = {"name": name, "args": [*args, "--out", str(folder / f"{name}.pt")], "fails": name in failing}
-        spec.append({**entry, "script": job["script"]} if isinstance(job, dict) else entry)
-    devices = {_devices(entry["args"]) for entry in spec}
+    devices = {config.devices for config in jobs.values()}  # type: ignore[attr-defined]
     assert len(devices) == 1, f"one launch trains on one number of processes, not {devices}"
     assert set(failing) <= set(jobs), set(failing) - set(jobs)
+    spec = [job_spec(name, config, str(folder / f"{name}.pt"), name in failing) for name, config in jobs.items()]
     path = folder / "jobs.json"
     path.write_text(json.dumps(spec))
     (ranks,) = devices
@@ -236,12 +229,12 @@ def package() -> str:
 
 @pytest.fixture
 def train(tmp_path: Path, package: str) -> Callable[..., dict[str, Any]]:
-    """Run ``scenarios/train.py`` with the given arguments and return what rank 0 saved."""
+    """Run ``scenarios/train.py`` with the given ``Scenario`` and return what rank 0 saved."""
     counter = iter(range(1000))
 
-    def _train(*args: str) -> dict[str, Any]:
+    def _train(config: Scenario) -> dict[str, Any]:
         out = tmp_path / f"result-{next(counter)}.pt"
-        run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path, package=package, ranks=_devices(args))
+        run_script(command(config, out), cwd=tmp_path, package=package, ranks=config.devices)
         return torch.load(out, weights_only=False)
 
     return _train
@@ -249,16 +242,13 @@ def train(tmp_path: Path, package: str) -> Callable[..., dict[str, Any]]:
 
 @pytest.fixture
 def train_failing(tmp_path: Path, package: str) -> Callable[..., subprocess.CompletedProcess]:
-    """Run ``scenarios/train.py`` expecting it to fail; return the finished process.
+    """Run ``scenarios/train.py`` with the given ``Scenario`` expecting it to fail; return the finished process.
 
     Lightning's launcher starts the other ranks: when one is killed, the launcher's rank 0 is what notices.
     """
 
-    def _train(*args: str) -> subprocess.CompletedProcess:
-        proc = run_script(
-            [str(TRAIN_SCRIPT), "--out", str(tmp_path / "unused.pt"), *args], cwd=tmp_path, expect_ok=False,
-            package=package,
-        )
+    def _train(config: Scenario) -> subprocess.CompletedProcess:
+        proc = run_script(command(config, tmp_path / "unused.pt"), cwd=tmp_path, expect_ok=False, package=package)
         assert proc.returncode != 0, proc.stdout[-2000:]
         return proc
 
@@ -295,17 +285,17 @@ def assert_loads_without_fairscale(path: Path, expected: dict[str, torch.Tensor]
 
 #: A run of `PartialModel` (a layer gone, one added) from the checkpoint of step 2 of the old model, two more steps.
 #: SGD without momentum: a stateful optimizer's state would not fit the changed parameters (as under plain DDP).
-PARTIAL = ("--model", "partial", "--optimizer", "plain_sgd", "--steps", "4", "--samples", "8", "--record-loaded")
+PARTIAL = Scenario(model="partial", optimizer="plain_sgd", steps=4, samples=8, record_loaded=True)
 
 
-def partial_jobs(source: Path, kind: str) -> dict[str, list[str]]:
+def partial_jobs(source: Path, kind: str) -> dict[str, Scenario]:
     """The old model's 2 steps saved in ``source`` (``kind``: full or sharded); `PartialModel` resumed from it with
     strict loading off (``partial-KIND``), and on (``partial-KIND-strict``, which must fail)."""
     return {
-        f"partial-source-{kind}": ["--steps", "2", "--samples", "8", "--optimizer", "plain_sgd",
-                                   "--state-dict-type", kind, "--save-ckpt", str(source)],
-        f"partial-{kind}": [*PARTIAL, "--ckpt-path", str(source), "--strict-loading", "0"],
-        f"partial-{kind}-strict": [*PARTIAL, "--ckpt-path", str(source)],
+        f"partial-source-{kind}": Scenario(steps=2, samples=8, optimizer="plain_sgd", state_dict_type=kind,
+                                           save_ckpt=str(source)),
+        f"partial-{kind}": PARTIAL.replace(ckpt_path=str(source), strict_loading=False),
+        f"partial-{kind}-strict": PARTIAL.replace(ckpt_path=str(source)),
     }  # fmt: skip
 
 

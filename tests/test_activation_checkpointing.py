@@ -7,19 +7,25 @@ from typing import Any
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Scenario
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
 STEPS = 3
-CASES = {  # name -> (arguments, the FSDP units expected)
-    "size": ([], ["", "net.1", "net.2"]),  # size policy: each checkpointed Block becomes one unit, nothing inside it
-    "offload": (["--checkpointing-offload"], ["", "net.1", "net.2"]),
-    "default-size": (["--min-num-params", "100000000"], ["", "net.1", "net.2"]),  # too small: still a unit per block
-    "callable": (["--policy", "callable"], ["", "net.0", "net.1", "net.2", "net.3"]),  # other Linears wrapped as asked
-    "blocks": (["--policy", "blocks"], ["", "net.1", "net.2"]),
-    "manual": (["--model", "manual"], ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
+CHECKPOINTED = Scenario(checkpointing=True, steps=STEPS)
+CASES = {  # name -> (scenario, the FSDP units expected)
+    # size policy: each checkpointed Block becomes one unit, nothing inside it
+    "size": (CHECKPOINTED, ["", "net.1", "net.2"]),
+    "offload": (CHECKPOINTED.replace(checkpointing_offload=True), ["", "net.1", "net.2"]),
+    # too small: still a unit per block
+    "default-size": (CHECKPOINTED.replace(min_num_params=100000000), ["", "net.1", "net.2"]),
+    # other Linears wrapped as asked
+    "callable": (CHECKPOINTED.replace(policy="callable"), ["", "net.0", "net.1", "net.2", "net.3"]),
+    "blocks": (CHECKPOINTED.replace(policy="blocks"), ["", "net.1", "net.2"]),
+    "manual": (CHECKPOINTED.replace(model="manual"), ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
 }
+JOBS = {**{name: scenario for name, (scenario, _) in CASES.items()}, "without": Scenario(policy="blocks", steps=STEPS)}
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +35,7 @@ def expected() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
-    jobs = {name: ["--checkpointing", "--steps", str(STEPS), *args] for name, (args, _) in CASES.items()}
-    jobs["without"] = ["--policy", "blocks", "--steps", str(STEPS)]
-    return run_jobs(tmp_path_factory.mktemp("activation_checkpointing"), jobs)
+    return run_jobs(tmp_path_factory.mktemp("activation_checkpointing"), JOBS)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from scenarios.common import build_network, max_difference, reference_training
+from scenarios.config import Scenario
 
 from conftest import (
     PARTIAL,
@@ -23,7 +24,7 @@ from conftest import (
     run_jobs,
 )
 
-STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # Adam + StepLR, one step per epoch
+STEPS = Scenario(steps=4, samples=8, scheduler=True)  # Adam + StepLR, one step per epoch
 CHECKPOINT = "epoch=1-step=2.ckpt"  # the straight run's checkpoint that the resumes start from
 
 
@@ -32,11 +33,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoint")
 
 
-def no_optimizer_state_jobs(folder: Path, kind: str) -> dict[str, list[str]]:
-    path, format_ = str(folder / f"validated-{kind}"), ["--state-dict-type", kind]
+def no_optimizer_state_jobs(folder: Path, kind: str) -> dict[str, Scenario]:
+    path = str(folder / f"validated-{kind}")
     return {
-        f"validated-{kind}": ["--validate-only", *format_, "--save-ckpt", path],
-        f"no-optimizer-state-{kind}": ["--steps", "2", "--samples", "8", *format_, "--ckpt-path", path],
+        f"validated-{kind}": Scenario(validate_only=True, state_dict_type=kind, save_ckpt=path),
+        f"no-optimizer-state-{kind}": Scenario(steps=2, samples=8, state_dict_type=kind, ckpt_path=path),
     }
 
 
@@ -45,24 +46,24 @@ def two_processes(folder: Path) -> Jobs:
     """The straight run: four steps in one go, with a ModelCheckpoint every epoch (one epoch is one step here); then
     its resume from step 2, two steps saved by FSDP and by Lightning's DDP, and the file for the fairscale-free load."""
     jobs = {
-        "straight": [*STEPS, "--checkpoint-dir", str(folder / "ck")],
-        "resumed-2": [*STEPS, "--ckpt-path", str(folder / "ck" / CHECKPOINT), "--devices", "2"],
-        "fsdp": ["--steps", "2", "--samples", "8", "--save-ckpt", str(folder / "fsdp.ckpt")],
-        "ddp": ["--steps", "2", "--samples", "8", "--save-ckpt", str(folder / "ddp.ckpt"), "--strategy-name", "ddp"],
-        "final": ["--steps", "2", "--save-ckpt", str(folder / "final.ckpt")],
+        "straight": STEPS.replace(checkpoint_dir=str(folder / "ck")),
+        "resumed-2": STEPS.replace(ckpt_path=str(folder / "ck" / CHECKPOINT), devices=2),
+        "fsdp": Scenario(steps=2, samples=8, save_ckpt=str(folder / "fsdp.ckpt")),
+        "ddp": Scenario(steps=2, samples=8, save_ckpt=str(folder / "ddp.ckpt"), strategy_name="ddp"),
+        "final": Scenario(steps=2, save_ckpt=str(folder / "final.ckpt")),
         **partial_jobs(folder / "partial-source.ckpt", "full"),
         # Lightning's strict loading, as its DDP has it, under the sharded optimizer strategy.
-        "partial-ddp_sharded": [*PARTIAL, "--ckpt-path", str(folder / "partial-source.ckpt"), "--strict-loading", "0",
-                                "--strategy-name", "ddp_sharded"],
+        "partial-ddp_sharded": PARTIAL.replace(ckpt_path=str(folder / "partial-source.ckpt"), strict_loading=False,
+                                               strategy_name="ddp_sharded"),
         # Saved after `validate` only, so with no optimizer state, in both formats; then resumed.
-        **{job: args for kind in ("full", "sharded") for job, args in no_optimizer_state_jobs(folder, kind).items()},
+        **{job: config for kind in ("full", "sharded") for job, config in no_optimizer_state_jobs(folder, kind).items()},
     }
     return run_jobs(folder / "two_processes", jobs, failing=["partial-full-strict"])
 
 
 @pytest.fixture(scope="module")
 def one_process(two_processes: Jobs, folder: Path) -> Jobs:
-    jobs = {"resumed-1": [*STEPS, "--ckpt-path", str(folder / "ck" / CHECKPOINT), "--devices", "1"]}
+    jobs = {"resumed-1": STEPS.replace(ckpt_path=str(folder / "ck" / CHECKPOINT), devices=1)}
     return run_jobs(folder / "one_process", jobs)
 
 

@@ -7,13 +7,19 @@ from typing import Any, Callable
 import pytest
 import torch
 from scenarios.common import BLOCK_UNITS_ORDER, materialized_start, max_difference, reference_training
+from scenarios.config import Scenario
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def on_gpus(devices: int, **fields: Any) -> Scenario:
+    """The scenario ``fields`` on ``devices`` GPUs."""
+    return Scenario(accelerator="gpu", devices=devices, **fields)
+
+
 def test_auto_wrap_on_gpus_equals_unsharded_training(train: Callable[..., dict[str, Any]]) -> None:
     devices = min(2, torch.cuda.device_count())
-    result = train("--accelerator", "gpu", "--devices", str(devices), "--steps", "3", "--samples", str(8 * devices))
+    result = train(on_gpus(devices, steps=3, samples=8 * devices))
     assert result["units"], "no FSDP unit was created"
     expected = reference_training(3, "adam", num_samples=8 * devices)
     assert max_difference(result["state_dict"], expected) < 1e-4  # TF32 and reduction order on the GPU
@@ -21,10 +27,7 @@ def test_auto_wrap_on_gpus_equals_unsharded_training(train: Callable[..., dict[s
 
 def test_clip_by_norm_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
     devices = min(2, torch.cuda.device_count())
-    result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--optimizer", "sgd", "--steps", "3",
-        "--clip-val", "0.05", "--samples", str(8 * devices),
-    )
+    result = train(on_gpus(devices, optimizer="sgd", steps=3, clip=(0.05, "norm"), samples=8 * devices))
     expected = reference_training(3, "sgd", clip=(0.05, "norm"), num_samples=8 * devices)
     assert max_difference(result["state_dict"], expected) < 1e-4
 
@@ -33,8 +36,7 @@ def test_clip_by_norm_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
 def test_mixed_precision_on_gpus(train: Callable[..., dict[str, Any]], precision: str) -> None:
     devices = min(2, torch.cuda.device_count())
     result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--precision", precision, "--steps", "6",
-        "--samples", str(8 * devices), "--clip-val", "0.05", "--optimizer", "sgd",
+        on_gpus(devices, precision=precision, steps=6, samples=8 * devices, clip=(0.05, "norm"), optimizer="sgd")
     )
     dtype = "torch.float16" if precision == "16-mixed" else "torch.bfloat16"
     assert result["compute"] == [(dtype, dtype)]
@@ -48,8 +50,7 @@ def test_true_bf16_on_gpus(train: Callable[..., dict[str, Any]], offload: bool) 
     """bf16-true with NCCL: parameters, gradients and momentum in bf16, also with the shards in CPU memory."""
     devices = min(2, torch.cuda.device_count())
     result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--precision", "bf16-true", "--optimizer", "sgd",
-        "--steps", "6", "--samples", str(8 * devices), *(["--cpu-offload"] if offload else []),
+        on_gpus(devices, precision="bf16-true", optimizer="sgd", steps=6, samples=8 * devices, cpu_offload=offload)
     )
     bf16 = {"torch.bfloat16"}
     assert result["compute"] == [("torch.bfloat16", "torch.bfloat16")]
@@ -61,10 +62,7 @@ def test_true_bf16_on_gpus(train: Callable[..., dict[str, Any]], offload: bool) 
 
 def test_cpu_offload_on_gpus(train: Callable[..., dict[str, Any]]) -> None:
     devices = min(2, torch.cuda.device_count())
-    result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--precision", "16-mixed", "--cpu-offload",
-        "--steps", "3", "--samples", str(8 * devices),
-    )
+    result = train(on_gpus(devices, precision="16-mixed", cpu_offload=True, steps=3, samples=8 * devices))
     assert result["losses"][-1] < result["losses"][0]
 
 
@@ -92,9 +90,9 @@ def test_cpu_offload_clips_by_norm_with_layers_made_in_configure_model(train: Ca
     all-reduced over NCCL, and teardown gathers the CPU optimizer state (momentum) over NCCL."""
     devices = min(2, torch.cuda.device_count())
     result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--model", "lazy", "--cpu-offload", "--optimizer", "sgd",
-        "--steps", "3", "--clip-val", "0.05", "--samples", str(8 * devices),
-    )
+        on_gpus(devices, model="lazy", cpu_offload=True, optimizer="sgd", steps=3, clip=(0.05, "norm"),
+                samples=8 * devices)
+    )  # fmt: skip
     expected = reference_training(3, "sgd", clip=(0.05, "norm"), num_samples=8 * devices)
     assert max_difference(result["state_dict"], expected) < 1e-4
     assert max_difference(expected, reference_training(3, "sgd", num_samples=8 * devices)) > 1e-2  # clipping bit
@@ -102,10 +100,7 @@ def test_cpu_offload_clips_by_norm_with_layers_made_in_configure_model(train: Ca
 
 def test_cpu_offload_takes_a_model_the_user_put_on_the_gpu(train: Callable[..., dict[str, Any]]) -> None:
     devices = min(2, torch.cuda.device_count())
-    result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--cpu-offload", "--model-on-gpu", "--steps", "2",
-        "--samples", str(8 * devices),
-    )
+    result = train(on_gpus(devices, cpu_offload=True, model_on_gpu=True, steps=2, samples=8 * devices))
     assert max_difference(result["state_dict"], reference_training(2, "adam", num_samples=8 * devices)) < 1e-4
 
 
@@ -117,8 +112,7 @@ def test_model_built_on_meta_is_initialised_where_its_shards_live(
     with ``cpu_offload``), from rank 0's random state of that device, just before it is sharded."""
     devices = min(2, torch.cuda.device_count())
     result = train(
-        "--accelerator", "gpu", "--devices", str(devices), "--init", "empty", "--policy", "blocks", "--steps", "3",
-        "--samples", str(8 * devices), *(["--cpu-offload"] if offload else []),
+        on_gpus(devices, init="empty", policy="blocks", steps=3, samples=8 * devices, cpu_offload=offload)
     )
     start = materialized_start(BLOCK_UNITS_ORDER, device="cpu" if offload else "cuda")
     expected = reference_training(3, "adam", num_samples=8 * devices, start=start)
@@ -133,14 +127,13 @@ def test_checkpoints_resume_exactly_on_gpus(
     """Save (a ModelCheckpoint every epoch, one step each) and resume; full saving gathers the optimizer state over
     NCCL, from CPU memory with ``cpu_offload``."""
     devices = min(2, torch.cuda.device_count())
-    common = [
-        "--accelerator", "gpu", "--devices", str(devices), "--steps", "4", "--samples", "8", "--scheduler",
-        "--state-dict-type", state_dict_type, *(["--cpu-offload"] if offload else []),
-    ]
-    straight = train(*common, "--checkpoint-dir", str(tmp_path / "ck"))
+    common = on_gpus(
+        devices, steps=4, samples=8, scheduler=True, state_dict_type=state_dict_type, cpu_offload=offload
+    )
+    straight = train(common.replace(checkpoint_dir=str(tmp_path / "ck")))
     assert max_difference(straight["state_dict"], reference_training(4, "adam", scheduler=True, num_samples=8)) < 1e-4
     checkpoint = tmp_path / "ck" / "epoch=1-step=2.ckpt"
     assert checkpoint.is_dir() if state_dict_type == "sharded" else checkpoint.is_file()
-    resumed = train(*common, "--ckpt-path", str(checkpoint))
+    resumed = train(common.replace(ckpt_path=str(checkpoint)))
     assert resumed["global_step"] == 4
     assert max_difference(resumed["state_dict"], straight["state_dict"]) < 1e-6

@@ -25,10 +25,11 @@ from scenarios.common import (
     max_difference,
     reference_training,
 )
+from scenarios.config import FabricScenario, Scenario
 
 import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
-from conftest import TESTS, Jobs, run_jobs, run_script
+from conftest import TESTS, Jobs, command, run_jobs, run_script
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 from lightning_fairscale.checkpoint.fabric import Roles, restore
 from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY
@@ -38,25 +39,27 @@ FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"
 #: Adam over clipped gradients amplifies the float differences between one batch and two half-batches (a 2-rank
 #: emulation in one process matches the Fabric runs to 3e-7 and the reference to 1.25e-5 after 4 steps).
 ATOL = 5e-5
-LOOP = ("--accumulate", "2", "--clip-norm", "0.05", "--samples", "16")  # two micro-batches a step; clipping bites
+LOOP = {"accumulate": 2, "clip_norm": 0.05, "samples": 16}  # two micro-batches a step; clipping bites
 #: FSDP with each Block its own unit, recomputing its activations in backward.
-BLOCKS = ("--strategy", "fsdp", "--policy", "blocks", "--checkpointing")
+BLOCKS = {"strategy": "fsdp", "policy": "blocks", "checkpointing": True}
 
 
 #: AdamW with decay on weights only (param groups that split every unit of the size policy), and frozen weights in
 #: units that also train (the first layer's, and a Block's).
 FROZEN = ("net.0.weight", "net.1.up.weight")
-RECIPE = ("--strategy", "fsdp", "--policy", "size", "--optimizer", "adamw", "--params", "split", "--freeze", *FROZEN)
+RECIPE = {"strategy": "fsdp", "policy": "size", "optimizer": "adamw", "params": "split", "freeze": FROZEN}
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
     return reference_training(steps, "adam", accumulate=2, clip=(0.05, "norm"))
 
 
-def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning", ranks: int = 2) -> dict[str, Any]:
+def fabric_run(
+    folder: Path, config: FabricScenario, package: str = "pytorch_lightning", ranks: int = 2
+) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "out.pt"
-    run_script([str(FABRIC_SCRIPT), "--out", str(out), *args], cwd=folder, package=package, ranks=ranks)
+    run_script(command(config, out, FABRIC_SCRIPT), cwd=folder, package=package, ranks=ranks)
     return torch.load(out, weights_only=False)
 
 
@@ -64,12 +67,10 @@ def fabric_run(folder: Path, *args: str, package: str = "pytorch_lightning", ran
 #: unsharded bf16 reference (see ``BF16_ATOL``; the model made in `fabric.init_module()`, each Block wrapped there);
 #: sharded DDP with SGD; fp16 with SGD on one batch (the loss falls).
 TRUE_HALF = {
-    "true-bf16": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--steps", "4", "--save-at", "2"],
-    "true-bf16-sgd": [*LOOP, *BLOCKS, "--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4",
-                      "--init-module"],
-    "true-bf16-ddp-sharded": [*LOOP, "--strategy", "sharded", "--precision", "bf16-true", "--optimizer", "sgd",
-                              "--steps", "4"],
-    "true-16": [*BLOCKS, "--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
+    "true-bf16": FabricScenario(**LOOP, **BLOCKS, precision="bf16-true", steps=4, save_at=2),
+    "true-bf16-sgd": FabricScenario(**LOOP, **BLOCKS, precision="bf16-true", optimizer="sgd", steps=4, init_module=True),
+    "true-bf16-ddp-sharded": FabricScenario(**LOOP, strategy="sharded", precision="bf16-true", optimizer="sgd", steps=4),
+    "true-16": FabricScenario(**BLOCKS, precision="16-true", optimizer="sgd", samples=8, steps=6),
 }
 MIXED = [
     ("fsdp", "bf16-mixed", "bfloat16"),
@@ -80,9 +81,9 @@ MIXED = [
 
 #: ``fabric.init_module(empty_init=True)``: auto wrap (each Block a unit; the optimizer made over the meta parameters,
 #: then ``fabric.setup(model, optimizer)``), or the Blocks wrapped by hand in the context (optimizer made after).
-EMPTY_INIT = {
-    "auto": ["--strategy", "fsdp", "--policy", "blocks"],
-    "manual": ["--strategy", "fsdp_fairscale", "--init-module", "--setup", "after"],
+EMPTY_INIT = {  # name -> the scenario's fields
+    "auto": {"strategy": "fsdp", "policy": "blocks"},
+    "manual": {"strategy": "fsdp_fairscale", "init_module": True, "setup": "after"},
 }
 #: A plain state dict of the old model, for `fabric.load_raw` (values no training gives).
 RAW = {key: value * 0.5 for key, value in RegressionModelWrapper(build_network()).state_dict().items()}
@@ -96,22 +97,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     folder = tmp_path_factory.mktemp("fabric")
     (folder / "ck").mkdir()
     torch.save(RAW, folder / "ck" / "raw.pt")
-    partial = ("--optimizer", "plain_sgd", "--partial-from", str(folder / "ck"))
+    partial = {"optimizer": "plain_sgd", "partial_from": str(folder / "ck")}
     jobs = {
-        "fsdp": [*LOOP, *BLOCKS, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck"),
-                 "--resume-setup", "after,separate"],
-        **{f"mixed-{s}-{p}": [*LOOP, "--strategy", s, "--steps", "2", "--precision", p] for s, p, _ in MIXED},
-        "recipe": [*LOOP, *RECIPE, "--steps", "4", "--save-at", "2", "--save-dir", str(folder / "ck-recipe"),
-                   "--resume-setup", "separate,joint"],
-        **{f"empty-init-{name}": [*LOOP, *args, "--empty-init", "--steps", "2"] for name, args in EMPTY_INIT.items()},
+        "fsdp": FabricScenario(**LOOP, **BLOCKS, steps=4, save_at=2, save_dir=str(folder / "ck"),
+                               resume_setup=("after", "separate")),
+        **{f"mixed-{s}-{p}": FabricScenario(**LOOP, strategy=s, steps=2, precision=p) for s, p, _ in MIXED},
+        "recipe": FabricScenario(**LOOP, **RECIPE, steps=4, save_at=2, save_dir=str(folder / "ck-recipe"),
+                                 resume_setup=("separate", "joint")),
+        **{f"empty-init-{name}": FabricScenario(**LOOP, **fields, empty_init=True, steps=2)
+           for name, fields in EMPTY_INIT.items()},
         # Models whose code changed load the old model's files of the "fsdp" job (and raw.pt), strict=False/True.
-        "partial": [*BLOCKS, *partial],
-        **{f"partial-strict-{kind}": [*BLOCKS, *partial, "--partial-kinds", kind, "--strict", "1"]
+        "partial": FabricScenario(**BLOCKS, **partial),
+        **{f"partial-strict-{kind}": FabricScenario(**BLOCKS, **partial, partial_kinds=(kind,), strict=True)
            for kind in ("full", "sharded", "raw")},
-        "partial-ddp_sharded": ["--strategy", "sharded", *partial, "--partial-kinds", "full,raw"],
+        "partial-ddp_sharded": FabricScenario(strategy="sharded", **partial, partial_kinds=("full", "raw")),
         **TRUE_HALF,
     }  # fmt: skip
-    jobs["true-bf16"] += ["--save-dir", str(folder / "ck-bf16"), "--resume-setup", "after,separate"]
+    jobs["true-bf16"] = jobs["true-bf16"].replace(save_dir=str(folder / "ck-bf16"), resume_setup=("after", "separate"))
     failing = [name for name in jobs if name.startswith("partial-strict")]
     return run_jobs(folder, jobs, failing=failing, script=FABRIC_SCRIPT)
 
@@ -218,7 +220,7 @@ def test_sharded_ddp_loads_partially_as_fabrics_ddp(runs: Jobs, fsdp_run: dict[s
 def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     sharded = fsdp_run["checkpoints"] / "sharded.ckpt"
     result = fabric_run(
-        tmp_path, *LOOP, *BLOCKS, "--devices", "1", "--load", str(sharded), "--load-step", "2", "--steps", "4", ranks=1
+        tmp_path, FabricScenario(**LOOP, **BLOCKS, devices=1, load=str(sharded), load_step=2, steps=4), ranks=1
     )
     assert result["world_size"] == 1
     assert max_difference(result["final"], reference(4)) < ATOL
@@ -232,22 +234,22 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
     with the strategy chosen by its registry name and the model built in `fabric.init_module()`, Blocks wrapped
     there). The Trainer's rest (loops, hyperparameters...) comes back from `fabric.load`."""
     saved, trainer_ckpts = fsdp_run["checkpoints"], tmp_path / "trainer-ck"
-    steps = ["--steps", "2", "--accumulate", "2", "--clip-val", "0.05", "--clip-alg", "norm"]
+    steps = Scenario(steps=2, accumulate=2, clip=(0.05, "norm"))
     trainer = run_jobs(tmp_path / "trainer", {
-        "full": [*steps, "--ckpt-path", str(saved / "full.ckpt"), "--checkpoint-dir", str(trainer_ckpts / "full")],
-        "sharded": [*steps, "--ckpt-path", str(saved / "sharded.ckpt"), "--policy", "blocks", "--checkpointing",
-                    "--state-dict-type", "sharded", "--checkpoint-dir", str(trainer_ckpts / "sharded")],
-        "ddp_sharded": [*steps, "--ckpt-path", str(saved / "full.ckpt"), "--strategy-name", "ddp_sharded"],
+        "full": steps.replace(ckpt_path=str(saved / "full.ckpt"), checkpoint_dir=str(trainer_ckpts / "full")),
+        "sharded": steps.replace(ckpt_path=str(saved / "sharded.ckpt"), policy="blocks", checkpointing=True,
+                                 state_dict_type="sharded", checkpoint_dir=str(trainer_ckpts / "sharded")),
+        "ddp_sharded": steps.replace(ckpt_path=str(saved / "full.ckpt"), strategy_name="ddp_sharded"),
     })  # fmt: skip
     assert trainer["ddp_sharded"]["strategy"] == "DDPShardedStrategy"
     for kind in ("full", "sharded", "ddp_sharded"):
         assert trainer[kind]["global_step"] == 2, kind
         assert max_difference(trainer[kind]["state_dict"], reference(4)) < ATOL, kind
-    resume = [*LOOP, "--load-step", "4", "--steps", "6", "--load"]
+    resume = FabricScenario(**LOOP, load_step=4, steps=6)
     fabric = run_jobs(tmp_path / "fabric", {
-        "full": [*resume, str(trainer_ckpts / "full" / "epoch=1-step=2.ckpt"), "--strategy", "fsdp_fairscale",
-                 "--init-module"],
-        "sharded": [*resume, str(trainer_ckpts / "sharded" / "epoch=1-step=2.ckpt"), *BLOCKS],
+        "full": resume.replace(load=str(trainer_ckpts / "full" / "epoch=1-step=2.ckpt"), strategy="fsdp_fairscale",
+                               init_module=True),
+        "sharded": resume.replace(load=str(trainer_ckpts / "sharded" / "epoch=1-step=2.ckpt"), **BLOCKS),
     }, script=FABRIC_SCRIPT)  # fmt: skip
     assert fabric["full"]["strategy"] == "lightning_fairscale.fabric.fully_sharded.DDPFullyShardedStrategy"
     for kind in ("full", "sharded"):
@@ -261,7 +263,7 @@ def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
     """`lightning.fabric.Fabric(strategy="ddp_sharded")`: the unified package's classes, the same checkpoints."""
     folder = tmp_path / "ck"
     result = fabric_run(
-        tmp_path, *LOOP, "--strategy", "ddp_sharded", "--steps", "4", "--save-at", "2", "--save-dir", str(folder),
+        tmp_path, FabricScenario(**LOOP, strategy="ddp_sharded", steps=4, save_at=2, save_dir=str(folder)),
         package="lightning",
     )
     assert result["strategy"] == "lightning_fairscale.lightning.fabric.sharded.DDPShardedStrategy"
@@ -278,8 +280,11 @@ def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
 def test_sharded_ddp_spawn_loop_clipping_by_value(tmp_path: Path) -> None:
     """`"ddp_sharded_spawn"`: the strategy is pickled into processes started by multiprocessing."""
     # SGD, as the Trainer's test of clipping by value: Adam would magnify the float differences at the clip bound.
-    result = fabric_run(tmp_path, "--accumulate", "2", "--clip-val", "0.002", "--strategy", "ddp_sharded_spawn",
-                        "--steps", "2", "--optimizer", "sgd", ranks=1)
+    result = fabric_run(
+        tmp_path,
+        FabricScenario(accumulate=2, clip_val=0.002, strategy="ddp_sharded_spawn", steps=2, optimizer="sgd"),
+        ranks=1,
+    )
     assert result["strategy"] == "lightning_fairscale.fabric.sharded.DDPSpawnShardedStrategy"
     expected = reference_training(2, "sgd", accumulate=2, clip=(0.002, "value"))
     assert max_difference(result["final"], expected) < 1e-5

@@ -21,6 +21,7 @@ from scenarios.common import (
     max_difference,
     reference_training,
 )
+from scenarios.config import Scenario
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale.fsdp.state_names import clean_path
@@ -28,17 +29,17 @@ from lightning_fairscale.fsdp.state_names import clean_path
 ATOL = 1e-5
 
 POLICIES = {"size": 5, "blocks": 3, "callable": 7}  # policy -> FSDP units
-CONTROLS = {
+CONTROLS = {  # name -> (the scenario's fields, the FSDP units expected)
     # The size policy looks inside every large module; each Linear of the blocks is big enough.
-    "size": ((), ["", "net.1.up", "net.1.down", "net.2.up", "net.2.down"]),
+    "size": ({}, ["", "net.1.up", "net.1.down", "net.2.up", "net.2.down"]),
     # Force-leaf: auto wrap does not descend into the blocks, so their parameters go to the enclosing unit.
-    "size-force-leaf": (("--force-leaf", "Block"), ["", "net"]),
+    "size-force-leaf": ({"force_leaf": ("Block",)}, ["", "net"]),
     # Exclude: the Linears never become units, so what holds them does once it is large enough.
-    "size-exclude": (("--exclude", "Linear"), ["", "net.1", "net.2"]),
+    "size-exclude": ({"exclude": ("Linear",)}, ["", "net.1", "net.2"]),
     # The same controls apply to a callable policy (here: every Linear), but only when given.
-    "callable-force-leaf": (("--policy", "callable", "--force-leaf", "Block"), ["", "net.0", "net.3"]),
+    "callable-force-leaf": ({"policy": "callable", "force_leaf": ("Block",)}, ["", "net.0", "net.3"]),
     "callable-exclude": (
-        ("--policy", "callable", "--exclude", "Sequential", "Block"),
+        {"policy": "callable", "exclude": ("Sequential", "Block")},
         ["", "net.0", *[f"net.{b}.{layer}" for b in (1, 2) for layer in ("up", "down")], "net.3"],
     ),
 }
@@ -49,75 +50,74 @@ TORCH_POLICIES = {
     "torch-size": CONTROLS["size"][1],  # partial(size_based_auto_wrap_policy, min_num_params=1000)
 }
 MANUAL = [("torch", "configure_sharded_model"), ("fairscale", "configure_model"), ("torch", "configure_model")]
-CLIP_AND_ACCUMULATE = {
-    "clip-norm": (["--clip-val", "0.05", "--clip-alg", "norm"], {"clip": (0.05, "norm")}),  # the clip value bites
-    "clip-value": (["--clip-val", "0.002", "--clip-alg", "value"], {"clip": (0.002, "value")}),
-    "accumulate-2": (["--accumulate", "2", "--samples", "32"], {"accumulate": 2, "num_samples": 32}),
-    "accumulate-4": (["--accumulate", "4", "--samples", "32"], {"accumulate": 4, "num_samples": 32}),
+CLIP_AND_ACCUMULATE = {  # name -> (the scenario's fields, reference_training's)
+    "clip-norm": ({"clip": (0.05, "norm")}, {"clip": (0.05, "norm")}),  # the clip value bites
+    "clip-value": ({"clip": (0.002, "value")}, {"clip": (0.002, "value")}),
+    "accumulate-2": ({"accumulate": 2, "samples": 32}, {"accumulate": 2, "num_samples": 32}),
+    "accumulate-4": ({"accumulate": 4, "samples": 32}, {"accumulate": 4, "num_samples": 32}),
 }
 MIXED = {  # Lightning maps the "16-mixed" flag to bf16 on CPU: the fp16 case passes the plugin itself
-    "bf16-mixed": (["--precision", "bf16-mixed"], "torch.bfloat16"),
-    "16-mixed": (["--precision-plugin", "16-mixed"], "torch.float16"),
+    "bf16-mixed": ({"precision": "bf16-mixed"}, "torch.bfloat16"),
+    "16-mixed": ({"precision_plugin": "16-mixed"}, "torch.float16"),
 }
-CLIP_MIXED = {"16": ["--precision-plugin", "16-mixed"], "bf16": ["--precision", "bf16-mixed"]}
+CLIP_MIXED = {"16": {"precision_plugin": "16-mixed"}, "bf16": {"precision": "bf16-mixed"}}
 #: Param groups that split units and frozen weights inside units that train, under fp16 loss scaling (unscaled
 #: gradients of the trainable parameters only are clipped) and activation checkpointing.
 FROZEN = ("net.0.weight", "net.1.up.weight")
-RECIPE_MIXED = ["--params", "split", "--freeze", *FROZEN, "--checkpointing", "--optimizer", "sgd", "--steps", "3",
-                "--clip-val", "0.05", "--precision-plugin", "16-mixed"]  # fmt: skip
+RECIPE_MIXED = Scenario(params="split", freeze=FROZEN, checkpointing=True, optimizer="sgd", steps=3, clip=(0.05, "norm"),
+                        precision_plugin="16-mixed")  # fmt: skip
 UNSUPPORTED = ["64-true"]
-#: Models built without memory, initialised unit by unit as they are sharded: (arguments, then the reference's steps,
+#: Models built without memory, initialised unit by unit as they are sharded: (scenario, then the reference's steps,
 #: optimizer, and order in which its modules are initialised). The meta-device runs seed each rank apart: every rank
 #: must still get rank 0's weights.
-META: dict[str, tuple[list[str], int, str, list[str]]] = {
-    "empty-init": (["--init", "empty", "--policy", "blocks", "--steps", "3"], 3, "adam", BLOCK_UNITS_ORDER),
-    "device": (["--init", "meta", "--init-seed-per-rank", "--steps", "3"], 3, "adam", LINEAR_UNITS_ORDER),
-    "manual": (["--init", "meta", "--init-seed-per-rank", "--model", "manual", "--optimizer", "sgd"], 4, "sgd",
+META: dict[str, tuple[Scenario, int, str, list[str]]] = {
+    "empty-init": (Scenario(init="empty", policy="blocks", steps=3), 3, "adam", BLOCK_UNITS_ORDER),
+    "device": (Scenario(init="meta", init_seed_per_rank=True, steps=3), 3, "adam", LINEAR_UNITS_ORDER),
+    "manual": (Scenario(init="meta", init_seed_per_rank=True, model="manual", optimizer="sgd"), 4, "sgd",
                BLOCK_UNITS_ORDER),
-    "unflattened": (["--init", "empty", "--flatten", "0", "--policy", "blocks", "--steps", "2"], 2, "adam",
-                    BLOCK_UNITS_ORDER),
+    "unflattened": (Scenario(init="empty", flatten=False, policy="blocks", steps=2), 2, "adam", BLOCK_UNITS_ORDER),
 }  # fmt: skip
 #: True half precision with Adam on one batch (8 samples: the loss falls, and Lightning resumes exactly), also saved
 #: after 2 steps in either format and resumed from there.
-TRUE_BF16 = ["--precision", "bf16-true", "--samples", "8"]
+TRUE_BF16 = Scenario(precision="bf16-true", samples=8)
 CHECKPOINT_KINDS = ("full", "sharded")
 #: A root unit whose parameters are all frozen (the input and output layers, as the embeddings and head of a LoRA
 #: fine-tuning), with trainable blocks.
 FROZEN_ROOT = ("net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias")
 
-JOBS: dict[str, list[str]] = {
-    **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in POLICIES},
-    **{f"controls-{name}": [*args, "--steps", "2"] for name, (args, _) in CONTROLS.items()},
-    **{f"policy-{policy}": ["--policy", policy, "--steps", "3"] for policy in TORCH_POLICIES},
-    **{f"manual-{w}-{h}": ["--model", "manual", "--wrap-with", w, "--hook", h, "--optimizer", "sgd"] for w, h in MANUAL},
-    **{f"params-{p}": ["--params", p, "--optimizer", "adamw", "--scheduler", "--steps", "3"] for p in ("self", "trainer")},
-    "unflattened": ["--flatten", "0", "--steps", "3"],
-    "eval-after": ["--strategy-name", "fsdp_fairscale", "--eval-after", "--steps", "2"],
-    "groups-unflattened": ["--params", "split", "--flatten", "0", "--optimizer", "sgd", "--steps", "2"],
-    **{f"clip-accumulate-{n}": ["--optimizer", "sgd", "--steps", "3", *a] for n, (a, _) in CLIP_AND_ACCUMULATE.items()},
-    **{f"mixed-{name}": ["--steps", "6", "--samples", "8", *args] for name, (args, _) in MIXED.items()},
-    **{f"clip-mixed-{n}": ["--optimizer", "sgd", "--steps", "3", "--clip-val", "0.05", *a] for n, a in CLIP_MIXED.items()},
-    **{f"unsupported-{precision}": ["--precision", precision, "--steps", "1"] for precision in UNSUPPORTED},
-    "true-bf16": [*TRUE_BF16, "--steps", "4"],
+JOBS: dict[str, Scenario] = {
+    **{f"policy-{policy}": Scenario(policy=policy, steps=3) for policy in POLICIES},
+    **{f"controls-{name}": Scenario(**fields, steps=2) for name, (fields, _) in CONTROLS.items()},
+    **{f"policy-{policy}": Scenario(policy=policy, steps=3) for policy in TORCH_POLICIES},
+    **{f"manual-{w}-{h}": Scenario(model="manual", wrap_with=w, hook=h, optimizer="sgd") for w, h in MANUAL},
+    **{f"params-{p}": Scenario(params=p, optimizer="adamw", scheduler=True, steps=3) for p in ("self", "trainer")},
+    "unflattened": Scenario(flatten=False, steps=3),
+    "eval-after": Scenario(strategy_name="fsdp_fairscale", eval_after=True, steps=2),
+    "groups-unflattened": Scenario(params="split", flatten=False, optimizer="sgd", steps=2),
+    **{f"clip-accumulate-{n}": Scenario(optimizer="sgd", steps=3, **f) for n, (f, _) in CLIP_AND_ACCUMULATE.items()},
+    **{f"mixed-{name}": Scenario(steps=6, samples=8, **fields) for name, (fields, _) in MIXED.items()},
+    **{f"clip-mixed-{n}": Scenario(optimizer="sgd", steps=3, clip=(0.05, "norm"), **f) for n, f in CLIP_MIXED.items()},
+    **{f"unsupported-{precision}": Scenario(precision=precision, steps=1) for precision in UNSUPPORTED},
+    "true-bf16": TRUE_BF16.replace(steps=4),
     # Saved into the launch's folder (its working directory), then resumed.
-    **{f"true-bf16-half-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "2", "--save-ckpt", f"bf16-{k}.ckpt"]
+    **{f"true-bf16-half-{k}": TRUE_BF16.replace(state_dict_type=k, steps=2, save_ckpt=f"bf16-{k}.ckpt")
        for k in CHECKPOINT_KINDS},
-    **{f"true-bf16-resumed-{k}": [*TRUE_BF16, "--state-dict-type", k, "--steps", "4", "--ckpt-path", f"bf16-{k}.ckpt"]
+    **{f"true-bf16-resumed-{k}": TRUE_BF16.replace(state_dict_type=k, steps=4, ckpt_path=f"bf16-{k}.ckpt")
        for k in CHECKPOINT_KINDS},
     # A checkpoint of one precision resumed in the other (the bf16 one from above).
-    "32-half": ["--samples", "8", "--steps", "2", "--save-ckpt", "fp32-full.ckpt"],
-    "true-bf16-from-32": [*TRUE_BF16, "--steps", "4", "--ckpt-path", "fp32-full.ckpt"],
-    "32-from-true-bf16": ["--samples", "8", "--steps", "4", "--ckpt-path", "bf16-full.ckpt"],
-    "true-bf16-sgd": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4"],
-    "true-bf16-sgd-clip": ["--precision", "bf16-true", "--optimizer", "sgd", "--steps", "4", "--clip-val", "0.05"],
-    "true-16": ["--precision", "16-true", "--optimizer", "sgd", "--samples", "8", "--steps", "6"],
-    "true-bf16-lazy": ["--precision", "bf16-true", "--model", "lazy", "--optimizer", "sgd", "--steps", "4"],
-    "cpu-offload": ["--cpu-offload", "--steps", "2"],
+    "32-half": Scenario(samples=8, steps=2, save_ckpt="fp32-full.ckpt"),
+    "true-bf16-from-32": TRUE_BF16.replace(steps=4, ckpt_path="fp32-full.ckpt"),
+    "32-from-true-bf16": Scenario(samples=8, steps=4, ckpt_path="bf16-full.ckpt"),
+    "true-bf16-sgd": Scenario(precision="bf16-true", optimizer="sgd", steps=4),
+    "true-bf16-sgd-clip": Scenario(precision="bf16-true", optimizer="sgd", steps=4, clip=(0.05, "norm")),
+    "true-16": Scenario(precision="16-true", optimizer="sgd", samples=8, steps=6),
+    "true-bf16-lazy": Scenario(precision="bf16-true", model="lazy", optimizer="sgd", steps=4),
+    "cpu-offload": Scenario(cpu_offload=True, steps=2),
     "recipe-mixed": RECIPE_MIXED,
-    "summary": ["--policy", "blocks", "--steps", "2"],
-    **{f"meta-{name}": args for name, (args, *_) in META.items()},
-    "meta-uninitializable": ["--init", "meta", "--uninitializable", "--steps", "1"],
-    "frozen-root": ["--policy", "blocks", "--freeze", *FROZEN_ROOT, "--steps", "2"],
+    "summary": Scenario(policy="blocks", steps=2),
+    **{f"meta-{name}": scenario for name, (scenario, *_) in META.items()},
+    "meta-uninitializable": Scenario(init="meta", uninitializable=True, steps=1),
+    "frozen-root": Scenario(policy="blocks", freeze=FROZEN_ROOT, steps=2),
 }
 
 

@@ -21,31 +21,32 @@ from typing import Any
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Config, FabricScenario, Scenario
 
-from conftest import Jobs, fabric_job, run_jobs
+from conftest import Jobs, run_jobs
 from lightning_fairscale import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 
 ATOL = 2e-5
-NODES = ["--num-nodes", "2", "--devices", "2"]
-CLIP = ["--clip-val", "0.05", "--clip-alg", "norm"]  # the clip value bites
-STEPS = ["--steps", "4", "--samples", "8", "--scheduler"]  # one step per epoch: every epoch end resumes exactly
-HYBRID_STEPS = ["--sharding-strategy", "HYBRID_SHARD", *STEPS, "--state-dict-type", "sharded"]
+NODES = Scenario(num_nodes=2, devices=2)
+CLIP = (0.05, "norm")  # the clip value bites
+STEPS = {"steps": 4, "samples": 8, "scheduler": True}  # one step per epoch: every epoch end resumes exactly
+HYBRID_STEPS = NODES.replace(sharding_strategy="HYBRID_SHARD", **STEPS, state_dict_type="sharded")
 SOURCE = "epoch=1-step=2.ckpt"  # the sharded checkpoint of step 2 that the other runs resume from
-JOBS = {
+JOBS: dict[str, Config] = {
     # Shard over each node's ranks (the default mesh), Adam, clipping by norm.
-    "hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP, "--save-ckpt", "hybrid.ckpt"],
+    "hybrid": NODES.replace(sharding_strategy="HYBRID_SHARD", steps=3, clip=CLIP, save_ckpt="hybrid.ckpt"),
     # The same shape given as a mesh, with gradient accumulation (`no_sync`: no traffic on the accumulating steps).
-    "mesh-accumulate": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--device-mesh", "2", "2", "--steps", "2",
-                        "--accumulate", "2", "--samples", "32", *CLIP],
+    "mesh-accumulate": NODES.replace(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2), steps=2, accumulate=2,
+                                     samples=32, clip=CLIP),
     # Today's behaviour over all 4 ranks, for the memory comparison.
-    "full": [*NODES, "--steps", "3", *CLIP],
+    "full": NODES.replace(steps=3, clip=CLIP),
     # Sharded checkpoints at every epoch end (one step each), written by replica 0; then resumed at step 2.
-    "sharded": [*NODES, *HYBRID_STEPS, "--checkpoint-dir", "ck-sharded"],
-    "sharded-resumed": [*NODES, *HYBRID_STEPS, "--ckpt-path", f"ck-sharded/{SOURCE}"],
+    "sharded": HYBRID_STEPS.replace(checkpoint_dir="ck-sharded"),
+    "sharded-resumed": HYBRID_STEPS.replace(ckpt_path=f"ck-sharded/{SOURCE}"),
     # Fabric's strategy, hybrid, in the same processes: Adam, clipping by norm.
-    "fabric-hybrid": fabric_job("--strategy", "fsdp", "--num-nodes", "2", "--sharding-strategy", "HYBRID_SHARD",
-                                "--steps", "3", "--clip-norm", "0.05"),
+    "fabric-hybrid": FabricScenario(strategy="fsdp", num_nodes=2, sharding_strategy="HYBRID_SHARD", steps=3,
+                                    clip_norm=0.05),
 }  # fmt: skip
 
 
@@ -65,12 +66,12 @@ def consolidated(jobs: Jobs) -> Path:
 @pytest.fixture(scope="module")
 def two_processes(jobs: Jobs, consolidated: Path) -> Jobs:
     """2 processes, one node, FULL_SHARD: resume from the hybrid sharded checkpoint and from its consolidation."""
-    steps = ["--devices", "2", *STEPS, "--state-dict-type", "sharded"]
+    steps = Scenario(devices=2, **STEPS, state_dict_type="sharded")
     resumes = {
-        "full-from-hybrid": [*steps, "--ckpt-path", str(jobs.folder / "ck-sharded" / SOURCE)],
-        "full-from-consolidated": [*steps, "--ckpt-path", str(consolidated)],
+        "full-from-hybrid": steps.replace(ckpt_path=str(jobs.folder / "ck-sharded" / SOURCE)),
+        "full-from-consolidated": steps.replace(ckpt_path=str(consolidated)),
         # Sharded checkpoints of its own (2 shards, full sharding), for the hybrid resume of the third launch.
-        "full-source": [*steps, "--checkpoint-dir", "ck-full"],
+        "full-source": steps.replace(checkpoint_dir="ck-full"),
     }
     return run_jobs(jobs.folder / "two_processes", resumes)
 
@@ -80,10 +81,10 @@ def lightning_launcher(two_processes: Jobs) -> Jobs:
     """4 processes, 2 nodes: one started per node, Lightning's launcher starts the other (see the module's doc)."""
     launched = {
         # Adam, clipping by norm; then validate, test and predict on the sharded module; then `unshard_module`.
-        "launcher-hybrid": [*NODES, "--sharding-strategy", "HYBRID_SHARD", "--steps", "3", *CLIP, "--eval-after"],
+        "launcher-hybrid": NODES.replace(sharding_strategy="HYBRID_SHARD", steps=3, clip=CLIP, eval_after=True),
         # The full-sharding checkpoint of step 2 (2 shards) resumed on 4 processes under hybrid sharding.
-        "hybrid-from-full": [*NODES, *HYBRID_STEPS, "--record-loaded",
-                             "--ckpt-path", str(two_processes.folder / "ck-full" / SOURCE)],
+        "hybrid-from-full": HYBRID_STEPS.replace(record_loaded=True,
+                                                 ckpt_path=str(two_processes.folder / "ck-full" / SOURCE)),
     }  # fmt: skip
     return run_jobs(two_processes.folder.parent / "lightning_launcher", launched, nodes=2, launcher="lightning")
 

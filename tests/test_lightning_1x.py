@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Scenario
 
 from conftest import Jobs, run_jobs
 from lightning_fairscale.convert_1x import main as convert
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lightning_1x"
-RESUME = ["--depth", "1", "--samples", "8", "--steps", "6", "--scheduler"]
+RESUME = Scenario(depth=1, samples=8, steps=6, scheduler=True)
 GAMMA = 0.7  # the StepLR of scenarios.common
 
 
@@ -38,18 +39,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     converted = folder / "converted.ckpt"
     assert convert([str(FIXTURES / "fsdp_adam.ckpt"), str(converted)]) == 0
     jobs = {
-        "fsdp-sgd": ["--optimizer", "plain_sgd", "--ckpt-path", str(FIXTURES / "fsdp_sgd.ckpt")],
-        "fsdp-adam": ["--optimizer", "adam", "--ckpt-path", str(FIXTURES / "fsdp_adam.ckpt")],
-        "fsdp-adam-reset": [
-            "--optimizer", "adam", "--lightning-1x-optimizer-state", "reset", "--ckpt-path",
-            str(FIXTURES / "fsdp_adam.ckpt"),
-        ],
-        "converted-ddp-sharded": ["--optimizer", "adam", "--strategy-name", "ddp_sharded", "--ckpt-path", str(converted)],
-        "ddp-sharded": [
-            "--optimizer", "adam", "--strategy-name", "ddp_sharded", "--ckpt-path", str(FIXTURES / "sharded_adam.ckpt"),
-        ],
+        "fsdp-sgd": RESUME.replace(optimizer="plain_sgd", ckpt_path=str(FIXTURES / "fsdp_sgd.ckpt")),
+        "fsdp-adam": RESUME.replace(optimizer="adam", ckpt_path=str(FIXTURES / "fsdp_adam.ckpt")),
+        "fsdp-adam-reset": RESUME.replace(optimizer="adam", lightning_1x_optimizer_state="reset",
+                                          ckpt_path=str(FIXTURES / "fsdp_adam.ckpt")),
+        "converted-ddp-sharded": RESUME.replace(optimizer="adam", strategy_name="ddp_sharded", ckpt_path=str(converted)),
+        "ddp-sharded": RESUME.replace(optimizer="adam", strategy_name="ddp_sharded",
+                                      ckpt_path=str(FIXTURES / "sharded_adam.ckpt")),
     }  # fmt: skip
-    return run_jobs(folder, {name: [*RESUME, *args] for name, args in jobs.items()}, failing=["fsdp-adam"])
+    return run_jobs(folder, jobs, failing=["fsdp-adam"])
 
 
 def assert_went_on_from_the_checkpoint(result: dict[str, Any], checkpoint: dict[str, Any]) -> None:

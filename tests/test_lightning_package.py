@@ -15,6 +15,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Scenario
 
 import lightning_fairscale
 import lightning_fairscale.lightning as for_lightning
@@ -31,7 +32,7 @@ NAMES = {
     "ddp_sharded_find_unused_parameters_false": "DDPShardedStrategy",
     "ddp_sharded_spawn": "DDPSpawnShardedStrategy",
 }
-STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # one step per epoch: every epoch end is a resume point
+STEPS = Scenario(steps=4, samples=8, scheduler=True)  # one step per epoch: every epoch end is a resume point
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -125,18 +126,18 @@ def test_sharded_ddp_training_equals_unsharded_training(tmp_path: Path, package:
 STATE_DICT_TYPES = ["full", "sharded"]
 
 
-def _straight_jobs(folder: Path) -> dict[str, list[str]]:
+def _straight_jobs(folder: Path) -> dict[str, Scenario]:
     """Four steps with a checkpoint at every epoch end, saved full and sharded."""
     return {
-        f"straight-{kind}": [*STEPS, "--checkpoint-dir", str(folder / f"ck-{kind}"), "--state-dict-type", kind]
+        f"straight-{kind}": STEPS.replace(checkpoint_dir=str(folder / f"ck-{kind}"), state_dict_type=kind)
         for kind in STATE_DICT_TYPES
     }
 
 
-def _resume_jobs(written: Jobs) -> dict[str, list[str]]:
+def _resume_jobs(written: Jobs) -> dict[str, Scenario]:
     """Resumes from the step-2 checkpoints that the straight jobs of ``written`` (another package's launch) wrote."""
     return {
-        f"resume-{kind}": [*STEPS, "--ckpt-path", str(_checkpoint(written, kind, 2)), "--state-dict-type", kind]
+        f"resume-{kind}": STEPS.replace(ckpt_path=str(_checkpoint(written, kind, 2)), state_dict_type=kind)
         for kind in STATE_DICT_TYPES
     }
 
@@ -150,14 +151,14 @@ def _checkpoint(jobs: Jobs, kind: str, step: int) -> Path:
 @pytest.fixture(scope="module")
 def pl_runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     folder = tmp_path_factory.mktemp("pytorch_lightning")
-    jobs = {**_straight_jobs(folder), "fully-sharded": ["--policy", "blocks", "--steps", "3"]}
+    jobs = {**_straight_jobs(folder), "fully-sharded": Scenario(policy="blocks", steps=3)}
     return run_jobs(folder, jobs, package="pytorch_lightning")
 
 
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory: pytest.TempPathFactory, pl_runs: Jobs) -> Jobs:
     folder = tmp_path_factory.mktemp("lightning")
-    jobs = {**_resume_jobs(pl_runs), **_straight_jobs(folder), "fully-sharded": ["--policy", "blocks", "--steps", "3"]}
+    jobs = {**_resume_jobs(pl_runs), **_straight_jobs(folder), "fully-sharded": Scenario(policy="blocks", steps=3)}
     return run_jobs(folder, jobs, package="lightning")
 
 

@@ -8,21 +8,22 @@ import pytest
 import torch
 from pytorch_lightning.utilities.model_summary import ModelSummary, get_human_readable_count
 from scenarios.common import IN_FEATURES, Block, RegressionModel
+from scenarios.config import Scenario
 from torch import nn
 
-from conftest import TRAIN_SCRIPT, run_script
+from conftest import command, run_script
 from lightning_fairscale.callbacks.model_summary import FullyShardedSummary, ParameterCounts, user_modules
 
 
 @pytest.mark.parametrize(
-    ("flatten", "package"), [(1, "pytorch_lightning"), (0, "lightning")], ids=["flat-pl", "unflattened-lightning"]
+    ("flatten", "package"), [(True, "pytorch_lightning"), (False, "lightning")], ids=["flat-pl", "unflattened-lightning"]
 )
-def test_summaries_show_the_full_model_and_each_ranks_shard(tmp_path: Path, flatten: int, package: str) -> None:
+def test_summaries_show_the_full_model_and_each_ranks_shard(tmp_path: Path, flatten: bool, package: str) -> None:
     """2 processes, every Block its own unit: the Trainer's summary is the unsharded model's, plus each rank's shard;
     the unit summary is logged once, where Lightning's messages go, with no logging set up by the script."""
     out = tmp_path / "result.pt"
-    args = ["--steps", "1", "--policy", "blocks", "--flatten", str(flatten), "--model-summary", "--example-input"]
-    proc = run_script([str(TRAIN_SCRIPT), "--out", str(out), *args], cwd=tmp_path, package=package, ranks=2)
+    config = Scenario(steps=1, policy="blocks", flatten=flatten, model_summary=True, example_input=True)
+    proc = run_script(command(config, out), cwd=tmp_path, package=package, ranks=2)
     result = torch.load(out, weights_only=False)
 
     unsharded = RegressionModel()

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Lose, Scenario
 
-from conftest import TRAIN_SCRIPT, Jobs, clean_env, free_port, run_jobs
+from conftest import Jobs, clean_env, command, free_port, run_jobs
 
 ATOL = 1e-5
 
@@ -29,11 +30,11 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, time
     """Start one process per "node", wait for all, and return their outputs; fail if any exits non-zero."""
     logs = [cwd / f"node-{i}.log" for i in range(len(commands))]
     processes = []
-    for (command, env), log in zip(commands, logs):
+    for (arguments, env), log in zip(commands, logs):
         with open(log, "w") as out:
             processes.append(
                 subprocess.Popen(
-                    command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    arguments, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
                 )
             )
     try:
@@ -51,24 +52,24 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, time
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) -> None:
     out = tmp_path / "result.pt"
-    script = [str(TRAIN_SCRIPT), "--out", str(out), "--devices", "1", "--num-nodes", "2", "--steps", "3"]
+    script = command(Scenario(devices=1, num_nodes=2, steps=3), out)
     port = str(free_port())
     commands = []
     for node in range(2):
         if launcher == "torchrun":
-            command = [
+            arguments = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port, *script,
             ]  # fmt: skip
             env = clean_env()
         else:
-            command = [sys.executable, *script]
+            arguments = [sys.executable, *script]
             env = clean_env(
                 SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(node), SLURM_LOCALID="0",
                 SLURM_NODEID=str(node), SLURM_JOB_ID="4242", SLURM_JOB_NAME="fsdp-test", SLURM_NODELIST="127.0.0.1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
             )  # fmt: skip
-        commands.append((command, env))
+        commands.append((arguments, env))
     outputs = _run_nodes(commands, tmp_path)
     environment = "TorchElasticEnvironment" if launcher == "torchrun" else "SLURMEnvironment"
     assert all(f"cluster={environment}" in output for output in outputs), outputs[0][-3000:]
@@ -90,14 +91,12 @@ def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) 
 )
 def test_a_lost_rank_ends_the_run_quickly_and_is_named(tmp_path: Path, rank: int, how: str, expected: str) -> None:
     log = tmp_path / "run.log"
-    command = [
-        sys.executable, str(TRAIN_SCRIPT), "--out", str(tmp_path / "unused.pt"), "--steps", "50", "--samples", "64",
-        "--lose-rank", str(rank), "--lose-at-step", "3", "--lose-how", how, "--timeout", "10",
-    ]  # fmt: skip
+    config = Scenario(steps=50, samples=64, lose=Lose(rank, step=3, how=how), timeout=10)
+    arguments = [sys.executable, *command(config, tmp_path / "unused.pt")]
     started = time.monotonic()
     with open(log, "w") as out:
         process = subprocess.Popen(
-            command, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            arguments, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         process.wait(timeout=120)
@@ -137,25 +136,21 @@ def _group_alive(pgid: int) -> bool:
 #: processes in tests/test_strategy_config.py.)
 MISCONFIGURATIONS = [
     (
-        ("--params", "stray"),
+        Scenario(params="stray"),
         "not part of the LightningModule, so FSDP does not shard or update it. Create the optimizer",
     ),
-    (("--compute-dtype", "float16"), "needs mixed precision"),
-    (("--move-grads-to-cpu", "0", "--cpu-offload"), "leave `move_grads_to_cpu` unset"),
-    (("--ckpt-path", "missing.ckpt"), "not found"),
+    (Scenario(compute_dtype="float16"), "needs mixed precision"),
+    (Scenario(move_grads_to_cpu=False, cpu_offload=True), "leave `move_grads_to_cpu` unset"),
+    (Scenario(ckpt_path="missing.ckpt"), "not found"),
     # Under FSDP, SWA would average nothing, silently; it is refused before any process group exists.
-    (("--callback", "swa"), "`StochasticWeightAveraging` does not work with `DDPFullyShardedStrategy`"),
-    (("--callback", "pruning", "--devices", "1"), "`ModelPruning` does not work with `DDPFullyShardedStrategy`"),
+    (Scenario(callback="swa"), "`StochasticWeightAveraging` does not work with `DDPFullyShardedStrategy`"),
+    (Scenario(callback="pruning", devices=1), "`ModelPruning` does not work with `DDPFullyShardedStrategy`"),
 ]
 MISCONFIGURATION_IDS = [m[1][:24] for m in MISCONFIGURATIONS]
 
 
 def _misconfiguration(index: int) -> str:
     return f"misconfiguration-{index}"
-
-
-def _processes(args: tuple[str, ...]) -> int:
-    return int(args[args.index("--devices") + 1]) if "--devices" in args else 2
 
 
 DAMAGED = [
@@ -167,7 +162,7 @@ DAMAGED = [
 DAMAGED_IDS = ["full-truncated", "full-zeroed", "sharded-one-shard-truncated", "sharded-meta-zeroed"]
 KINDS = ["full", "sharded"]
 #: A failing job whose ranks wait for each other must not wait for the strategy's collective timeout (30 s).
-TIMEOUT = ("--timeout", "30")
+TIMEOUT = 30
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +170,13 @@ def first(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     """One launch of 2 processes: the first of two same-seed runs (the first job, in fresh processes), the
     misconfigurations (failing), a full and a sharded checkpoint of the same two steps, and freezing unflattened."""
     folder = tmp_path_factory.mktemp("first")
-    jobs: dict[str, list[str]] = {"seed": ["--steps", "3"]}
-    for index, (args, _) in enumerate(MISCONFIGURATIONS):
-        if _processes(args) == 2:
-            jobs[_misconfiguration(index)] = [*args, *TIMEOUT]
+    jobs = {"seed": Scenario(steps=3)}
+    for index, (config, _) in enumerate(MISCONFIGURATIONS):
+        if config.devices == 2:
+            jobs[_misconfiguration(index)] = config.replace(timeout=TIMEOUT)
     for kind in KINDS:
-        jobs[f"saved-{kind}"] = [
-            "--steps", "2", "--samples", "8", "--state-dict-type", kind, "--checkpoint-dir", str(folder / kind)
-        ]  # fmt: skip
-    jobs["freeze-unflattened"] = ["--freeze", "net.1.up.weight", "--flatten", "0", "--steps", "2"]
+        jobs[f"saved-{kind}"] = Scenario(steps=2, samples=8, state_dict_type=kind, checkpoint_dir=str(folder / kind))
+    jobs["freeze-unflattened"] = Scenario(freeze=("net.1.up.weight",), flatten=False, steps=2)
     failing = [name for name in jobs if name.startswith("misconfiguration-")]
     return run_jobs(folder, jobs, failing=failing)
 
@@ -192,9 +185,9 @@ def first(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
 def single(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     """One launch of 1 process: the misconfigurations that only show on one process (failing)."""
     jobs = {
-        _misconfiguration(index): [*args, *TIMEOUT]
-        for index, (args, _) in enumerate(MISCONFIGURATIONS)
-        if _processes(args) == 1
+        _misconfiguration(index): config.replace(timeout=TIMEOUT)
+        for index, (config, _) in enumerate(MISCONFIGURATIONS)
+        if config.devices == 1
     }
     return run_jobs(tmp_path_factory.mktemp("single"), jobs, failing=list(jobs))
 
@@ -213,16 +206,15 @@ def second(first: Jobs, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     """A later launch of 2 processes: the second same-seed run (the first job, in fresh processes), resumes from
     damaged copies of ``first``'s checkpoints and from its checkpoints into another model (all failing)."""
     folder = tmp_path_factory.mktemp("second")
-    jobs: dict[str, list[str]] = {"seed": ["--steps", "3"]}
+    jobs = {"seed": Scenario(steps=3)}
     for name, (kind, damaged, how, _) in zip(DAMAGED_IDS, DAMAGED):
         copy = folder / f"{name}.ckpt"
         (shutil.copytree if _saved(first, kind).is_dir() else shutil.copy)(_saved(first, kind), copy)
         _damage(copy / damaged if damaged else copy, how)
-        jobs[f"damaged-{name}"] = ["--steps", "4", "--samples", "8", "--ckpt-path", str(copy), *TIMEOUT]
+        jobs[f"damaged-{name}"] = Scenario(steps=4, samples=8, ckpt_path=str(copy), timeout=TIMEOUT)
     for kind in KINDS:
-        jobs[f"other-model-{kind}"] = [
-            "--steps", "4", "--samples", "8", "--depth", "3", "--ckpt-path", str(_saved(first, kind)), *TIMEOUT
-        ]  # fmt: skip
+        jobs[f"other-model-{kind}"] = Scenario(steps=4, samples=8, depth=3, ckpt_path=str(_saved(first, kind)),
+                                               timeout=TIMEOUT)
     return run_jobs(folder, jobs, failing=[name for name in jobs if name != "seed"])
 
 
@@ -239,13 +231,11 @@ def test_same_seed_gives_identical_parameters(first: Jobs, second: Jobs) -> None
     assert max_difference(first["seed"]["state_dict"], second["seed"]["state_dict"]) == 0.0
 
 
-@pytest.mark.parametrize(("args", "message"), MISCONFIGURATIONS, ids=MISCONFIGURATION_IDS)
-def test_misconfiguration_fails_early_with_a_hint(
-    request: pytest.FixtureRequest, args: tuple[str, ...], message: str
-) -> None:
-    processes = _processes(args)
+@pytest.mark.parametrize(("config", "message"), MISCONFIGURATIONS, ids=MISCONFIGURATION_IDS)
+def test_misconfiguration_fails_early_with_a_hint(request: pytest.FixtureRequest, config: Scenario, message: str) -> None:
+    processes = config.devices
     runs: Jobs = request.getfixturevalue("first" if processes == 2 else "single")
-    name = _misconfiguration(MISCONFIGURATIONS.index((args, message)))
+    name = _misconfiguration(MISCONFIGURATIONS.index((config, message)))
     for error in runs.errors(name, ranks=processes):  # every rank refuses it
         assert message in error["message"], error["traceback"][-4000:]
         assert error["trained_batches"] in (0, None)  # nothing trained

@@ -18,14 +18,15 @@ from typing import Any, Callable
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
+from scenarios.config import Kill, Scenario
 
 from conftest import (
     PARTIAL,
-    TRAIN_SCRIPT,
     Jobs,
     assert_loads_without_fairscale,
     assert_partial_resume,
     assert_strict_refusal,
+    command,
     partial_jobs,
     run_jobs,
     run_script,
@@ -34,19 +35,19 @@ from lightning_fairscale import consolidate as consolidate_tool
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
 TrainFailing = Callable[..., Any]
-STEPS = ("--steps", "4", "--samples", "8", "--scheduler")  # one step per epoch: every epoch end is a clean resume point
+STEPS = Scenario(steps=4, samples=8, scheduler=True)  # one step per epoch: every epoch end is a clean resume point
 SOURCE = "epoch=1-step=2.ckpt"  # the checkpoint of the straight runs that the other runs load
 # Resumes at step 2 and stops there: the hop only loads and saves again.
-NO_MORE_STEPS = ("--steps", "2", "--samples", "8", "--scheduler", "--state-dict-type", "sharded")
-SETUPS = {
-    "unflattened": ("--flatten", "0"),
-    "manual-wrap-aliases": ("--model", "manual", "--optimizer", "sgd"),
-    "bf16-mixed": ("--precision", "bf16-mixed"),
+NO_MORE_STEPS = Scenario(steps=2, samples=8, scheduler=True, state_dict_type="sharded")
+SETUPS = {  # name -> the scenario's fields
+    "unflattened": {"flatten": False},
+    "manual-wrap-aliases": {"model": "manual", "optimizer": "sgd"},
+    "bf16-mixed": {"precision": "bf16-mixed"},
 }
 #: The recipe of a modern fine-tuning script: AdamW with decay on weights and none on biases (two param groups that
 #: split every FSDP unit), the first layer's and a block's weights frozen inside units that also train, clipping.
 FROZEN = ("net.0.weight", "net.1.up.weight")
-RECIPE = ("--optimizer", "adamw", "--params", "split", "--freeze", *FROZEN, "--clip-val", "0.05")
+RECIPE = STEPS.replace(optimizer="adamw", params="split", freeze=FROZEN, clip=(0.05, "norm"))
 # Rank 0 writes its shard, then meta.pt, for each sharded checkpoint: 3 is its second shard, 4 the second meta.pt.
 KILLS = {
     "full-rank0": ("full", 0, 2),
@@ -65,29 +66,25 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def first(folder: Path) -> Jobs:
     """2 processes: the straight runs (sharded and full), then what starts from them or needs nothing else."""
     source = str(folder / "ck-sharded" / SOURCE)
-    jobs: dict[str, list[str]] = {
-        "sharded": [*STEPS, "--checkpoint-dir", str(folder / "ck-sharded"), "--state-dict-type", "sharded"],
-        "full": [*STEPS, "--checkpoint-dir", str(folder / "ck-full"), "--state-dict-type", "full"],
-        # Also the resharding test's run that goes on from the source on 2 processes: the same command line.
-        "resumed": [*STEPS, "--ckpt-path", source, "--state-dict-type", "sharded"],
-        "hop-2": [*NO_MORE_STEPS, "--ckpt-path", source, "--devices", "2", "--save-ckpt", str(folder / "hop-2.ckpt")],
-        "save-top-k": [
-            *STEPS, "--checkpoint-dir", str(folder / "ck-top-k"), "--save-top-k", "2", "--state-dict-type", "sharded"
-        ],
+    jobs = {
+        "sharded": STEPS.replace(checkpoint_dir=str(folder / "ck-sharded"), state_dict_type="sharded"),
+        "full": STEPS.replace(checkpoint_dir=str(folder / "ck-full"), state_dict_type="full"),
+        # Also the resharding test's run that goes on from the source on 2 processes: the same scenario.
+        "resumed": STEPS.replace(ckpt_path=source, state_dict_type="sharded"),
+        "hop-2": NO_MORE_STEPS.replace(ckpt_path=source, devices=2, save_ckpt=str(folder / "hop-2.ckpt")),
+        "save-top-k": STEPS.replace(checkpoint_dir=str(folder / "ck-top-k"), save_top_k=2, state_dict_type="sharded"),
     }
     for kind in ("full", "sharded"):  # the recipe: straight, then resumed at step 2 (the next jobs of this launch)
-        jobs[f"recipe-{kind}"] = [*RECIPE, *STEPS, "--checkpoint-dir", str(folder / f"recipe-{kind}"),
-                                  "--state-dict-type", kind]  # fmt: skip
+        jobs[f"recipe-{kind}"] = RECIPE.replace(checkpoint_dir=str(folder / f"recipe-{kind}"), state_dict_type=kind)
     for kind in ("full", "sharded"):
-        jobs[f"recipe-resumed-{kind}"] = [*RECIPE, *STEPS, "--ckpt-path", str(folder / f"recipe-{kind}" / SOURCE)]
+        jobs[f"recipe-resumed-{kind}"] = RECIPE.replace(ckpt_path=str(folder / f"recipe-{kind}" / SOURCE))
     # Strict loading off: a changed model resumes from the old one's sharded checkpoint (saved here on 2 processes).
     jobs.update(partial_jobs(folder / "partial-source.ckpt", "sharded"))
     for name, variant in SETUPS.items():
         for kind in ("full", "sharded"):
             directory = str(folder / f"setup-{name}-{kind}")
-            jobs[f"setup-{name}-{kind}"] = [
-                "--steps", "2", "--samples", "8", *variant, "--checkpoint-dir", directory, "--state-dict-type", kind
-            ]
+            jobs[f"setup-{name}-{kind}"] = Scenario(steps=2, samples=8, **variant, checkpoint_dir=directory,
+                                                    state_dict_type=kind)
     return run_jobs(folder / "first", jobs, failing=["partial-sharded-strict"])
 
 
@@ -107,26 +104,25 @@ def consolidated(source: Path, folder: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def one_process(source: Path, consolidated: dict[str, Any], folder: Path) -> Jobs:
     """1 process: the consolidated checkpoint, the source and the 2-process hop loaded on one process."""
-    source_path, devices = str(source), ("--devices", "1")
+    source_path = str(source)
     jobs = {
-        "consolidated-resumed": [*STEPS, "--ckpt-path", str(consolidated["path"]), *devices],
-        "hop-1": [*NO_MORE_STEPS, "--ckpt-path", source_path, *devices, "--save-ckpt", str(folder / "hop-1.ckpt")],
-        "back-2": [
-            *NO_MORE_STEPS, "--ckpt-path", str(folder / "hop-2.ckpt"), *devices,
-            "--save-ckpt", str(folder / "back-2.ckpt"),
-        ],
-        "continued-1": [*STEPS, "--ckpt-path", source_path, *devices, "--state-dict-type", "sharded"],
-        "another-wrapping": [*STEPS, "--ckpt-path", source_path, "--policy", "blocks", *devices],
-        "recipe-resumed-1": [*RECIPE, *STEPS, "--ckpt-path", str(folder / "recipe-sharded" / SOURCE), *devices],
-        "partial-resharded": [
-            *PARTIAL, "--ckpt-path", str(folder / "partial-source.ckpt"), "--strict-loading", "0", *devices
-        ],
-    }
+        "consolidated-resumed": STEPS.replace(ckpt_path=str(consolidated["path"]), devices=1),
+        "hop-1": NO_MORE_STEPS.replace(ckpt_path=source_path, devices=1, save_ckpt=str(folder / "hop-1.ckpt")),
+        "back-2": NO_MORE_STEPS.replace(ckpt_path=str(folder / "hop-2.ckpt"), devices=1,
+                                        save_ckpt=str(folder / "back-2.ckpt")),
+        "continued-1": STEPS.replace(ckpt_path=source_path, devices=1, state_dict_type="sharded"),
+        "another-wrapping": STEPS.replace(ckpt_path=source_path, policy="blocks", devices=1),
+        "recipe-resumed-1": RECIPE.replace(ckpt_path=str(folder / "recipe-sharded" / SOURCE), devices=1),
+        "partial-resharded": PARTIAL.replace(ckpt_path=str(folder / "partial-source.ckpt"), strict_loading=False,
+                                             devices=1),
+    }  # fmt: skip
     return run_jobs(folder / "one_process", jobs, failing=["another-wrapping"])
 
 
-def _kill_common(folder: Path, state_dict_type: str) -> tuple[str, ...]:
-    return ("--checkpoint-dir", str(folder), "--save-last", "--state-dict-type", state_dict_type)
+def _killed_save(folder: Path, state_dict_type: str, kill: Kill, timeout: float) -> Scenario:
+    """The straight run with a ``last.ckpt`` in ``folder``, whose save ``kill`` interrupts."""
+    return STEPS.replace(checkpoint_dir=str(folder), save_last=True, state_dict_type=state_dict_type, kill=kill,
+                         timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +132,8 @@ def killed(folder: Path) -> dict[str, subprocess.CompletedProcess]:
     for name, (state_dict_type, rank, nth) in KILLS.items():
         workdir = folder / f"killed-{name}"
         workdir.mkdir()
-        args = [*STEPS, *_kill_common(workdir / "ck", state_dict_type), "--kill-during-save", str(nth)]
-        args += ["--kill-rank", str(rank), "--timeout", "60"]
-        procs[name] = run_script(
-            [str(TRAIN_SCRIPT), "--out", str(workdir / "unused.pt"), *args], cwd=workdir, expect_ok=False
-        )
+        config = _killed_save(workdir / "ck", state_dict_type, Kill(nth, rank), timeout=60)
+        procs[name] = run_script(command(config, workdir / "unused.pt"), cwd=workdir, expect_ok=False)
     return procs
 
 
@@ -148,16 +141,14 @@ def killed(folder: Path) -> dict[str, subprocess.CompletedProcess]:
 def last(one_process: Jobs, killed: dict[str, subprocess.CompletedProcess], folder: Path) -> Jobs:
     """2 processes: the hop back from one process, the straight run, and the resumes of the killed saves."""
     jobs = {
-        "back-1": [
-            *NO_MORE_STEPS, "--ckpt-path", str(folder / "hop-1.ckpt"), "--devices", "2",
-            "--save-ckpt", str(folder / "back-1.ckpt"),
-        ],
-        "straight": [*STEPS],
+        "back-1": NO_MORE_STEPS.replace(ckpt_path=str(folder / "hop-1.ckpt"), devices=2,
+                                        save_ckpt=str(folder / "back-1.ckpt")),
+        "straight": STEPS,
     }
     for name, (state_dict_type, _, _) in KILLS.items():
         checkpoint = folder / f"killed-{name}" / "ck" / "last.ckpt"
         if checkpoint.exists():  # otherwise the test fails on the checkpoint, and the other tests go on
-            jobs[f"resumed-{name}"] = [*STEPS, "--ckpt-path", str(checkpoint), "--state-dict-type", state_dict_type]
+            jobs[f"resumed-{name}"] = STEPS.replace(ckpt_path=str(checkpoint), state_dict_type=state_dict_type)
     return run_jobs(folder / "last", jobs)
 
 
@@ -320,10 +311,7 @@ def test_a_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(
 ) -> None:
     """The disk fills up while a rank writes the second last.ckpt."""
     folder = tmp_path / "ck"
-    common = ("--checkpoint-dir", str(folder), "--save-last", "--state-dict-type", state_dict_type)
-    proc = train_failing(
-        *STEPS, *common, "--kill-during-save", "2", "--kill-rank", str(rank), "--kill-how", "enospc", "--timeout", "30"
-    )
+    proc = train_failing(_killed_save(folder, state_dict_type, Kill(2, rank, how="enospc"), timeout=30))
     assert expected in proc.stderr, proc.stderr[-4000:]
     last = folder / "last.ckpt"
     meta = torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)

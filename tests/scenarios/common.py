@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from models import Block  # (the scenarios' Block: HIDDEN wide, a 2x hidden layer, GELU)
 from scenarios.flavor import Callback, LightningModule
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
@@ -27,22 +28,9 @@ NUM_SAMPLES = 16  # two global batches: one epoch is two optimizer steps
 BF16_ATOL = 2.0**-9
 
 
-class Block(nn.Module):
-    """A transformer-style MLP block: pre-norm, expand, GELU, project, residual."""
-
-    def __init__(self, width: int = HIDDEN) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
 def build_network(depth: int = 2) -> nn.Module:
     torch.manual_seed(1234)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), *[Block() for _ in range(depth)], nn.Linear(HIDDEN, OUT_FEATURES))
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), *[Block(HIDDEN) for _ in range(depth)], nn.Linear(HIDDEN, OUT_FEATURES))
 
 
 def dataset(num_samples: int = NUM_SAMPLES) -> TensorDataset:

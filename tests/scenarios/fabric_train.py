@@ -1,27 +1,30 @@
 """A training loop written with Fabric, run as its own script so that Fabric's launcher can start one process per rank.
 
 The loop does what ``common.reference_training`` does on one process (micro-batches, accumulation, clipping, Adam),
-with each rank computing on its slice of the global batch. Rank 0 writes ``--out`` (torch.save) with:
+with each rank computing on its slice of the global batch, as a ``scenarios.config.FabricScenario`` says. Rank 0
+writes the result file (torch.save) with:
 
-* ``final``: the model's full state dict after ``--steps`` optimizer steps (``torch.load(path)["model"]`` of a full
+* ``final``: the model's full state dict after ``steps`` optimizer steps (``torch.load(path)["model"]`` of a full
   ``fabric.save(path, {"model": model})``);
 * ``norms``: the gradient norms ``fabric.clip_gradients`` returned;
-* with ``--save-at K --save-dir D``: checkpoints of step K in ``D`` (``full.ckpt``, and ``sharded.ckpt`` for FSDP),
-  and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``--resume-setup``
-  says) that loaded it in this process and trained the remaining steps;
-* with ``--load PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``--load-step``;
-* with ``--partial-from DIR`` (and nothing else): ``partial``, models whose code changed loaded from DIR's files.
+* with ``save_at=K, save_dir=D``: checkpoints of step K in ``D`` (``full.ckpt``, and ``sharded.ckpt`` for FSDP),
+  and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``resume_setup`` says)
+  that loaded it in this process and trained the remaining steps;
+* with ``load=PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``load_step``;
+* with ``partial_from=DIR`` (and nothing else): ``partial``, models whose code changed loaded from DIR's files.
 
-``fabric_train.py --jobs FILE`` runs several such command lines one after another in the same processes.
+The tests run ``fabric_train.py --jobs FILE``: several loops one after another in the same processes
+(``scenarios/jobs.py``). By hand, for debugging (from the project's root)::
+
+    PYTHONPATH=src python tests/scenarios/fabric_train.py --config '{"strategy": "fsdp", "steps": 2}' --out result.pt
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,70 +45,33 @@ from scenarios.common import (  # noqa: E402
     split_param_groups,
 )
 from scenarios.flavor import PACKAGE, Fabric, register_strategy_names  # noqa: E402
-from scenarios.jobs import run_jobs  # noqa: E402
+import scenarios.jobs  # noqa: E402
+from scenarios.config import FabricScenario  # noqa: E402
 
 register_strategy_names()  # `--strategy fsdp_fairscale`: a name in the registry of the chosen package's Fabric
 
 
-def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", default="fsdp_fairscale", help="a registry name, or 'fsdp'/'sharded' for an instance")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--sharding-strategy", default=None, help="the FSDP strategy's sharding_strategy (--strategy fsdp)")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--samples", type=int, default=16)
-    p.add_argument("--optimizer", default="adam")
-    p.add_argument("--params", default="self", choices=["self", "split"], help="split: split_param_groups")
-    p.add_argument("--freeze", nargs="*", default=(), help="freeze these parameters (by name) before set-up")
-    p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--clip-norm", type=float, default=None)
-    p.add_argument("--clip-val", type=float, default=None)
-    p.add_argument("--precision", default="32-true", help="the flag, or plugin-16-mixed: MixedPrecision('16-mixed')")
-    p.add_argument("--policy", default="blocks", choices=["blocks", "size"])
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
-    p.add_argument("--init-module", action="store_true",
-                   help="build the model in fabric.init_module(), wrapping each Block with fairscale.nn.wrap")
-    p.add_argument("--empty-init", action="store_true",
-                   help="build the model in fabric.init_module(empty_init=True): on the meta device, initialised when"
-                   " sharded (build_network's seed, 1234, is then the random state the units start from)")
-    p.add_argument("--setup", default="joint", choices=["joint", "separate", "after"],
-                   help="joint: fabric.setup(model, optimizer); separate: optimizer made first, then setup_module and"
-                   " setup_optimizers; after: setup_module, then the optimizer over the set-up model's parameters")
-    p.add_argument("--resume-setup", default=None, help="comma-separated --setup for the full, sharded resumes")
-    p.add_argument("--save-at", type=int, default=None)
-    p.add_argument("--save-dir", default=None)
-    p.add_argument("--load", default=None)
-    p.add_argument("--load-step", type=int, default=0, help="the step the --load checkpoint was saved at")
-    p.add_argument("--partial-from", default=None,
-                   help="load PartialWrappers from this folder's full.ckpt, sharded.ckpt and raw.pt (partial_loads)")
-    p.add_argument("--partial-kinds", default="full,sharded,raw,raw-sharded")
-    p.add_argument("--strict", type=int, default=0, help="the partial loads' `strict`")
-    return p.parse_args(argv)
-
-
-def make_strategy(args: argparse.Namespace) -> Any:
-    if args.strategy == "fsdp":
+def make_strategy(config: FabricScenario) -> Any:
+    if config.strategy == "fsdp":
         from scenarios.flavor import FabricDDPFullyShardedStrategy
 
         return FabricDDPFullyShardedStrategy(
-            auto_wrap_policy={Block} if args.policy == "blocks" else None,
+            auto_wrap_policy={Block} if config.policy == "blocks" else None,
             min_num_params=1000,
-            activation_checkpointing=Block if args.checkpointing else None,
-            **({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}),
+            activation_checkpointing=Block if config.checkpointing else None,
+            **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
         )
-    if args.strategy == "sharded":
+    if config.strategy == "sharded":
         from scenarios.flavor import FabricDDPShardedStrategy
 
         return FabricDDPShardedStrategy()
-    return args.strategy  # a registry name
+    return config.strategy  # a registry name
 
 
-def set_up(fabric: Any, how: str, args: argparse.Namespace, partial: bool = False) -> tuple[Any, Any]:
+def set_up(fabric: Any, how: str, config: FabricScenario, partial: bool = False) -> tuple[Any, Any]:
     """A fresh model (``PartialWrapper`` with ``partial``) and optimizer (the same initial weights every time), set
     up as ``how`` says."""
-    optimizer_name, init_module, empty_init = args.optimizer, args.init_module, args.empty_init
+    optimizer_name, init_module, empty_init = config.optimizer, config.init_module, config.empty_init
     if partial:
         model = PartialWrapper()
     elif init_module:
@@ -123,9 +89,9 @@ def set_up(fabric: Any, how: str, args: argparse.Namespace, partial: bool = Fals
             model = RegressionModelWrapper(build_network())
     else:
         model = RegressionModelWrapper(build_network())
-    for name in args.freeze:
+    for name in config.freeze:
         model.get_parameter(name).requires_grad_(False)
-    params = split_param_groups(model) if args.params == "split" else model.parameters()
+    params = split_param_groups(model) if config.params == "split" else model.parameters()
     if how == "joint":
         return fabric.setup(model, make_optimizer(optimizer_name, params))
     if how == "separate":
@@ -135,31 +101,31 @@ def set_up(fabric: Any, how: str, args: argparse.Namespace, partial: bool = Fals
     return model, fabric.setup_optimizers(make_optimizer(optimizer_name, model.parameters()))
 
 
-def train(fabric: Any, model: Any, optimizer: Any, args: argparse.Namespace, first: int, last: int,
+def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first: int, last: int,
           save: Optional[Any] = None, record: Optional[dict[str, Any]] = None) -> list[float]:
     """Optimizer steps ``first`` (0-based) to ``last`` (excluded) on the global batches ``reference_training`` uses;
-    ``save(step)`` after step ``args.save_at``. Returns the gradient norms ``fabric.clip_gradients`` gave. ``record``
+    ``save(step)`` after step ``config.save_at``. Returns the gradient norms ``fabric.clip_gradients`` gave. ``record``
     gets each step's loss (``"losses"``) and the dtypes of the gradients (``"gradients"``)."""
-    batches = list(DataLoader(dataset(args.samples), batch_size=GLOBAL_BATCH))
+    batches = list(DataLoader(dataset(config.samples), batch_size=GLOBAL_BATCH))
     rank, world = fabric.global_rank, fabric.world_size
     norms = []
     for step in range(first, last):
-        for micro in range(args.accumulate):
-            x, y = batches[(step * args.accumulate + micro) % len(batches)]
+        for micro in range(config.accumulate):
+            x, y = batches[(step * config.accumulate + micro) % len(batches)]
             x, y = x[rank::world], y[rank::world]  # this rank's slice of the global batch
-            with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-                loss = nn.functional.mse_loss(model(x), y) / args.accumulate
+            with fabric.no_backward_sync(model, enabled=micro < config.accumulate - 1):
+                loss = nn.functional.mse_loss(model(x), y) / config.accumulate
                 fabric.backward(loss)
         if record is not None:
-            record.setdefault("losses", []).append(float(loss) * args.accumulate)  # the last micro-batch's
+            record.setdefault("losses", []).append(float(loss) * config.accumulate)  # the last micro-batch's
             record["gradients"] = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
-        if args.clip_norm is not None:
-            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=args.clip_norm)))
-        if args.clip_val is not None:
-            fabric.clip_gradients(model, optimizer, clip_val=args.clip_val)
+        if config.clip_norm is not None:
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=config.clip_norm)))
+        if config.clip_val is not None:
+            fabric.clip_gradients(model, optimizer, clip_val=config.clip_val)
         optimizer.step()
         optimizer.zero_grad()
-        if save is not None and step + 1 == args.save_at:
+        if save is not None and step + 1 == config.save_at:
             save(step + 1)
     return norms
 
@@ -182,46 +148,51 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
 PARTIAL_FILES = {"full": "full.ckpt", "sharded": "sharded.ckpt", "raw": "raw.pt", "raw-sharded": "sharded.ckpt"}
 
 
-def partial_loads(fabric: Any, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """For each of ``--partial-kinds``, a fresh ``PartialWrapper`` (the saved model's code changed) loads the old
-    model's file with ``strict=--strict``, then trains a step: the full state dicts after each."""
+def partial_loads(fabric: Any, config: FabricScenario, work: Path) -> dict[str, Any]:
+    """For each of ``config.partial_kinds``, a fresh ``PartialWrapper`` (the saved model's code changed) loads the
+    old model's file with ``strict=config.strict``, then trains a step: the full state dicts after each."""
     result: dict[str, Any] = {}
-    for kind in args.partial_kinds.split(","):
-        model, optimizer = set_up(fabric, "joint", args, partial=True)
-        path = Path(args.partial_from) / PARTIAL_FILES[kind]
+    for kind in config.partial_kinds:
+        model, optimizer = set_up(fabric, "joint", config, partial=True)
+        path = Path(config.partial_from) / PARTIAL_FILES[kind]
         if kind.startswith("raw"):
-            fabric.load_raw(path, model, strict=bool(args.strict))
+            fabric.load_raw(path, model, strict=config.strict)
         else:
-            fabric.load(path, {"model": model}, strict=bool(args.strict))
+            fabric.load(path, {"model": model}, strict=config.strict)
         loaded = full_state_dict(fabric, model, work / f"partial-{kind}-loaded.ckpt")
-        train(fabric, model, optimizer, args, 0, 1)
+        train(fabric, model, optimizer, config, 0, 1)
         result[kind] = {"loaded": loaded, "trained": full_state_dict(fabric, model, work / f"partial-{kind}.ckpt")}
     return result
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse(argv)
-    if args.precision == "plugin-16-mixed":  # Fabric maps the "16-mixed" flag to bf16 on CPUs; a plugin keeps fp16
+#: The configuration class of this scenario (``scenarios/jobs.py`` runs a job of it in another script's launch).
+CONFIG = FabricScenario
+
+
+def main(config: FabricScenario, out: str) -> None:
+    """Run the loop ``config`` describes; rank 0 writes the result to ``out``."""
+    if config.precision == "plugin-16-mixed":  # Fabric maps the "16-mixed" flag to bf16 on CPUs; a plugin keeps fp16
         from lightning_fabric.plugins import MixedPrecision
 
         precision: dict[str, Any] = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
     else:
-        precision = {"precision": args.precision}
-    fabric = Fabric(
-        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=make_strategy(args), **precision
-    )
-    fabric.launch(run, args)  # a function: `spawn` strategies need one
+        precision = {"precision": config.precision}
+    fabric = Fabric(accelerator="cpu", devices=config.devices, num_nodes=config.num_nodes, strategy=make_strategy(config), **precision)
+    # A function: `spawn` strategies need one. The configuration goes as JSON: Fabric's spawn launcher refuses
+    # frozen dataclasses among the arguments (`apply_to_collection`).
+    fabric.launch(run, config.to_json(), out)
 
 
-def run(fabric: Any, args: argparse.Namespace) -> None:
-    work = Path(args.save_dir or Path(args.out).parent)
+def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
+    config = FabricScenario.from_json(fields)
+    work = Path(config.save_dir or Path(out).parent)
     work.mkdir(parents=True, exist_ok=True)
-    if args.partial_from:
-        partial = partial_loads(fabric, args, work)
+    if config.partial_from:
+        partial = partial_loads(fabric, config, work)
         if fabric.is_global_zero:
-            torch.save({"partial": partial, "strategy": type(fabric.strategy).__name__}, args.out)
+            torch.save({"partial": partial, "strategy": type(fabric.strategy).__name__}, out)
         return
-    model, optimizer = set_up(fabric, args.setup, args)
+    model, optimizer = set_up(fabric, config.setup, config)
     result: dict[str, Any] = {
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
@@ -239,9 +210,9 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
 
     block = next(m for m in model.modules() if isinstance(m, Block))
     handle = block.up.register_forward_hook(probe)
-    if args.load:
+    if config.load:
         state = {"model": model, "optimizer": optimizer}
-        remainder = fabric.load(args.load, state, weights_only=False)
+        remainder = fabric.load(config.load, state, weights_only=False)
         result["remainder"] = sorted(remainder)
 
     def save(step: int) -> None:
@@ -256,7 +227,7 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
     groups = getattr(fabric.strategy, "_groups", None)
     replicas = None if groups is None else groups.replica
     replica_start = collectives.all_reduced_bytes(replicas)
-    result["norms"] = train(fabric, model, optimizer, args, args.load_step, args.steps, save=save, record=result)
+    result["norms"] = train(fabric, model, optimizer, config, config.load_step, config.steps, save=save, record=result)
     if replicas is not None:  # hybrid sharding: the bytes all-reduced across the replicas, and this rank's shards
         result["replica_bytes"] = collectives.all_reduced_bytes(replicas) - replica_start
         result["shard_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -268,23 +239,20 @@ def run(fabric: Any, args: argparse.Namespace) -> None:
     shard = getattr(shard, "optim", shard)  # OSS's optimizer of this rank's share
     result["optimizer_state"] = {(key, str(value.dtype)) for state in shard.state.values() for key, value in state.items()}
     result["final"] = full_state_dict(fabric, model, work / "final.ckpt")
-    if args.save_at:
+    if config.save_at:
         result["resumed"] = {}
-        setups = (args.resume_setup or "joint,joint").split(",")
+        setups = config.resume_setup or ("joint", "joint")
         kinds = ["full", "sharded"] if getattr(fabric.strategy, "state_dict_type", None) else ["full"]
         for kind, how in zip(kinds, setups):
-            fresh, fresh_optimizer = set_up(fabric, how, args)
+            fresh, fresh_optimizer = set_up(fabric, how, config)
             state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
             remainder = fabric.load(work / f"{kind}.ckpt", state)
-            assert state["step"] == args.save_at and not remainder, (state["step"], remainder)
-            train(fabric, fresh, fresh_optimizer, args, args.save_at, args.steps)
+            assert state["step"] == config.save_at and not remainder, (state["step"], remainder)
+            train(fabric, fresh, fresh_optimizer, config, config.save_at, config.steps)
             result["resumed"][kind] = full_state_dict(fabric, fresh, work / f"resumed-{kind}.ckpt")
     if fabric.is_global_zero:
-        torch.save(result, args.out)
+        torch.save(result, out)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--jobs"]:  # several loops one after another in these processes (scenarios/jobs.py)
-        run_jobs(sys.argv[2], main)
-    else:
-        main()
+    scenarios.jobs.main(FabricScenario, main)

@@ -1,13 +1,19 @@
-"""A training scenario run as its own script, so Lightning's launcher can start one process per rank.
+"""A training scenario with the Trainer, run as its own script, so Lightning's launcher can start one process per rank.
 
-Rank 0 writes ``--out`` (torch.save): the trained module's state dict (after the strategy unwrapped it), the FSDP
-units seen during training, and whatever the evaluation stages returned. ``train.py --jobs FILE`` runs several such
-command lines one after another in the same processes (``scenarios/jobs.py``).
+What it trains is a ``scenarios.config.Scenario``. Rank 0 writes the result file (torch.save): the trained module's
+state dict (after the strategy unwrapped it), the FSDP units seen during training, and whatever the evaluation stages
+returned. The tests run ``train.py --jobs FILE``: several scenarios one after another in the same processes
+(``scenarios/jobs.py``, written by ``conftest.run_jobs``). By hand, for debugging (from the project's root)::
+
+    PYTHONPATH=src python tests/scenarios/train.py --config '{"policy": "blocks", "steps": 2}' --out result.pt
+    PYTHONPATH=src python tests/scenarios/train.py --job test_fully_sharded:policy-blocks
+
+(``--job``: a job of a test module's ``JOBS``). Set ``TEST_LIGHTNING_PACKAGE=lightning`` to run with the unified
+``lightning`` package (``scenarios/flavor.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import functools
 import importlib
@@ -16,7 +22,7 @@ import os
 import signal
 import sys
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,7 +34,8 @@ from torch.distributed.fsdp.wrap import (  # noqa: E402
 )
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from scenarios.jobs import run_jobs  # noqa: E402
+import scenarios.jobs  # noqa: E402
+from scenarios.config import Scenario  # noqa: E402
 from scenarios.common import (  # noqa: E402
     IN_FEATURES,
     Block,
@@ -168,7 +175,8 @@ class RecordSummary(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
         from scenarios.flavor import OURS
 
-        summary = importlib.import_module(f"{OURS}.callbacks.model_summary").FullyShardedSummary(pl_module, max_depth=-1)
+        summaries = importlib.import_module(f"{OURS}.callbacks.model_summary")
+        summary = summaries.FullyShardedSummary(pl_module, max_depth=-1)
         mine = {
             "names": summary.layer_names,
             "types": summary.layer_types,
@@ -243,76 +251,6 @@ class RecordTraining(Callback):
         }
 
 
-def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--model", default="regression", choices=["regression", "manual", "lazy", "partial"],
-                   help="partial: the network of scenarios.common.PartialWrapper (a layer gone, one added)")
-    p.add_argument("--strict-loading", type=int, default=1, help="0: LightningModule.strict_loading = False")
-    p.add_argument("--record-loaded", action="store_true", help="the full state dict as training starts")
-    p.add_argument("--model-on-gpu", action="store_true", help="move the model to the GPU before `fit`")
-    p.add_argument("--wrap-with", default="torch", choices=["torch", "fairscale"])
-    p.add_argument("--hook", default="configure_model", choices=["configure_model", "configure_sharded_model"])
-    p.add_argument(
-        "--policy",
-        default="size",
-        choices=["size", "blocks", "callable", "torch-transformer", "torch-module", "torch-size"],
-        help="torch-*: the policies of Lightning's FSDPStrategy (torch-size takes --min-num-params, not the strategy)",
-    )
-    p.add_argument("--exclude", nargs="*", default=None, choices=list(LAYER_CLASSES))
-    p.add_argument("--force-leaf", nargs="*", default=None, choices=list(LAYER_CLASSES))
-    p.add_argument("--min-num-params", type=int, default=1000)
-    p.add_argument("--strategy-name", default="")
-    p.add_argument("--flatten", type=int, default=1)
-    p.add_argument("--cpu-offload", action="store_true")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every Block")
-    p.add_argument("--checkpointing-offload", action="store_true")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--samples", type=int, default=16, help="8 makes every epoch one step (exact resume in Lightning)")
-    p.add_argument("--optimizer", default="adam")
-    p.add_argument("--params", default="self", choices=["self", "trainer", "stray", "split"])
-    p.add_argument("--scheduler", action="store_true")
-    p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--clip-val", type=float, default=None)
-    p.add_argument("--clip-alg", default="norm")
-    p.add_argument("--precision", default="32-true")
-    p.add_argument("--precision-plugin", default=None, help="pass FullyShardedMixedPrecisionPlugin(this, 'cpu')")
-    p.add_argument("--save-ckpt", default=None)
-    p.add_argument("--ckpt-path", default=None)
-    p.add_argument("--eval-after", action="store_true")
-    p.add_argument("--validate-only", action="store_true", help="trainer.validate instead of fit: no optimizer exists")
-    p.add_argument("--save-ckpt-after-eval", default=None, help="trainer.save_checkpoint after the --eval-after stages")
-    p.add_argument("--checkpoint-dir", default=None, help="ModelCheckpoint saving every epoch into this folder")
-    p.add_argument("--save-top-k", type=int, default=-1, help="keep this many of the ModelCheckpoint's (by step)")
-    p.add_argument("--save-last", action="store_true", help="the ModelCheckpoint overwrites last.ckpt")
-    p.add_argument("--state-dict-type", default="full", choices=["full", "sharded"])
-    p.add_argument("--lightning-1x-optimizer-state", default="error", choices=["error", "reset"])
-    p.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL this rank halfway through its n-th file")
-    p.add_argument("--kill-rank", type=int, default=0)
-    p.add_argument("--kill-how", default="kill", choices=["kill", "enospc"])
-    p.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout in seconds")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--sharding-strategy", default=None, help="the strategy's sharding_strategy")
-    p.add_argument("--device-mesh", type=int, nargs=2, default=None, help="(replicas, shard_size)")
-    p.add_argument("--depth", type=int, default=2, help="number of Blocks of the regression model")
-    p.add_argument("--freeze", nargs="*", default=(), help="freeze these parameters (by name) before training")
-    p.add_argument("--compute-dtype", default=None, choices=["float16", "bfloat16"])
-    p.add_argument("--move-grads-to-cpu", type=int, default=None)
-    p.add_argument("--lose-rank", type=int, default=None, help="this rank is lost at --lose-at-step")
-    p.add_argument("--lose-at-step", type=int, default=3)
-    p.add_argument("--model-summary", action="store_true", help="the Trainer's model summary, and each rank's record")
-    p.add_argument("--example-input", action="store_true", help="give the model an example_input_array")
-    p.add_argument("--callback", default=None, choices=["swa", "pruning"], help="add Lightning's SWA or ModelPruning")
-    p.add_argument("--lose-how", default="KILL", choices=["KILL", "STOP"], help="killed, or stuck (SIGSTOP)")
-    p.add_argument("--init", default="eager", choices=["eager", "empty", "meta"],
-                   help="build the model eagerly, under trainer.init_module(empty_init=True), or on the meta device")
-    p.add_argument("--init-seed-per-rank", action="store_true", help="each rank seeds the sharding-time init apart")
-    p.add_argument("--uninitializable", action="store_true", help="a Block holds a buffer nothing can initialise")
-    return p.parse_args(argv)
-
-
 class OldHookModel(ManualWrapModel):
     """Wraps its blocks in Lightning 1.x's ``configure_sharded_model`` instead of ``configure_model``."""
 
@@ -320,69 +258,73 @@ class OldHookModel(ManualWrapModel):
     configure_sharded_model = ManualWrapModel._wrap_blocks
 
 
-def build_model(args: argparse.Namespace) -> Any:
+def build_model(config: Scenario) -> Any:
     common: dict[str, Any] = dict(
-        optimizer=args.optimizer, params=args.params, scheduler=args.scheduler, num_samples=args.samples
+        optimizer=config.optimizer, params=config.params, scheduler=config.scheduler, num_samples=config.samples
     )
-    if args.init != "eager":  # initialised when sharded, from this seed (see `RegressionModel.setup`)
-        common.update(init_seed=1234, init_seed_per_rank=args.init_seed_per_rank)
-    if args.model == "manual":
-        model_class = OldHookModel if args.hook == "configure_sharded_model" else ManualWrapModel
-        model = model_class(wrap_with=args.wrap_with, **common)
-    elif args.model == "lazy":  # the network is built in `configure_model`
-        model = LazyModel(depth=args.depth, **common)
-    elif args.model == "partial":
+    if config.init != "eager":  # initialised when sharded, from this seed (see `RegressionModel.setup`)
+        common.update(init_seed=1234, init_seed_per_rank=config.init_seed_per_rank)
+    if config.model == "manual":
+        model_class = OldHookModel if config.hook == "configure_sharded_model" else ManualWrapModel
+        model = model_class(wrap_with=config.wrap_with, **common)
+    elif config.model == "lazy":  # the network is built in `configure_model`
+        model = LazyModel(depth=config.depth, **common)
+    elif config.model == "partial":
         model = PartialModel(**common)
     else:
-        model = RegressionModel(depth=args.depth, **common)
-    if args.uninitializable:  # a Block has no `reset_parameters()`: a buffer of its own cannot be initialised
+        model = RegressionModel(depth=config.depth, **common)
+    if config.uninitializable:  # a Block has no `reset_parameters()`: a buffer of its own cannot be initialised
         model.net[1].register_buffer("scale", torch.ones(3))
-    model.strict_loading = bool(args.strict_loading)
-    if args.model_on_gpu:
+    model.strict_loading = config.strict_loading
+    if config.model_on_gpu:
         model.cuda()
-    if args.example_input:
+    if config.example_input:
         model.example_input_array = torch.zeros(2, IN_FEATURES)
-    for name in args.freeze:
+    for name in config.freeze:
         model.get_parameter(name).requires_grad_(False)
     return model
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse(argv)
+#: The configuration class of this scenario (``scenarios/jobs.py`` runs a job of it in another script's launch).
+CONFIG = Scenario
+
+
+def main(config: Scenario, out: str) -> None:
+    """Train as ``config`` says; rank 0 writes the result to ``out``."""
     seed_everything(7, workers=True)
-    model = build_model(args) if args.init == "eager" else None
+    model = build_model(config) if config.init == "eager" else None
     policy: Any = None
-    if args.policy == "blocks":
+    if config.policy == "blocks":
         policy = {Block}
-    elif args.policy == "callable":
+    elif config.policy == "callable":
 
         def policy(module: Any, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
             return True if recurse else isinstance(module, torch.nn.Linear)
 
-    elif args.policy == "torch-transformer":
+    elif config.policy == "torch-transformer":
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    elif args.policy == "torch-module":
+    elif config.policy == "torch-module":
         policy = ModuleWrapPolicy({Block})
-    elif args.policy == "torch-size":
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_num_params)
+    elif config.policy == "torch-size":
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=config.min_num_params)
     # With torch's size policy the strategy keeps its own threshold's default, as a Lightning user's code would.
-    size = {} if args.policy == "torch-size" else {"min_num_params": args.min_num_params}
-    strategy: Any = args.strategy_name or DDPFullyShardedStrategy(
+    size = {} if config.policy == "torch-size" else {"min_num_params": config.min_num_params}
+    strategy: Any = config.strategy_name or DDPFullyShardedStrategy(
         **size,
         auto_wrap_policy=policy,
-        exclude_wrap_modules=layer_classes(args.exclude),
-        force_leaf_modules=layer_classes(args.force_leaf),
-        flatten_parameters=bool(args.flatten),
-        cpu_offload=args.cpu_offload,
-        activation_checkpointing=Block if args.checkpointing else None,
-        activation_checkpointing_offload=args.checkpointing_offload,
-        state_dict_type=args.state_dict_type,
-        lightning_1x_optimizer_state=args.lightning_1x_optimizer_state,
-        compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
-        move_grads_to_cpu=None if args.move_grads_to_cpu is None else bool(args.move_grads_to_cpu),
-        **({"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}),
-        **({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}),
-        **({"device_mesh": tuple(args.device_mesh)} if args.device_mesh else {}),
+        exclude_wrap_modules=layer_classes(config.exclude),
+        force_leaf_modules=layer_classes(config.force_leaf),
+        flatten_parameters=config.flatten,
+        cpu_offload=config.cpu_offload,
+        activation_checkpointing=Block if config.checkpointing else None,
+        activation_checkpointing_offload=config.checkpointing_offload,
+        state_dict_type=config.state_dict_type,
+        lightning_1x_optimizer_state=config.lightning_1x_optimizer_state,
+        compute_dtype=getattr(torch, config.compute_dtype) if config.compute_dtype else None,
+        move_grads_to_cpu=config.move_grads_to_cpu,
+        **({"timeout": timedelta(seconds=config.timeout)} if config.timeout else {}),
+        **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
+        **({"device_mesh": tuple(config.device_mesh)} if config.device_mesh else {}),
     )
     recorder = RecordUnits()
     groups = RecordGroups()
@@ -390,65 +332,65 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     counter = CountTrainBatches()
     callbacks: list[Callback] = [recorder, training, counter, groups]
     summaries = RecordSummary()
-    if args.model_summary:
+    if config.model_summary:
         callbacks.append(summaries)
     loaded = RecordLoaded()
-    if args.record_loaded:
+    if config.record_loaded:
         callbacks.append(loaded)
-    if args.lose_rank is not None:
-        callbacks.append(LoseRank(args.lose_rank, args.lose_at_step, args.lose_how))
-    if args.callback:
+    if config.lose is not None:
+        callbacks.append(LoseRank(config.lose.rank, config.lose.step, config.lose.how))
+    if config.callback:
         callbacks.append(
-            StochasticWeightAveraging(swa_lrs=0.01) if args.callback == "swa" else ModelPruning("l1_unstructured")
+            StochasticWeightAveraging(swa_lrs=0.01) if config.callback == "swa" else ModelPruning("l1_unstructured")
         )
-    if args.kill_during_save:
-        callbacks.append(KillDuringSave(args.kill_during_save, args.kill_rank, args.kill_how))
-    if args.checkpoint_dir:
-        # --save-last: one checkpoint "last.ckpt", overwritten at every epoch end.
-        name = dict(filename="last", enable_version_counter=False) if args.save_last else dict(filename="{epoch}-{step}")
+    if config.kill is not None:
+        callbacks.append(KillDuringSave(config.kill.nth, config.kill.rank, config.kill.how))
+    if config.checkpoint_dir:
+        # save_last: one checkpoint "last.ckpt", overwritten at every epoch end.
+        name = dict(filename="last", enable_version_counter=False) if config.save_last else dict(filename="{epoch}-{step}")
         callbacks.append(
             ModelCheckpoint(
-                dirpath=args.checkpoint_dir, every_n_epochs=1, monitor="step", mode="max", save_top_k=args.save_top_k,
+                dirpath=config.checkpoint_dir, every_n_epochs=1, monitor="step", mode="max", save_top_k=config.save_top_k,
                 **name,
             )
         )
     trainer = Trainer(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
+        accelerator=config.accelerator,
+        devices=config.devices,
+        num_nodes=config.num_nodes,
         strategy=strategy,
-        max_steps=args.steps,
-        precision=None if args.precision_plugin else args.precision,
-        plugins=[FullyShardedMixedPrecisionPlugin(args.precision_plugin, args.accelerator)] if args.precision_plugin else None,
-        accumulate_grad_batches=args.accumulate,
-        gradient_clip_val=args.clip_val,
-        gradient_clip_algorithm=args.clip_alg if args.clip_val is not None else None,
+        max_steps=config.steps,
+        precision=None if config.precision_plugin else config.precision,
+        plugins=[FullyShardedMixedPrecisionPlugin(config.precision_plugin, config.accelerator)] if config.precision_plugin else None,
+        accumulate_grad_batches=config.accumulate,
+        gradient_clip_val=config.clip[0] if config.clip else None,
+        gradient_clip_algorithm=config.clip[1] if config.clip else None,
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=bool(args.checkpoint_dir),
+        enable_checkpointing=bool(config.checkpoint_dir),
         enable_progress_bar=False,
-        enable_model_summary=args.model_summary,
-        limit_val_batches=1.0 if args.eval_after else 0,
+        enable_model_summary=config.model_summary,
+        limit_val_batches=1.0 if config.eval_after else 0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
     print(f"rank={trainer.global_rank} cluster={type(trainer.strategy.cluster_environment).__name__}", flush=True)
-    if args.init == "empty":
+    if config.init == "empty":
         with trainer.init_module(empty_init=True):
-            model = build_model(args)
-    elif args.init == "meta":
+            model = build_model(config)
+    elif config.init == "meta":
         with torch.device("meta"):
-            model = build_model(args)
+            model = build_model(config)
     try:
-        if args.validate_only:
+        if config.validate_only:
             trainer.validate(model, verbose=False)
         else:
-            trainer.fit(model, ckpt_path=args.ckpt_path)
+            trainer.fit(model, ckpt_path=config.ckpt_path)
     except Exception as error:
         error.trained_batches = len(training.losses)  # type: ignore[attr-defined]  (read by scenarios/jobs.py)
         raise
-    if args.save_ckpt:
-        trainer.save_checkpoint(args.save_ckpt)
+    if config.save_ckpt:
+        trainer.save_checkpoint(config.save_ckpt)
     result: dict[str, Any] = {
         "units": recorder.units,
         "summary": getattr(recorder, "summary", ""),
@@ -472,13 +414,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "summaries": summaries.summaries,
         "loaded": loaded.state,
     }
-    if args.eval_after:
+    if config.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)
         result["test"] = trainer.test(model, verbose=False)
         predictions = trainer.predict(model)
         result["predict"] = torch.cat(predictions) if predictions else None
-        if args.save_ckpt_after_eval:
-            trainer.save_checkpoint(args.save_ckpt_after_eval)
+        if config.save_ckpt_after_eval:
+            trainer.save_checkpoint(config.save_ckpt_after_eval)
     # The module stays sharded after `fit` (and over its process groups); the full one is an explicit call (rank 0
     # gets it), which ends the groups.
     alive_before_unshard = groups.alive()
@@ -493,11 +435,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     }  # fmt: skip
     result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if trainer.global_rank == 0:
-        torch.save(result, args.out)
+        torch.save(result, out)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--jobs"]:
-        run_jobs(sys.argv[2], main)
-    else:
-        main()
+    scenarios.jobs.main(Scenario, main)

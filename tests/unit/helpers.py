@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FairScaleFSDP
 from fairscale.nn.wrap import enable_wrap
+from models import Block
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
@@ -34,17 +35,9 @@ GLOBAL_BATCH = 6
 IN_FEATURES, WIDTH, OUT_FEATURES = 3, 5, 2
 
 
-class Block(nn.Module):
-    """A residual MLP block with odd sizes, so that shards get padding at world sizes 2 and 3."""
-
-    def __init__(self, width: int = WIDTH, hidden: int = 6) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
+def small_block() -> Block:
+    """The unit tests' ``Block``: odd sizes, so that shards get padding at world sizes 2 and 3."""
+    return Block(WIDTH, hidden=6, activation=torch.tanh)
 
 
 class Net(nn.Module):
@@ -54,7 +47,7 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(IN_FEATURES, WIDTH)
-        self.blocks = nn.Sequential(Block(), Block())
+        self.blocks = nn.Sequential(small_block(), small_block())
         self.out = nn.Linear(WIDTH, OUT_FEATURES)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -15,7 +15,9 @@ from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import check_materializable, materialize, to_device_keeping_meta
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
-from .helpers import OPTIMIZERS, Block, Net, batches, fsdp_kwargs, parameters_of, run_ranks, shard, step, wrap
+from .helpers import (
+    OPTIMIZERS, Block, Net, batches, fsdp_kwargs, parameters_of, run_ranks, shard, small_block, step, wrap,
+)  # fmt: skip
 
 pytestmark = [
     pytest.mark.usefixtures("process_group"),
@@ -228,7 +230,7 @@ def test_manual_wrap_inside_a_meta_device_context_makes_real_shards() -> None:
     assert isinstance(unit, FullyShardedDataParallel)
     assert all(p.device == CPU for p in unit.parameters()) and net.inp.weight.is_meta
     with torch.device("meta"):
-        block = Block()
+        block = small_block()
     torch.manual_seed(0)
     materialize(block, CPU)
     root = wrap(net)  # the rest, with the root
