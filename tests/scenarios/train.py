@@ -149,8 +149,9 @@ class RecordGroups(Callback):
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         strategy = trainer.strategy
-        groups = strategy._groups
-        self.stages.append((groups.all_gather, groups.reduce_scatter, groups.replica))
+        groups = getattr(strategy, "_groups", None)  # FSDP's (sharded DDP uses the default group)
+        if groups is not None:
+            self.stages.append((groups.all_gather, groups.reduce_scatter, groups.replica))
 
     def alive(self) -> list[bool]:
         """For each group of the first stage, whether torch still knows it (it was not destroyed)."""
