@@ -377,7 +377,7 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
         assert model is not None
         orders = [self._order(optimizer)[1] for optimizer in optimizers]
         io = sharded_checkpoint_io(self.checkpoint_io)
-        fsdp_engine.save_sharded(self, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
+        fsdp_engine.save_sharded(fsdp_engine.Ranks(self.global_rank), io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
 
     @override
     def _load_sharded(
@@ -395,7 +395,7 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
             return [(position, state[key], self._order(state[key])[1]) for position, key in positions]
 
         meta, keys = fsdp_engine.load_sharded(
-            self, self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
+            fsdp_engine.Ranks(self.global_rank), self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
         )
         _report_partial_load(keys)
         return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
