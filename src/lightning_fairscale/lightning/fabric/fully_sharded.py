@@ -434,8 +434,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         model = self._fsdp_model(module)
         assert model is not None
         orders = [self._order(optimizer)[1] for optimizer in optimizers]
-        io = sharded_checkpoint_io(self.checkpoint_io)
-        fsdp_engine.save_sharded(fsdp_engine.Ranks(self.global_rank), io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
+        io, ranks = sharded_checkpoint_io(self.checkpoint_io), fsdp_engine.Ranks(self.global_rank)
+        fsdp_engine.save_sharded(ranks, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
 
     def _load_sharded(
         self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
