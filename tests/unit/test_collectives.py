@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from unit.fake_nccl import FAKE_GPU, FakeNccl, OnFakeGpu
 
 from lightning_fairscale.distributed import collectives
+
+from .helpers import run_ranks
 
 
 def test_the_fake_backend_refuses_cpu_tensors_like_nccl(fake_nccl: FakeNccl) -> None:
@@ -64,6 +68,16 @@ def test_reduce_scatter_writes_the_callers_output(fake_nccl: FakeNccl) -> None:
 def test_all_gather_object(fake_nccl: FakeNccl) -> None:
     with fake_nccl.active():
         assert collectives.all_gather_object({"a": [1, 2]}) == [{"a": [1, 2]}]
+
+
+def _agree_on_rank(rank: int, world_size: int) -> list[bool]:
+    return [collectives.all_agree(True), collectives.all_agree(rank != 1)]
+
+
+def test_all_agree_is_true_only_where_every_rank_is(tmp_path: Path) -> None:
+    """The agreement that ends each phase of a sharded save: one rank's ``False`` is every rank's."""
+    assert (collectives.all_agree(True), collectives.all_agree(False)) == (True, False)  # no group: its own
+    assert run_ranks(_agree_on_rank, 3, tmp_path) == [[True, False]] * 3
 
 
 def test_no_copy_where_the_backend_takes_the_tensor(process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:

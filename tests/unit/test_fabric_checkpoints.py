@@ -7,6 +7,7 @@ compares with a plain ``Net`` trained by the same steps without Fabric (one rank
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from torch import nn
 
 from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY, consolidate
-from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
+from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 from lightning_fairscale.fabric import DDPFullyShardedStrategy, DDPShardedStrategy
 
 from .helpers import Block, Net, assert_optimizer_states_equal, assert_tensors_equal, batches
@@ -199,6 +200,18 @@ def test_a_trainers_checkpoint_loads_by_position_and_returns_its_rest(fabric: Fa
     second = torch.optim.SGD(state["model"].parameters(), lr=0.1)
     with pytest.raises(ValueError, match="holds 1 optimizer states and the state to load has 2"):
         fabric.load(tmp_path / "trainer.ckpt", {**state, "second": second})
+
+
+def test_sharded_ddp_names_the_consolidation_for_a_sharded_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sharded DDP has no sharded format: given the IO that recognises one, it says how to load it."""
+    with contextlib.contextmanager(_launched)("fsdp") as fsdp:
+        saved(fsdp, tmp_path / "sharded.ckpt", sharded=True)
+    monkeypatch.setitem(STRATEGIES, "ddp_sharded", lambda: DDPShardedStrategy(checkpoint_io=ShardedCheckpointIO()))
+    with contextlib.contextmanager(_launched)("ddp_sharded") as sharded_ddp:
+        with pytest.raises(ValueError, match="consolidate it into one file first.*lightning-fairscale-consolidate"):
+            sharded_ddp.load(tmp_path / "sharded.ckpt", set_up(sharded_ddp))
 
 
 @pytest.mark.parametrize("kind", ["full.ckpt", "sharded.ckpt"])

@@ -38,28 +38,6 @@ class PartialNet(Net):
         return self.extra(super().forward(x))
 
 
-class OneRank:
-    """The strategy, as the engine sees it, in a process of its own."""
-
-    global_rank, world_size, is_global_zero = 0, 1, True
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
-
-
-class Ranks:
-    """The strategy, as the engine sees it, on the default process group (forked ranks)."""
-
-    def __init__(self) -> None:
-        self.global_rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.is_global_zero = self.global_rank == 0
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        flag = torch.tensor(int(decision))
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag)
-
-
 def wrapped(module: nn.Module, policy: Any = None, flatten: bool = True) -> engine.WrappedModel:
     layout = ParameterLayout.before_wrapping(module)
     root = wrap(module, policy=policy, flatten=flatten)
@@ -79,7 +57,13 @@ def assert_parameters(model: engine.WrappedModel, expected: dict[str, Tensor]) -
         assert torch.equal(actual[name], value), name
 
 
-def save_sharded(model: engine.WrappedModel, path: Path, ranks: Any, optimizer: Any = None, order: Any = None) -> None:
+def this_rank() -> engine.Ranks:
+    """This process on the default process group (one rank in-process, or forked ranks)."""
+    return engine.Ranks(torch.distributed.get_rank())
+
+
+def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None, order: Any = None) -> None:
+    ranks = this_rank()
     checkpoint: dict[str, Any] = {"state_dict": engine.module_state_dict(model.root, True, ranks.is_global_zero)}
     if optimizer is not None:
         checkpoint["optimizer_states"] = [optimizer.state_dict()]
@@ -87,14 +71,14 @@ def save_sharded(model: engine.WrappedModel, path: Path, ranks: Any, optimizer: 
     engine.save_sharded(ranks, ShardedCheckpointIO(), {**checkpoint, "global_step": 3}, path, model, optimizers, orders)
 
 
-def load_sharded(model: engine.WrappedModel, path: Path, ranks: Any, strict: bool, optimizer: Any = None) -> Any:
+def load_sharded(model: engine.WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:
     order = repoint_optimizer(optimizer, model.layout) if optimizer is not None else []
 
     def optimizers(meta: dict[str, Any], saved: int) -> list[tuple[int, Any, Any]]:
         return [(0, optimizer, order)] if optimizer is not None else []
 
     io = ShardedCheckpointIO()
-    return engine.load_sharded(ranks, io, path, model, optimizers, False, strict=strict, relax=RELAX_TRAINER)
+    return engine.load_sharded(this_rank(), io, path, model, optimizers, False, strict=strict, relax=RELAX_TRAINER)
 
 
 @pytest.mark.parametrize("flatten", [True, False], ids=["flat", "unflattened"])
@@ -148,40 +132,38 @@ def test_buffers_load_by_name_and_non_persistent_ones_are_not_expected(process_g
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_sharded_checkpoint_loads_what_fits_by_name(process_group: None, tmp_path: Path, policy: str) -> None:
-    ranks = OneRank()
-    save_sharded(wrapped(Net(seed=0), {Block}), tmp_path / "ck", ranks)
+    save_sharded(wrapped(Net(seed=0), {Block}), tmp_path / "ck")
     model = wrapped(PartialNet(seed=1), POLICIES[policy])
-    meta, keys = load_sharded(model, tmp_path / "ck", ranks, strict=False)
+    meta, keys = load_sharded(model, tmp_path / "ck", strict=False)
     assert meta == {"global_step": 3}
     assert (sorted(keys.missing_keys), sorted(keys.unexpected_keys)) == (sorted(NEW), sorted(GONE))
     assert_parameters(model, expected_after_partial_load(Net(seed=0).state_dict(), seed=1))
     # Strict: the keys are named before anything loads (not the wrapping, which differs too).
     strict_model = wrapped(PartialNet(seed=1), POLICIES[policy])
     with pytest.raises(ValueError, match=r"missing keys \[extra.weight, extra.bias\].*strict_loading = False"):
-        load_sharded(strict_model, tmp_path / "ck", ranks, strict=True)
+        load_sharded(strict_model, tmp_path / "ck", strict=True)
     assert_parameters(strict_model, parameters_of(PartialNet(seed=1)))
 
 
 def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(process_group: None, tmp_path: Path) -> None:
     """The model's state finds its parameters by name; the optimizer's, laid out over the saved flat parameters,
     cannot: a stateful optimizer is refused clearly, a stateless one loads."""
-    ranks = OneRank()
     for name, make in {"adam": torch.optim.Adam, "plain-sgd": torch.optim.SGD}.items():
         source = Net(seed=0)
         optimizer = make(source.parameters(), lr=0.1)
         model = wrapped(source, {Block})
         order = repoint_optimizer(optimizer, model.layout)
         step(model.root, optimizer, batches(1)[0])
-        save_sharded(model, tmp_path / name, ranks, optimizer, order)
+        save_sharded(model, tmp_path / name, optimizer, order)
         target = PartialNet(seed=1)
         count = len(list(target.parameters()))
         fresh_optimizer = make(target.parameters(), lr=0.1)
         partial = wrapped(target, {Block})
         if name == "adam":
             with pytest.raises(ValueError, match="optimizer state is laid out over that model's FSDP parameters"):
-                load_sharded(partial, tmp_path / name, ranks, strict=False, optimizer=fresh_optimizer)
+                load_sharded(partial, tmp_path / name, strict=False, optimizer=fresh_optimizer)
         else:
-            load_sharded(partial, tmp_path / name, ranks, strict=False, optimizer=fresh_optimizer)
+            load_sharded(partial, tmp_path / name, strict=False, optimizer=fresh_optimizer)
             assert fresh_optimizer.state_dict()["param_groups"][0]["params"] == list(range(count))  # views of all
             assert not fresh_optimizer.state_dict()["state"]
 
@@ -192,13 +174,13 @@ def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(proces
 
 def save_on_ranks(rank: int, world_size: int, path: Path) -> None:
     cpu_streams.install()
-    save_sharded(wrapped(Net(seed=0), {Block}), path, Ranks())
+    save_sharded(wrapped(Net(seed=0), {Block}), path)
 
 
 def load_on_ranks(rank: int, world_size: int, path: Path, policy: str) -> dict[str, Any]:
     cpu_streams.install()
     sharded = wrapped(PartialNet(seed=1), POLICIES[policy])
-    _, keys = load_sharded(sharded, path, Ranks(), strict=False)
+    _, keys = load_sharded(sharded, path, strict=False)
     full = wrapped(PartialNet(seed=1), POLICIES[policy])  # the full state dict's path, on these ranks too
     engine.load_full(full, Net(seed=0).state_dict(), strict=False)
     return {

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "all_agree",
     "all_gather_object",
     "all_reduce",
     "all_reduced_bytes",
@@ -108,6 +109,20 @@ def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -
     """``dist.all_reduce`` of ``tensor``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
     _all_reduced[group] = _all_reduced.get(group, 0) + tensor.numel() * tensor.element_size()
     return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
+
+
+def all_agree(decision: bool, group: Any = None) -> bool:
+    """Whether ``decision`` is true on every rank of ``group`` (the default group: all ranks); ``decision`` itself
+    when no process group exists. A collective call, which fails after the group's timeout when a rank is lost.
+
+    What Lightning's ``strategy.reduce_boolean_decision(decision, all=True)`` answers, without the strategy: the
+    engine's sharded checkpoint ends each phase with it. Not counted in :func:`all_reduced_bytes` (no gradients).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return decision
+    flag = torch.tensor(int(decision))
+    _in_place(flag, group, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group))
+    return bool(flag)
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:

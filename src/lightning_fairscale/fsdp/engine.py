@@ -23,7 +23,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.fsdp.wrap as torch_wrap
@@ -32,6 +32,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import process_exit
+from lightning_fairscale.distributed.collectives import all_agree
 from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
@@ -89,19 +90,24 @@ __all__ = [
 
 
 
-class Ranks(Protocol):
-    """What the engine needs to know of the strategy's processes (both Lightning strategies have it)."""
+@dataclass(frozen=True)
+class Ranks:
+    """This process among the strategy's, as the sharded checkpoint needs it: its global rank, and how all ranks
+    agree that a phase succeeded everywhere (by default :func:`~lightning_fairscale.distributed.collectives.all_agree`
+    over the default process group, which Lightning made with the strategy's ``timeout``). The strategies build one
+    from their ``global_rank``.
+
+    Example:
+        >>> Ranks(global_rank=0, agree=lambda ok: ok).is_global_zero
+        True
+    """
+
+    global_rank: int
+    agree: Callable[[bool], bool] = all_agree
 
     @property
-    def global_rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def is_global_zero(self) -> bool: ...
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
 
 
 @dataclass
@@ -228,7 +234,7 @@ def together(ranks: Ranks, io: Any, action: Callable[[], Any], path: Any, step: 
         action()
     except Exception as exception:  # reported to every rank below, then re-raised here
         error = exception
-    if ranks.reduce_boolean_decision(error is None, all=True):
+    if ranks.agree(error is None):
         return
     if ranks.is_global_zero:
         io.abort_sharded(path)
@@ -330,7 +336,7 @@ def load_sharded(
     and the keys the checkpoint and the model did not share.
 
     Args:
-        ranks: the strategy.
+        ranks: this process's global rank and the agreement of all ranks.
         io: the :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`.
         path: the checkpoint directory.
         model: the wrapped model.

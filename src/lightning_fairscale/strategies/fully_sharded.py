@@ -418,10 +418,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 )
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         optimizers = [_unwrap(opt) for opt in self.optimizers]
-        fsdp_engine.save_sharded(
-            self, sharded_checkpoint_io(self.checkpoint_io), checkpoint, filepath, self._wrapped(), optimizers,
-            self._group_orders,
-        )
+        io = sharded_checkpoint_io(self.checkpoint_io)
+        ranks = fsdp_engine.Ranks(self.global_rank)
+        fsdp_engine.save_sharded(ranks, io, checkpoint, filepath, self._wrapped(), optimizers, self._group_orders)
         return None
 
     def _wrapped(self) -> fsdp_engine.WrappedModel:
@@ -467,7 +466,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 return [(i, opt, self._group_orders[i]) for i, opt in enumerate(optimizers)]
 
             meta, keys = fsdp_engine.load_sharded(
-                self, io, checkpoint_path, self._wrapped(), restored, weights_only, strict, RELAX_TRAINER
+                fsdp_engine.Ranks(self.global_rank), io, checkpoint_path, self._wrapped(), restored, weights_only,
+                strict, RELAX_TRAINER,
             )
             _report_partial_load(keys)
             return meta if is_trainer_layout(meta) else to_trainer_layout(meta, pl.__version__, model_keys=None)

@@ -1,17 +1,19 @@
 # Generated from lightning_fairscale/fabric/_common.py by `make lightning`: do not edit.
-"""What the Fabric strategies share: the Fabric side of their adapters (precision plugins, skipping the gradient
-synchronization, clipping by norm, and ``fabric.save``/``fabric.load`` of Fabric's checkpoints and the Trainer's)."""
+"""What the Fabric strategies share, as values they hold and functions they call (no base class of theirs): the
+models and optimizers they set up (:class:`SetUp`), ``fabric.save``/``fabric.load`` of Fabric's checkpoints and the
+Trainer's (:class:`FabricCheckpoints`), skipping the gradient synchronization, the check of the clipped norm, and
+the precision plugins they accept."""
 
 from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning_fairscale.lightning._compat import fabric_precision_slot, set_fabric_precision_slot
 from lightning_fairscale.lightning._compat import _BackwardSyncControl
 from lightning_fairscale.lightning._compat import _PATH
 from torch import Tensor
@@ -23,83 +25,83 @@ from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of
 from lightning_fairscale.fsdp.engine import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision.settings import unsupported
 
-__all__ = ["FabricAdapter", "NoBackwardSync", "fabric_precision"]
+__all__ = [
+    "FabricCheckpoints",
+    "NoBackwardSync",
+    "SetUp",
+    "ShardedFormat",
+    "checked_norm",
+    "fabric_precision",
+]
+
+#: What a strategy records of each optimizer it set up.
+Record = TypeVar("Record")
 
 
-class FabricAdapter:
-    """The part of the Fabric strategies that Fabric's API asks of both; a base class of each, before the options.
+class SetUp(Generic[Record]):
+    """The models and optimizers a Fabric strategy set up, held weakly (the user's references keep them alive), and
+    what the strategy records of each optimizer.
 
-    The strategy provides the hooks: :meth:`_is_ours` (a model it set up), :meth:`_model_state` and
-    :meth:`_optimizer_state` (collective calls, full or sharded), :meth:`_model_keys`, :meth:`_load_optimizer`,
-    :meth:`_clip_by_norm`, and, for the sharded format, :meth:`_saves_sharded`, :meth:`_save_sharded` and
-    :meth:`_load_sharded`.
+    Not pickled: Fabric's ``start_method="spawn"`` pickles the strategy before anything is set up, and weak
+    references do not pickle, so each process starts with an empty one.
     """
 
-    # Attributes of the Lightning base strategy.
-    _precision: Optional[Precision]
-    checkpoint_io: Any
+    def __init__(self) -> None:
+        self.models: weakref.WeakSet[Module] = weakref.WeakSet()
+        self.optimizers: weakref.WeakKeyDictionary[Optimizer, Record] = weakref.WeakKeyDictionary()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(self), ()
+
+
+@dataclass(frozen=True)
+class ShardedFormat:
+    """A strategy's sharded checkpoint format (a directory of one shard per rank), for :class:`FabricCheckpoints`."""
+
+    #: Whether ``fabric.save`` writes this model (one the strategy set up) in the sharded format.
+    saves: Callable[[Module], bool]
+    #: ``save(checkpoint, roles, path, model, optimizers)``: write the converted state (each rank its shard).
+    save: Callable[[dict[str, Any], Roles, _PATH, Module, list[Any]], None]
+    #: ``load(path, state, roles, strict, weights_only)``: restore ``state``; returns what it did not ask for.
+    load: Callable[[_PATH, dict[str, Any], Roles, bool, Optional[bool]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class FabricCheckpoints:
+    """``fabric.save`` and ``fabric.load`` for a strategy, from how it reads and writes the states of what it set up
+    (a strategy builds one from its methods when it saves or loads; see :mod:`lightning_fairscale.checkpoint.fabric`
+    for the layout).
+    """
+
+    #: The strategy's CheckpointIO plugin, and whether this process is rank 0 (it writes a full checkpoint).
+    io: Any
     is_global_zero: bool
-    load_module_state_dict: Callable[..., None]
-    #: Makes the strategy's fp16 loss scaler for a device (its inf/NaN checks agree across ranks).
-    _grad_scaler: Callable[[str], Any]
+    #: Whether a module is a model the strategy set up.
+    is_ours: Callable[[Module], bool]
+    #: ``model_state(module, sharded)``, ``optimizer_state(optimizer, sharded)``: full (on rank 0) or this rank's
+    #: shard; collective calls.
+    model_state: Callable[[Module, bool], dict[str, Any]]
+    optimizer_state: Callable[[Optimizer, bool], dict[str, Any]]
+    #: The keys of the state dict of a module (unwrapped), known without gathering anything.
+    model_keys: Callable[[Module], list[str]]
+    #: ``load_model(module, state_dict, strict)`` and ``load_optimizer(optimizer, state)``: full states.
+    load_model: Callable[[Module, dict[str, Any], bool], None]
+    load_optimizer: Callable[[Optimizer, dict[str, Any]], None]
+    #: The sharded format, for a strategy that has one.
+    sharded: Optional[ShardedFormat] = None
 
-    def _init_adapter(self) -> None:
-        """Set up the adapter's state: at the end of ``__init__``, and again when unpickled."""
-        self._backward_sync_control = NoBackwardSync()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickled for `start_method="spawn"`, before anything is set up: the registries of set-up models and
-        # optimizers (weak references, which do not pickle) are made again in each process.
-        weak = (weakref.WeakSet, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
-        return {name: value for name, value in self.__dict__.items() if not isinstance(value, weak)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_adapter()
-
-    @property
-    def precision(self) -> Precision:
-        precision = fabric_precision_slot(self)
-        return precision if precision is not None else Precision()
-
-    @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
-        plugin = fabric_precision(precision, type(self).__name__, self._grad_scaler)
-        set_fabric_precision_slot(self, plugin)
-
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: Union[float, int],
-        norm_type: Union[float, int] = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        """Clip by the norm of all ranks' gradients together (the unsharded model's norm), after unscaling fp16
-        gradients; returns that norm."""
-        self.precision.unscale_gradients(optimizer)
-        norm = self._clip_by_norm(optimizer, max_norm, norm_type)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} of the gradients is non-finite ({norm.item()}). Pass"
-                " `error_if_nonfinite=False` to `fabric.clip_gradients` to clip anyway."
-            )
-        return norm
-
-    def save_checkpoint(
+    def save(
         self,
         path: _PATH,
         state: dict[str, Any],
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
-        state's keys, each module and optimizer replaced by its full state dict, in one file written by rank 0; or,
-        for a model sharded with ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing,
-        and a meta file with the state's other entries."""
-        roles = Roles.of(state, self._is_ours)
+        """``strategy.save_checkpoint``: the state's keys, each module and optimizer replaced by its full state
+        dict, in one file written by rank 0; or in the sharded format, gathering nothing."""
+        roles = Roles.of(state, self.is_ours)
         model = state[roles.model] if roles.model else None
-        sharded = model is not None and self._saves_sharded(model)
+        sharded = self.sharded if model is not None and self.sharded is not None and self.sharded.saves(model) else None
         if sharded and filter:
             raise ValueError(
                 '`fabric.save(..., filter=...)` cannot filter a sharded checkpoint (`state_dict_type="sharded"`): its'
@@ -108,92 +110,74 @@ class FabricAdapter:
         converted = convert(
             state,
             roles,
-            lambda module: self._model_state(module, sharded),
-            lambda optimizer: self._optimizer_state(optimizer, sharded),
+            lambda module: self.model_state(module, sharded is not None),
+            lambda optimizer: self.optimizer_state(optimizer, sharded is not None),
             filter,
         )
-        if sharded:
-            self._save_sharded(converted, roles, path, model, [state[key] for key in roles.optimizers])
+        if sharded is not None:
+            assert model is not None
+            sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
         elif self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)
+            self.io.save_checkpoint(converted, path, storage_options=storage_options)
 
-    def load_checkpoint(
+    def load(
         self,
         path: _PATH,
         state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes) into
-        the shards of this rank, reading only those; returns what the state did not ask for.
-
-        ``fabric.load_raw(path, model)`` reads a plain state dict file, the model's entry of a full checkpoint, or
-        the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
-        keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
-        left as they are."""
-        io = self.checkpoint_io
-        sharded = is_sharded_checkpoint(io, path)
-        if sharded and isinstance(state, Module) and self._is_ours(state):  # `fabric.load_raw`: the model's part
-            self._load_sharded(path, {"model": state}, Roles(model="model"), strict, weights_only)
+        """``strategy.load_checkpoint``: restore ``state`` from a checkpoint (Fabric's or the Trainer's, full or
+        sharded); returns what the state did not ask for."""
+        io = self.io
+        if is_sharded_checkpoint(io, path):
+            return self._load_sharded(path, state, strict, weights_only)
+        if not state:
+            return io.load_checkpoint(path, weights_only=weights_only)
+        if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
+            file = io.load_checkpoint(path, weights_only=weights_only)
+            self.load_model(state, dict(model_state_of(file, self.model_keys(state))), strict)
             return {}
-        if sharded and (not isinstance(state, dict) or not state):
+        if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
+            self.load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
+            return {}
+        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+
+        def load_model(module: Module, state_dict: dict[str, Any]) -> None:
+            self.load_model(module, state_dict, strict)
+
+        return restore(checkpoint, state, Roles.of(state, self.is_ours), strict, load_model, self.load_optimizer)
+
+    def _load_sharded(
+        self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]], strict: bool,
+        weights_only: Optional[bool],
+    ) -> dict[str, Any]:
+        if self.sharded is None:
+            raise ValueError(
+                f"{path} is a sharded checkpoint (of `DDPFullyShardedStrategy`): consolidate it into one file first"
+                " (`lightning-fairscale-consolidate`) to load it with this strategy."
+            )
+        if isinstance(state, Module) and self.is_ours(state):  # `fabric.load_raw`: the model's part
+            self.sharded.load(path, {"model": state}, Roles(model="model"), strict, weights_only)
+            return {}
+        if not isinstance(state, dict) or not state:
             raise ValueError(
                 f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
                 " `fabric.load(path, {'model': model, ...})` or `fabric.load_raw(path, model)`. To read it whole,"
                 " consolidate it first: `lightning-fairscale-consolidate`."
             )
-        if not state:
-            return io.load_checkpoint(path, weights_only=weights_only)
-        if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
-            file = io.load_checkpoint(path, weights_only=weights_only)
-            self.load_module_state_dict(state, dict(model_state_of(file, self._model_keys(state))), strict=strict)
-            return {}
-        if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
-            self._load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
-            return {}
-        roles = Roles.of(state, self._is_ours)
-        if sharded:
-            return self._load_sharded(path, state, roles, strict, weights_only)
-        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
+        return self.sharded.load(path, state, Roles.of(state, self.is_ours), strict, weights_only)
 
-        def load_model(module: Module, state_dict: dict[str, Any]) -> None:
-            self.load_module_state_dict(module, state_dict, strict=strict)
 
-        return restore(checkpoint, state, roles, strict, load_model, self._load_optimizer)
-
-    # Hooks
-
-    def _is_ours(self, module: Module) -> bool:
-        raise NotImplementedError
-
-    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _model_keys(self, module: Module) -> list[str]:
-        """The keys of the state dict of ``module`` (unwrapped), without gathering anything."""
-        raise NotImplementedError
-
-    def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
-        raise NotImplementedError
-
-    def _saves_sharded(self, module: Module) -> bool:
-        return False
-
-    def _save_sharded(
-        self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
-    ) -> None:
-        raise NotImplementedError
-
-    def _load_sharded(
-        self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
-    ) -> dict[str, Any]:
-        raise NotImplementedError
+def checked_norm(norm: Tensor, norm_type: Union[float, int], error_if_nonfinite: bool) -> Tensor:
+    """``norm``, the total norm of the gradients that ``fabric.clip_gradients`` clipped by; with
+    ``error_if_nonfinite``, a ``RuntimeError`` when it is inf or NaN (as ``torch.nn.utils.clip_grad_norm_``)."""
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} of the gradients is non-finite ({norm.item()}). Pass"
+            " `error_if_nonfinite=False` to `fabric.clip_gradients` to clip anyway."
+        )
+    return norm
 
 
 class NoBackwardSync(_BackwardSyncControl):

@@ -14,12 +14,13 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning_fairscale.lightning._compat import checkpoint_io_slot, collective_timeout, set_checkpoint_io_slot
+from lightning_fairscale.lightning._compat import set_fabric_precision_slot
 from lightning_fairscale.lightning._compat import _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_fairscale.lightning._compat import _PATH
@@ -38,7 +39,14 @@ from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
-from lightning_fairscale.lightning.fabric._common import FabricAdapter
+from lightning_fairscale.lightning.fabric._common import (
+    FabricCheckpoints,
+    NoBackwardSync,
+    SetUp,
+    ShardedFormat,
+    checked_norm,
+    fabric_precision,
+)
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
@@ -71,7 +79,7 @@ class _Model:
         return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
 
 
-class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
+class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
@@ -96,8 +104,6 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
         >>> DDPFullyShardedStrategy(min_num_params=1_000, state_dict_type="sharded").state_dict_type
         'sharded'
     """
-
-    _grad_scaler = staticmethod(fsdp_grad_scaler)
 
     strategy_name = "fsdp_fairscale"
 
@@ -140,7 +146,9 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
         self.config = config
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
-        self._init_adapter()
+        #: The root units of the models set up (each knows its `_Model`), and each optimizer's layout and order.
+        self._set_up: SetUp[tuple[ParameterLayout, GroupOrder]] = SetUp()
+        self._backward_sync_control = NoBackwardSync()
 
     cpu_offload = config_property("cpu_offload")
     flatten_parameters = config_property("flatten_parameters")
@@ -168,14 +176,16 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
         names = ("fsdp_fairscale", "ddp_fully_sharded")
         register_strategies(strategy_registry, cls, names, "FairScale's Fully Sharded Data Parallel")
 
+    @property
     @override
-    def _init_adapter(self) -> None:
-        super()._init_adapter()
-        #: The root units of the models set up (each knows its `_Model`), and each optimizer's layout and order.
-        self._roots: weakref.WeakSet[FullyShardedDataParallel] = weakref.WeakSet()
-        self._orders: weakref.WeakKeyDictionary[Optimizer, tuple[ParameterLayout, GroupOrder]] = (
-            weakref.WeakKeyDictionary()
-        )
+    def precision(self) -> Precision:
+        """The precision plugin: Fabric's, with a sharded grad scaler for fp16 mixed precision (see
+        :func:`~lightning_fairscale.fabric._common.fabric_precision`)."""
+        return super().precision
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        set_fabric_precision_slot(self, fabric_precision(precision, type(self).__name__, fsdp_grad_scaler))
 
     @property
     def checkpoint_io(self) -> Any:
@@ -215,7 +225,7 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
     def teardown(self) -> None:
         """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
         still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.hybrid`)."""
-        if release_groups(self._groups.sharding(), list(self._roots)):
+        if release_groups(self._groups.sharding(), list(self._set_up.models)):
             self._groups = ProcessGroups()
         super().teardown()
 
@@ -267,18 +277,18 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
             self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info
         )
         wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
-        self._roots.add(wrapped.root)
+        self._set_up.models.add(wrapped.root)
         return wrapped.root
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-point the optimizer to the shards of the model whose parameters it holds."""
         params = [param for group in optimizer.param_groups for param in group["params"]]
-        for root in self._roots:
+        for root in self._set_up.models:
             model: _Model = root.__dict__[_RECORD]
             if params and all(model.knows(param) for param in params):
                 layout = model.wrapped.layout
-                self._orders[optimizer] = (layout, fsdp_engine.repoint(optimizer, layout))
+                self._set_up.optimizers[optimizer] = (layout, fsdp_engine.repoint(optimizer, layout))
                 return optimizer
         raise ValueError(
             "The optimizer holds parameters that are not those of a model set up with this strategy. Create it over"
@@ -291,18 +301,29 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
         return module.__dict__.get(_RECORD) if isinstance(module, FullyShardedDataParallel) else None
 
     def _order(self, optimizer: Optimizer) -> tuple[ParameterLayout, GroupOrder]:
-        if optimizer not in self._orders:
+        if optimizer not in self._set_up.optimizers:
             raise ValueError(
                 f"The {type(optimizer).__name__} was not set up with this strategy: pass it to `fabric.setup` or"
                 " `fabric.setup_optimizers` before saving or loading it."
             )
-        return self._orders[optimizer]
+        return self._set_up.optimizers[optimizer]
 
     @override
-    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of all ranks' gradients together (the unsharded model's norm), after unscaling fp16
+        gradients; returns that norm."""
+        self.precision.unscale_gradients(optimizer)
         # The global norm of all shards: `torch.nn.utils.clip_grad_norm_` of the unsharded model.
         params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-        return clip_grad_norm_(params, max_norm, norm_type, group=param_views.norm_group(optimizer))
+        norm = clip_grad_norm_(params, max_norm, norm_type, group=param_views.norm_group(optimizer))
+        return checked_norm(norm, norm_type, error_if_nonfinite)
 
     def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state of ``module`` (set up), and peak device
@@ -312,6 +333,50 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
 
     # ------------------------------------------------------------------------------------------------------------
     # State dicts and checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
+        state's keys, each module and optimizer replaced by its full state dict, in one file written by rank 0; or,
+        for a model sharded with ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing,
+        and a meta file with the state's other entries."""
+        self._checkpoints().save(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes) into
+        the shards of this rank, reading only those; returns what the state did not ask for.
+
+        ``fabric.load_raw(path, model)`` reads a plain state dict file, the model's entry of a full checkpoint, or
+        the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
+        keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
+        left as they are."""
+        return self._checkpoints().load(path, state, strict, weights_only)
+
+    def _checkpoints(self) -> FabricCheckpoints:
+        return FabricCheckpoints(
+            self.checkpoint_io,
+            self.is_global_zero,
+            is_ours=self._is_ours,
+            model_state=self._model_state,
+            optimizer_state=self._optimizer_state,
+            model_keys=self._model_keys,
+            load_model=self.load_module_state_dict,
+            load_optimizer=self._load_optimizer,
+            sharded=ShardedFormat(self._saves_sharded, self._save_sharded, self._load_sharded),
+        )
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -337,50 +402,42 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
         """The state of a plain optimizer over the unwrapped module, on rank 0 (a collective call)."""
         return self._optimizer_state(optimizer, sharded=False)
 
-    @override
     def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        if optimizer not in self._orders:
+        if optimizer not in self._set_up.optimizers:
             optimizer.load_state_dict(state)
             return
         layout, order = self._order(optimizer)
         load_plain_state(state, optimizer, layout, order)
 
-    @override
     def _is_ours(self, module: Module) -> bool:
         return self._fsdp_model(module) is not None
 
-    @override
     def _saves_sharded(self, module: Module) -> bool:
         return self.config.state_dict_type == "sharded" and self._is_ours(module)
 
-    @override
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
         if not self._is_ours(module):
             return module.state_dict()
         return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
 
-    @override
     def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
-        if optimizer not in self._orders:
+        if optimizer not in self._set_up.optimizers:
             return super().get_optimizer_state(optimizer)
         return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
 
-    @override
     def _model_keys(self, module: Module) -> list[str]:
         model = self._fsdp_model(module)
         return fsdp_engine.state_dict_keys(model.wrapped) if model is not None else list(module.state_dict())
 
-    @override
     def _save_sharded(
         self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
     ) -> None:
         model = self._fsdp_model(module)
         assert model is not None
         orders = [self._order(optimizer)[1] for optimizer in optimizers]
-        io = sharded_checkpoint_io(self.checkpoint_io)
-        fsdp_engine.save_sharded(self, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
+        io, ranks = sharded_checkpoint_io(self.checkpoint_io), fsdp_engine.Ranks(self.global_rank)
+        fsdp_engine.save_sharded(ranks, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
 
-    @override
     def _load_sharded(
         self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
     ) -> dict[str, Any]:
@@ -396,7 +453,7 @@ class DDPFullyShardedStrategy(FabricAdapter, DDPStrategy, _Sharded):
             return [(position, state[key], self._order(state[key])[1]) for position, key in positions]
 
         meta, keys = fsdp_engine.load_sharded(
-            self, self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
+            fsdp_engine.Ranks(self.global_rank), self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
         )
         _report_partial_load(keys)
         return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)

@@ -9,16 +9,15 @@ states consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.
 
 from __future__ import annotations
 
-import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning_fairscale.lightning._compat import _optimizers_to_device
+from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device, set_fabric_precision_slot
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -37,7 +36,7 @@ from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
-from lightning_fairscale.lightning.fabric._common import FabricAdapter
+from lightning_fairscale.lightning.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
 
 
-class DDPShardedStrategy(FabricAdapter, DDPStrategy):
+class DDPShardedStrategy(DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
 
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric
@@ -66,8 +65,6 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
         >>> DDPShardedStrategy(reduce_buffer_size=2**20).reduce_buffer_size
         1048576
     """
-
-    _grad_scaler = staticmethod(sharded_grad_scaler)
 
     strategy_name = "ddp_sharded"
     #: The names :meth:`register_strategies` registers.
@@ -92,7 +89,9 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
         super().__init__(**lightning_arguments(locals(), "precision"))
         #: The options: everything the user chose but Lightning's arguments, checked.
         self.config = config
-        self._init_adapter()
+        #: The models set up, wrapped (``ShardedDataParallel``) or plain (set up without optimizers).
+        self._set_up: SetUp[None] = SetUp()
+        self._backward_sync_control = NoBackwardSync()
 
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
 
@@ -101,6 +100,17 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
         """Register :attr:`_registry_names` with Fabric's registry, where free."""
         description = f"FairScale's sharded optimizer and gradients ({cls.__name__})"
         register_strategies(strategy_registry, cls, cls._registry_names, description, find_unused_parameters=False)
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        """The precision plugin: Fabric's, with a sharded grad scaler for fp16 mixed precision (see
+        :func:`~lightning_fairscale.fabric._common.fabric_precision`)."""
+        return super().precision
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        set_fabric_precision_slot(self, fabric_precision(precision, type(self).__name__, sharded_grad_scaler))
 
     @property
     def reduce_buffer_size(self) -> int:
@@ -124,12 +134,6 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
         process_exit.close_process_group_at_exit(self, default_before)
 
     @override
-    def _init_adapter(self) -> None:
-        super()._init_adapter()
-        #: The models set up, wrapped (``ShardedDataParallel``) or plain (set up without optimizers).
-        self._models: weakref.WeakSet[Module] = weakref.WeakSet()
-
-    @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Optional[_LRScheduler] = None
     ) -> tuple[Module, list[Optimizer], Optional[_LRScheduler]]:
@@ -142,14 +146,14 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
                 oss.repoint_schedulers([scheduler], optimizer, new)
             sharded.append(new)
         wrapped = oss.wrap_model(self.config, module, sharded, self.num_nodes)
-        self._models.add(wrapped)
+        self._set_up.models.add(wrapped)
         return wrapped, sharded, scheduler
 
     @override
     def setup_module(self, module: Module) -> Module:
         """The plain model, with rank 0's weights on every rank: for evaluation (training needs the optimizers)."""
         oss.sync_module_states(module)
-        self._models.add(module)
+        self._set_up.models.add(module)
         return module
 
     @override
@@ -162,20 +166,72 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         # Before each backward pass the gradient buckets must hold the gradients (see `reduce_buffer_size`).
-        for model in list(self._models):
+        for model in list(self._set_up.models):
             if isinstance(model, ShardedDataParallel):
                 oss.reattach_bucketed_gradients(model)
         super().backward(tensor, module, *args, **kwargs)
 
     @override
-    def _clip_by_norm(self, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int]) -> Tensor:
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of all ranks' gradients together (the unsharded model's norm), after unscaling fp16
+        gradients; returns that norm."""
+        self.precision.unscale_gradients(optimizer)
         if isinstance(optimizer, OSS):  # the norm of all ranks' gradients, each rank holding those it owns
-            return optimizer.clip_grad_norm(max_norm, norm_type=norm_type)
-        params = [param for group in optimizer.param_groups for param in group["params"]]  # whole on every rank
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+            norm = optimizer.clip_grad_norm(max_norm, norm_type=norm_type)
+        else:
+            params = [param for group in optimizer.param_groups for param in group["params"]]  # whole on every rank
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return checked_norm(norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------------------------------------------------
     # State dicts and checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
+        state's keys, each module and optimizer replaced by its full state dict (each OSS optimizer's consolidated,
+        a collective call), in one file written by rank 0."""
+        self._checkpoints().save(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a checkpoint (Fabric's or the Trainer's, saved by any number of processes), each
+        OSS optimizer keeping its shard of the state; returns what the state did not ask for.
+
+        ``fabric.load_raw(path, model)`` reads a plain state dict file or the model's entry of a checkpoint. With
+        ``strict=False`` the entries of ``state`` that the checkpoint lacks are left as they are."""
+        return self._checkpoints().load(path, state, strict, weights_only)
+
+    def _checkpoints(self) -> FabricCheckpoints:
+        return FabricCheckpoints(
+            self.checkpoint_io,
+            self.is_global_zero,
+            is_ours=self._is_ours,
+            model_state=lambda module, sharded: self.get_module_state_dict(module),
+            optimizer_state=lambda optimizer, sharded: self.get_optimizer_state(optimizer),
+            model_keys=lambda module: list(_unwrap(module).state_dict()),
+            load_model=self.load_module_state_dict,
+            load_optimizer=self._load_optimizer,
+        )
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -190,23 +246,9 @@ class DDPShardedStrategy(FabricAdapter, DDPStrategy):
         """The state of a plain optimizer of the same class, on rank 0 (a collective call for OSS)."""
         return oss.full_state(optimizer, self.is_global_zero)
 
-    @override
     def _is_ours(self, module: Module) -> bool:
-        return module in self._models
+        return module in self._set_up.models
 
-    @override
-    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
-        return self.get_module_state_dict(module)
-
-    @override
-    def _model_keys(self, module: Module) -> list[str]:
-        return list(_unwrap(module).state_dict())
-
-    @override
-    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
-        return self.get_optimizer_state(optimizer)
-
-    @override
     def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         if isinstance(optimizer, OSS):
             oss.load_full_state(optimizer, state)  # each rank keeps its shard
