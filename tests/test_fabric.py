@@ -32,7 +32,7 @@ import lightning_fairscale.lightning.fabric as ours_unified
 from conftest import TESTS, Jobs, command, run_jobs, run_script
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, shard_file_name
 from lightning_fairscale.checkpoint.fabric import Roles, restore
-from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY
+from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"

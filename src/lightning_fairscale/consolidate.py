@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_fairscale.checkpoint.files import CheckpointFileError, find_checkpoint, is_sharded, write_atomically
-from lightning_fairscale.checkpoint.sharded import consolidate
+from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
 
 __all__ = ["main"]
 

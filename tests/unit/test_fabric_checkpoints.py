@@ -21,7 +21,8 @@ from lightning_fabric.wrappers import _unwrap_objects
 from torch import nn
 
 from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, is_trainer_layout, to_trainer_layout
-from lightning_fairscale.checkpoint.sharded import FABRIC_RECORD, FORMAT_KEY, consolidate
+from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
+from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 from lightning_fairscale.fabric import DDPFullyShardedStrategy, DDPShardedStrategy
 

@@ -21,7 +21,6 @@ ENGINE = (
     "checkpoint.fabric",
     "checkpoint.files",
     "checkpoint.legacy",
-    "checkpoint.sharded",
     "consolidate",
     "convert_1x",
     "distributed",
@@ -40,6 +39,7 @@ ENGINE = (
     "fsdp.param_views",
     "fsdp.policies",
     "fsdp.resharding",
+    "fsdp.sharded_checkpoint",
     "fsdp.summary",
     "fsdp.state_names",
     "fsdp.units",
@@ -105,6 +105,31 @@ def test_an_engine_module_imports_no_lightning_module(name: str) -> None:
     for module in closure(name):
         lightning = sorted(n for n in imports(module) if n.split(".")[0] in LIGHTNING)
         assert not lightning, f"{name} imports {module}, which imports {lightning}"
+
+
+#: The engine's folders, lowest first: a folder imports only folders of lower layers (and top-level modules such as
+#: ``__about__``), so there is no cycle between them. The adapters (``strategies``, ``fabric``, ``precision``,
+#: ``plugins``, ``callbacks``) sit above all of them; the command-line tools (``consolidate``, ``convert_1x``) too.
+LAYERS = (("distributed",), ("mixed_precision",), ("checkpoint",), ("fsdp", "sharded_ddp"))
+
+
+def _folder_imports(folder: str) -> set[str]:
+    """The package's folders that the modules of ``folder`` import (itself left out)."""
+    found = set()
+    for path in (SOURCE / folder).rglob("*.py"):
+        module = ".".join(path.relative_to(SOURCE).with_suffix("").parts)
+        found.update(name.split(".")[0] for name in own_modules(imports(module)))
+    return {name for name in found if (SOURCE / name).is_dir()} - {folder}
+
+
+def test_the_engine_folders_are_layers_without_cycles() -> None:
+    rank = {folder: level for level, folders in enumerate(LAYERS) for folder in folders}
+    assert set(rank) == {p.name for p in SOURCE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} - {
+        "strategies", "fabric", "precision", "plugins", "callbacks", "lightning"
+    }, "a new folder: place it in LAYERS (engine) or among the adapters"
+    for folder, level in rank.items():
+        above = sorted(name for name in _folder_imports(folder) if rank.get(name, len(LAYERS)) >= level)
+        assert not above, f"{folder}/ imports {above}: a folder may only import folders of lower layers ({LAYERS})"
 
 
 def test_only_the_compatibility_module_imports_private_lightning_names() -> None:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
-from lightning_fairscale.checkpoint.sharded import FORMAT_KEY, check_fits, check_wrapping, consolidate, split_checkpoint
+from lightning_fairscale.checkpoint.files import FORMAT_KEY
+from lightning_fairscale.fsdp.sharded_checkpoint import check_fits, check_wrapping, consolidate, split_checkpoint
 from lightning_fairscale.fsdp.state_names import module_aliases
 
 from .helpers import OPTIMIZERS, Block, Net, Sharded, assert_optimizer_states_equal, assert_tensors_equal, batches

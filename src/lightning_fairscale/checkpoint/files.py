@@ -35,6 +35,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 __all__ = [
+    "FABRIC_RECORD",
+    "FORMAT_KEY",
     "META_FILE",
     "CheckpointFileError",
     "MapLocation",
@@ -57,6 +59,12 @@ __all__ = [
 META_FILE = "meta.pt"
 #: What ``torch.load`` accepts as ``map_location``.
 MapLocation = Union[Callable[..., Any], torch.device, str, dict[str, str], None]
+
+#: The key of the meta dict that describes the sharded checkpoint itself.
+FORMAT_KEY = "lightning_fairscale"
+#: The entry of ``meta[FORMAT_KEY]`` that a Fabric save adds: ``{"model": key, "optimizers": [keys]}``, the keys of
+#: the state that held the model and the optimizers (in the order of the shards' ``optimizer_states``).
+FABRIC_RECORD = "fabric"
 
 
 class CheckpointFileError(RuntimeError):

@@ -54,7 +54,7 @@ from lightning_fairscale.fsdp.optim import (
     repoint_optimizer,
 )
 from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
-from lightning_fairscale.checkpoint.sharded import (
+from lightning_fairscale.fsdp.sharded_checkpoint import (
     FORMAT_KEY,
     check_fits,
     check_wrapping,
@@ -258,7 +258,7 @@ def save_sharded(
     nothing but take part in every agreement, so that a failure anywhere fails everywhere.
 
     ``checkpoint`` is the Trainer's, or with ``fabric`` (the keys of the model and of the optimizers) what
-    ``fabric.save`` writes (see :func:`~lightning_fairscale.checkpoint.sharded.split_checkpoint`)."""
+    ``fabric.save`` writes (see :func:`~lightning_fairscale.fsdp.sharded_checkpoint.split_checkpoint`)."""
     shard_rank, shards, writes = shard_writer(ranks, model.root)
     meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric)
     # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the

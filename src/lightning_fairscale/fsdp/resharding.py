@@ -176,7 +176,7 @@ class SavedShards:
         world_size: the number of processes that saved the checkpoint.
 
     The saved units must be the current model's (same units, same parameters): check with
-    :func:`lightning_fairscale.checkpoint.sharded.check_wrapping` first.
+    :func:`lightning_fairscale.fsdp.sharded_checkpoint.check_wrapping` first.
     """
 
     def __init__(self, read: Callable[[int], dict[str, Any]], world_size: int) -> None:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale.__about__ import __version__
-from lightning_fairscale.checkpoint.files import load_meta, load_shard
+from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY, load_meta, load_shard
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece, describe_layout, plain_state_dict
 from lightning_fairscale.fsdp.state_names import apply_aliases, module_aliases
 
@@ -45,11 +45,6 @@ __all__ = [
     "wrapped_alike",
 ]
 
-#: The key of the meta dict that describes the sharded checkpoint itself.
-FORMAT_KEY = "lightning_fairscale"
-#: The entry of ``meta[FORMAT_KEY]`` that a Fabric save adds: ``{"model": key, "optimizers": [keys]}``, the keys of
-#: the state that held the model and the optimizers (in the order of the shards' ``optimizer_states``).
-FABRIC_RECORD = "fabric"
 #: 2: each rank's optimizer state is over its views of the original parameters (``optimizer_layouts[j]["views"]``);
 #: 1: over its whole shards of the managed parameters. Both load.
 FORMAT_VERSION = 2
