@@ -517,7 +517,8 @@ def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: Paramet
         if not state:
             return None
         piece = layout.managed[managed].pieces[k]
-        return {key: _slice_of_piece(key, value, piece, start - piece.offset, stop - piece.offset) for key, value in state.items()}
+        start, stop = start - piece.offset, stop - piece.offset
+        return {key: _slice_of_piece(key, value, piece, start, stop) for key, value in state.items()}
 
     load_view_states(optimizer, layout, saved_groups, source)
 
