@@ -103,7 +103,7 @@ class ParameterCounts:
                     self._owned.setdefault(id(owner), []).append((id(param), piece))
                     offset += numel
                 # A parameter shared by several modules is flattened once; the other owners point at it.
-                for _, _, owner, name, source, source_name in param._shared_param_infos:
+                for _, _, owner, _, source, source_name in param._shared_param_infos:
                     self._owned.setdefault(id(owner), []).append(pieces[(id(source), source_name)])
         for module in root.modules():
             for param in module._parameters.values():

@@ -100,7 +100,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
             still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
         force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
-            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``) for the size policy, none else.
+            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``)
+            for the size policy, none else.
         activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
             the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
         activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
