@@ -44,6 +44,10 @@ class GlooReduceScatterBucketer(ReduceScatterBucketer):
 class _GlooBucket(_rs_bucketer.Bucket):
     """A bucket whose flush hands gloo a 1-D input of ``world_size * n`` elements."""
 
+    # Set by FairScale's ``Bucket.__init__`` (untyped): the filled columns of ``data``, and the reduced shard.
+    offset: int
+    output_shard: Tensor
+
     def flush(self) -> None:
         if self.offset == 0:
             return

@@ -150,7 +150,7 @@ class ParameterLayout:
 
     def _note_position(self, managed: nn.Parameter, piece: int, original: Optional[int]) -> None:
         if original in self._positions:  # wrapped now: where the module listed the original parameter
-            self._module_order[(id(managed), piece)] = (self._positions[original], 0)  # type: ignore[index]
+            self._module_order[(id(managed), piece)] = (self._positions[original], 0)
         elif id(managed) in self._positions:  # wrapped before (manual wrap): where the module listed the unit's
             self._module_order[(id(managed), piece)] = (self._positions[id(managed)], piece)
 
@@ -300,7 +300,9 @@ def _local_views(
 def _state_template(views: list[tuple[ParamView, dict[str, Any]]]) -> dict[str, Any]:
     """What every rank must know of a managed parameter's state to consolidate it: the pieces that have state, the
     element-wise keys with their dtypes, and the per-parameter values (``step``...)."""
-    pieces, elementwise, values = set(), {}, {}
+    pieces: set[int] = set()
+    elementwise: dict[str, torch.dtype] = {}
+    values: dict[str, Any] = {}
     for view, state in views:
         if not state:
             continue
