@@ -107,7 +107,7 @@ def policy_signature(policy: Callable[..., Any]) -> Optional[str]:
     min_num_params=N)`` takes torch's keywords and not FairScale's.
 
     Example:
-        >>> from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+        >>> from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
         >>> policy_signature(functools.partial(size_based_auto_wrap_policy, min_num_params=100))
         'torch'
         >>> policy_signature(functools.partial(default_auto_wrap_policy, min_num_params=100))
