@@ -18,7 +18,7 @@ TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 LIGHTNING_PINS := $(if $(LIGHTNING_VERSION),"pytorch-lightning==$(LIGHTNING_VERSION)" "lightning==$(LIGHTNING_VERSION)")
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSION)),newest)
 
-.PHONY: install demo test unit doctest docs bench lightning clean
+.PHONY: install demo test lint unit doctest docs bench lightning clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,9 +33,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# The test suite includes the docs' examples (`make doctest`); docstring examples run under pytest itself.
-test: doctest
+# The test suite includes the linters (`make lint`) and the docs' examples (`make doctest`); docstring examples run
+# under pytest itself.
+test: lint doctest
 	$(PY) -m pytest -q
+
+# ruff on every Python file, mypy on the package (their settings are in pyproject.toml). Part of `make test`.
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks examples tools
+	$(PY) -m mypy
 
 # The in-process unit tests of the engine alone (tests/unit): seconds, no launched processes. Part of `make test`.
 unit: $(STAMP)
@@ -63,4 +69,4 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 clean:
-	rm -rf $(VENV) build dist docs/_build src/*.egg-info
+	rm -rf $(VENV) build dist docs/_build src/*.egg-info .mypy_cache .ruff_cache

@@ -426,7 +426,8 @@ def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
         f" about what a step of `full` costs, less Adam's update: {lora.step_seconds / full.step_seconds:.2f}x its"
         f" time here (CPU time {lora.cpu_seconds / full.cpu_seconds:.2f}x).",
         "",
-        f"Resting memory (before a step): `lora` is {_per_rank([_common.mib(d) for d in rest_saved])} MiB below `full`, the"
+        "Resting memory (before a step): `lora` is"
+        f" {_per_rank([_common.mib(d) for d in rest_saved])} MiB below `full`, the"
         f" Adam state it does not hold ({mib(full, 'optimizer_state')} MiB in `full`).",
     ]
     if "lora-own-units" in results:
@@ -449,8 +450,8 @@ def notes(results: dict[str, ConfigResult], trainable: int) -> list[str]:
             " unit again for the backward (its input's gradient needs the weights) and frees it in the post-backward"
             " hook of its parameters, which never fires for parameters that do not require gradients: a frozen unit"
             " is freed only at the end of the whole backward, so at that point a rank holds every frozen unit"
-            f" unsharded at once, {_common.mib(frozen_full)} MiB of parameters in `lora-own-units`. Units that mix frozen"
-            " and trainable parameters are freed one by one as their gradients are reduced.",
+            f" unsharded at once, {_common.mib(frozen_full)} MiB of parameters in `lora-own-units`. Units that mix"
+            " frozen and trainable parameters are freed one by one as their gradients are reduced.",
         ]
     lines += [
         "",
@@ -493,7 +494,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             memory = launch(config, "memory", sizes, Path(work))
             timed = launch(config, "time", sizes, Path(work))
             results[config] = ConfigResult(config, memory, timed)
-    conditions += f"; after: {_common.load_average()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
+    wall = time.perf_counter() - started
+    conditions += f"; after: {_common.load_average()}; wall time of the whole benchmark {wall:.0f} s"
     text, met = report(args, results, conditions)
     _common.publish(text, args.output)
     return 1 if args.strict and not met else 0

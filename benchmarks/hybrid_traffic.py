@@ -163,8 +163,8 @@ def launch(out: Path) -> list[dict[str, Any]]:
         for rank in range(WORLD):
             env = dict(common, NODE_RANK=str(rank // PER_NODE), LOCAL_RANK=str(rank % PER_NODE))
             process = subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--out", str(out)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                [sys.executable, __file__, "--worker", "--out", str(out)], env=env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
             stack.callback(lambda pid=process.pid: _kill_group(pid))
             processes.append(process)
@@ -218,7 +218,8 @@ def report(ranks: list[dict[str, Any]], seconds: float) -> str:
         f"Model: {DEPTH} residual MLP blocks of width {WIDTH}, Ψ = {psi:,} parameters (fp32: 4Ψ = {4 * psi / mib:.2f}"
         f" MiB), each block an FSDP unit, Adam; 2 simulated nodes × 2 processes (gloo), step {STEPS} of {STEPS}.",
         "Counted: every all-gather, reduce-scatter and all-reduce of the step (`collectives.recording_traffic`).",
-        "Modelled: a ring over each group's ranks; a rank sends (g−1)/g of an all-gather's or reduce-scatter's payload,",
+        "Modelled: a ring over each group's ranks; a rank sends (g−1)/g of an all-gather's or reduce-scatter's"
+        " payload,",
         "2(g−1)/g of an all-reduce's, to the next rank of the ring (N = 4 ranks, M = 2 nodes, k = 2 ranks a node).",
         f"Measured in {seconds:.0f} s.",
         "",

@@ -24,8 +24,8 @@ What runs:
    ZeRO-3 (full sharding) 16Ψ/N = (4 params + 4 grads + 8 Adam moments)·Ψ/N; ZeRO-2 (``ddp_sharded``)
    4Ψ + 12Ψ/N; DDP 16Ψ. For ours the figure is ``trainer.strategy.memory_figures()``; for every configuration also
    the tensors themselves are counted, by distinct storage (a view into a larger buffer counts the whole buffer,
-   once), which is the figure in the tables. Also the process's peak resident set (``VmHWM``) up to the last step. Target: ours within
-   5% of 16Ψ/N.
+   once), which is the figure in the tables. Also the process's peak resident set (``VmHWM``) up to the last step.
+   Target: ours within 5% of 16Ψ/N.
 4. **Scaling**: ours on the three sizes, on 1 and 2 ranks.
 
 Measurement: a step's time is the wall time between the starts of two consecutive training batches (in Lightning
@@ -562,7 +562,11 @@ def target_rows(
     if sharded is not None and sharded.ok:
         gap = sharded.per_rank / sharded.formula - 1
         targets.append(
-            (f'`"ddp_sharded"`: per-rank bytes within {TARGET_MEMORY_GAP:.0%} of 4Ψ + 12Ψ/N', f"{gap:+.2%}", gap <= TARGET_MEMORY_GAP)
+            (
+                f'`"ddp_sharded"`: per-rank bytes within {TARGET_MEMORY_GAP:.0%} of 4Ψ + 12Ψ/N',
+                f"{gap:+.2%}",
+                gap <= TARGET_MEMORY_GAP,
+            )
         )
     return targets
 
@@ -683,7 +687,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for world_size in (1, 2):
                 same = size == middle and world_size == 2
                 scaling.append(ours_middle if same else measure("ours", size, world_size, args, work))
-    conditions += f"; after: {_common.load_average()}; wall time of the whole benchmark {time.perf_counter() - started:.0f} s"
+    wall = time.perf_counter() - started
+    conditions += f"; after: {_common.load_average()}; wall time of the whole benchmark {wall:.0f} s"
     text, met = report(alternatives, scaling, args, conditions)
     plot(alternatives, scaling, args.plot)
     _common.publish(text, args.output, args.plot)

@@ -25,7 +25,8 @@ class ReportShards(Callback):
         optimizer = trainer.strategy.optimizers[0]  # FairScale's OSS, wrapping the optimizer of configure_optimizers
         owned = sum(len(group["params"]) for group in optimizer.optim.param_groups)
         total = len(list(pl_module.parameters()))
-        print(f"rank {trainer.global_rank}: {type(optimizer).__name__} updates {owned} of {total} parameters", flush=True)
+        name = type(optimizer).__name__
+        print(f"rank {trainer.global_rank}: {name} updates {owned} of {total} parameters", flush=True)
 
 
 if __name__ == "__main__":

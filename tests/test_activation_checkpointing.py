@@ -23,7 +23,8 @@ CASES = {  # name -> (scenario, the FSDP units expected)
     # other Linears wrapped as asked
     "callable": (CHECKPOINTED.replace(policy="callable"), ["", "net.0", "net.1", "net.2", "net.3"]),
     "blocks": (CHECKPOINTED.replace(policy="blocks"), ["", "net.1", "net.2"]),
-    "manual": (CHECKPOINTED.replace(model="manual"), ["", "net.1", "net.2"]),  # the user's own units, checkpointed inside
+    # The user's own units, checkpointed inside.
+    "manual": (CHECKPOINTED.replace(model="manual"), ["", "net.1", "net.2"]),
 }
 JOBS = {**{name: scenario for name, (scenario, _) in CASES.items()}, "without": Scenario(policy="blocks", steps=STEPS)}
 
@@ -43,7 +44,9 @@ def test_checkpointed_blocks_recompute_and_stay_exact(runs: Jobs, expected: dict
     result, units = runs[name], CASES[name][1]
     # A Linear inside a checkpointed block runs twice per step: forward, and again in backward.
     assert result["block_linear_calls"] == 2 * STEPS
-    paths = [u["path"].replace("_fsdp_wrapped_module._fpw_module.", "").replace("_fpw_module.", "") for u in result["units"]]
+    paths = [
+        u["path"].replace("_fsdp_wrapped_module._fpw_module.", "").replace("_fpw_module.", "") for u in result["units"]
+    ]
     assert paths == units
     assert all("checkpoint" not in key and "_fsdp" not in key for key in result["state_dict"])
     assert max_difference(result["state_dict"], expected) < 1e-5

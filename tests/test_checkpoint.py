@@ -56,7 +56,9 @@ def two_processes(folder: Path) -> Jobs:
         "partial-ddp_sharded": PARTIAL.replace(ckpt_path=str(folder / "partial-source.ckpt"), strict_loading=False,
                                                strategy_name="ddp_sharded"),
         # Saved after `validate` only, so with no optimizer state, in both formats; then resumed.
-        **{job: config for kind in ("full", "sharded") for job, config in no_optimizer_state_jobs(folder, kind).items()},
+        **{
+            job: config for kind in ("full", "sharded") for job, config in no_optimizer_state_jobs(folder, kind).items()
+        },
     }
     return run_jobs(folder / "two_processes", jobs, failing=["partial-full-strict"])
 

@@ -68,8 +68,12 @@ def fabric_run(
 #: sharded DDP with SGD; fp16 with SGD on one batch (the loss falls).
 TRUE_HALF = {
     "true-bf16": FabricScenario(**LOOP, **BLOCKS, precision="bf16-true", steps=4, save_at=2),
-    "true-bf16-sgd": FabricScenario(**LOOP, **BLOCKS, precision="bf16-true", optimizer="sgd", steps=4, init_module=True),
-    "true-bf16-ddp-sharded": FabricScenario(**LOOP, strategy="sharded", precision="bf16-true", optimizer="sgd", steps=4),
+    "true-bf16-sgd": FabricScenario(
+        **LOOP, **BLOCKS, precision="bf16-true", optimizer="sgd", steps=4, init_module=True
+    ),
+    "true-bf16-ddp-sharded": FabricScenario(
+        **LOOP, strategy="sharded", precision="bf16-true", optimizer="sgd", steps=4
+    ),
     "true-16": FabricScenario(**BLOCKS, precision="16-true", optimizer="sgd", samples=8, steps=6),
 }
 MIXED = [
@@ -230,9 +234,9 @@ def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dic
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     """Fabric's checkpoints of step 2 resume in the Trainer (2 more steps; its step counter starts anew: the files
     have no loop state): the full one into other units and into `"ddp_sharded"`, the sharded one into the same units
-    (sharded checkpoints need them). The Trainer's checkpoints of step 4, full and sharded, then resume in Fabric (2 more; the full one
-    with the strategy chosen by its registry name and the model built in `fabric.init_module()`, Blocks wrapped
-    there). The Trainer's rest (loops, hyperparameters...) comes back from `fabric.load`."""
+    (sharded checkpoints need them). The Trainer's checkpoints of step 4, full and sharded, then resume in Fabric (2
+    more; the full one with the strategy chosen by its registry name and the model built in `fabric.init_module()`,
+    Blocks wrapped there). The Trainer's rest (loops, hyperparameters...) comes back from `fabric.load`."""
     saved, trainer_ckpts = fsdp_run["checkpoints"], tmp_path / "trainer-ck"
     steps = Scenario(steps=2, accumulate=2, clip=(0.05, "norm"))
     trainer = run_jobs(tmp_path / "trainer", {

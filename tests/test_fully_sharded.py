@@ -64,8 +64,8 @@ CLIP_MIXED = {"16": {"precision_plugin": "16-mixed"}, "bf16": {"precision": "bf1
 #: Param groups that split units and frozen weights inside units that train, under fp16 loss scaling (unscaled
 #: gradients of the trainable parameters only are clipped) and activation checkpointing.
 FROZEN = ("net.0.weight", "net.1.up.weight")
-RECIPE_MIXED = Scenario(params="split", freeze=FROZEN, checkpointing=True, optimizer="sgd", steps=3, clip=(0.05, "norm"),
-                        precision_plugin="16-mixed")  # fmt: skip
+RECIPE_MIXED = Scenario(params="split", freeze=FROZEN, checkpointing=True, optimizer="sgd", steps=3,
+                        clip=(0.05, "norm"), precision_plugin="16-mixed")  # fmt: skip
 UNSUPPORTED = ["64-true"]
 #: Models built without memory, initialised unit by unit as they are sharded: (scenario, then the reference's steps,
 #: optimizer, and order in which its modules are initialised). The meta-device runs seed each rank apart: every rank

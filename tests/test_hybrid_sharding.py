@@ -125,7 +125,9 @@ def test_fabric_hybrid_loop_equals_unsharded_training(jobs: Jobs) -> None:
     assert result["replica_bytes"] == 3 * result["shard_bytes"]
 
 
-def test_process_groups_are_made_once_and_destroyed_with_the_sharded_module(jobs: Jobs, lightning_launcher: Jobs) -> None:
+def test_process_groups_are_made_once_and_destroyed_with_the_sharded_module(
+    jobs: Jobs, lightning_launcher: Jobs
+) -> None:
     """fit, validate, test and predict on one sharded module: the groups of the first stage serve every later one
     (none is made again), live while the module is sharded over them, and are destroyed by ``unshard_module``; the
     same under full sharding (one fit: its all-gather and reduce-scatter groups)."""

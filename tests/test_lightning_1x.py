@@ -43,7 +43,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         "fsdp-adam": RESUME.replace(optimizer="adam", ckpt_path=str(FIXTURES / "fsdp_adam.ckpt")),
         "fsdp-adam-reset": RESUME.replace(optimizer="adam", lightning_1x_optimizer_state="reset",
                                           ckpt_path=str(FIXTURES / "fsdp_adam.ckpt")),
-        "converted-ddp-sharded": RESUME.replace(optimizer="adam", strategy_name="ddp_sharded", ckpt_path=str(converted)),
+        "converted-ddp-sharded": RESUME.replace(optimizer="adam", strategy_name="ddp_sharded",
+                                                ckpt_path=str(converted)),
         "ddp-sharded": RESUME.replace(optimizer="adam", strategy_name="ddp_sharded",
                                       ckpt_path=str(FIXTURES / "sharded_adam.ckpt")),
     }  # fmt: skip

@@ -90,7 +90,8 @@ def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     # Modules without Lightning classes are the same module objects in both.
     assert mirror.fsdp_engine is top.fsdp_engine
     assert mirror.FullyShardedDataParallel is top.FullyShardedDataParallel
-    assert for_lightning.plugins.checkpoint_io.CheckpointFileError is lightning_fairscale.plugins.checkpoint_io.CheckpointFileError
+    error = lightning_fairscale.plugins.checkpoint_io.CheckpointFileError
+    assert for_lightning.plugins.checkpoint_io.CheckpointFileError is error
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from lightning_fairscale.callbacks.model_summary import FullyShardedSummary, Par
 
 
 @pytest.mark.parametrize(
-    ("flatten", "package"), [(True, "pytorch_lightning"), (False, "lightning")], ids=["flat-pl", "unflattened-lightning"]
+    ("flatten", "package"),
+    [(True, "pytorch_lightning"), (False, "lightning")],
+    ids=["flat-pl", "unflattened-lightning"],
 )
 def test_summaries_show_the_full_model_and_each_ranks_shard(tmp_path: Path, flatten: bool, package: str) -> None:
     """2 processes, every Block its own unit: the Trainer's summary is the unsharded model's, plus each rank's shard;

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 SCRIPT = TESTS / "scenarios" / "process_exit.py"
 GLOO_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
 #: What a process that never used this package sees (`checkpointed`: layers with FairScale's checkpoint wrapper).
-PRISTINE = {"fairscale_sees_torch": True, "record_stream_on_cpu": False, "summary_hooks": 0, "default_group_works": True}
+PRISTINE = {
+    "fairscale_sees_torch": True, "record_stream_on_cpu": False, "summary_hooks": 0, "default_group_works": True
+}
 
 
 @pytest.fixture(scope="module", params=["fsdp_fairscale", "ddp_sharded"])
@@ -45,7 +47,8 @@ def test_a_run_holds_nothing_it_no_longer_needs(records: tuple[str, list[dict]])
         # and their reduce-scatter bucketer live as long as the module does, and the second fit reuses them instead
         # of wrapping again. Once the module is released nothing is left: FairScale alone kept every unit and
         # bucketer (with their buffers and process groups) for the life of the process.
-        live_units = {"fsdp_units": 3, "bucketers": 1} if strategy == "fsdp_fairscale" else {"fsdp_units": 0, "bucketers": 0}
+        sharded = strategy == "fsdp_fairscale"
+        live_units = {"fsdp_units": 3, "bucketers": 1} if sharded else {"fsdp_units": 0, "bucketers": 0}
         assert record["after_fit"] == [live_units] * 2, (rank, record)
         assert record["after_release"] == {"fsdp_units": 0, "bucketers": 0}, (rank, record)
         # FSDP replaces the module's parameters by flat shards: the unsharded originals must be freed by the first

@@ -232,7 +232,9 @@ def test_same_seed_gives_identical_parameters(first: Jobs, second: Jobs) -> None
 
 
 @pytest.mark.parametrize(("config", "message"), MISCONFIGURATIONS, ids=MISCONFIGURATION_IDS)
-def test_misconfiguration_fails_early_with_a_hint(request: pytest.FixtureRequest, config: Scenario, message: str) -> None:
+def test_misconfiguration_fails_early_with_a_hint(
+    request: pytest.FixtureRequest, config: Scenario, message: str
+) -> None:
     processes = config.devices
     runs: Jobs = request.getfixturevalue("first" if processes == 2 else "single")
     name = _misconfiguration(MISCONFIGURATIONS.index((config, message)))

@@ -30,7 +30,8 @@ BF16_ATOL = 2.0**-9
 
 def build_network(depth: int = 2) -> nn.Module:
     torch.manual_seed(1234)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), *[Block(HIDDEN) for _ in range(depth)], nn.Linear(HIDDEN, OUT_FEATURES))
+    blocks = [Block(HIDDEN) for _ in range(depth)]
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), *blocks, nn.Linear(HIDDEN, OUT_FEATURES))
 
 
 def dataset(num_samples: int = NUM_SAMPLES) -> TensorDataset:

@@ -177,7 +177,10 @@ def main(config: FabricScenario, out: str) -> None:
         precision: dict[str, Any] = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
     else:
         precision = {"precision": config.precision}
-    fabric = Fabric(accelerator="cpu", devices=config.devices, num_nodes=config.num_nodes, strategy=make_strategy(config), **precision)
+    fabric = Fabric(
+        accelerator="cpu", devices=config.devices, num_nodes=config.num_nodes, strategy=make_strategy(config),
+        **precision,
+    )
     # A function: `spawn` strategies need one. The configuration goes as JSON: Fabric's spawn launcher refuses
     # frozen dataclasses among the arguments (`apply_to_collection`).
     fabric.launch(run, config.to_json(), out)
@@ -237,7 +240,9 @@ def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
     result["parameters"] = {str(p.dtype) for p in model.parameters()}
     shard = getattr(optimizer, "optimizer", optimizer)  # under Fabric's wrapper
     shard = getattr(shard, "optim", shard)  # OSS's optimizer of this rank's share
-    result["optimizer_state"] = {(key, str(value.dtype)) for state in shard.state.values() for key, value in state.items()}
+    result["optimizer_state"] = {
+        (key, str(value.dtype)) for state in shard.state.values() for key, value in state.items()
+    }
     result["final"] = full_state_dict(fabric, model, work / "final.ckpt")
     if config.save_at:
         result["resumed"] = {}

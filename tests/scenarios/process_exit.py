@@ -4,10 +4,10 @@ Each rank writes ``--out-dir/rank<N>.json``: at the first training step of each 
 LightningModule's parameters from before the ``fit`` are still alive (with FSDP, the unsharded originals: the
 sharded model replaces them); after each ``fit`` (and a garbage collection) the number of live FairScale FSDP units
 and reduce-scatter bucketers (the module stays sharded after ``fit``: its units live as long as it does, and the
-second ``fit`` reuses them), and the same once the module is released; and — from the last ``atexit`` handler, registered before
-anything else so that it runs after the strategy's — the names of the process's threads that belong to gloo. A user's
-script that keeps its ``trainer`` in a global looks like this one; gloo threads still running when the interpreter
-shuts down can abort a finished run ("terminate called without an active exception").
+second ``fit`` reuses them), and the same once the module is released; and — from the last ``atexit`` handler,
+registered before anything else so that it runs after the strategy's — the names of the process's threads that belong
+to gloo. A user's script that keeps its ``trainer`` in a global looks like this one; gloo threads still running when
+the interpreter shuts down can abort a finished run ("terminate called without an active exception").
 
 It also records what the strategies changed of torch, FairScale and Lightning (``patches``): during ``fit``, after
 each ``fit`` (the strategy torn down), after ``unshard_module()`` (by the second Trainer, whose strategy did not wrap
@@ -152,7 +152,8 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
         originals = [weakref.ref(param) for param in model.parameters() if not hasattr(param, "_is_sharded")]
         RECORD["model_parameters"] = len(originals)
         # FSDP: every Block recomputes its activations (a unit of its own); the second Trainer's strategy unshards.
-        strategy = DDPFullyShardedStrategy(activation_checkpointing=Block) if strategy_name == "fsdp_fairscale" else strategy_name
+        fsdp = strategy_name == "fsdp_fairscale"
+        strategy = DDPFullyShardedStrategy(activation_checkpointing=Block) if fsdp else strategy_name
         TRAINER = Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, callbacks=[CountOriginals(originals)],

@@ -158,7 +158,11 @@ def run_case(
         max_steps=steps,
         max_epochs=case.get("epochs"),
         precision=None if "plugin" in case else case.get("precision", "32-true"),
-        plugins=[ShardedMixedPrecisionPlugin(case["plugin"], "cuda" if accelerator == "gpu" else "cpu")] if "plugin" in case else None,
+        plugins=(
+            [ShardedMixedPrecisionPlugin(case["plugin"], "cuda" if accelerator == "gpu" else "cpu")]
+            if "plugin" in case
+            else None
+        ),
         accumulate_grad_batches=case.get("accumulate", 1),
         gradient_clip_val=clip_val,
         gradient_clip_algorithm=clip_algorithm,

@@ -348,11 +348,13 @@ def main(config: Scenario, out: str) -> None:
         callbacks.append(KillDuringSave(config.kill.nth, config.kill.rank, config.kill.how))
     if config.checkpoint_dir:
         # save_last: one checkpoint "last.ckpt", overwritten at every epoch end.
-        name = dict(filename="last", enable_version_counter=False) if config.save_last else dict(filename="{epoch}-{step}")
+        name = (
+            dict(filename="last", enable_version_counter=False) if config.save_last else dict(filename="{epoch}-{step}")
+        )
         callbacks.append(
             ModelCheckpoint(
-                dirpath=config.checkpoint_dir, every_n_epochs=1, monitor="step", mode="max", save_top_k=config.save_top_k,
-                **name,
+                dirpath=config.checkpoint_dir, every_n_epochs=1, monitor="step", mode="max",
+                save_top_k=config.save_top_k, **name,
             )
         )
     trainer = Trainer(
@@ -362,7 +364,11 @@ def main(config: Scenario, out: str) -> None:
         strategy=strategy,
         max_steps=config.steps,
         precision=None if config.precision_plugin else config.precision,
-        plugins=[FullyShardedMixedPrecisionPlugin(config.precision_plugin, config.accelerator)] if config.precision_plugin else None,
+        plugins=(
+            [FullyShardedMixedPrecisionPlugin(config.precision_plugin, config.accelerator)]
+            if config.precision_plugin
+            else None
+        ),
         accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip[0] if config.clip else None,
         gradient_clip_algorithm=config.clip[1] if config.clip else None,

@@ -26,7 +26,13 @@ from models import Block
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, consolidate_state, load_plain_state, repoint_optimizer
+from lightning_fairscale.fsdp.optim import (
+    GroupOrder,
+    ParameterLayout,
+    consolidate_state,
+    load_plain_state,
+    repoint_optimizer,
+)
 from lightning_fairscale.fsdp.policies import auto_wrap_policy, wrap_module
 from lightning_fairscale.fsdp.state_names import clean_path
 

@@ -109,7 +109,8 @@ def test_fsdp_validates_the_policy() -> None:
 
 def test_strategies_take_torch_policies_and_refuse_a_callable_of_neither_signature() -> None:
     for strategy_class in (DDPFullyShardedStrategy, fabric.DDPFullyShardedStrategy):
-        strategy_class(auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}))
+        transformer = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+        strategy_class(auto_wrap_policy=transformer)
         strategy_class(auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
         with pytest.raises(TypeError, match="torch's `\\(module, recurse, nonwrapped_numel\\) -> bool`"):
             strategy_class(auto_wrap_policy=transformer_auto_wrap_policy)  # `transformer_layer_cls` not bound
@@ -147,7 +148,11 @@ class Block(nn.Module):
 @pytest.mark.parametrize("strategy_class", STRATEGIES, ids=["trainer", "fabric"])
 @pytest.mark.parametrize(
     "policy",
-    [{Block}, ModuleWrapPolicy({Block}), functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})],
+    [
+        {Block},
+        ModuleWrapPolicy({Block}),
+        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+    ],
     ids=["set", "ModuleWrapPolicy", "transformer"],
 )
 def test_activation_checkpointing_policy_is_activation_checkpointing(strategy_class: type, policy: Any) -> None:

@@ -1,4 +1,5 @@
-"""fsdp/cpu_streams.py, bucketing.py, grad_norm.py and the grad scaler on one rank: the CPU patches, the bucketers, global-norm clipping and the sharded grad scaler.
+"""fsdp/cpu_streams.py, bucketing.py, grad_norm.py and the grad scaler on one rank: the CPU patches, the bucketers,
+global-norm clipping and the sharded grad scaler.
 
 (Their behaviour across ranks is in test_multirank.py.)
 """

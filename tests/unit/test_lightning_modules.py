@@ -32,7 +32,9 @@ def test_the_copies_folder_holds_only_copies_and_the_handwritten_init() -> None:
     """A file edited by hand (its header gone) or added by hand would not be rewritten by ``make lightning``."""
     copies = set(generator.generated())
     others = sorted(str(p.relative_to(SOURCE)) for p in COPIES.rglob("*.py") if p not in copies)
-    assert others == ["lightning/__init__.py"], f"{others}: not written by `make lightning`; move the code to the source"
+    assert others == ["lightning/__init__.py"], (
+        f"{others}: not written by `make lightning`; move the code to the source"
+    )
 
 
 def _imports_lightning(path: Path) -> bool:
@@ -65,7 +67,8 @@ def test_a_copy_keeps_its_sources_lines_but_the_imports() -> None:
     for path, text in generator.generated().items():
         source = SOURCE / path.relative_to(COPIES)
         header, *lines = text.splitlines()
-        assert header == f"# Generated from lightning_fairscale/{source.relative_to(SOURCE).as_posix()} by `make lightning`: do not edit."
+        name = source.relative_to(SOURCE).as_posix()
+        assert header == f"# Generated from lightning_fairscale/{name} by `make lightning`: do not edit."
         original = source.read_text().splitlines()
         assert len(lines) == len(original), path
         changed = [(a, b) for a, b in zip(original, lines) if a != b]
@@ -85,8 +88,14 @@ def test_a_copy_keeps_its_sources_lines_but_the_imports() -> None:
         ("from lightning_fairscale.fsdp import units", "from lightning_fairscale.fsdp import units"),
         ("import torch.distributed as dist", "import torch.distributed as dist"),
         # In place: comments, parentheses, indentation and other lines stay as they are.
-        ("from  pytorch_lightning import (  # why\n    Trainer,\n)", "from  lightning.pytorch import (  # why\n    Trainer,\n)"),
-        ("def f():\n    from lightning_fabric import Fabric  # lazy", "def f():\n    from lightning.fabric import Fabric  # lazy"),
+        (
+            "from  pytorch_lightning import (  # why\n    Trainer,\n)",
+            "from  lightning.pytorch import (  # why\n    Trainer,\n)",
+        ),
+        (
+            "def f():\n    from lightning_fabric import Fabric  # lazy",
+            "def f():\n    from lightning.fabric import Fabric  # lazy",
+        ),
         ("import os, pytorch_lightning as pl", "import os, lightning.pytorch as pl"),
         ("x = 'pytorch_lightning'  # only imports", "x = 'pytorch_lightning'  # only imports"),
     ],
@@ -128,7 +137,9 @@ def test_make_lightning_writes_new_copies_and_removes_those_of_modules_that_are_
         "fsdp/__init__.py": "",
         "fsdp/units.py": "import torch\n",  # shared
         "strategies/__init__.py": "from lightning_fairscale.strategies.s import S\n",  # imports a bound module
-        "strategies/s.py": "from pytorch_lightning.strategies import DDPStrategy\nimport lightning_fairscale.fsdp.units as units\n",
+        "strategies/s.py": (
+            "from pytorch_lightning.strategies import DDPStrategy\nimport lightning_fairscale.fsdp.units as units\n"
+        ),
         "strategies/helpers.py": "import os\n",  # shared, though in a bound package
         "lightning/__init__.py": "# hand-written\n",
         "lightning/old.py": "# Generated from lightning_fairscale/old.py by `make lightning`: do not edit.\n",
@@ -146,4 +157,5 @@ def test_make_lightning_writes_new_copies_and_removes_those_of_modules_that_are_
         "# Generated from lightning_fairscale/strategies/s.py by `make lightning`: do not edit.\n"
         "from lightning.pytorch.strategies import DDPStrategy\nimport lightning_fairscale.fsdp.units as units\n"
     )
-    assert "lightning_fairscale.lightning.strategies.s import S" in (source / "lightning/strategies/__init__.py").read_text()
+    init = (source / "lightning/strategies/__init__.py").read_text()
+    assert "lightning_fairscale.lightning.strategies.s import S" in init

@@ -56,7 +56,9 @@ def test_mixed_precision_gets_a_sharded_scaler_for_fp16_only(strategy: str, prec
 
 @pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
-def test_true_half_precision_becomes_the_strategys_half_plugin(strategy: str, precision: str, dtype: torch.dtype) -> None:
+def test_true_half_precision_becomes_the_strategys_half_plugin(
+    strategy: str, precision: str, dtype: torch.dtype
+) -> None:
     plugin = SELECT[strategy](HalfPrecision(precision))  # type: ignore[arg-type]
     assert type(plugin) is HALF[strategy] and plugin.precision == precision
     # Lightning's conventions: the module, the tensors made at init and the batches in the dtype.

@@ -37,7 +37,10 @@ def test_owned_range_is_fairscales_chunking(numel: int, world_size: int) -> None
 def saved_files(flat: torch.Tensor, world_size: int, key: str = "flat_param_0") -> dict[int, dict[str, Any]]:
     """The shard dicts ``world_size`` saving ranks would have written for one root unit holding ``flat``."""
     metadata = {"param_metadata": [{"fsdp_path": "", "params": {key: {"numels": [flat.numel()]}}}]}
-    return {r: {"state_dict": {key: fairscale_shard(flat, r, world_size)}, "shard_metadata": metadata} for r in range(world_size)}
+    return {
+        r: {"state_dict": {key: fairscale_shard(flat, r, world_size)}, "shard_metadata": metadata}
+        for r in range(world_size)
+    }
 
 
 @pytest.mark.parametrize(("saved", "now"), [(2, 1), (1, 2), (2, 2), (2, 3), (3, 2), (4, 3), (1, 4)])
@@ -61,7 +64,8 @@ def test_a_rank_opens_only_the_saved_files_that_overlap_its_slice() -> None:
     files = saved_files(flat, 4)
     shards = SavedShards(lambda r: files[r], 4)
     start, stop, size = owned_range(40, 0, 2)  # elements 0..19: saving ranks 0 and 1 (10 each)
-    copy_overlaps(torch.empty(size), start, shards._segments(40, start, stop, lambda f: f["state_dict"]["flat_param_0"]))
+    segments = shards._segments(40, start, stop, lambda f: f["state_dict"]["flat_param_0"])
+    copy_overlaps(torch.empty(size), start, segments)
     assert sorted(shards._files) == [0, 1]
 
 
@@ -79,8 +83,12 @@ def test_a_checkpoint_of_two_ranks_loads_into_one(process_group: None) -> None:
     metadata = source.local_metadata_dict()
     local = source.local_state_dict()
     files = {
-        r: {"state_dict": {k: fairscale_shard(v.reshape(-1), r, 2) if "flat_param" in k else v for k, v in local.items()},
-            "shard_metadata": metadata}
+        r: {
+            "state_dict": {
+                k: fairscale_shard(v.reshape(-1), r, 2) if "flat_param" in k else v for k, v in local.items()
+            },
+            "shard_metadata": metadata,
+        }
         for r in range(2)
     }
     SavedShards(lambda r: files[r], 2).load_into(target)

@@ -1,4 +1,5 @@
-"""fsdp/policies.py, activation_checkpointing.py, state_names.py and unwrapping.py: auto-wrap policies and their controls, validation, names, activation checkpointing, wrap/unwrap."""
+"""fsdp/policies.py, activation_checkpointing.py, state_names.py and unwrapping.py: auto-wrap policies and their
+controls, validation, names, activation checkpointing, wrap/unwrap."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
-from lightning_fairscale.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpointing_layer_classes, remove_activation_checkpointing, validate_layer_classes
+from lightning_fairscale.fsdp.activation_checkpointing import (
+    apply_activation_checkpointing,
+    checkpointing_layer_classes,
+    remove_activation_checkpointing,
+    validate_layer_classes,
+)
 from lightning_fairscale.fsdp.policies import validate_auto_wrap_policy
 from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, module_aliases
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
@@ -179,8 +185,8 @@ def test_size_policy_controls(policy: Any, exclude: Any, force_leaf: Any, expect
         (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}), {nn.Linear}, None, [""]),
     ],
     ids=[
-        "classes-force-leaf", "classes-exclude", "callable-force-leaf", "classes-no-defaults", "torch-object-force-leaf",
-        "torch-callable-exclude",
+        "classes-force-leaf", "classes-exclude", "callable-force-leaf", "classes-no-defaults",
+        "torch-object-force-leaf", "torch-callable-exclude",
     ],
 )
 def test_controls_apply_to_the_other_policies(policy: Any, exclude: Any, force_leaf: Any, expected: list[str]) -> None:

@@ -91,7 +91,7 @@ def validate_policy(value: Any, owner: str) -> OptimizerStatePolicy:
             ' checkpoint of a stateful optimizer fails) or "reset" (it resumes with a fresh optimizer state), got'
             f" {value!r}."
         )
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def written_version(checkpoint: Mapping[str, Any]) -> Optional[str]:
@@ -281,7 +281,9 @@ def convert_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], l
         )
     if "optimizer_states" not in checkpoint:
         raise ValueError("The checkpoint has no optimizer state (saved with `save_weights_only`): nothing to convert.")
-    report, dropped, states = [], {}, []
+    report: list[str] = []
+    dropped: dict[str, str] = {}
+    states: list[dict[str, Any]] = []
     for index, saved in enumerate(checkpoint["optimizer_states"]):
         state = saved.get("state") or {}
         if any(t.dim() != 1 for entry in state.values() for t in _elementwise(entry).values()):

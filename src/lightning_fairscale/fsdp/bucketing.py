@@ -1,5 +1,5 @@
-"""FairScale's reduce-scatter bucketer, without its leak (workaround 9 of :mod:`lightning_fairscale.fsdp.units`) and with
-gloo-compatible input shapes (workaround 3)."""
+"""FairScale's reduce-scatter bucketer, without its leak (workaround 9 of :mod:`lightning_fairscale.fsdp.units`) and
+with gloo-compatible input shapes (workaround 3)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ class GlooReduceScatterBucketer(ReduceScatterBucketer):
 
 class _GlooBucket(_rs_bucketer.Bucket):
     """A bucket whose flush hands gloo a 1-D input of ``world_size * n`` elements."""
+
+    # Set by FairScale's ``Bucket.__init__`` (untyped): the filled columns of ``data``, and the reduced shard.
+    offset: int
+    output_shard: Tensor
 
     def flush(self) -> None:
         if self.offset == 0:

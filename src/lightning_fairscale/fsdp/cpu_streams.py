@@ -181,10 +181,10 @@ def _set_installed(installed: bool) -> None:
         library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - registering a missing kernel
         library.impl("record_stream", _record_stream_on_cpu, "CPU")
         _record_stream_library = library
-        _fairscale_torch = _fsdp_module.torch  # type: ignore[attr-defined]
-        _fsdp_module.torch = _TorchWithoutCuda("torch")  # type: ignore[attr-defined]
+        _fairscale_torch = _fsdp_module.torch
+        _fsdp_module.torch = _TorchWithoutCuda("torch")
     else:
-        _fsdp_module.torch = _fairscale_torch  # type: ignore[attr-defined]
+        _fsdp_module.torch = _fairscale_torch
         _record_stream_library = _fairscale_torch = None
 
 

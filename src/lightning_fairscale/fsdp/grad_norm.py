@@ -28,8 +28,9 @@ def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: 
     optimizer records when it is re-pointed: :func:`lightning_fairscale.fsdp.param_views.norm_group`), which every
     replica computes alike.
     """
-    device = params[0].grad.device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None]
+    # Where the zero of a rank without gradients lives: its parameters' device (the collective's backend needs it).
+    device = params[0].device if params else torch.device("cpu")
     if norm_type == math.inf:
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
         collectives.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

@@ -150,7 +150,7 @@ class ParameterLayout:
 
     def _note_position(self, managed: nn.Parameter, piece: int, original: Optional[int]) -> None:
         if original in self._positions:  # wrapped now: where the module listed the original parameter
-            self._module_order[(id(managed), piece)] = (self._positions[original], 0)  # type: ignore[index]
+            self._module_order[(id(managed), piece)] = (self._positions[original], 0)
         elif id(managed) in self._positions:  # wrapped before (manual wrap): where the module listed the unit's
             self._module_order[(id(managed), piece)] = (self._positions[id(managed)], piece)
 
@@ -300,7 +300,9 @@ def _local_views(
 def _state_template(views: list[tuple[ParamView, dict[str, Any]]]) -> dict[str, Any]:
     """What every rank must know of a managed parameter's state to consolidate it: the pieces that have state, the
     element-wise keys with their dtypes, and the per-parameter values (``step``...)."""
-    pieces, elementwise, values = set(), {}, {}
+    pieces: set[int] = set()
+    elementwise: dict[str, torch.dtype] = {}
+    values: dict[str, Any] = {}
     for view, state in views:
         if not state:
             continue
@@ -517,7 +519,8 @@ def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: Paramet
         if not state:
             return None
         piece = layout.managed[managed].pieces[k]
-        return {key: _slice_of_piece(key, value, piece, start - piece.offset, stop - piece.offset) for key, value in state.items()}
+        start, stop = start - piece.offset, stop - piece.offset
+        return {key: _slice_of_piece(key, value, piece, start, stop) for key, value in state.items()}
 
     load_view_states(optimizer, layout, saved_groups, source)
 

@@ -107,7 +107,7 @@ def policy_signature(policy: Callable[..., Any]) -> Optional[str]:
     min_num_params=N)`` takes torch's keywords and not FairScale's.
 
     Example:
-        >>> from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+        >>> from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
         >>> policy_signature(functools.partial(size_based_auto_wrap_policy, min_num_params=100))
         'torch'
         >>> policy_signature(functools.partial(default_auto_wrap_policy, min_num_params=100))
@@ -182,8 +182,8 @@ def auto_wrap_policy(
             FairScale's default for the size policy (``nn.ModuleList``, ``nn.ModuleDict``: containers without a
             ``forward`` cannot be units), nothing for the other policies.
         force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
-            units; their parameters belong to the enclosing unit. ``None``: FairScale's default for the size policy (``nn.MultiheadAttention``, which reads its
-            parameters directly), nothing for the other policies.
+            units; their parameters belong to the enclosing unit. ``None``: FairScale's default for the size policy
+            (``nn.MultiheadAttention``, which reads its parameters directly), nothing for the other policies.
         own_units: modules that become units of their own, with nothing wrapped inside them (activation-checkpointed
             layers: their recomputation must happen inside one FSDP unit).
         root: the module that will be wrapped; needed with ``own_units`` so that the modules holding them are

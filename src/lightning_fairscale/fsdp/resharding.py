@@ -196,7 +196,9 @@ class SavedShards:
         """FairScale's ``local_metadata_dict`` of saving rank 0 (units, names, shapes)."""
         return self.file(0)["shard_metadata"]
 
-    def _segments(self, numel: int, start: int, stop: int, tensor_of: Callable[[dict[str, Any]], Tensor]) -> Iterable[Segment]:
+    def _segments(
+        self, numel: int, start: int, stop: int, tensor_of: Callable[[dict[str, Any]], Tensor]
+    ) -> Iterable[Segment]:
         """The saved pieces of one flat tensor of ``numel`` real elements that overlap ``[start, stop)``."""
         if start >= stop:
             return
@@ -280,10 +282,13 @@ class SavedShards:
                 numel = flat_numel(param)
                 start, stop, shard = _local_range(param, numel, unit)
                 key = keys[u][i]
-                copy_overlaps(param.data.view(-1), start, self._segments(numel, start, stop, lambda f: f["state_dict"][key]))
+                segments = self._segments(numel, start, stop, lambda f: f["state_dict"][key])
+                copy_overlaps(param.data.view(-1), start, segments)
         load_buffers(root, self.file(0)["state_dict"], lambda name: name)
 
-    def optimizer_source(self, index: int, current: Sequence[tuple[int, int]]) -> tuple[list[dict[str, Any]], ViewSource]:
+    def optimizer_source(
+        self, index: int, current: Sequence[tuple[int, int]]
+    ) -> tuple[list[dict[str, Any]], ViewSource]:
         """The saved param groups of the ``index``-th optimizer, and where each of this run's views finds its state.
 
         Args:
@@ -384,7 +389,9 @@ def _local_range(param: nn.Parameter, numel: int, unit: Any) -> tuple[int, int, 
         return 0, numel, numel
     start, stop, shard = owned_range(numel, unit.rank, unit.world_size)
     if param.data.numel() != shard:
-        raise RuntimeError(f"FairScale holds {param.data.numel()} elements of this parameter on this rank, expected {shard}.")
+        raise RuntimeError(
+            f"FairScale holds {param.data.numel()} elements of this parameter on this rank, expected {shard}."
+        )
     return start, stop, shard
 
 
@@ -393,8 +400,10 @@ def local_range(param: nn.Parameter, unit: Any) -> tuple[int, int, int]:
     return _local_range(param, flat_numel(param), unit)
 
 
-def load_full_state_dict(root: nn.Module, pieces_of: Callable[[nn.Parameter], Sequence[Any]], state_dict: dict[str, Any],
-                         clean: Callable[[str], str]) -> None:
+def load_full_state_dict(
+    root: nn.Module, pieces_of: Callable[[nn.Parameter], Sequence[Any]], state_dict: dict[str, Any],
+    clean: Callable[[str], str],
+) -> None:
     """Copy this rank's slice of every managed parameter of ``root``, and every buffer, from the unwrapped module's
     ``state_dict``, one unit at a time: nothing is gathered, and only the slices this rank owns are read.
 

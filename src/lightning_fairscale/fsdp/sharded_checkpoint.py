@@ -103,7 +103,9 @@ def split_checkpoint(
     elif "optimizer_states" in checkpoint:  # (a Trainer's saved with weights only has none)
         shard["optimizer_states"] = checkpoint["optimizer_states"]
     if "optimizer_states" in shard:
-        shard["optimizer_layouts"] = [describe_layout(opt, order, root, layout) for opt, order in zip(optimizers, orders)]
+        shard["optimizer_layouts"] = [
+            describe_layout(opt, order, root, layout) for opt, order in zip(optimizers, orders)
+        ]
     return meta, shard
 
 
@@ -123,7 +125,10 @@ def _comparable(metadata: dict[str, Any]) -> list[Any]:
     return [
         (
             unit["fsdp_path"],
-            [(name, info["names"], [tuple(s) for s in info["shapes"]], info["numels"]) for name, info in unit["params"].items()],
+            [
+                (name, info["names"], [tuple(s) for s in info["shapes"]], info["numels"])
+                for name, info in unit["params"].items()
+            ],
         )
         for unit in metadata["param_metadata"]
     ]
@@ -225,7 +230,10 @@ def _consolidate_optimizer(
         offsets = [sum(numels[:k]) for k in range(len(numels))]
         prefix = f"{unit_path}." if unit_path else ""
         pieces.append(
-            [Piece(prefix + n, o, c, torch.Size(s)) for n, o, c, s in zip(info["names"], offsets, numels, info["shapes"])]
+            [
+                Piece(prefix + n, o, c, torch.Size(s))
+                for n, o, c, s in zip(info["names"], offsets, numels, info["shapes"])
+            ]
         )
         ranks = range(1 if metadata[0]["param_metadata"][u]["no_broadcast_optim_state"] else len(states))
         pads = [per_rank[r][2]["padding"] for r in ranks]
@@ -267,7 +275,9 @@ def _from_views(
     return full, keys, with_state
 
 
-def _from_managed_shards(m: int, shard_numel: int, ranks: list[tuple[dict[str, Any], int]]) -> tuple[dict[str, Any], set[str]]:
+def _from_managed_shards(
+    m: int, shard_numel: int, ranks: list[tuple[dict[str, Any], int]]
+) -> tuple[dict[str, Any], set[str]]:
     """Managed parameter ``m``'s whole state and its element-wise keys, from every rank's state over its whole shard
     (``(state dict, padding)`` per rank)."""
     state = ranks[0][0]["state"].get(m, {})

@@ -34,7 +34,8 @@ def unit_summary(root: nn.Module) -> str:
     if not rows:
         return "0 FSDP units"
     width = max(len(name) for name, _, _ in rows)
-    lines = [f"{len(rows)} FSDP units, {sum(r[1] for r in rows):,} parameters, {sum(r[2] for r in rows):,} on this rank"]
+    total, on_rank = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    lines = [f"{len(rows)} FSDP units, {total:,} parameters, {on_rank:,} on this rank"]
     lines.append(f"  {'unit':<{width}}  {'parameters':>12}  {'shard':>12}")
     lines += [f"  {name:<{width}}  {full:>12,}  {local:>12,}" for name, full, local in rows]
     return "\n".join(lines)

@@ -62,7 +62,7 @@ PRIVATE_ATTRIBUTES = (
 
 def collective_timeout(strategy: Any) -> Optional[timedelta]:
     """``DDPStrategy._timeout``: the timeout the strategy's collectives were given (``timeout=``)."""
-    return strategy._timeout  # type: ignore[no-any-return]
+    return strategy._timeout
 
 
 def checkpoint_io_slot(strategy: Any) -> Optional[Any]:

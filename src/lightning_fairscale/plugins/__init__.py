@@ -1,5 +1,6 @@
-"""The Trainer's and Fabric's CheckpointIO plugin: :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`
-writes full files and sharded directories atomically."""
+"""The Trainer's and Fabric's CheckpointIO plugin:
+:class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` writes full files and sharded directories
+atomically."""
 
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 

@@ -88,7 +88,10 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         """Read a full checkpoint file, or the metadata of a sharded checkpoint directory (no shards)."""
         if not _is_local(path):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            # Lightning annotates `map_location` as a callable only; it hands it to `torch.load`, which takes them all.
+            return super().load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only  # type: ignore[arg-type]
+            )
         target = self.recover(Path(path))
         if target.is_dir():
             return self.load_meta(target, weights_only=weights_only)

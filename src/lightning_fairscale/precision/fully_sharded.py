@@ -52,8 +52,9 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
 
     FSDP keeps FP32 parameter shards and computes in ``compute_dtype`` (fp16 or bf16, following ``precision``),
     under ``torch.autocast``. For fp16 the loss is scaled with a sharded grad scaler
-    (:class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler`, on every device), whose inf/NaN checks agree across
-    ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled before clipping.
+    (:class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler`, on every device), whose inf/NaN
+    checks agree across ranks wherever the gradients are (in CPU memory with ``cpu_offload``); gradients are unscaled
+    before clipping.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning 1.x's ``16``, ``"16"`` and ``"bf16"`` work too, with

@@ -151,7 +151,7 @@ def repoint_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimizer
     for top in schedulers:
         for scheduler in _scheduler_tree(top):
             if getattr(scheduler, "optimizer", None) is old:
-                scheduler.optimizer = new  # type: ignore[union-attr]
+                scheduler.optimizer = new
                 repointed = True
     if repointed:
         _flag_steps_for_schedulers(new)

@@ -226,8 +226,8 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient reduction on accumulation steps (``ShardedDataParallel.no_sync``)."""
-        wrapped = isinstance(self.model, ShardedDataParallel)
-        with self.model.no_sync() if wrapped else contextlib.nullcontext():  # type: ignore[union-attr]
+        model = self.model
+        with model.no_sync() if isinstance(model, ShardedDataParallel) else contextlib.nullcontext():
             yield
 
     @override
@@ -278,18 +278,21 @@ class DDPShardedStrategy(DDPStrategy):
         optimizer_states = [self.optimizer_state(optimizer) for optimizer in trainer.optimizers] if gather else []
         if not self.is_global_zero:
             return None
+        # Set on the Trainer by Lightning's connectors, not declared on its class.
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        datamodule: Optional[pl.LightningDataModule] = trainer.datamodule  # type: ignore[attr-defined]
         entries: dict[str, Any] = {
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "loops": {name: getattr(trainer, name).state_dict() for name in _LOOPS},
-            "callbacks": {cb.state_key: state for cb in trainer.callbacks if (state := cb.state_dict())},
+            "callbacks": {cb.state_key: state for cb in callbacks if (state := cb.state_dict())},
             "optimizer_states": optimizer_states,
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs if gather],
         }
-        for owner in (trainer.precision_plugin, trainer.datamodule):  # Lightning keys their states by class name
-            state = owner.state_dict() if owner is not None else None
-            if state:
-                entries[type(owner).__qualname__] = state
+        for owner in (trainer.precision_plugin, datamodule):  # Lightning keys their states by class name
+            owner_state = owner.state_dict() if owner is not None else None
+            if owner_state:
+                entries[type(owner).__qualname__] = owner_state
         return _EndOfFit(entries, optimizer_state_left_out=bool(trainer.optimizers) and not gather)
 
     @override

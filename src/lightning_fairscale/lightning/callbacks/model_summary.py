@@ -103,7 +103,7 @@ class ParameterCounts:
                     self._owned.setdefault(id(owner), []).append((id(param), piece))
                     offset += numel
                 # A parameter shared by several modules is flattened once; the other owners point at it.
-                for _, _, owner, name, source, source_name in param._shared_param_infos:
+                for _, _, owner, _, source, source_name in param._shared_param_infos:
                     self._owned.setdefault(id(owner), []).append(pieces[(id(source), source_name)])
         for module in root.modules():
             for param in module._parameters.values():
@@ -307,16 +307,18 @@ def use_for_model_summaries(trainer: pl.Trainer) -> None:
     its own ``_summary`` that answers for FairScale's FSDP and leaves everything else to Lightning's. The class is not
     changed: other Trainers' callbacks are Lightning's.
     """
-    for callback in trainer.callbacks:
+    # `Trainer.callbacks` is set by Lightning's callback connector, not declared on the class.
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummaryCallback) and "_summary" not in vars(callback):
-            lightning_summary = type(callback)._summary  # type: ignore[attr-defined]
+            lightning_summary = type(callback)._summary
             callback._summary = functools.partial(_summary, callback, lightning_summary)  # type: ignore[method-assign]
 
 
 def restore_model_summaries(trainer: Optional[pl.Trainer]) -> None:
     """Give the Trainer's ``ModelSummary`` callbacks Lightning's ``_summary`` back (the strategy's teardown calls
     this); a ``_summary`` that is not ours stays. Nothing to do without a Trainer."""
-    for callback in trainer.callbacks if trainer is not None else []:
+    # `Trainer.callbacks` is set by Lightning's callback connector, not declared on the class.
+    for callback in trainer.callbacks if trainer is not None else []:  # type: ignore[attr-defined]
         hook = vars(callback).get("_summary")
         if isinstance(hook, functools.partial) and hook.func is _summary:
             del callback._summary

@@ -100,7 +100,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
             still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
         force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
-            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``) for the size policy, none else.
+            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``)
+            for the size policy, none else.
         activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
             the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
         activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
@@ -257,8 +258,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
 
+    # Lightning annotates the generator-based context manager its own implementation returns; callers only enter it.
     @override
-    def model_sharded_context(self) -> AbstractContextManager:
+    def model_sharded_context(self) -> AbstractContextManager:  # type: ignore[override]
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
         precision = self.precision_plugin.precision
         return fsdp_engine.wrapping_context(self.config, self.root_device, self._groups, precision)
@@ -562,14 +564,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        if not self._is_wrapped():
+        model = self.model
+        if not isinstance(model, _FairScaleFSDP):
             return module
         keep = self.is_global_zero or not rank_zero_only
-        unwrap_module(self.model, torch.device("cpu"), keep=keep)
-        drop_groups_of(self.model)  # nothing shards over them any more
+        unwrap_module(model, torch.device("cpu"), keep=keep)
+        drop_groups_of(model)  # nothing shards over them any more
         forget_root(module)
         remove_activation_checkpointing(module)
-        cpu_streams.release(self.model)  # the sharded model's hold on the CPU workarounds ends with it
+        cpu_streams.release(model)  # the sharded model's hold on the CPU workarounds ends with it
         self._checkpointed = []
         self.model = module
         self._layout = None
