@@ -10,10 +10,10 @@ strategies write: the keys of the state, each module and optimizer replaced by i
 * every other object with ``state_dict`` and ``load_state_dict`` (LR schedulers, other modules...) -> its state
   dict; every other value as it is; ``filter`` as ``fabric.save`` defines it.
 
-A sharded checkpoint (``state_dict_type="sharded"``, :mod:`lightning_fairscale.fsdp.sharded_checkpoint`) keeps the model's
-and the optimizers' states in each rank's shard, and every other entry in its meta file under its own key; the meta
-file's own record (:data:`~lightning_fairscale.checkpoint.files.FORMAT_KEY`) names the model's and the
-optimizers' keys (:data:`~lightning_fairscale.checkpoint.files.FABRIC_RECORD`).
+A sharded checkpoint (``state_dict_type="sharded"``, :mod:`lightning_fairscale.fsdp.sharded_checkpoint`) keeps the
+model's and the optimizers' states in each rank's shard, and every other entry in its meta file under its own key; the
+meta file's own record (:data:`~lightning_fairscale.checkpoint.files.FORMAT_KEY`) names the model's and the optimizers'
+keys (:data:`~lightning_fairscale.checkpoint.files.FABRIC_RECORD`).
 
 The Trainer's layout maps onto a Fabric state when Fabric loads a Trainer's checkpoint (:func:`restore`), and a
 Fabric checkpoint onto the Trainer's layout when the Trainer resumes from one (:func:`to_trainer_layout`); the files

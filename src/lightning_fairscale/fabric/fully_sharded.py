@@ -380,7 +380,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, on rank 0 (a collective call)."""
-        if self._fsdp_model(module) is None:
+        if not isinstance(module, FullyShardedDataParallel) or self._fsdp_model(module) is None:
             return super().get_module_state_dict(module)
         return fsdp_engine.module_state_dict(module, sharded=False, is_global_zero=self.is_global_zero)
 
@@ -415,7 +415,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         return self.config.state_dict_type == "sharded" and self._is_ours(module)
 
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
-        if not self._is_ours(module):
+        if not isinstance(module, FullyShardedDataParallel) or not self._is_ours(module):
             return module.state_dict()
         return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
 

@@ -22,21 +22,23 @@ The workarounds, and why each is needed:
    ``NotImplementedError``). CPU memory is not stream-ordered, so recording is meaningless there: a no-op CPU kernel
    is registered (``torch.library``) with workaround 1, and deregistered with it. CUDA tensors keep PyTorch's own
    kernel.
-3. **Reduce-scatter buckets on gloo.** FairScale's ``ReduceScatterBucketer`` hands a 2-D ``(world_size, n)`` tensor
-   to ``_reduce_scatter_base``. NCCL accepts that; gloo checks ``output.numel() * world_size == input.shape[0]`` and
-   aborts. :class:`~lightning_fairscale.fsdp.bucketing.GlooReduceScatterBucketer` passes the same memory as a 1-D view, which is the layout gloo
-   expects and gives the identical result. It is used only when the reduce-scatter group's backend is gloo.
+3. **Reduce-scatter buckets on gloo.** FairScale's ``ReduceScatterBucketer`` hands a 2-D ``(world_size, n)`` tensor to
+   ``_reduce_scatter_base``. NCCL accepts that; gloo checks ``output.numel() * world_size == input.shape[0]`` and
+   aborts. :class:`~lightning_fairscale.fsdp.bucketing.GlooReduceScatterBucketer` passes the same memory as a 1-D view,
+   which is the layout gloo expects and gives the identical result. It is used only when the reduce-scatter group's
+   backend is gloo.
 4. **``clip_grad_norm_`` calls ``.cuda()``** on the local norm. :class:`FullyShardedDataParallel` computes the global
-   norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA. The
-   precision plugins clip with :func:`~lightning_fairscale.fsdp.grad_norm.clip_grad_norm_` on every device; its all-reduce goes through
-   :mod:`lightning_fairscale.distributed.collectives`, which moves the norm to CUDA for NCCL when the gradients are in CPU memory
-   (``move_grads_to_cpu``).
+   norm on the gradients' own device when the module computes on CPU, and defers to FairScale on CUDA. The precision
+   plugins clip with :func:`~lightning_fairscale.fsdp.grad_norm.clip_grad_norm_` on every device; its all-reduce goes
+   through :mod:`lightning_fairscale.distributed.collectives`, which moves the norm to CUDA for NCCL when the gradients
+   are in CPU memory (``move_grads_to_cpu``).
 5. **fp16 loss scaling.** FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and for
    gradients in CPU memory it all-reduces a CUDA copy of the inf/NaN flags and then drops the result.
-   :class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler` is PyTorch's device-generic ``torch.amp.GradScaler`` plus the one thing sharding
-   needs: the "found inf" flags are combined across ranks, in place, wherever they are (through
-   :mod:`lightning_fairscale.distributed.collectives`), so every rank skips the same steps. The FSDP precision plugin uses it on
-   every device (this one is not CPU-specific), the sharded-DDP plugin off CUDA.
+   :class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler` is PyTorch's device-generic
+   ``torch.amp.GradScaler`` plus the one thing sharding needs: the "found inf" flags are combined across ranks, in
+   place, wherever they are (through :mod:`lightning_fairscale.distributed.collectives`), so every rank skips the same
+   steps. The FSDP precision plugin uses it on every device (this one is not CPU-specific), the sharded-DDP plugin off
+   CUDA.
 6. **bf16 compute (all devices).** With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to
    fp16, whatever ``compute_dtype`` is, which breaks bf16 compute. :class:`FullyShardedDataParallel` casts them to
    the unit's ``compute_dtype`` first, which FairScale then leaves alone. This one is not CPU-specific.
@@ -56,8 +58,9 @@ The workarounds, and why each is needed:
    ``ReduceScatterBucketer._get_shard_size`` with ``functools.lru_cache`` on the method, so the cache holds every
    bucketer ever used — with its bucket buffers (``bucket_cap_mb`` per dtype) and its process group — for the rest of
    the process: each ``fit`` leaked its buffers, and gloo's threads outlived the process group into interpreter
-   shutdown, where they could abort a finished run. :class:`~lightning_fairscale.fsdp.bucketing.ReduceScatterBucketer` computes the same size without
-   the cache, and :class:`FullyShardedDataParallel` uses it (or its gloo variant) on every device.
+   shutdown, where they could abort a finished run. :class:`~lightning_fairscale.fsdp.bucketing.ReduceScatterBucketer`
+   computes the same size without the cache, and :class:`FullyShardedDataParallel` uses it (or its gloo variant) on
+   every device.
 10. **Pinned memory.** ``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the
     CPU from the CPU has no effect anyway, so the strategy turns both off on CPU runs with a warning (see
     :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`); they are not handled here.
@@ -181,8 +184,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9 and 11 to
     15: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters in
-    one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root). On CPU it uses no-op streams
-    (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible reduce-scatter bucketer and a device-agnostic :meth:`clip_grad_norm_`.
+    one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root). On CPU it uses no-op
+    streams (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible reduce-scatter bucketer
+    and a device-agnostic :meth:`clip_grad_norm_`.
 
     A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
     meta tensors become real ones on the unit's device, initialised by each module's ``reset_parameters()`` or by

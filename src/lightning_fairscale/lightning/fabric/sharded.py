@@ -1,10 +1,10 @@
 # Generated from lightning_fairscale/fabric/sharded.py by `make lightning`: do not edit.
 """``DDPShardedStrategy`` for Fabric: FairScale's sharded optimizer state and gradients in loops you write yourself.
 
-The same pieces as the Trainer's strategy (:mod:`lightning_fairscale.sharded_ddp.engine`) behind Fabric's strategy API: the
-optimizers given to ``fabric.setup`` become ``fairscale.optim.OSS`` (same class, param groups and hyperparameters),
-the model a ``ShardedDataParallel``; ``fabric.save``/``fabric.load`` write Fabric's checkpoints (the optimizers'
-states consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpoint.fabric`).
+The same pieces as the Trainer's strategy (:mod:`lightning_fairscale.sharded_ddp.engine`) behind Fabric's strategy API:
+the optimizers given to ``fabric.setup`` become ``fairscale.optim.OSS`` (same class, param groups and hyperparameters),
+the model a ``ShardedDataParallel``; ``fabric.save``/``fabric.load`` write Fabric's checkpoints (the optimizers' states
+consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class DDPShardedStrategy(DDPStrategy):
         return wrapped, sharded, scheduler
 
     @override
-    def setup_module(self, module: Module) -> Module:
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]  # the plain model, not a DDP wrapper
         """The plain model, with rank 0's weights on every rank: for evaluation (training needs the optimizers)."""
         oss.sync_module_states(module)
         self._set_up.models.add(module)
