@@ -6,6 +6,8 @@ batch first) and a final ``LayerNorm``, regresses random targets with Adam in fl
 unit, then the root):
 
 * ``ours``: ``Trainer(strategy=DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}))``;
+  ``ours-sync``: the same with ``lightning_fairscale.fsdp.prefetch.OVERLAP_ON_CPU = False`` (FairScale's synchronous
+  collectives, as before they overlapped on CPU);
 * ``fairscale-loop``: a hand-written loop over ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` (after
   ``cpu_streams.install()``) with the strategy's CPU defaults, Adam over the flat shards;
 * ``torch-fsdp-loop``: a hand-written loop over PyTorch's FSDP (``ModuleWrapPolicy``, ``device_id=cpu``);
@@ -37,6 +39,7 @@ import argparse
 import contextlib
 import functools
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -56,7 +59,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from lightning_fairscale.fsdp import cpu_streams, units  # noqa: E402
+from lightning_fairscale.fsdp import cpu_streams, prefetch, units  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -71,13 +74,14 @@ SEQUENCES, TOKENS = 8, 64  # per rank and step
 
 IMPLEMENTATIONS: dict[str, str] = {
     "ours": "`DDPFullyShardedStrategy` (Trainer)",
+    "ours-sync": "`DDPFullyShardedStrategy` (Trainer), synchronous collectives",
     "fairscale-loop": "FairScale FSDP, hand-written loop",
     "torch-fsdp-loop": "PyTorch FSDP, hand-written loop",
     "ddp": 'Lightning `strategy="ddp"` (Trainer)',
     "ddp_sharded": '`strategy="ddp_sharded"` (Trainer)',
 }
-LIGHTNING = ("ours", "ddp", "ddp_sharded")
-FSDP_IMPLEMENTATIONS = ("ours", "fairscale-loop", "torch-fsdp-loop")
+LIGHTNING = ("ours", "ours-sync", "ddp", "ddp_sharded")
+FSDP_IMPLEMENTATIONS = ("ours", "ours-sync", "fairscale-loop", "torch-fsdp-loop")
 TARGET_VS_TORCH_FSDP = 1.0
 TARGET_VS_DDP = 1.25
 
@@ -229,12 +233,14 @@ class StepMarks:
 
     def __init__(self, total_steps: int, warmup: int) -> None:
         self.starts: list[float] = []
+        self.faults: list[int] = []  # minor page faults so far (first touches of fresh memory)
         self.total_steps = total_steps
         self.warmup = warmup
         self.peak_rss = 0
 
     def start(self) -> None:
         self.starts.append(time.perf_counter())
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         # Timers run over the measured steps only (the step after the last one only closes its interval).
         TIMERS.enabled = self.warmup < len(self.starts) <= self.total_steps - 1
         if len(self.starts) == self.total_steps:
@@ -242,7 +248,7 @@ class StepMarks:
 
     def result(self, impl: str, rank: int, numel: int) -> dict[str, Any]:
         return {"impl": impl, "rank": rank, "numel": numel, "starts": self.starts, "peak_rss": self.peak_rss,
-                "timers": TIMERS.totals}
+                "timers": TIMERS.totals, "faults": self.faults}
 
 
 class _Probe(Callback):
@@ -263,9 +269,10 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
     torch.manual_seed(0)
     model = _TimedEncoder(width, layers)
     numel = sum(p.numel() for p in model.parameters())
-    strategy: Any = (
-        DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}) if impl == "ours" else impl
-    )
+    if impl == "ours-sync":  # as before the collectives overlapped on CPU
+        prefetch.OVERLAP_ON_CPU = False
+    fsdp = impl.startswith("ours")
+    strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}) if fsdp else impl
     marks = StepMarks(total_steps, warmup)
     trainer = Trainer(
         accelerator="cpu",
@@ -349,6 +356,8 @@ def launch(impl: str, size: str, args: argparse.Namespace, work: Path, tag: str,
     if breakdown:
         timers["other"] = max(0.0, sum(periods[slowest]) / args.steps - sum(timers.values()))
         timers["step"] = sum(periods[slowest]) / args.steps
+        faults = ranks[slowest]["faults"]
+        timers["faults"] = statistics.median(faults[i + 1] - faults[i] for i in measured)
     return {"step": step, "peak_rss": [r["peak_rss"] for r in ranks], "numel": ranks[0]["numel"], "timers": timers}
 
 
@@ -399,6 +408,8 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
             r = ours / medians["ddp"]
             targets.append(f"ours / ddp = {r:.3f}x (target <= {TARGET_VS_DDP:.2f}x:"
                            f" {'PASS' if r <= TARGET_VS_DDP else 'MISS'})")
+        if "ours-sync" in medians:
+            targets.append(f"ours / ours with synchronous collectives = {ours / medians['ours-sync']:.3f}x")
         if "ddp_sharded" in medians and "ddp" in medians:
             targets.append(f"ddp_sharded / ddp = {medians['ddp_sharded'] / medians['ddp']:.3f}x")
         lines += [f"- {t}" for t in targets] + [""]
@@ -412,11 +423,14 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
             for part in (*PARTS, "step"):
                 cells = [f"{t.get(part, 0.0) * 1000:.1f}" for t in breakdowns[size].values()]
                 lines.append(f"| {part} | " + " | ".join(cells) + " |")
+            cells = [f"{t.get('faults', 0):,.0f}" for t in breakdowns[size].values()]
+            lines.append("| minor page faults per step (count) | " + " | ".join(cells) + " |")
             lines.append("")
     lines += [
         "forward/backward: their own time (compute, hooks, copies), without the timed collectives and storage calls"
         " inside them; the collectives include the waits of asynchronous ones; other: the rest of the step"
-        " (zero_grad, data, the loop or the Trainer). Timers cost a little time of their own.",
+        " (zero_grad, data, the loop or the Trainer). Timers cost a little time of their own. Minor page faults:"
+        " first touches of memory fresh from the kernel (freed full parameters and gradients, allocated again).",
         "",
         "Regenerate with `.venv/bin/python benchmarks/speed.py` (`--quick` to check that it runs).",
     ]
