@@ -19,6 +19,11 @@ shared machine hits every implementation alike. A launch's step time is the medi
 ``--warmup`` steps of the time between consecutive step starts (slowest rank); an implementation's figure is the
 median over its rounds. Peak memory is each rank's ``VmHWM`` at the last step.
 
+A paired launch per size (``--no-paired`` to skip) runs the three FSDP engines in ONE launch, each its own model
+and Adam, stepped in turn: our FairScale units with overlapped collectives (``fairscale-overlap``) and without
+(``fairscale-sync``), and PyTorch's FSDP. On a machine whose load changes from launch to launch this ratio is the
+steadier one.
+
 ``--breakdown`` adds one more launch per FSDP implementation (ours, FairScale's loop, PyTorch's loop) with timers
 around the parts of a step: the forward and backward (their own time: compute, hooks, copies), the all-gathers,
 reduce-scatters and all-reduces (the calls, plus the waits of asynchronous ones), the storage allocations and frees of
@@ -335,6 +340,58 @@ def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, 
     _common.join_ranks(children)
 
 
+#: The engines of the paired launch, by name: how each is built.
+ENGINES = ("fairscale-overlap", "fairscale-sync", "torch-fsdp")
+
+
+def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
+    """One launch, three engines (our FairScale units with and without overlapped collectives, PyTorch's FSDP),
+    each its own model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits
+    them alike, which separate launches on a busy machine cannot ensure."""
+    rank, children = _common.start_ranks(WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    engines = {}
+    for name in ENGINES:
+        torch.manual_seed(0)
+        model = Encoder(width, layers)
+        wrapped = wrap_torch_fsdp(model) if name == "torch-fsdp" else wrap_fairscale(model)
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=LEARNING_RATE)
+        # Read at the root's first forward: one step now, with this engine's setting.
+        prefetch.OVERLAP_ON_CPU = name != "fairscale-sync"
+        batches = list(data_loader(width, total_steps))
+        optimizer.zero_grad(set_to_none=True)
+        loss(wrapped, batches[0]).backward()
+        optimizer.step()
+        engines[name] = (wrapped, optimizer)
+    prefetch.OVERLAP_ON_CPU = True
+    times: dict[str, list[float]] = {name: [] for name in ENGINES}
+    for index, batch in enumerate(data_loader(width, total_steps)):
+        for turn in range(len(ENGINES)):
+            name = ENGINES[(index + turn) % len(ENGINES)]
+            wrapped, optimizer = engines[name]
+            dist.barrier()
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss(wrapped, batch).backward()
+            optimizer.step()
+            times[name].append(time.perf_counter() - started)
+    _common.write_rank_result(out, rank, {"rank": rank, "times": times})
+    dist.barrier()
+    dist.destroy_process_group()
+    _common.join_ranks(children)
+
+
+def launch_engines(size: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """The paired launch of :func:`run_engines`: each engine's median step time (slowest rank)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    worker = ["--worker=engines", f"--size={size}", f"--warmup={args.warmup}", f"--steps={args.paired_steps}"]
+    ranks = _common.launch(Path(__file__).resolve(), worker, work / f"engines-{size}", LAUNCH_TIMEOUT_S, env)
+    return {
+        name: max(statistics.median(r["times"][name][args.warmup :]) for r in ranks) for name in ENGINES
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The parent
 
@@ -367,7 +424,7 @@ def loadavg() -> str:
 
 
 def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict[str, dict[str, dict]],
-           args: argparse.Namespace, loads: list[str], seconds: float) -> str:
+           paired: dict[str, dict[str, float]], args: argparse.Namespace, loads: list[str], seconds: float) -> str:
     lines = [
         "# Speed: FairScale FSDP on CPU against PyTorch's FSDP and DDP",
         "",
@@ -382,6 +439,11 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
     ]
     for size, by_impl in results.items():
         width, layers = SIZES[size]
+        by_impl = {impl: runs for impl, runs in by_impl.items() if runs}  # none with --rounds 0
+        if not by_impl or "ours" not in by_impl:
+            lines += [f"## {size.capitalize()} ({layers} layers, width {width})", ""]
+            lines += _paired_lines(size, paired, args)
+            continue
         numel = next(iter(by_impl.values()))[0]["numel"]
         medians = {impl: statistics.median(r["step"] for r in runs) for impl, runs in by_impl.items()}
         ours = medians["ours"]
@@ -413,6 +475,7 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
         if "ddp_sharded" in medians and "ddp" in medians:
             targets.append(f"ddp_sharded / ddp = {medians['ddp_sharded'] / medians['ddp']:.3f}x")
         lines += [f"- {t}" for t in targets] + [""]
+        lines += _paired_lines(size, paired, args)
         if size in breakdowns:
             lines += [
                 f"### Where a step's time goes ({size}; ms per step, slowest rank, one launch each with timers)",
@@ -437,6 +500,20 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
     return "\n".join(lines) + "\n"
 
 
+def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse.Namespace) -> list[str]:
+    if size not in paired:
+        return []
+    times = paired[size]
+    lines = [
+        f"### The engines in one launch, stepped in turn ({size}; median of {args.paired_steps} steps each)",
+        "",
+        "| Engine | Step time (s) | vs. PyTorch FSDP |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {name} | {t:.3f} | {t / times['torch-fsdp']:.3f}x |" for name, t in times.items()]
+    return lines + [""]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
@@ -447,13 +524,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the timed launches")
     parser.add_argument("--quick", action="store_true", help="one round, the small model, few steps")
     parser.add_argument("--output", type=Path, default=OUTPUT)
-    parser.add_argument("--worker", choices=list(IMPLEMENTATIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--paired-steps", type=int, default=20, help="measured steps of the paired engines launch")
+    parser.add_argument("--no-paired", dest="paired", action="store_false", help="skip the paired engines launch")
+    parser.add_argument("--worker", choices=[*IMPLEMENTATIONS, "engines"], help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=list(SIZES), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--breakdown", dest="breakdown_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.sizes, args.warmup, args.steps = 1, ["small"], 2, 4
+        args.rounds, args.sizes, args.warmup, args.steps, args.paired_steps = 1, ["small"], 2, 4, 4
         if args.output == OUTPUT:
             args.output = Path(tempfile.gettempdir()) / "speed-quick.md"
     total_steps = args.warmup + args.steps + 1
@@ -463,6 +542,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.breakdown_worker:
             install_timers()
         width, layers = SIZES[args.size]
+        if args.worker == "engines":
+            run_engines(width, layers, args.warmup + args.paired_steps, args.out)
+            return 0
         run = run_lightning if args.worker in LIGHTNING else run_loop
         run(args.worker, width, layers, total_steps, args.warmup, args.out)
         return 0
@@ -471,9 +553,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     loads = [f"before {loadavg()}"]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {i: [] for i in args.impls} for s in args.sizes}
     breakdowns: dict[str, dict[str, dict]] = {}
+    paired: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
         work = Path(scratch)
         for size in args.sizes:
+            if args.paired:
+                paired[size] = launch_engines(size, args, work)
+                print(f"  {size} paired engines: {paired[size]} (load {loadavg()})", flush=True)
             for round_index in range(args.rounds):
                 for impl in args.impls:
                     result = launch(impl, size, args, work, f"r{round_index}", breakdown=False)
@@ -486,7 +572,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for impl in (i for i in FSDP_IMPLEMENTATIONS if i in args.impls):
                     breakdowns[size][impl] = launch(impl, size, args, work, "timed", breakdown=True)["timers"]
                     print(f"  {size} breakdown {impl}: done", flush=True)
-    text = report(results, breakdowns, args, loads, time.perf_counter() - started)
+    text = report(results, breakdowns, paired, args, loads, time.perf_counter() - started)
     _common.publish(text, args.output)
     return 0
 
