@@ -29,7 +29,7 @@ around the parts of a step: the forward and backward (their own time: compute, h
 reduce-scatters and all-reduces (the calls, plus the waits of asynchronous ones), the storage allocations and frees of
 the full parameters, and the optimizer step; "other" is the rest of the step (zero_grad, the loop, the Trainer).
 
-Run it from the project's root (about 5 minutes on 2 busy cores; ``--quick``: one round, the small model, ~1 min)::
+Run it from the project's root (about 30 minutes on 2 busy cores; ``--quick``: one round, the small model, ~3.5 min)::
 
     .venv/bin/python benchmarks/speed.py                # or: make bench BENCHMARKS=speed
     .venv/bin/python benchmarks/speed.py --quick
