@@ -8,6 +8,7 @@ Everything here runs in the test process: FSDP units are built on a single-proce
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -281,6 +282,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, directory: Path, *args: A
     Forking (not spawning) keeps a run well under a second: the children share the imported modules. Each child
     uses one thread, as forked children must (OpenMP is not fork-safe).
     """
+    # Garbage of earlier tests (process groups among it) must not be collected in a child, where the threads and
+    # sockets it refers to do not exist: that crashed a rank (SIGSEGV) once a rank made garbage enough to collect.
+    gc.collect()
     context = mp.start_processes(
         _rank_main, args=(fn, world_size, str(directory), args), nprocs=world_size, join=False, start_method="fork"
     )

@@ -17,9 +17,10 @@ from fairscale.internal import reduce_scatter_bucketer as fairscale_bucketer
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp import cpu_streams, prefetch
 from lightning_fairscale.fsdp import units as fsdp_units
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
+from lightning_fairscale.fsdp.prefetch import AsyncReduceScatter, Prefetcher
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_, global_grad_norm
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
@@ -57,13 +58,23 @@ def test_record_stream_on_a_cpu_tensor_does_nothing() -> None:
     assert torch.equal(tensor, torch.arange(4.0))
 
 
-def test_fsdp_on_gloo_uses_one_shared_gloo_bucketer() -> None:
+def test_fsdp_on_cpu_gloo_shares_one_async_reducer_and_one_prefetcher() -> None:
     root = wrap(Net(), policy={Block})
     step(root, torch.optim.SGD(root.parameters(), lr=0.1), batches(1)[0])
     units = [m for m in root.modules() if isinstance(m, fsdp_units.FullyShardedDataParallel)]
     assert len(units) == 3
-    assert type(root._reducer) is GlooReduceScatterBucketer
-    assert all(unit._reducer is root._reducer for unit in units)
+    assert type(root._reducer) is AsyncReduceScatter and type(root._prefetcher) is Prefetcher
+    assert all(unit._reducer is root._reducer and unit._prefetcher is root._prefetcher for unit in units)
+    assert root._prefetcher.order == units  # the forward order: the root, then the blocks
+
+
+def test_fsdp_on_gloo_without_overlap_uses_one_shared_gloo_bucketer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefetch, "OVERLAP_ON_CPU", False)
+    root = wrap(Net(), policy={Block})
+    step(root, torch.optim.SGD(root.parameters(), lr=0.1), batches(1)[0])
+    units = [m for m in root.modules() if isinstance(m, fsdp_units.FullyShardedDataParallel)]
+    assert type(root._reducer) is GlooReduceScatterBucketer and root._prefetcher is None
+    assert all(unit._reducer is root._reducer and unit._prefetcher is None for unit in units)
 
 
 def test_gloo_bucketer_equals_a_plain_reduce_scatter_on_one_rank() -> None:

@@ -17,15 +17,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp import cpu_streams, prefetch
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.fsdp.optim import describe_layout
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
 from .helpers import (
+    IN_FEATURES,
     OPTIMIZERS,
+    OUT_FEATURES,
+    WIDTH,
     Block,
     Net,
     assert_optimizer_states_equal,
@@ -145,9 +149,74 @@ def frozen_root_checks(rank: int, world_size: int) -> dict[str, Any]:
     return {"held": held, "parameters": parameters}
 
 
+def _deep_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(IN_FEATURES, WIDTH), *[Block() for _ in range(5)], nn.Linear(WIDTH, OUT_FEATURES))
+
+
+def _train_deep(rank: int, world_size: int, overlap: bool) -> tuple[nn.Module, list[int], int]:
+    """Three Adam steps of a root and five Block units; at every gathering, how many units hold full parameters
+    (gathered or arriving), and how many gatherings a prefetch served."""
+    root = wrap(_deep_model(), policy={Block})
+    units = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel) and m is not root]
+    holding: list[int] = []
+    served = [0]
+    real_rebuild = FullyShardedDataParallel._rebuild_full_params
+
+    def rebuild(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._prefetcher is not None and self._prefetcher._pending is not None:
+            served[0] += self._prefetcher._pending[0] is self
+        result = real_rebuild(self, *args, **kwargs)
+        full = [getattr(u.params[0], "_full_param_padded", None) for u in units]  # made at a unit's first forward
+        holding.append(sum(f is not None and f.untyped_storage().size() > 0 for f in full))
+        return result
+
+    optimizer = torch.optim.Adam(root.parameters(), lr=0.01)
+    FullyShardedDataParallel._rebuild_full_params = rebuild  # type: ignore[method-assign]
+    prefetch.OVERLAP_ON_CPU = overlap  # read when the root sets up, in its first forward
+    try:
+        for batch in batches(3):
+            step(root, optimizer, rank_batch(batch, rank, world_size))
+    finally:
+        FullyShardedDataParallel._rebuild_full_params = real_rebuild  # type: ignore[method-assign]
+        prefetch.OVERLAP_ON_CPU = True
+    return root, holding, served[0]
+
+
+def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """Training with overlapped collectives (workaround 16) against the synchronous ones, and the async reducer."""
+    overlapped, holding, served = _train_deep(rank, world_size, overlap=True)
+    synchronous, _, served_sync = _train_deep(rank, world_size, overlap=False)
+    out: dict[str, Any] = {
+        "reducer": type(overlapped._reducer).__name__,
+        "reducer_sync": type(synchronous._reducer).__name__,
+        "holding": holding,
+        "served": (served, served_sync),
+        "parameters": (parameters_of(unwrap_module(overlapped)), parameters_of(unwrap_module(synchronous))),
+    }
+    # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
+    g = torch.Generator().manual_seed(200 + rank)
+    inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
+    plain = []
+    for chunks in inputs:
+        result = torch.empty(4)
+        dist.reduce_scatter_tensor(result, torch.cat(chunks))
+        plain.append(result)
+    reduced: list[torch.Tensor] = []
+    reducer = prefetch.AsyncReduceScatter(max_in_flight=1)
+    done_before_flush = []
+    for chunks in inputs:
+        reducer.reduce_scatter_async(chunks, group=dist.group.WORLD, callback_fn=reduced.append)
+        done_before_flush.append(len(reduced))
+    reducer.flush()
+    out["async_reduce_scatter"] = (reduced, plain, done_before_flush)
+    return out
+
+
 def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
     cpu_streams.install()
     out: dict[str, Any] = {"views": view_checks(rank, world_size), "frozen_root": frozen_root_checks(rank, world_size)}
+    out["prefetch"] = prefetch_checks(rank, world_size)
     for optimizer, flatten in CASES:
         model = Net()
         sharded = shard(model, OPTIMIZERS[optimizer](param_groups(model, flatten)), POLICY[flatten], flatten)
@@ -415,3 +484,33 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> N
         weight, scale = result["scaler"]
         assert torch.equal(weight, torch.ones(3)), f"rank {rank} stepped despite another rank's inf gradient"
         assert scale == 2.0, f"rank {rank} did not back off the scale"
+
+
+def test_cpu_units_overlap_their_collectives_and_train_bit_for_bit_as_synchronous_ones(ranks: list[Any]) -> None:
+    for rank, result in enumerate(ranks):
+        checks = result["prefetch"]
+        assert (checks["reducer"], checks["reducer_sync"]) == ("AsyncReduceScatter", "GlooReduceScatterBucketer")
+        served, served_sync = checks["served"]
+        # Every gathering but the first of each pass (the root in the forward, the last block in the backward; the
+        # root keeps its full parameters for the backward): 5 blocks in a forward, 4 in a backward, for 3 steps,
+        # minus the first forward's 5 (no order recorded yet): 3 * 9 - 5 = 22.
+        assert (served, served_sync) == (22, 0), f"rank {rank}: {checks['served']}"
+        overlapped, synchronous = checks["parameters"]
+        assert overlapped.keys() == synchronous.keys()
+        for name in overlapped:
+            assert torch.equal(overlapped[name], synchronous[name]), f"rank {rank}: {name} differs"
+
+
+def test_at_most_two_units_hold_full_parameters_while_prefetching(ranks: list[Any]) -> None:
+    for rank, result in enumerate(ranks):
+        holding = result["prefetch"]["holding"]
+        assert max(holding) == 2, f"rank {rank}: units holding full parameters at each gathering: {holding}"
+
+
+def test_async_reducer_reduces_like_plain_reduce_scatters_one_at_a_time(ranks: list[Any]) -> None:
+    for result in ranks:
+        reduced, plain, done_before_flush = result["prefetch"]["async_reduce_scatter"]
+        assert done_before_flush == [0, 1, 2], "each new reduction first completes the one in flight"
+        assert len(reduced) == len(plain) == 3
+        for got, want in zip(reduced, plain):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -102,6 +102,10 @@ The workarounds, and why each is needed:
     (``AssertionError: 0 vs. 1``): no full ``state_dict()``, full checkpoint or ``unshard_module()`` after
     training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
+16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously.
+    On CPU with gloo, a root's units gather the next unit's parameters while the current one computes, and
+    reduce-scatter each gradient asynchronously while the backward goes on (:mod:`~lightning_fairscale.fsdp.prefetch`:
+    at most one unit gathered ahead and one reduction in flight). Same results; the CUDA path is unchanged.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -119,7 +123,7 @@ from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp import param_views
+from lightning_fairscale.fsdp import param_views, prefetch
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -244,11 +248,21 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         self.compute_dtype = half
         self.buffer_dtype = arguments.get("buffer_dtype") or half
 
+    #: The CPU prefetcher of this unit's root (workaround 16), ``None`` where it does not apply (CUDA).
+    _prefetcher: Optional[prefetch.Prefetcher] = None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()  # FairScale's forward starts with it too: decides the root, sets up the prefetcher
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root is not False:  # the root (or not yet known): inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
-        return super().forward(*args, **kwargs)
+        if not self._is_root or self._prefetcher is None:
+            return super().forward(*args, **kwargs)
+        self._prefetcher.forward_started()  # workaround 16
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._prefetcher.forward_ended()
 
     def _setup_streams(self) -> None:
         if len(self._streams) > 0 or not self._is_root:
@@ -258,13 +272,29 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             # No CUDA: FairScale created no streams, but indexes ``self._streams`` on every forward and backward.
             for name in ("fp32_to_fp16", "all_gather", "post_backward"):
                 self._streams[name] = _CPU_STREAM
-        # Replaces FairScale's bucketer (unused so far) everywhere it was shared (workarounds 3 and 9).
-        bucketer = GlooReduceScatterBucketer if _is_gloo(self.process_group_reduce_scatter) else ReduceScatterBucketer
-        reducer = bucketer(self.bucket_cap_mb)
+        # Replaces FairScale's bucketer (unused so far) everywhere it was shared (workarounds 3, 9 and 16).
+        gloo = _is_gloo(self.process_group_reduce_scatter)
+        overlaps = gloo and self.compute_device.type == "cpu" and prefetch.OVERLAP_ON_CPU
+        bucketer = GlooReduceScatterBucketer if gloo else ReduceScatterBucketer
+        reducer = prefetch.AsyncReduceScatter() if overlaps else bucketer(self.bucket_cap_mb)
+        prefetcher = prefetch.Prefetcher() if overlaps else None
         self._reducer = reducer
         for module in fsdp_instances(self):
             module._streams = self._streams
             module._reducer = reducer
+            module._prefetcher = prefetcher
+
+    def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
+        if self._prefetcher is None or force_full_precision:
+            if self._prefetcher is not None:
+                self._prefetcher.settle(self)
+            return super()._rebuild_full_params(force_full_precision)
+        return self._prefetcher.rebuild(self, super()._rebuild_full_params)  # workaround 16
+
+    def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
+        super()._free_full_params(params)
 
     def _prep_grads_for_backward(self) -> None:
         for param in self.params:  # workaround 12
@@ -278,6 +308,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 for param in unit.params:
                     param_views.share_gradients(param)
         self._reshard_frozen_params()
+        if self._prefetcher is not None:
+            self._prefetcher.pass_ended()  # workaround 16: nothing gathered ahead outlives the backward
 
     def _reshard_frozen_params(self) -> None:
         """Free this (root) unit's gathered frozen parameters after a backward, as FairScale's post-backward hook

@@ -1,0 +1,581 @@
+"""Benchmark: the speed of FairScale FSDP on CPU, side by side with the other ways to train the same model (issue 27).
+
+One model, a stack of ``nn.TransformerEncoderLayer`` (4 heads per 256 features, 4x wide feed-forward, no dropout,
+batch first) and a final ``LayerNorm``, regresses random targets with Adam in float32 on 2 CPU processes (gloo) with
+1 thread each. Five implementations train it with the same data, seed and wrapping (each encoder layer one FSDP
+unit, then the root):
+
+* ``ours``: ``Trainer(strategy=DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}))``;
+  ``ours-sync``: the same with ``lightning_fairscale.fsdp.prefetch.OVERLAP_ON_CPU = False`` (FairScale's synchronous
+  collectives, as before they overlapped on CPU);
+* ``fairscale-loop``: a hand-written loop over ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` (after
+  ``cpu_streams.install()``) with the strategy's CPU defaults, Adam over the flat shards;
+* ``torch-fsdp-loop``: a hand-written loop over PyTorch's FSDP (``ModuleWrapPolicy``, ``device_id=cpu``);
+* ``ddp``: ``Trainer(strategy="ddp")``; ``ddp_sharded``: ``Trainer(strategy="ddp_sharded")``.
+
+Every configuration runs in a fresh launch (the ranks' peak memory must not mix), and the launches are interleaved
+over ``--rounds`` rounds (round 1: every implementation once, then round 2...), so that a change of load on the
+shared machine hits every implementation alike. A launch's step time is the median over ``--steps`` steps after
+``--warmup`` steps of the time between consecutive step starts (slowest rank); an implementation's figure is the
+median over its rounds. Peak memory is each rank's ``VmHWM`` at the last step.
+
+A paired launch per size (``--no-paired`` to skip) runs the three FSDP engines in ONE launch, each its own model
+and Adam, stepped in turn: our FairScale units with overlapped collectives (``fairscale-overlap``) and without
+(``fairscale-sync``), and PyTorch's FSDP. On a machine whose load changes from launch to launch this ratio is the
+steadier one.
+
+``--breakdown`` adds one more launch per FSDP implementation (ours, FairScale's loop, PyTorch's loop) with timers
+around the parts of a step: the forward and backward (their own time: compute, hooks, copies), the all-gathers,
+reduce-scatters and all-reduces (the calls, plus the waits of asynchronous ones), the storage allocations and frees of
+the full parameters, and the optimizer step; "other" is the rest of the step (zero_grad, the loop, the Trainer).
+
+Run it from the project's root (about 30 minutes on 2 busy cores; ``--quick``: one round, the small model, ~3.5 min)::
+
+    .venv/bin/python benchmarks/speed.py                # or: make bench BENCHMARKS=speed
+    .venv/bin/python benchmarks/speed.py --quick
+
+It writes ``benchmarks/results/speed.md``. Targets (issue 27), reported and never failed: ours at most 1.0x PyTorch's
+FSDP loop and at most 1.25x ``"ddp"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from lightning_fairscale.fsdp import cpu_streams, prefetch, units  # noqa: E402
+from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+OUTPUT = HERE / "results" / "speed.md"
+LAUNCH_TIMEOUT_S = 300
+LEARNING_RATE = 1e-4
+WORLD_SIZE = 2
+
+#: Model sizes by name: (width, layers). ``small`` is the issue's 4.7 M-parameter model.
+SIZES: dict[str, tuple[int, int]] = {"small": (256, 6), "large": (512, 6)}
+SEQUENCES, TOKENS = 8, 64  # per rank and step
+
+IMPLEMENTATIONS: dict[str, str] = {
+    "ours": "`DDPFullyShardedStrategy` (Trainer)",
+    "ours-sync": "`DDPFullyShardedStrategy` (Trainer), synchronous collectives",
+    "fairscale-loop": "FairScale FSDP, hand-written loop",
+    "torch-fsdp-loop": "PyTorch FSDP, hand-written loop",
+    "ddp": 'Lightning `strategy="ddp"` (Trainer)',
+    "ddp_sharded": '`strategy="ddp_sharded"` (Trainer)',
+}
+LIGHTNING = ("ours", "ours-sync", "ddp", "ddp_sharded")
+FSDP_IMPLEMENTATIONS = ("ours", "ours-sync", "fairscale-loop", "torch-fsdp-loop")
+TARGET_VS_TORCH_FSDP = 1.0
+TARGET_VS_DDP = 1.25
+
+warnings.filterwarnings(
+    "ignore",
+    message=".*(TypedStorage|_all_gather_base|_reduce_scatter_base|reduce_scatter_tensor|LeafSpec|workers"
+    "|number of training batches|FSDP|deprecated|enable_nested_tensor).*",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model and the data
+
+
+class Encoder(LightningModule):
+    """``layers`` transformer encoder layers and a final norm; the loops use it as a plain ``nn.Module``."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[encoder_layer(width) for _ in range(layers)])
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(self.layers(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return loss(self, batch)
+
+    def configure_optimizers(self) -> Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=LEARNING_RATE)
+
+
+def encoder_layer(width: int) -> nn.TransformerEncoderLayer:
+    """One layer: ``width // 64`` heads, 4x wide feed-forward, no dropout (the same work in every step)."""
+    return nn.TransformerEncoderLayer(width, width // 64, 4 * width, dropout=0.0, batch_first=True)
+
+
+def loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def data_loader(width: int, steps: int) -> DataLoader:
+    """``steps`` batches of ``SEQUENCES x TOKENS x width`` random inputs and targets, alike on every rank and run."""
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(steps * SEQUENCES, TOKENS, width, generator=generator)
+    y = torch.randn(steps * SEQUENCES, TOKENS, width, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=SEQUENCES, shuffle=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The breakdown's timers (in the workers, only with --breakdown)
+
+
+class Timers:
+    """Exclusive wall time per part of a step: a timed section nested in another is not counted in the outer one."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._stack: list[list[float]] = []  # [start, time of timed children]
+        self.enabled = False
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        frame = [time.perf_counter(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            elapsed = time.perf_counter() - frame[0]
+            self.totals[name] = self.totals.get(name, 0.0) + elapsed - frame[1]
+            if self._stack:
+                self._stack[-1][1] += elapsed
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.section(name):
+                result = fn(*args, **kwargs)
+            if kwargs.get("async_op") and result is not None:
+                return _TimedWork(result, self, name)
+            return result
+
+        return timed
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait`` is timed under the collective's name."""
+
+    def __init__(self, work: Any, timers: Timers, name: str) -> None:
+        self._work, self._timers, self._name = work, timers, name
+
+    def wait(self, *args: Any) -> Any:
+        with self._timers.section(self._name):
+            return self._work.wait(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+TIMERS = Timers()
+
+#: Where the engines' collectives and storage calls are looked up (module, attribute, part).
+_TIMED: list[tuple[str, str, str]] = [
+    ("torch.distributed", "all_gather_into_tensor", "all-gather"),
+    ("torch.distributed", "_all_gather_base", "all-gather"),
+    ("torch.distributed", "all_gather", "all-gather"),
+    ("torch.distributed", "all_gather_single", "all-gather"),
+    ("torch.distributed", "reduce_scatter_tensor", "reduce-scatter"),
+    ("torch.distributed", "_reduce_scatter_base", "reduce-scatter"),
+    ("torch.distributed", "reduce_scatter_single", "reduce-scatter"),
+    ("torch.distributed", "all_reduce", "all-reduce"),
+    ("fairscale.nn.data_parallel.fully_sharded_data_parallel", "alloc_storage_", "alloc/free"),
+    ("fairscale.nn.data_parallel.fully_sharded_data_parallel", "free_storage_", "alloc/free"),
+    ("torch.distributed.fsdp._flat_param", "_alloc_storage", "alloc/free"),
+    ("torch.distributed.fsdp._flat_param", "_free_storage", "alloc/free"),
+    ("lightning_fairscale.fsdp.prefetch", "_alloc_storage", "alloc/free"),
+    ("lightning_fairscale.fsdp.prefetch", "_free_storage", "alloc/free"),
+]
+PARTS = ("forward", "backward", "all-gather", "reduce-scatter", "all-reduce", "alloc/free", "optimizer", "other")
+
+
+def install_timers() -> None:
+    """Time the parts of a step in this process (see :class:`Timers`); starts disabled."""
+    import importlib
+
+    for module_name, attribute, part in _TIMED:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, attribute):
+            setattr(module, attribute, TIMERS.wrap(part, getattr(module, attribute)))
+    original_backward = torch.Tensor.backward
+    torch.Tensor.backward = TIMERS.wrap("backward", original_backward)  # type: ignore[method-assign]
+    torch.optim.Adam.step = TIMERS.wrap("optimizer", torch.optim.Adam.step)  # type: ignore[method-assign]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The workers
+
+
+class StepMarks:
+    """Step starts of this rank, and what it reports."""
+
+    def __init__(self, total_steps: int, warmup: int) -> None:
+        self.starts: list[float] = []
+        self.faults: list[int] = []  # minor page faults so far (first touches of fresh memory)
+        self.total_steps = total_steps
+        self.warmup = warmup
+        self.peak_rss = 0
+
+    def start(self) -> None:
+        self.starts.append(time.perf_counter())
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        # Timers run over the measured steps only (the step after the last one only closes its interval).
+        TIMERS.enabled = self.warmup < len(self.starts) <= self.total_steps - 1
+        if len(self.starts) == self.total_steps:
+            self.peak_rss = _common.status_kib("VmHWM") * 1024
+
+    def result(self, impl: str, rank: int, numel: int) -> dict[str, Any]:
+        return {"impl": impl, "rank": rank, "numel": numel, "starts": self.starts, "peak_rss": self.peak_rss,
+                "timers": TIMERS.totals, "faults": self.faults}
+
+
+class _Probe(Callback):
+    def __init__(self, marks: StepMarks) -> None:
+        self.marks = marks
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.marks.start()
+
+
+class _TimedEncoder(Encoder):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        with TIMERS.section("forward"):
+            return super().training_step(batch, batch_idx)
+
+
+def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: int, out: Path) -> None:
+    torch.manual_seed(0)
+    model = _TimedEncoder(width, layers)
+    numel = sum(p.numel() for p in model.parameters())
+    if impl == "ours-sync":  # as before the collectives overlapped on CPU
+        prefetch.OVERLAP_ON_CPU = False
+    fsdp = impl.startswith("ours")
+    strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}) if fsdp else impl
+    marks = StepMarks(total_steps, warmup)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        max_steps=total_steps,
+        callbacks=[_Probe(marks)],
+        use_distributed_sampler=False,
+        **_common.QUIET_TRAINER,
+    )
+    trainer.fit(model, data_loader(width, total_steps))
+    _common.write_rank_result(out, trainer.global_rank, marks.result(impl, trainer.global_rank, numel))
+    dist.barrier()
+
+
+def wrap_fairscale(model: Encoder) -> nn.Module:
+    """Our FairScale unit class with the strategy's CPU defaults: each encoder layer a unit, then the root."""
+    cpu_streams.install()
+    kwargs: dict[str, Any] = {
+        "compute_device": torch.device("cpu"),
+        "reshard_after_forward": True,
+        "flatten_parameters": True,
+        "bucket_cap_mb": 25,
+        "mixed_precision": False,
+        "state_dict_device": torch.device("cpu"),
+    }
+    for index, layer in enumerate(model.layers):
+        model.layers[index] = units.FullyShardedDataParallel(layer, **kwargs)
+    return units.FullyShardedDataParallel(model, **kwargs)
+
+
+def wrap_torch_fsdp(model: Encoder) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    policy = ModuleWrapPolicy({nn.TransformerEncoderLayer})
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+
+
+def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, out: Path) -> None:
+    rank, children = _common.start_ranks(WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    torch.manual_seed(0)
+    model = Encoder(width, layers)
+    numel = sum(p.numel() for p in model.parameters())
+    wrapped = wrap_fairscale(model) if impl == "fairscale-loop" else wrap_torch_fsdp(model)
+    optimizer = torch.optim.Adam(wrapped.parameters(), lr=LEARNING_RATE)
+    marks = StepMarks(total_steps, warmup)
+    dist.barrier()
+    for batch in data_loader(width, total_steps):
+        marks.start()
+        optimizer.zero_grad(set_to_none=True)
+        with TIMERS.section("forward"):
+            value = loss(wrapped, batch)
+        value.backward()
+        optimizer.step()
+    _common.write_rank_result(out, rank, marks.result(impl, rank, numel))
+    dist.barrier()
+    dist.destroy_process_group()
+    _common.join_ranks(children)
+
+
+#: The engines of the paired launch, by name: how each is built.
+ENGINES = ("fairscale-overlap", "fairscale-sync", "torch-fsdp")
+
+
+def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
+    """One launch, three engines (our FairScale units with and without overlapped collectives, PyTorch's FSDP),
+    each its own model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits
+    them alike, which separate launches on a busy machine cannot ensure."""
+    rank, children = _common.start_ranks(WORLD_SIZE)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    engines = {}
+    for name in ENGINES:
+        torch.manual_seed(0)
+        model = Encoder(width, layers)
+        wrapped = wrap_torch_fsdp(model) if name == "torch-fsdp" else wrap_fairscale(model)
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=LEARNING_RATE)
+        # Read at the root's first forward: one step now, with this engine's setting.
+        prefetch.OVERLAP_ON_CPU = name != "fairscale-sync"
+        batches = list(data_loader(width, total_steps))
+        optimizer.zero_grad(set_to_none=True)
+        loss(wrapped, batches[0]).backward()
+        optimizer.step()
+        engines[name] = (wrapped, optimizer)
+    prefetch.OVERLAP_ON_CPU = True
+    times: dict[str, list[float]] = {name: [] for name in ENGINES}
+    for index, batch in enumerate(data_loader(width, total_steps)):
+        for turn in range(len(ENGINES)):
+            name = ENGINES[(index + turn) % len(ENGINES)]
+            wrapped, optimizer = engines[name]
+            dist.barrier()
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss(wrapped, batch).backward()
+            optimizer.step()
+            times[name].append(time.perf_counter() - started)
+    _common.write_rank_result(out, rank, {"rank": rank, "times": times})
+    dist.barrier()
+    dist.destroy_process_group()
+    _common.join_ranks(children)
+
+
+def launch_engines(size: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """The paired launch of :func:`run_engines`: each engine's median step time (slowest rank)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    worker = ["--worker=engines", f"--size={size}", f"--warmup={args.warmup}", f"--steps={args.paired_steps}"]
+    ranks = _common.launch(Path(__file__).resolve(), worker, work / f"engines-{size}", LAUNCH_TIMEOUT_S, env)
+    return {
+        name: max(statistics.median(r["times"][name][args.warmup :]) for r in ranks) for name in ENGINES
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The parent
+
+
+def launch(impl: str, size: str, args: argparse.Namespace, work: Path, tag: str, breakdown: bool) -> dict[str, Any]:
+    """One fresh launch of ``impl`` on ``size``: its step time (median, slowest rank), peaks, timers per step."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    worker = [f"--worker={impl}", f"--size={size}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
+    if breakdown:
+        worker.append("--breakdown")
+    ranks = _common.launch(Path(__file__).resolve(), worker, work / f"{impl}-{size}-{tag}", LAUNCH_TIMEOUT_S, env)
+    measured = range(args.warmup, args.warmup + args.steps)
+    periods = [[r["starts"][i + 1] - r["starts"][i] for i in measured] for r in ranks]
+    step = max(statistics.median(p) for p in periods)
+    # Timers: per step, the slowest rank's (the one whose step time is reported).
+    slowest = max(range(len(ranks)), key=lambda i: statistics.median(periods[i]))
+    timers = {k: v / args.steps for k, v in ranks[slowest]["timers"].items()}
+    if breakdown:
+        timers["other"] = max(0.0, sum(periods[slowest]) / args.steps - sum(timers.values()))
+        timers["step"] = sum(periods[slowest]) / args.steps
+        faults = ranks[slowest]["faults"]
+        timers["faults"] = statistics.median(faults[i + 1] - faults[i] for i in measured)
+    return {"step": step, "peak_rss": [r["peak_rss"] for r in ranks], "numel": ranks[0]["numel"], "timers": timers}
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict[str, dict[str, dict]],
+           paired: dict[str, dict[str, float]], args: argparse.Namespace, loads: list[str], seconds: float) -> str:
+    lines = [
+        "# Speed: FairScale FSDP on CPU against PyTorch's FSDP and DDP",
+        "",
+        f"- Machine: {_common.machine()}; {WORLD_SIZE} CPU ranks (gloo) x 1 thread",
+        f"- Versions: {_common.versions()}",
+        f"- Model: `nn.TransformerEncoderLayer` x layers (width/64 heads, 4x feed-forward, no dropout) + `LayerNorm`;"
+        f" float32; Adam; each layer one FSDP unit, then the root; batch {SEQUENCES} x {TOKENS} tokens per rank",
+        f"- Steps: {args.warmup} warm-up, median of {args.steps} (time between step starts, slowest rank) per launch;"
+        f" {args.rounds} interleaved round(s) of fresh launches; the figure is the median over rounds",
+        f"- Load average (1, 5, 15 min) seen while measuring: {'; '.join(loads)}; wall time {seconds:.0f} s",
+        "",
+    ]
+    for size, by_impl in results.items():
+        width, layers = SIZES[size]
+        by_impl = {impl: runs for impl, runs in by_impl.items() if runs}  # none with --rounds 0
+        if not by_impl or "ours" not in by_impl:
+            lines += [f"## {size.capitalize()} ({layers} layers, width {width})", ""]
+            lines += _paired_lines(size, paired, args)
+            continue
+        numel = next(iter(by_impl.values()))[0]["numel"]
+        medians = {impl: statistics.median(r["step"] for r in runs) for impl, runs in by_impl.items()}
+        ours = medians["ours"]
+        lines += [
+            f"## {size.capitalize()}: {numel / 1e6:.1f} M parameters ({layers} layers, width {width})",
+            "",
+            "| Implementation | Step time (s) | Rounds (s) | Ours vs. it | Peak RSS per rank (MiB) |",
+            "| --- | ---: | --- | ---: | --- |",
+        ]
+        for impl, runs in by_impl.items():
+            rounds = ", ".join(f"{r['step']:.3f}" for r in runs)
+            peak = max(max(r["peak_rss"]) for r in runs)
+            ranks_peak = " / ".join(f"{p / _common.MIB:,.0f}" for p in runs[-1]["peak_rss"])
+            ratio = "(reference)" if impl == "ours" else f"{ours / medians[impl]:.3f}x"
+            lines.append(f"| {IMPLEMENTATIONS[impl]} | {medians[impl]:.3f} | {rounds} | {ratio} | {ranks_peak}"
+                         f" (max {peak / _common.MIB:,.0f}) |")
+        lines.append("")
+        targets = []
+        if "torch-fsdp-loop" in medians:
+            r = ours / medians["torch-fsdp-loop"]
+            targets.append(f"ours / PyTorch FSDP loop = {r:.3f}x (target <= {TARGET_VS_TORCH_FSDP:.2f}x:"
+                           f" {'PASS' if r <= TARGET_VS_TORCH_FSDP else 'MISS'})")
+        if "ddp" in medians:
+            r = ours / medians["ddp"]
+            targets.append(f"ours / ddp = {r:.3f}x (target <= {TARGET_VS_DDP:.2f}x:"
+                           f" {'PASS' if r <= TARGET_VS_DDP else 'MISS'})")
+        if "ours-sync" in medians:
+            targets.append(f"ours / ours with synchronous collectives = {ours / medians['ours-sync']:.3f}x")
+        if "ddp_sharded" in medians and "ddp" in medians:
+            targets.append(f"ddp_sharded / ddp = {medians['ddp_sharded'] / medians['ddp']:.3f}x")
+        lines += [f"- {t}" for t in targets] + [""]
+        lines += _paired_lines(size, paired, args)
+        if size in breakdowns:
+            lines += [
+                f"### Where a step's time goes ({size}; ms per step, slowest rank, one launch each with timers)",
+                "",
+                "| Part | " + " | ".join(IMPLEMENTATIONS[i] for i in breakdowns[size]) + " |",
+                "| --- |" + " ---: |" * len(breakdowns[size]),
+            ]
+            for part in (*PARTS, "step"):
+                cells = [f"{t.get(part, 0.0) * 1000:.1f}" for t in breakdowns[size].values()]
+                lines.append(f"| {part} | " + " | ".join(cells) + " |")
+            cells = [f"{t.get('faults', 0):,.0f}" for t in breakdowns[size].values()]
+            lines.append("| minor page faults per step (count) | " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += [
+        "forward/backward: their own time (compute, hooks, copies), without the timed collectives and storage calls"
+        " inside them; the collectives include the waits of asynchronous ones; other: the rest of the step"
+        " (zero_grad, data, the loop or the Trainer). Timers cost a little time of their own. Minor page faults:"
+        " first touches of memory fresh from the kernel (freed full parameters and gradients, allocated again).",
+        "",
+        "Regenerate with `.venv/bin/python benchmarks/speed.py` (`--quick` to check that it runs).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse.Namespace) -> list[str]:
+    if size not in paired:
+        return []
+    times = paired[size]
+    lines = [
+        f"### The engines in one launch, stepped in turn ({size}; median of {args.paired_steps} steps each)",
+        "",
+        "| Engine | Step time (s) | vs. PyTorch FSDP |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {name} | {t:.3f} | {t / times['torch-fsdp']:.3f}x |" for name, t in times.items()]
+    return lines + [""]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), default=list(IMPLEMENTATIONS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the timed launches")
+    parser.add_argument("--quick", action="store_true", help="one round, the small model, few steps")
+    parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--paired-steps", type=int, default=20, help="measured steps of the paired engines launch")
+    parser.add_argument("--no-paired", dest="paired", action="store_false", help="skip the paired engines launch")
+    parser.add_argument("--worker", choices=[*IMPLEMENTATIONS, "engines"], help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=list(SIZES), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--breakdown", dest="breakdown_worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.sizes, args.warmup, args.steps, args.paired_steps = 1, ["small"], 2, 4, 4
+        if args.output == OUTPUT:
+            args.output = Path(tempfile.gettempdir()) / "speed-quick.md"
+    total_steps = args.warmup + args.steps + 1
+
+    if args.worker:
+        _common.quiet_known_warnings()
+        if args.breakdown_worker:
+            install_timers()
+        width, layers = SIZES[args.size]
+        if args.worker == "engines":
+            run_engines(width, layers, args.warmup + args.paired_steps, args.out)
+            return 0
+        run = run_lightning if args.worker in LIGHTNING else run_loop
+        run(args.worker, width, layers, total_steps, args.warmup, args.out)
+        return 0
+
+    started = time.perf_counter()
+    loads = [f"before {loadavg()}"]
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {i: [] for i in args.impls} for s in args.sizes}
+    breakdowns: dict[str, dict[str, dict]] = {}
+    paired: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
+        work = Path(scratch)
+        for size in args.sizes:
+            if args.paired:
+                paired[size] = launch_engines(size, args, work)
+                print(f"  {size} paired engines: {paired[size]} (load {loadavg()})", flush=True)
+            for round_index in range(args.rounds):
+                for impl in args.impls:
+                    result = launch(impl, size, args, work, f"r{round_index}", breakdown=False)
+                    results[size][impl].append(result)
+                    print(f"  {size} round {round_index + 1} {impl}: {result['step']:.3f} s"
+                          f" (load {loadavg()})", flush=True)
+                loads.append(f"{size} round {round_index + 1}: {loadavg()}")
+            if args.breakdown:
+                breakdowns[size] = {}
+                for impl in (i for i in FSDP_IMPLEMENTATIONS if i in args.impls):
+                    breakdowns[size][impl] = launch(impl, size, args, work, "timed", breakdown=True)["timers"]
+                    print(f"  {size} breakdown {impl}: done", flush=True)
+    text = report(results, breakdowns, paired, args, loads, time.perf_counter() - started)
+    _common.publish(text, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Overlapping FairScale's collectives with the computation on CPU (gloo): workaround 16 of
+:mod:`lightning_fairscale.fsdp.units`.
+
+FairScale overlaps its all-gathers and reduce-scatters with the computation on CUDA streams. On a CPU there are no
+streams (:mod:`~lightning_fairscale.fsdp.cpu_streams` makes them no-ops), so every collective ran synchronously: a
+unit's forward or backward waited for its own all-gather, and each reduce-scatter bucket for its flush. gloo runs
+asynchronous collectives on threads of its own; two objects use them here, for the units of a root on CPU:
+
+* :class:`Prefetcher` starts the all-gather of the unit that comes next (forward order in the forward, the reverse
+  in the backward) as asynchronous gloo work while the current unit computes; the next unit then waits for it
+  instead of gathering. At most one unit is prefetched at a time: a rank holds at most two units' full parameters
+  (the one computing, the one arriving), plus the root's.
+* :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
+  asynchronously, straight from the gradient (no bucket to copy it into), while the backward goes on; at most one
+  reduction is in flight, and all are done when the backward ends.
+
+The results are the same bits as the synchronous collectives': the same operations on the same tensors, only started
+earlier and waited for later. The order of collectives on each process group is the same on every rank (it follows
+the model's forward order, recorded in the previous forward), as gloo requires. The CUDA path does not use them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "OVERLAP_ON_CPU",
+    "AsyncReduceScatter",
+    "Prefetcher",
+    "can_prefetch",
+    "in_backward",
+]
+
+#: Whether roots set up on CPU from now on overlap their collectives (``False``: FairScale's synchronous collectives
+#: and reduce-scatter buckets, as before; for comparisons, ``benchmarks/speed.py``).
+OVERLAP_ON_CPU = True
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (hooks, recomputed forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _alloc_storage(tensor: Tensor) -> None:
+    """Give ``tensor`` (whose storage FairScale resized to 0) its full storage back."""
+    if tensor.untyped_storage().size() == 0:
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+def can_prefetch(unit: Any) -> bool:
+    """Whether ``unit``'s full parameters can be gathered ahead: a unit that computes on CPU in its parameters'
+    dtype, over gloo, whose parameters are all sharded and its own (what FairScale's ``_rebuild_full_params`` then
+    does is one all-gather per parameter into ``_full_param_padded``, which this module does asynchronously)."""
+    if unit.compute_device.type != "cpu" or unit.mixed_precision or unit.move_params_to_cpu:
+        return False
+    if unit._has_shared_params or not unit.params:
+        return False
+    try:
+        if dist.get_backend(unit.process_group) != "gloo":
+            return False
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    return all(getattr(p, "_is_sharded", False) and hasattr(p, "_full_param_padded") for p in unit.params)
+
+
+class Prefetcher:
+    """Gathers the next unit's full parameters while the current one computes (one per root, shared by its units).
+
+    The units call :meth:`rebuild` instead of FairScale's ``_rebuild_full_params`` (forward and backward),
+    :meth:`settle` before they free their full parameters, and the root calls :meth:`forward_started` /
+    :meth:`pass_ended` around its forward and at the end of its backward: whatever was gathered ahead and not used by
+    then (a forward that took another path) is dropped, so that no gathered copy outlives a pass, in which the
+    optimizer cannot have changed the shards.
+    """
+
+    def __init__(self) -> None:
+        #: The units in the order of their first gathering in the last complete root forward.
+        self.order: list[Any] = []
+        self._recording: Optional[list[Any]] = None
+        #: The unit gathered ahead, and its all-gathers' handles.
+        self._pending: Optional[tuple[Any, list[Any]]] = None
+
+    def forward_started(self) -> None:
+        """The root's forward begins (not a recomputation inside a backward): record the order of the units."""
+        self.pass_ended()
+        self._recording = [] if not in_backward() else None
+
+    def forward_ended(self) -> None:
+        """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice)."""
+        if self._recording is not None:
+            recorded = self._recording
+            unique = len({id(u) for u in recorded}) == len(recorded)
+            self.order = recorded if unique else []
+            self._recording = None
+        self.pass_ended()
+
+    def pass_ended(self) -> None:
+        """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""
+        if self._pending is not None:
+            unit, _ = self._pending
+            self.settle(unit)
+            unit._free_full_params()
+
+    def settle(self, unit: Any) -> bool:
+        """Wait for ``unit``'s prefetched all-gathers, if any; then its full parameters are complete. Returns
+        whether there were any."""
+        if self._pending is None or self._pending[0] is not unit:
+            return False
+        _, works = self._pending
+        self._pending = None
+        for work in works:
+            work.wait()
+        unit.has_full_params = True
+        return True
+
+    def rebuild(self, unit: Any, rebuild: Callable[[], Any]) -> Any:
+        """FairScale's ``rebuild()`` of ``unit``'s full parameters, from its prefetched all-gathers if there are
+        any; then the next unit's all-gathers start."""
+        backward = in_backward()
+        if self._recording is not None and not backward:
+            self._recording.append(unit)
+        self.settle(unit)
+        result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
+        upcoming = self._next(unit, backward)
+        if upcoming is not None:
+            self._start(upcoming)
+        return result
+
+    def _next(self, unit: Any, backward: bool) -> Optional[Any]:
+        """The unit after ``unit`` in the last forward's order (before it, in a backward)."""
+        if unit not in self.order:
+            return None
+        index = self.order.index(unit) + (-1 if backward else 1)
+        return self.order[index] if 0 <= index < len(self.order) else None
+
+    def _start(self, unit: Any) -> None:
+        if self._pending is not None or unit.has_full_params or not can_prefetch(unit):
+            return  # one unit in flight at most; nothing to gather for a unit that holds its full parameters
+        works = []
+        for param in unit.params:
+            full = param._full_param_padded
+            _alloc_storage(full)
+            works.append(dist.all_gather_into_tensor(full, param._fp32_shard, group=unit.process_group, async_op=True))
+        self._pending = (unit, works)
+
+
+class AsyncReduceScatter:
+    """The reducer of a root's units on CPU (gloo), in place of FairScale's ``ReduceScatterBucketer``: the same
+    interface (``reduce_scatter_async``, ``flush``, ``teardown``), each gradient reduce-scattered asynchronously as
+    soon as it is computed, at most ``max_in_flight`` at a time; callbacks run on this thread, in order, when their
+    reduction is waited for (the next call beyond the limit, or :meth:`flush` at the end of the backward)."""
+
+    def __init__(self, max_in_flight: int = 1) -> None:
+        self.max_in_flight = max_in_flight
+        self._in_flight: deque[tuple[Any, Tensor, Tensor, Optional[Callable[[Tensor], None]]]] = deque()
+
+    def reduce_scatter_async(
+        self, input_list: list[Tensor], group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
+    ) -> None:
+        """Start reducing ``input_list`` (one chunk per rank) over ``group``; ``callback_fn`` gets this rank's
+        reduced chunk."""
+        while len(self._in_flight) >= self.max_in_flight:
+            self._complete_oldest()
+        flat = _concatenated(input_list)
+        output = torch.empty_like(input_list[0])
+        work = dist.reduce_scatter_tensor(output, flat, group=group, async_op=True)
+        self._in_flight.append((work, output, flat, callback_fn))
+
+    def _complete_oldest(self) -> None:
+        work, output, _, callback_fn = self._in_flight.popleft()
+        work.wait()
+        if callback_fn is not None:
+            callback_fn(output)
+
+    def flush(self) -> None:
+        """Wait for every reduction started, and run their callbacks."""
+        while self._in_flight:
+            self._complete_oldest()
+
+    def teardown(self) -> None:
+        """Nothing is kept between backwards (FairScale's bucketer frees its buffers here)."""
+        self.flush()
+
+
+def _concatenated(chunks: list[Tensor]) -> Tensor:
+    """The chunks as one 1-D tensor: a view when they are consecutive pieces of one tensor (what FairScale's
+    ``chunk_and_pad`` gives, but for a padded last chunk), else a copy."""
+    first = chunks[0]
+    step = first.numel()
+    consecutive = all(
+        c.dim() == 1 and c.is_contiguous() and c.numel() == step and c.dtype == first.dtype
+        and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and c.storage_offset() == first.storage_offset() + i * step
+        for i, c in enumerate(chunks)
+    )
+    if consecutive and first.is_contiguous():
+        return first.as_strided((step * len(chunks),), (1,))
+    return torch.cat(chunks)
