@@ -37,6 +37,7 @@ from .helpers import (
     batches,
     param_groups,
     parameters_of,
+    small_block,
     run_ranks,
     shard,
     split_by_hand,
@@ -151,7 +152,8 @@ def frozen_root_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 def _deep_model() -> nn.Module:
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(IN_FEATURES, WIDTH), *[Block() for _ in range(5)], nn.Linear(WIDTH, OUT_FEATURES))
+    blocks = [small_block() for _ in range(5)]
+    return nn.Sequential(nn.Linear(IN_FEATURES, WIDTH), *blocks, nn.Linear(WIDTH, OUT_FEATURES))
 
 
 def _train_deep(rank: int, world_size: int, overlap: bool) -> tuple[nn.Module, list[int], int]:
