@@ -83,6 +83,16 @@ def live(cls: type) -> int:
     return sum(isinstance(obj, cls) for obj in gc.get_objects())
 
 
+def reducers() -> int:
+    """The units' gradient reducers alive: FairScale's bucketers, or on CPU (gloo) the asynchronous reducer of
+    ``fsdp.prefetch`` that replaces them."""
+    from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
+
+    from lightning_fairscale.fsdp.prefetch import AsyncReduceScatter
+
+    return live(ReduceScatterBucketer) + live(AsyncReduceScatter)
+
+
 def checkpointed(module: Any) -> bool:
     """Whether FairScale's ``checkpoint_wrapper`` gave ``module`` a ``forward`` that recomputes its activations."""
     forward = vars(module).get("forward")
@@ -126,7 +136,6 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
     global TRAINER
     # Imported here, after ``write_record`` is registered: nothing they register at exit may run after it.
     import torch
-    from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
     from fairscale.nn import FullyShardedDataParallel
 
     import lightning_fairscale  # noqa: F401  (registers the strategy names)
@@ -161,7 +170,7 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
         del originals
         TRAINER.fit(model)
         RECORD["after_fit"].append(
-            {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
+            {"fsdp_units": live(FullyShardedDataParallel), "reducers": reducers()}
         )
         RECORD["patches"][f"after_fit_{index}"] = patches(TRAINER, model)
     if hasattr(TRAINER.strategy, "unshard_module"):
@@ -169,7 +178,7 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
         RECORD["patches"]["after_unshard"] = patches(TRAINER, model)  # no garbage collection: released at once
     RECORD["trained"] = bool(torch.isfinite(next(model.parameters())).all())
     del model
-    RECORD["after_release"] = {"fsdp_units": live(FullyShardedDataParallel), "bucketers": live(ReduceScatterBucketer)}
+    RECORD["after_release"] = {"fsdp_units": live(FullyShardedDataParallel), "reducers": reducers()}
 
 
 def fabric_loop() -> None:

@@ -488,7 +488,7 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> N
         assert scale == 2.0, f"rank {rank} did not back off the scale"
 
 
-def test_cpu_units_overlap_their_collectives_and_train_bit_for_bit_as_synchronous_ones(ranks: list[Any]) -> None:
+def test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones(ranks: list[Any]) -> None:
     for rank, result in enumerate(ranks):
         checks = result["prefetch"]
         assert (checks["reducer"], checks["reducer_sync"]) == ("AsyncReduceScatter", "GlooReduceScatterBucketer")
@@ -500,7 +500,14 @@ def test_cpu_units_overlap_their_collectives_and_train_bit_for_bit_as_synchronou
         overlapped, synchronous = checks["parameters"]
         assert overlapped.keys() == synchronous.keys()
         for name in overlapped:
-            assert torch.equal(overlapped[name], synchronous[name]), f"rank {rank}: {name} differs"
+            # Two ranks: each element is the sum of two terms, the same in any order: bit for bit. Three: gloo adds the
+            # three terms in an order that depends on the buffer it reduces (one gradient, or a bucket of several),
+            # so the results may differ in the last bit of some elements (3e-8 after 3 Adam steps here).
+            if len(ranks) == 2:
+                assert torch.equal(overlapped[name], synchronous[name]), f"rank {rank}: {name} differs"
+            else:
+                difference = (overlapped[name] - synchronous[name]).abs().max().item()
+                assert difference <= 1e-7, f"rank {rank}: {name} differs by {difference}"
 
 
 def test_at_most_two_units_hold_full_parameters_while_prefetching(ranks: list[Any]) -> None:
