@@ -79,6 +79,23 @@ _KNOWN_WARNINGS = (
 )
 
 
+#: The strategy's defaults for a CPU run (``fsdp_kwargs()`` with ``DDPFullyShardedStrategy()``), for benchmarks that
+#: build our FairScale units by hand: flattened parameters, resharded after forward, 25 MB reduce-scatter buckets,
+#: float32, no offload. FairScale's default groups (none given) are the strategy's two: the default group for
+#: all-gathers, one more for reduce-scatters.
+STRATEGY_CPU_UNIT_KWARGS: dict[str, Any] = {
+    "compute_device": torch.device("cpu"),
+    "reshard_after_forward": True,
+    "flatten_parameters": True,
+    "bucket_cap_mb": 25,
+    "mixed_precision": False,
+    "fp32_reduce_scatter": False,
+    "cpu_offload": False,
+    "move_grads_to_cpu": False,
+    "state_dict_device": torch.device("cpu"),
+}
+
+
 def quiet_known_warnings() -> None:
     """Silence :data:`_KNOWN_WARNINGS` in this process."""
     for message in _KNOWN_WARNINGS:

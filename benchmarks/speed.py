@@ -296,14 +296,7 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
 def wrap_fairscale(model: Encoder) -> nn.Module:
     """Our FairScale unit class with the strategy's CPU defaults: each encoder layer a unit, then the root."""
     cpu_streams.install()
-    kwargs: dict[str, Any] = {
-        "compute_device": torch.device("cpu"),
-        "reshard_after_forward": True,
-        "flatten_parameters": True,
-        "bucket_cap_mb": 25,
-        "mixed_precision": False,
-        "state_dict_device": torch.device("cpu"),
-    }
+    kwargs = _common.STRATEGY_CPU_UNIT_KWARGS
     for index, layer in enumerate(model.layers):
         model.layers[index] = units.FullyShardedDataParallel(layer, **kwargs)
     return units.FullyShardedDataParallel(model, **kwargs)

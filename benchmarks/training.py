@@ -240,22 +240,10 @@ def run_lightning(impl: str, width: int, depth: int, world_size: int, total_step
 def wrap_fairscale(model: BlockStack) -> nn.Module:
     """FairScale FSDP the way the strategy wraps with ``auto_wrap_policy={Block}``: each block a unit, then the root.
 
-    The arguments are the strategy's defaults on a CPU run (``fsdp_kwargs()``): flattened parameters, resharded
-    after forward, 25 MB reduce-scatter buckets, float32, no offload. FairScale's defaults give the same two process
-    groups as the strategy (the default group for all-gathers, one more for reduce-scatters).
+    The arguments are the strategy's defaults on a CPU run (``_common.STRATEGY_CPU_UNIT_KWARGS``).
     """
     cpu_streams.install()  # no-op CUDA streams and record_stream on CPU tensors (see its docstring)
-    kwargs: dict[str, Any] = {
-        "compute_device": torch.device("cpu"),
-        "reshard_after_forward": True,
-        "flatten_parameters": True,
-        "bucket_cap_mb": 25,
-        "mixed_precision": False,
-        "fp32_reduce_scatter": False,
-        "cpu_offload": False,
-        "move_grads_to_cpu": False,
-        "state_dict_device": torch.device("cpu"),
-    }
+    kwargs = _common.STRATEGY_CPU_UNIT_KWARGS
     for index, block in enumerate(model.blocks):
         model.blocks[index] = units.FullyShardedDataParallel(block, **kwargs)
     return units.FullyShardedDataParallel(model, **kwargs)
