@@ -150,6 +150,17 @@ def frozen_root_checks(rank: int, world_size: int) -> dict[str, Any]:
     return {"held": held, "parameters": parameters}
 
 
+def _plain_reduce_scatters(inputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """This rank's result of a plain reduce-scatter of each input (one chunk of 4 elements per rank), the reference
+    the bucketer and the asynchronous reducer are held to."""
+    results = []
+    for chunks in inputs:
+        result = torch.empty(4)
+        dist.reduce_scatter_tensor(result, torch.cat(chunks))
+        results.append(result)
+    return results
+
+
 def _deep_model() -> nn.Module:
     torch.manual_seed(3)
     blocks = [small_block() for _ in range(5)]
@@ -199,11 +210,7 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
     g = torch.Generator().manual_seed(200 + rank)
     inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
-    plain = []
-    for chunks in inputs:
-        result = torch.empty(4)
-        dist.reduce_scatter_tensor(result, torch.cat(chunks))
-        plain.append(result)
+    plain = _plain_reduce_scatters(inputs)
     reduced: list[torch.Tensor] = []
     reducer = prefetch.AsyncReduceScatter(max_in_flight=1)
     done_before_flush = []
@@ -276,11 +283,7 @@ def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[st
 
     # Reduce-scatter through the gloo bucketer, against a plain reduce-scatter of the same inputs.
     inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
-    plain = []
-    for chunks in inputs:
-        result = torch.empty(4)
-        dist.reduce_scatter_tensor(result, torch.cat(chunks))
-        plain.append(result)
+    plain = _plain_reduce_scatters(inputs)
     bucketed: list[torch.Tensor] = []
     bucketer = GlooReduceScatterBucketer(bucket_cap_mb=1)
     for chunks in inputs:  # three small inputs share one bucket
