@@ -32,7 +32,7 @@ from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.units import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.param_views import ParamView
-from lightning_fairscale.fsdp.resharding import local_range
+from lightning_fairscale.fsdp.resharding import local_range, release_pages
 from lightning_fairscale.fsdp.state_names import clean_path
 
 __all__ = [
@@ -527,9 +527,16 @@ def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: Paramet
 
 def _slice_of_piece(key: str, value: Any, piece: Piece, start: int, stop: int) -> Any:
     """Elements ``[start, stop)`` of a plain state entry of ``piece`` when it is element-wise (its shape is the
-    piece's: for a scalar piece, every entry but ``step``, torch's only per-parameter scalar); else a copy."""
+    piece's: for a scalar piece, every entry but ``step``, torch's only per-parameter scalar); else a copy.
+
+    A memory-mapped entry's pages are given back once the slice is copied, as the parameters' are: the file's pages
+    stay resident for as long as the checkpoint lives, so keeping them held this rank's part of the whole saved
+    optimizer state twice (copy and file) until loading ended."""
     if isinstance(value, Tensor) and value.shape == piece.shape and (piece.shape != torch.Size() or key != "step"):
-        return value.reshape(-1)[start:stop].clone()
+        flat = value.reshape(-1)
+        sliced = flat[start:stop].clone()
+        release_pages(flat)
+        return sliced
     if isinstance(value, Tensor) and value.dim() > 0:
         raise ValueError(f"The checkpoint's optimizer state '{key}' of {piece.name} does not match its shape.")
     return copy.deepcopy(value)
