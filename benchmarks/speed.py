@@ -19,8 +19,9 @@ shared machine hits every implementation alike. A launch's step time is the medi
 ``--warmup`` steps of the time between consecutive step starts (slowest rank); an implementation's figure is the
 median over its rounds. Peak memory is each rank's ``VmHWM`` at the last step.
 
-A paired launch per size (``--no-paired`` to skip) runs the three FSDP engines in ONE launch, each its own model
-and Adam, stepped in turn: our FairScale units with overlapped collectives (``fairscale-overlap``) and without
+A paired launch per size (``--no-paired`` to skip) runs the FSDP engines in ONE launch, each its own model and
+Adam, stepped in turn: our FairScale units with overlapped collectives in the backward's two prefetch modes
+(``fairscale-post``, the default, and ``fairscale-pre``: ``backward_prefetch="BACKWARD_PRE"``) and without
 (``fairscale-sync``), and PyTorch's FSDP. On a machine whose load changes from launch to launch this ratio is the
 steadier one.
 
@@ -293,13 +294,14 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
     dist.barrier()
 
 
-def wrap_fairscale(model: Encoder) -> nn.Module:
-    """Our FairScale unit class with the strategy's CPU defaults: each encoder layer a unit, then the root."""
+def wrap_fairscale(model: Encoder, backward_prefetch: Optional[str] = "post") -> nn.Module:
+    """Our FairScale unit class with the strategy's CPU defaults: each encoder layer a unit, then the root (whose
+    ``backward_prefetch`` applies)."""
     cpu_streams.install()
     kwargs = _common.STRATEGY_CPU_UNIT_KWARGS
     for index, layer in enumerate(model.layers):
         model.layers[index] = units.FullyShardedDataParallel(layer, **kwargs)
-    return units.FullyShardedDataParallel(model, **kwargs)
+    return units.FullyShardedDataParallel(model, **kwargs, backward_prefetch=backward_prefetch)
 
 
 def wrap_torch_fsdp(model: Encoder) -> nn.Module:
@@ -334,11 +336,11 @@ def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, 
 
 
 #: The engines of the paired launch, by name: how each is built.
-ENGINES = ("fairscale-overlap", "fairscale-sync", "torch-fsdp")
+ENGINES = ("fairscale-post", "fairscale-pre", "fairscale-sync", "torch-fsdp")
 
 
 def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
-    """One launch, three engines (our FairScale units with and without overlapped collectives, PyTorch's FSDP),
+    """One launch, four engines (our FairScale units in both prefetch modes and without overlap, PyTorch's FSDP),
     each its own model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits
     them alike, which separate launches on a busy machine cannot ensure."""
     rank, children = _common.start_ranks(WORLD_SIZE)
@@ -347,7 +349,10 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
     for name in ENGINES:
         torch.manual_seed(0)
         model = Encoder(width, layers)
-        wrapped = wrap_torch_fsdp(model) if name == "torch-fsdp" else wrap_fairscale(model)
+        if name == "torch-fsdp":
+            wrapped = wrap_torch_fsdp(model)
+        else:  # the backward's prefetch mode: post (the default), pre, or none for the synchronous one
+            wrapped = wrap_fairscale(model, "pre" if name == "fairscale-pre" else "post")
         optimizer = torch.optim.Adam(wrapped.parameters(), lr=LEARNING_RATE)
         # Read at the root's first forward: one step now, with this engine's setting.
         prefetch.OVERLAP_ON_CPU = name != "fairscale-sync"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from torch import nn
-from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
 import lightning_fairscale
@@ -54,7 +54,7 @@ def test_the_defaults_are_the_strategys() -> None:
     assert (config.bucket_cap_mb, config.min_num_params, config.state_dict_type) == (25, 10**8, "full")
     assert (config.sharding_strategy, config.device_mesh, config.mesh_request) == ("FULL_SHARD", None, None)
     assert (config.activation_checkpointing, config.exclude_wrap_modules, config.fairscale_kwargs) == ((), None, {})
-    assert config.lightning_1x_optimizer_state == "error"
+    assert (config.lightning_1x_optimizer_state, config.backward_prefetch) == ("error", "BACKWARD_POST")
 
 
 def test_values_are_kept_in_one_form() -> None:
@@ -67,7 +67,10 @@ def test_values_are_kept_in_one_form() -> None:
         exclude_wrap_modules={nn.ModuleList},
         force_leaf_modules=[nn.LSTM, nn.GRU],
         fairscale_kwargs=given,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
     )
+    assert config.backward_prefetch == "BACKWARD_PRE"
+    assert FullyShardedConfig(backward_prefetch=None).backward_prefetch is None
     assert config.cpu_offload is True and config.min_num_params == 1000 and type(config.min_num_params) is int
     assert (config.sharding_strategy, config.reshard_after_forward) == ("SHARD_GRAD_OP", False)  # ZeRO-2
     assert config.activation_checkpointing == (Block,)
@@ -116,7 +119,9 @@ def test_the_config_is_frozen_and_a_changed_copy_is_checked_again() -> None:
          " sets it."),
         ({"fairscale_kwargs": {"limit_all_gathers": True}}, TypeError,
          "`DDPFullyShardedStrategy` does not take `limit_all_gathers`, an argument of torch's FSDP (Lightning's"
-         " FSDPStrategy): FairScale has no all-gather rate limiter: remove it."),
+         " FSDPStrategy): on CPU at most one unit is gathered ahead, and on CUDA FairScale's streams pace the"
+         " all-gathers: remove it."),
+        ({"backward_prefetch": "AFTER"}, ValueError, "`backward_prefetch` must be torch's BackwardPrefetch"),
         ({"sharding_strategy": "NO_SHARD"}, ValueError, 'that is plain data parallel, use `strategy="ddp"`'),
         ({"device_mesh": (2, 2)}, ValueError, 'pass `sharding_strategy="HYBRID_SHARD"` with it'),
         ({"activation_checkpointing": Block, "activation_checkpointing_policy": {Block}}, ValueError,
@@ -183,6 +188,10 @@ def test_fsdp_kwargs_carry_the_groups_the_init_function_and_fairscales_own_argum
     assert kwargs["bucket_cap_mb"] == 1  # FairScale's own argument, given as such, wins over the option
     plain = fsdp_kwargs(FullyShardedConfig(), CPU, ProcessGroups(), "32-true")
     assert plain["process_group"] is None and not {"process_group_reduce_scatter", "replica_group"} & set(plain)
+    # The prefetch modes of our FSDP class (workaround 16), from torch's names.
+    modes = [fsdp_kwargs(FullyShardedConfig(backward_prefetch=name), CPU, ProcessGroups(), "32-true")
+             ["backward_prefetch"] for name in ("BACKWARD_POST", "backward_pre", None)]
+    assert modes == ["post", "pre", None]
 
 
 @pytest.mark.parametrize(
@@ -199,6 +208,11 @@ def test_options_that_contradict_the_precision_fail_before_training(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         check_settings(FullyShardedConfig(**options), CPU, precision)
+
+
+def test_a_backward_prefetch_other_than_the_default_warns_on_cuda() -> None:
+    with pytest.warns(UserWarning, match=r"backward_prefetch=BACKWARD_PRE\)` has no effect on CUDA"):
+        check_settings(FullyShardedConfig(backward_prefetch="BACKWARD_PRE"), torch.device("cuda", 0), "32-true")
 
 
 def test_options_that_do_nothing_on_the_cpu_warn() -> None:

@@ -39,6 +39,7 @@ from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dty
 __all__ = [
     "FullyShardedConfig",
     "ProcessGroups",
+    "backward_prefetch_name",
     "check_settings",
     "fsdp_kwargs",
     "offload_params",
@@ -63,9 +64,13 @@ _FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {
 
 #: Arguments of Lightning's ``FSDPStrategy`` (for torch's FSDP) that FairScale has no equivalent of, and what to do.
 _TORCH_FSDP_ARGUMENTS = {
-    "limit_all_gathers": "FairScale has no all-gather rate limiter: remove it",
-    "forward_prefetch": "FairScale has no prefetch setting: remove it",
-    "backward_prefetch": "FairScale has no prefetch setting: remove it",
+    "limit_all_gathers": (
+        "on CPU at most one unit is gathered ahead, and on CUDA FairScale's streams pace the all-gathers: remove it"
+    ),
+    "forward_prefetch": (
+        "on CPU the forward always gathers the next unit ahead, and on CUDA FairScale's streams overlap the"
+        " all-gathers: remove it (`backward_prefetch` chooses the backward's)"
+    ),
     "sync_module_states": (
         "FairScale does not broadcast rank 0's weights: seed every rank alike (`seed_everything`) or load a"
         " checkpoint, as Lightning's FSDPStrategy needs without it"
@@ -116,6 +121,8 @@ class FullyShardedConfig:
     sharding_strategy: str = "FULL_SHARD"
     #: Under hybrid sharding, ``(replicas, shard_size)``; ``None``: one replica per node.
     device_mesh: Optional[tuple[int, int]] = None
+    #: When the backward on CPU gathers the next unit: ``"BACKWARD_POST"``, ``"BACKWARD_PRE"`` or ``None``.
+    backward_prefetch: Optional[str] = "BACKWARD_POST"
     #: Keyword arguments passed to FairScale's ``FullyShardedDataParallel`` as they are.
     fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The strategy's class name, which the error messages name.
@@ -131,6 +138,7 @@ class FullyShardedConfig:
         request = mesh_request(name, self.device_mesh)
         self._set("device_mesh", request if isinstance(request, tuple) else None)
         self._set("lightning_1x_optimizer_state", validate_policy(self.lightning_1x_optimizer_state, self.owner))
+        self._set("backward_prefetch", backward_prefetch_name(self.backward_prefetch))
         self._set("param_init_fn", validate_param_init_fn(self.param_init_fn))
         validate_arguments(
             self.min_num_params, self.bucket_cap_mb, self.compute_dtype, self.auto_wrap_policy, self.fairscale_kwargs
@@ -215,8 +223,33 @@ def fsdp_kwargs(
         kwargs["param_init_fn"] = config.param_init_fn
     if groups.replica is not None:  # taken by our FSDP class: gradient shards are all-reduced over it
         kwargs["replica_group"] = groups.replica
+    # Taken by our FSDP class: when a root on CPU gathers ahead in the backward (workaround 16).
+    kwargs["backward_prefetch"] = _PREFETCH_MODES[config.backward_prefetch]
     kwargs.update(config.fairscale_kwargs)
     return kwargs
+
+
+#: ``backward_prefetch`` names (torch's ``BackwardPrefetch``) and the modes of :mod:`lightning_fairscale.fsdp.prefetch`.
+_PREFETCH_MODES = {"BACKWARD_POST": "post", "BACKWARD_PRE": "pre", None: None}
+
+
+def backward_prefetch_name(value: Any) -> Optional[str]:
+    """The upper-case name of a ``backward_prefetch`` value: torch's ``BackwardPrefetch``, its name as a string (any
+    case), or ``None``.
+
+    Example:
+        >>> from torch.distributed.fsdp import BackwardPrefetch
+        >>> backward_prefetch_name(BackwardPrefetch.BACKWARD_PRE), backward_prefetch_name("backward_post")
+        ('BACKWARD_PRE', 'BACKWARD_POST')
+    """
+    name = getattr(value, "name", value)
+    if name is None or (isinstance(name, str) and name.upper() in _PREFETCH_MODES):
+        return None if name is None else name.upper()
+    raise ValueError(
+        f"`backward_prefetch` must be torch's BackwardPrefetch.BACKWARD_POST (the default: the peak memory of the"
+        f" synchronous backward), BackwardPrefetch.BACKWARD_PRE (faster, one unit's memory more), their names, or"
+        f" None (no prefetch in the backward), got {value!r}."
+    )
 
 
 def offloads_to_cpu(config: FullyShardedConfig, device: torch.device) -> bool:
@@ -253,6 +286,11 @@ def check_settings(config: FullyShardedConfig, device: torch.device, precision: 
             " unset."
         )
     if device.type == "cuda":
+        if config.backward_prefetch != FullyShardedConfig.backward_prefetch:
+            rank_zero_warn(
+                f"`DDPFullyShardedStrategy(backward_prefetch={config.backward_prefetch})` has no effect on CUDA:"
+                " FairScale's streams overlap the all-gathers with the computation there. It is ignored."
+            )
         return
     for name in ("cpu_offload", "move_grads_to_cpu"):
         if getattr(config, name):

@@ -6,17 +6,23 @@ streams (:mod:`~lightning_fairscale.fsdp.cpu_streams` makes them no-ops), so eve
 unit's forward or backward waited for its own all-gather, and each reduce-scatter bucket for its flush. gloo runs
 asynchronous collectives on threads of its own; two objects use them here, for the units of a root on CPU:
 
-* :class:`Prefetcher` starts the all-gather of the unit that comes next (forward order in the forward, the reverse
-  in the backward) as asynchronous gloo work while the current unit computes; the next unit then waits for it
-  instead of gathering. At most one unit is prefetched at a time: a rank holds at most two units' full parameters
-  (the one computing, the one arriving), plus the root's.
+* :class:`Prefetcher` starts the all-gather of the unit that comes next as asynchronous gloo work, so that the next
+  unit waits for it instead of gathering. In the forward, while the current unit computes. In the backward, as
+  torch's ``BackwardPrefetch`` says (:data:`BACKWARD_MODES`): ``"post"`` (the default) when the current unit's
+  gradient is done, alongside its reduce-scatter, both finished before the next unit computes, so that the backward's
+  peak is the synchronous one's; ``"pre"`` before the current unit's backward, overlapping it with the computation
+  at the cost of a unit's full parameters and a gradient in flight more; ``None``: synchronous. At most one unit is
+  prefetched at a time: a rank holds at most two units' full parameters (the one computing, the one arriving), plus
+  the root's.
 * :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
-  asynchronously, straight from the gradient (no bucket to copy it into), while the backward goes on; at most one
-  reduction is in flight, and all are done when the backward ends.
+  asynchronously, straight from the gradient (no bucket to copy it into), in pieces of :data:`PIECE_BYTES` (gloo
+  copies a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small); at
+  most one reduction is in flight, and all are done when the backward ends.
 
-The results are the same bits as the synchronous collectives': the same operations on the same tensors, only started
-earlier and waited for later. The order of collectives on each process group is the same on every rank (it follows
-the model's forward order, recorded in the previous forward), as gloo requires. The CUDA path does not use them.
+The results are the same bits as the synchronous collectives' on two ranks (each element of a sum of two terms is the
+same in any order): the same operations on the same tensors, only started earlier and waited for later. The order of
+collectives on each process group is the same on every rank (it follows the model's forward order, recorded in the
+previous forward), as gloo requires. The CUDA path does not use them.
 """
 
 from __future__ import annotations
@@ -29,21 +35,35 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "BACKWARD_MODES",
     "OVERLAP_ON_CPU",
+    "PIECE_BYTES",
     "AsyncReduceScatter",
     "Prefetcher",
     "can_prefetch",
     "in_backward",
+    "pieces",
 ]
 
 #: Whether roots set up on CPU from now on overlap their collectives (``False``: FairScale's synchronous collectives
 #: and reduce-scatter buckets, as before; for comparisons, ``benchmarks/speed.py``).
 OVERLAP_ON_CPU = True
 
+#: When the backward gathers the next unit (torch's ``BackwardPrefetch`` names, lower case): ``"post"`` when the
+#: current unit's gradient is done, ``"pre"`` before its backward computes, ``None`` never.
+BACKWARD_MODES = ("post", "pre", None)
+
+#: The bytes of each rank's piece of a reduce-scatter (gloo's own buffer holds one piece per thread at a time).
+PIECE_BYTES = 4 * 2**20
+
 
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (hooks, recomputed forwards)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _holds_storage(tensor: Tensor) -> bool:
+    return tensor.untyped_storage().size() > 0
 
 
 def _alloc_storage(tensor: Tensor) -> None:
@@ -69,16 +89,24 @@ def can_prefetch(unit: Any) -> bool:
 
 
 class Prefetcher:
-    """Gathers the next unit's full parameters while the current one computes (one per root, shared by its units).
+    """Gathers the next unit's full parameters ahead (one per root, shared by its units).
 
     The units call :meth:`rebuild` instead of FairScale's ``_rebuild_full_params`` (forward and backward),
-    :meth:`settle` before they free their full parameters, and the root calls :meth:`forward_started` /
-    :meth:`pass_ended` around its forward and at the end of its backward: whatever was gathered ahead and not used by
-    then (a forward that took another path) is dropped, so that no gathered copy outlives a pass, in which the
-    optimizer cannot have changed the shards.
+    :meth:`gradient_done` after their post-backward hook, :meth:`settle` before they free their full parameters, and
+    the root calls :meth:`forward_started` / :meth:`forward_ended` around its forward and :meth:`pass_ended` at the end
+    of its backward: whatever was gathered ahead and not used by then (a forward that took another path) is dropped,
+    so that no gathered copy outlives a pass, in which the optimizer cannot have changed the shards.
+
+    Args:
+        backward: when the backward gathers ahead, one of :data:`BACKWARD_MODES`.
+        reducer: the root's reducer; in the ``"post"`` mode its reductions are finished before a unit's backward.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backward: Optional[str] = "post", reducer: Optional["AsyncReduceScatter"] = None) -> None:
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"backward must be one of {BACKWARD_MODES}, not {backward!r}")
+        self.backward = backward
+        self.reducer = reducer
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
         self._recording: Optional[list[Any]] = None
@@ -120,23 +148,36 @@ class Prefetcher:
 
     def rebuild(self, unit: Any, rebuild: Callable[[], Any]) -> Any:
         """FairScale's ``rebuild()`` of ``unit``'s full parameters, from its prefetched all-gathers if there are
-        any; then the next unit's all-gathers start."""
+        any; then, in the forward (and in the backward's ``"pre"`` mode), the next unit's all-gathers start."""
         backward = in_backward()
         if self._recording is not None and not backward:
             self._recording.append(unit)
+        if backward and self.backward == "post" and self.reducer is not None:
+            # The gradients reduced while this unit was gathered are freed before its backward computes: the
+            # backward's peak stays the synchronous one's.
+            self.reducer.flush()
         self.settle(unit)
         result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
-        upcoming = self._next(unit, backward)
-        if upcoming is not None:
-            self._start(upcoming)
+        if not backward or self.backward == "pre":
+            self._start_next(unit, backward)
         return result
 
-    def _next(self, unit: Any, backward: bool) -> Optional[Any]:
-        """The unit after ``unit`` in the last forward's order (before it, in a backward)."""
+    def gradient_done(self, unit: Any) -> None:
+        """``unit``'s post-backward hook has run for a parameter: in the ``"post"`` mode, once the unit holds no full
+        parameters any more, the unit before it starts gathering (alongside the unit's reduce-scatter)."""
+        if self.backward != "post" or not in_backward():
+            return
+        if any(_holds_storage(p._full_param_padded) for p in unit.params if hasattr(p, "_full_param_padded")):
+            return  # a unit of several parameters: others still compute
+        self._start_next(unit, backward=True)
+
+    def _start_next(self, unit: Any, backward: bool) -> None:
+        """Start gathering the unit after ``unit`` in the last forward's order (before it, in a backward)."""
         if unit not in self.order:
-            return None
+            return
         index = self.order.index(unit) + (-1 if backward else 1)
-        return self.order[index] if 0 <= index < len(self.order) else None
+        if 0 <= index < len(self.order):
+            self._start(self.order[index])
 
     def _start(self, unit: Any) -> None:
         if self._pending is not None or unit.has_full_params or not can_prefetch(unit):
@@ -151,29 +192,36 @@ class Prefetcher:
 
 class AsyncReduceScatter:
     """The reducer of a root's units on CPU (gloo), in place of FairScale's ``ReduceScatterBucketer``: the same
-    interface (``reduce_scatter_async``, ``flush``, ``teardown``), each gradient reduce-scattered asynchronously as
-    soon as it is computed, at most ``max_in_flight`` at a time; callbacks run on this thread, in order, when their
-    reduction is waited for (the next call beyond the limit, or :meth:`flush` at the end of the backward)."""
+    interface (``reduce_scatter_async``, ``flush``, ``teardown``), each gradient reduce-scattered asynchronously, in
+    pieces, as soon as it is computed, at most ``max_in_flight`` at a time (``0``: each is waited for at once);
+    callbacks run on this thread, in order, when their reduction is waited for (the next call beyond the limit, or
+    :meth:`flush`)."""
 
     def __init__(self, max_in_flight: int = 1) -> None:
         self.max_in_flight = max_in_flight
-        self._in_flight: deque[tuple[Any, Tensor, Tensor, Optional[Callable[[Tensor], None]]]] = deque()
+        self._in_flight: deque[tuple[list[Any], Tensor, list[Tensor], Optional[Callable[[Tensor], None]]]] = deque()
 
     def reduce_scatter_async(
         self, input_list: list[Tensor], group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
     ) -> None:
-        """Start reducing ``input_list`` (one chunk per rank) over ``group``; ``callback_fn`` gets this rank's
+        """Start reducing ``input_list`` (one 1-D chunk per rank) over ``group``; ``callback_fn`` gets this rank's
         reduced chunk."""
-        while len(self._in_flight) >= self.max_in_flight:
+        while self._in_flight and len(self._in_flight) >= self.max_in_flight:
             self._complete_oldest()
-        flat = _concatenated(input_list)
         output = torch.empty_like(input_list[0])
-        work = dist.reduce_scatter_tensor(output, flat, group=group, async_op=True)
-        self._in_flight.append((work, output, flat, callback_fn))
+        works = [
+            dist.reduce_scatter(output[piece], [chunk[piece] for chunk in input_list], group=group, async_op=True)
+            for piece in pieces(output.numel(), output.element_size())
+        ]
+        # The inputs stay referenced until their reduction is waited for: gloo reads them on its own threads.
+        self._in_flight.append((works, output, input_list, callback_fn))
+        if self.max_in_flight == 0:
+            self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        work, output, _, callback_fn = self._in_flight.popleft()
-        work.wait()
+        works, output, _, callback_fn = self._in_flight.popleft()
+        for work in works:
+            work.wait()
         if callback_fn is not None:
             callback_fn(output)
 
@@ -187,17 +235,13 @@ class AsyncReduceScatter:
         self.flush()
 
 
-def _concatenated(chunks: list[Tensor]) -> Tensor:
-    """The chunks as one 1-D tensor: a view when they are consecutive pieces of one tensor (what FairScale's
-    ``chunk_and_pad`` gives, but for a padded last chunk), else a copy."""
-    first = chunks[0]
-    step = first.numel()
-    consecutive = all(
-        c.dim() == 1 and c.is_contiguous() and c.numel() == step and c.dtype == first.dtype
-        and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and c.storage_offset() == first.storage_offset() + i * step
-        for i, c in enumerate(chunks)
-    )
-    if consecutive and first.is_contiguous():
-        return first.as_strided((step * len(chunks),), (1,))
-    return torch.cat(chunks)
+def pieces(numel: int, element_size: int, piece_bytes: Optional[int] = None) -> list[slice]:
+    """The consecutive slices, of at most ``piece_bytes`` (:data:`PIECE_BYTES`) each, that cover ``numel``
+    elements.
+
+    Example:
+        >>> pieces(10, 4, piece_bytes=16)
+        [slice(0, 4, None), slice(4, 8, None), slice(8, 10, None)]
+    """
+    step = max(1, (piece_bytes or PIECE_BYTES) // element_size)
+    return [slice(start, min(start + step, numel)) for start in range(0, numel, step)] or [slice(0, 0)]

@@ -103,9 +103,12 @@ The workarounds, and why each is needed:
     training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
 16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously.
-    On CPU with gloo, a root's units gather the next unit's parameters while the current one computes, and
-    reduce-scatter each gradient asynchronously while the backward goes on (:mod:`~lightning_fairscale.fsdp.prefetch`:
-    at most one unit gathered ahead and one reduction in flight). Same results; the CUDA path is unchanged.
+    On CPU with gloo, a root's units gather the next unit's parameters while the current one computes its forward;
+    in the backward, by default, the next unit's all-gather runs alongside the current unit's reduce-scatter (in
+    pieces, asynchronously), both finished before the next unit computes, so the backward's peak is the synchronous
+    one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too
+    (:mod:`~lightning_fairscale.fsdp.prefetch`: at most one unit gathered ahead and one reduction in flight). Same
+    results; the CUDA path is unchanged.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -204,6 +207,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         *args: Any,
         param_init_fn: Optional[ParamInitFn] = None,
         replica_group: Any = None,
+        backward_prefetch: Optional[str] = "post",
         **kwargs: Any,
     ):
         if not has_meta_tensors(module):
@@ -219,6 +223,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 self._build(module, *args, **kwargs)
         #: Hybrid sharding (workaround 14): the ranks holding the same shard in the other replicas, or ``None``.
         self.replica_group = replica_group
+        #: When a root's backward on CPU gathers the next unit ahead (workaround 16; ``prefetch.BACKWARD_MODES``).
+        self.backward_prefetch = backward_prefetch
 
     def _build(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
@@ -276,8 +282,11 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         gloo = _is_gloo(self.process_group_reduce_scatter)
         overlaps = gloo and self.compute_device.type == "cpu" and prefetch.OVERLAP_ON_CPU
         bucketer = GlooReduceScatterBucketer if gloo else ReduceScatterBucketer
-        reducer = prefetch.AsyncReduceScatter() if overlaps else bucketer(self.bucket_cap_mb)
-        prefetcher = prefetch.Prefetcher() if overlaps else None
+        reducer: Any = bucketer(self.bucket_cap_mb)
+        prefetcher = None
+        if overlaps:
+            reducer = prefetch.AsyncReduceScatter(max_in_flight=0 if self.backward_prefetch is None else 1)
+            prefetcher = prefetch.Prefetcher(self.backward_prefetch, reducer)
         self._reducer = reducer
         for module in fsdp_instances(self):
             module._streams = self._streams
@@ -295,6 +304,11 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         if self._prefetcher is not None:
             self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
         super()._free_full_params(params)
+
+    def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
+        super()._post_backward_hook(param, *unused)
+        if self._prefetcher is not None:
+            self._prefetcher.gradient_done(self)  # workaround 16
 
     def _prep_grads_for_backward(self) -> None:
         for param in self.params:  # workaround 12

@@ -128,6 +128,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
             (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
         device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
             (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape.
+        backward_prefetch: when the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's
+            ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
+            alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
+            current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
+            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
+            FairScale's streams overlap the collectives and this is not used.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     The arguments other than Lightning's are checked once, here, and kept in :attr:`config` (a frozen
@@ -174,6 +180,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
         device_mesh: Optional[Any] = None,
+        backward_prefetch: Any = "BACKWARD_POST",
         **kwargs: Any,
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
@@ -212,6 +219,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
     param_init_fn = config_property("param_init_fn")
     sharding_strategy = config_property("sharding_strategy")
+    backward_prefetch = config_property("backward_prefetch")
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -138,6 +138,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
         device_mesh: Optional[Any] = None,
+        backward_prefetch: Any = "BACKWARD_POST",
         **kwargs: Any,
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
@@ -168,6 +169,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
     param_init_fn = config_property("param_init_fn")
     sharding_strategy = config_property("sharding_strategy")
+    backward_prefetch = config_property("backward_prefetch")
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
