@@ -508,11 +508,10 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> N
         assert scale == 2.0, f"rank {rank} did not back off the scale"
 
 
-#: Gatherings a prefetch serves in three steps of the deep model, by backward mode: every one but the first of each
-#: pass (the root in the forward, the last block in the backward; the root keeps its full parameters for the
-#: backward) where the mode prefetches, minus the first forward's 5 (no order recorded yet): 5 blocks in a forward,
-#: 4 in a backward.
-SERVED = {"post": 3 * 9 - 5, "pre": 3 * 9 - 5, None: 3 * 5 - 5}
+#: Gatherings a prefetch serves in three steps of the deep model, by backward mode: every block's, 5 in a forward
+#: and 5 in a backward (the first one gathered when the forward ends; the root keeps its full parameters for the
+#: backward) where the mode prefetches, minus the first forward's 5 (no order recorded yet).
+SERVED = {"post": 3 * 10 - 5, "pre": 3 * 10 - 5, None: 3 * 5 - 5}
 
 
 @pytest.mark.parametrize("mode", prefetch.BACKWARD_MODES)

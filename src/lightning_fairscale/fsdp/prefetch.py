@@ -118,14 +118,19 @@ class Prefetcher:
         self.pass_ended()
         self._recording = [] if not in_backward() else None
 
-    def forward_ended(self) -> None:
-        """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice)."""
+    def forward_ended(self, backward_follows: bool = False) -> None:
+        """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice), and what
+        was gathered ahead and not used is dropped. When a backward follows (the forward succeeded with gradients
+        enabled) and the backward prefetches, the backward's first unit (the forward's last) starts gathering: it
+        arrives while the loss and the root's last layers compute their gradients."""
         if self._recording is not None:
             recorded = self._recording
             unique = len({id(u) for u in recorded}) == len(recorded)
             self.order = recorded if unique else []
             self._recording = None
         self.pass_ended()
+        if backward_follows and self.backward is not None and self.order and not in_backward():
+            self._start(self.order[-1])
 
     def pass_ended(self) -> None:
         """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""

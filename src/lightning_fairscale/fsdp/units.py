@@ -266,9 +266,12 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             return super().forward(*args, **kwargs)
         self._prefetcher.forward_started()  # workaround 16
         try:
-            return super().forward(*args, **kwargs)
-        finally:
-            self._prefetcher.forward_ended()
+            output = super().forward(*args, **kwargs)
+        except BaseException:
+            self._prefetcher.forward_ended()  # starts nothing: another rank may not be at this point
+            raise
+        self._prefetcher.forward_ended(backward_follows=torch.is_grad_enabled())
+        return output
 
     def _setup_streams(self) -> None:
         if len(self._streams) > 0 or not self._is_root:
