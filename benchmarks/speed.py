@@ -200,6 +200,7 @@ _TIMED: list[tuple[str, str, str]] = [
     ("torch.distributed", "_all_gather_base", "all-gather"),
     ("torch.distributed", "all_gather", "all-gather"),
     ("torch.distributed", "all_gather_single", "all-gather"),
+    ("torch.distributed", "reduce_scatter", "reduce-scatter"),
     ("torch.distributed", "reduce_scatter_tensor", "reduce-scatter"),
     ("torch.distributed", "_reduce_scatter_base", "reduce-scatter"),
     ("torch.distributed", "reduce_scatter_single", "reduce-scatter"),
