@@ -295,7 +295,7 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
     dist.barrier()
 
 
-def wrap_fairscale(model: Encoder, backward_prefetch: Optional[str] = "post") -> nn.Module:
+def wrap_fairscale(model: Encoder, backward_prefetch: Optional[str] = "BACKWARD_POST") -> nn.Module:
     """Our FairScale unit class with the strategy's CPU defaults: each encoder layer a unit, then the root (whose
     ``backward_prefetch`` applies)."""
     cpu_streams.install()
@@ -353,7 +353,7 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
         if name == "torch-fsdp":
             wrapped = wrap_torch_fsdp(model)
         else:  # the backward's prefetch mode: post (the default), pre, or none for the synchronous one
-            wrapped = wrap_fairscale(model, "pre" if name == "fairscale-pre" else "post")
+            wrapped = wrap_fairscale(model, "BACKWARD_PRE" if name == "fairscale-pre" else "BACKWARD_POST")
         optimizer = torch.optim.Adam(wrapped.parameters(), lr=LEARNING_RATE)
         # Read at the root's first forward: one step now, with this engine's setting.
         prefetch.OVERLAP_ON_CPU = name != "fairscale-sync"

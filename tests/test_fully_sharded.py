@@ -55,6 +55,19 @@ CLIP_AND_ACCUMULATE = {  # name -> (the scenario's fields, reference_training's)
     "clip-value": ({"clip": (0.002, "value")}, {"clip": (0.002, "value")}),
     "accumulate-2": ({"accumulate": 2, "samples": 32}, {"accumulate": 2, "num_samples": 32}),
     "accumulate-4": ({"accumulate": 4, "samples": 32}, {"accumulate": 4, "num_samples": 32}),
+    # The CPU overlap's other backward modes and SHARD_GRAD_OP's units (which keep their full parameters), with
+    # accumulation (no reduce-scatter in `no_sync`) and clipping
+    **{
+        f"prefetch-{name}": (
+            {"accumulate": 2, "samples": 32, "clip": (0.05, "norm"), **fields},
+            {"accumulate": 2, "num_samples": 32, "clip": (0.05, "norm")},
+        )
+        for name, fields in {
+            "pre": {"backward_prefetch": "BACKWARD_PRE"},
+            "none": {"backward_prefetch": "none"},
+            "zero2": {"sharding_strategy": "SHARD_GRAD_OP"},
+        }.items()
+    },
 }
 MIXED = {  # Lightning maps the "16-mixed" flag to bf16 on CPU: the fp16 case passes the plugin itself
     "bf16-mixed": ({"precision": "bf16-mixed"}, "torch.bfloat16"),

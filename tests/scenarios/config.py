@@ -143,6 +143,7 @@ class Scenario(Config):
     timeout: Optional[float] = None  # the collective timeout, in seconds
     sharding_strategy: Optional[str] = None
     device_mesh: Optional[tuple[int, int]] = None  # (replicas, shard_size)
+    backward_prefetch: str = ""  # "" (the strategy's default), "BACKWARD_PRE", "BACKWARD_POST" or "none" (None)
     compute_dtype: Optional[str] = None  # "float16" or "bfloat16"
     move_grads_to_cpu: Optional[bool] = None
 

@@ -326,6 +326,8 @@ def main(config: Scenario, out: str) -> None:
         **({"timeout": timedelta(seconds=config.timeout)} if config.timeout else {}),
         **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
         **({"device_mesh": tuple(config.device_mesh)} if config.device_mesh else {}),
+        **({"backward_prefetch": None if config.backward_prefetch == "none" else config.backward_prefetch}
+           if config.backward_prefetch else {}),
     )
     recorder = RecordUnits()
     groups = RecordGroups()

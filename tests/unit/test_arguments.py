@@ -82,8 +82,8 @@ def test_fsdp_refuses_the_arguments_it_sets_itself_saying_what_to_use(name: str,
 @pytest.mark.parametrize(
     ("name", "hint"),
     [
-        ("limit_all_gathers", "at most one unit is gathered ahead"),
-        ("forward_prefetch", "the forward always gathers the next unit ahead"),
+        ("limit_all_gathers", "no all-gather rate limiter"),
+        ("forward_prefetch", "the forward gathers the next unit ahead"),
         ("sync_module_states", "seed every rank alike"),
     ],
 )

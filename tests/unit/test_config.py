@@ -119,8 +119,8 @@ def test_the_config_is_frozen_and_a_changed_copy_is_checked_again() -> None:
          " sets it."),
         ({"fairscale_kwargs": {"limit_all_gathers": True}}, TypeError,
          "`DDPFullyShardedStrategy` does not take `limit_all_gathers`, an argument of torch's FSDP (Lightning's"
-         " FSDPStrategy): on CPU at most one unit is gathered ahead, and on CUDA FairScale's streams pace the"
-         " all-gathers: remove it."),
+         " FSDPStrategy): FairScale has no all-gather rate limiter (on CPU our units gather at most one unit ahead):"
+         " remove it."),
         ({"backward_prefetch": "AFTER"}, ValueError, "`backward_prefetch` must be torch's BackwardPrefetch"),
         ({"sharding_strategy": "NO_SHARD"}, ValueError, 'that is plain data parallel, use `strategy="ddp"`'),
         ({"device_mesh": (2, 2)}, ValueError, 'pass `sharding_strategy="HYBRID_SHARD"` with it'),
@@ -191,7 +191,7 @@ def test_fsdp_kwargs_carry_the_groups_the_init_function_and_fairscales_own_argum
     # The prefetch modes of our FSDP class (workaround 16), from torch's names.
     modes = [fsdp_kwargs(FullyShardedConfig(backward_prefetch=name), CPU, ProcessGroups(), "32-true")
              ["backward_prefetch"] for name in ("BACKWARD_POST", "backward_pre", None)]
-    assert modes == ["post", "pre", None]
+    assert modes == ["BACKWARD_POST", "BACKWARD_PRE", None]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ references computed in this process without sharding.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -167,56 +168,82 @@ def _deep_model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN_FEATURES, WIDTH), *blocks, nn.Linear(WIDTH, OUT_FEATURES))
 
 
+@dataclasses.dataclass
+class _Overlap:
+    """What :func:`_train_deep` saw: at every gathering, how many units held full parameters (gathered or arriving),
+    in all and in the backward; how many gatherings a prefetch served; how many reductions were in flight as each
+    layer's backward was about to compute; and whether anything was still gathered ahead after a no-grad forward."""
+
+    holding: list[int] = dataclasses.field(default_factory=list)
+    holding_backward: list[int] = dataclasses.field(default_factory=list)
+    served: int = 0
+    reducing: list[int] = dataclasses.field(default_factory=list)
+    pending_after_no_grad_forward: bool = False
+
+
 def _train_deep(
-    rank: int, world_size: int, overlap: bool, backward_prefetch: Optional[str] = "post"
-) -> tuple[nn.Module, list[int], int, list[int]]:
-    """Three Adam steps of a root and five Block units; at every gathering, how many units hold full parameters
-    (gathered or arriving); how many gatherings a prefetch served; and, as each unit's backward is about to compute,
-    how many reductions are in flight."""
-    root = wrap(_deep_model(), policy={Block}, backward_prefetch=backward_prefetch)
+    rank: int, world_size: int, overlap: bool, backward_prefetch: Optional[str] = "BACKWARD_POST", **kwargs: Any
+) -> tuple[nn.Module, _Overlap]:
+    """Three Adam steps of a root and five Block units (FSDP arguments ``kwargs``), then a forward without
+    gradients; what the overlap did (:class:`_Overlap`)."""
+    model = _deep_model()
+    root = wrap(model, policy={Block}, backward_prefetch=backward_prefetch, **kwargs)
     units = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel) and m is not root]
-    holding: list[int] = []
-    served = [0]
-    reducing: list[int] = []
+    seen = _Overlap()
     real_rebuild = FullyShardedDataParallel._rebuild_full_params
 
     def rebuild(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._prefetcher is not None and self._prefetcher._pending is not None:
-            served[0] += self._prefetcher._pending[0] is self
+            seen.served += self._prefetcher._pending[0] is self
         result = real_rebuild(self, *args, **kwargs)
         full = [getattr(u.params[0], "_full_param_padded", None) for u in units]  # made at a unit's first forward
-        holding.append(sum(f is not None and f.untyped_storage().size() > 0 for f in full))
-        if prefetch.in_backward() and isinstance(self._reducer, prefetch.AsyncReduceScatter):
-            reducing.append(len(self._reducer._in_flight))
+        holding = sum(f is not None and f.untyped_storage().size() > 0 for f in full)
+        seen.holding.append(holding)
+        if prefetch.in_backward():
+            seen.holding_backward.append(holding)
         return result
 
+    def count_reductions(*unused: Any) -> None:
+        if isinstance(root._reducer, prefetch.AsyncReduceScatter):
+            seen.reducing.append(len(root._reducer._in_flight))
+
+    # Every block, and the root's first layer (which computes last, after the root's own reduce-scatter started).
+    hooks = [m.register_full_backward_pre_hook(count_reductions) for m in model.modules() if isinstance(m, Block)]
+    hooks.append(model[0].register_full_backward_pre_hook(count_reductions))
     optimizer = torch.optim.Adam(root.parameters(), lr=0.01)
     FullyShardedDataParallel._rebuild_full_params = rebuild  # type: ignore[method-assign]
     prefetch.OVERLAP_ON_CPU = overlap  # read when the root sets up, in its first forward
     try:
         for batch in batches(3):
             step(root, optimizer, rank_batch(batch, rank, world_size))
+        with torch.no_grad():
+            root(rank_batch(batches(1)[0], rank, world_size)[0])
+        seen.pending_after_no_grad_forward = root._prefetcher is not None and root._prefetcher._pending is not None
     finally:
         FullyShardedDataParallel._rebuild_full_params = real_rebuild  # type: ignore[method-assign]
         prefetch.OVERLAP_ON_CPU = True
-    return root, holding, served[0], reducing
+        for hook in hooks:
+            hook.remove()
+    return root, seen
 
 
 def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
-    """Training with overlapped collectives (workaround 16) in each backward mode against the synchronous ones, and
+    """Training with overlapped collectives (workaround 16) in each backward mode, and in the default mode under
+    ``SHARD_GRAD_OP`` (units keep their full parameters from forward to backward), against the synchronous ones; and
     the async reducer."""
-    synchronous, _, served_sync, _ = _train_deep(rank, world_size, overlap=False)
-    out: dict[str, Any] = {"reducer_sync": type(synchronous._reducer).__name__, "modes": {}}
+    synchronous, seen_sync = _train_deep(rank, world_size, overlap=False)
+    out: dict[str, Any] = {"reducer_sync": type(synchronous._reducer).__name__, "modes": {}, "served_sync": 0}
+    out["served_sync"] = seen_sync.served
     reference = parameters_of(unwrap_module(synchronous))
     for mode in prefetch.BACKWARD_MODES:
-        overlapped, holding, served, reducing = _train_deep(rank, world_size, overlap=True, backward_prefetch=mode)
+        overlapped, seen = _train_deep(rank, world_size, overlap=True, backward_prefetch=mode)
         out["modes"][mode] = {
             "reducer": type(overlapped._reducer).__name__,
-            "holding": holding,
-            "served": (served, served_sync),
-            "reducing": reducing,
+            "seen": dataclasses.asdict(seen),
             "parameters": (parameters_of(unwrap_module(overlapped)), reference),
         }
+    _, zero2 = _train_deep(rank, world_size, overlap=True, reshard_after_forward=False)
+    out["zero2_reducing"] = zero2.reducing
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
     g = torch.Generator().manual_seed(200 + rank)
     inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
@@ -227,14 +254,14 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     reduced: list[torch.Tensor] = []
     reducer = prefetch.AsyncReduceScatter(max_in_flight=1)
     done_before_flush = []
-    prefetch.PIECE_BYTES = 8  # two pieces of two elements each
+    piece_bytes, prefetch.PIECE_BYTES = prefetch.PIECE_BYTES, 8  # two pieces of two elements each
     try:
         for chunks in inputs:
             reducer.reduce_scatter_async(chunks, group=dist.group.WORLD, callback_fn=reduced.append)
             done_before_flush.append(len(reduced))
         reducer.flush()
     finally:
-        prefetch.PIECE_BYTES = 4 * 2**20
+        prefetch.PIECE_BYTES = piece_bytes
     out["async_reduce_scatter"] = (reduced, plain, done_before_flush)
     return out
 
@@ -508,10 +535,11 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> N
         assert scale == 2.0, f"rank {rank} did not back off the scale"
 
 
-#: Gatherings a prefetch serves in three steps of the deep model, by backward mode: every block's, 5 in a forward
-#: and 5 in a backward (the first one gathered when the forward ends; the root keeps its full parameters for the
-#: backward) where the mode prefetches, minus the first forward's 5 (no order recorded yet).
-SERVED = {"post": 3 * 10 - 5, "pre": 3 * 10 - 5, None: 3 * 5 - 5}
+#: Gatherings a prefetch serves in three steps and a no-grad forward of the deep model, by backward mode: in the
+#: forward every block's but in the first forward (no order recorded yet): 3 x 5; in the backward every block's but
+#: the first block's, 4 a step (BACKWARD_POST: the synchronous backward holds no unit while the root's last layers
+#: compute), and that one too with BACKWARD_PRE, gathered when the backward starts: 5 a step.
+SERVED = {"BACKWARD_POST": 3 * 5 + 3 * 4, "BACKWARD_PRE": 3 * 5 + 3 * 5, None: 3 * 5}
 
 
 @pytest.mark.parametrize("mode", prefetch.BACKWARD_MODES)
@@ -521,7 +549,9 @@ def test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones(ranks
         assert (checks["reducer"], result["prefetch"]["reducer_sync"]) == (
             "AsyncReduceScatter", "GlooReduceScatterBucketer"
         )
-        assert checks["served"] == (SERVED[mode], 0), f"rank {rank}: {checks['served']}"
+        served = (checks["seen"]["served"], result["prefetch"]["served_sync"])
+        assert served == (SERVED[mode], 0), f"rank {rank}: {served}"
+        assert not checks["seen"]["pending_after_no_grad_forward"], "a forward without gradients left a unit gathered"
         overlapped, synchronous = checks["parameters"]
         assert overlapped.keys() == synchronous.keys()
         for name in overlapped:
@@ -535,20 +565,29 @@ def test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones(ranks
                 assert difference <= 1e-7, f"rank {rank}: {name} differs by {difference}"
 
 
-@pytest.mark.parametrize("mode", prefetch.BACKWARD_MODES)
-def test_at_most_two_units_hold_full_parameters_while_prefetching(ranks: list[Any], mode: Any) -> None:
+@pytest.mark.parametrize(("mode", "in_backward"), [("BACKWARD_POST", 1), ("BACKWARD_PRE", 2), (None, 1)])
+def test_at_most_two_units_hold_full_parameters_while_prefetching(
+    ranks: list[Any], mode: Any, in_backward: int
+) -> None:
+    """Two in a forward (the one computing, the one arriving); in the backward, two only with BACKWARD_PRE."""
     for rank, result in enumerate(ranks):
-        holding = result["prefetch"]["modes"][mode]["holding"]
-        assert max(holding) == 2, f"rank {rank}: units holding full parameters at each gathering: {holding}"
+        seen = result["prefetch"]["modes"][mode]["seen"]
+        assert max(seen["holding"]) == 2, f"rank {rank}: units holding full parameters: {seen['holding']}"
+        assert max(seen["holding_backward"]) == in_backward, f"rank {rank}: {seen['holding_backward']}"
 
 
 def test_only_the_pre_mode_computes_a_backward_while_a_gradient_is_reduced(ranks: list[Any]) -> None:
-    """The memory of the post mode (the default) is the synchronous backward's: no gradient is in flight when a
-    unit's backward computes (the pre mode overlaps one; without prefetch each is waited for at once)."""
+    """The memory of BACKWARD_POST (the default) is the synchronous backward's: no gradient is in flight when a
+    layer's backward computes, be it a block's or the root's first layer (whose unit keeps its full parameters), also
+    under SHARD_GRAD_OP (every unit keeps them); BACKWARD_PRE overlaps one; without prefetch each is waited for at
+    once."""
     for rank, result in enumerate(ranks):
-        reducing = {mode: result["prefetch"]["modes"][mode]["reducing"] for mode in prefetch.BACKWARD_MODES}
-        assert max(reducing["post"]) == max(reducing[None]) == 0, f"rank {rank}: {reducing}"
-        assert max(reducing["pre"]) == 1, f"rank {rank}: {reducing}"
+        reducing = {mode: result["prefetch"]["modes"][mode]["seen"]["reducing"] for mode in prefetch.BACKWARD_MODES}
+        assert len(reducing["BACKWARD_POST"]) == 3 * 6, "every block's and the first layer's backward, each step"
+        assert max(reducing["BACKWARD_POST"]) == max(reducing[None]) == 0, f"rank {rank}: {reducing}"
+        assert max(reducing["BACKWARD_PRE"]) == 1, f"rank {rank}: {reducing}"
+        zero2 = result["prefetch"]["zero2_reducing"]
+        assert len(zero2) == 3 * 6 and max(zero2) == 0, f"rank {rank}: SHARD_GRAD_OP: {zero2}"
 
 
 def test_async_reducer_reduces_like_plain_reduce_scatters_one_at_a_time(ranks: list[Any]) -> None:

@@ -34,6 +34,7 @@ from lightning_fairscale.fsdp.activation_checkpointing import checkpointing_laye
 from lightning_fairscale.fsdp.hybrid import mesh_request, sharding_name
 from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy, auto_wrap_policy, validate_auto_wrap_policy
+from lightning_fairscale.fsdp.prefetch import BACKWARD_MODES
 from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dtype
 
 __all__ = [
@@ -65,11 +66,11 @@ _FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {
 #: Arguments of Lightning's ``FSDPStrategy`` (for torch's FSDP) that FairScale has no equivalent of, and what to do.
 _TORCH_FSDP_ARGUMENTS = {
     "limit_all_gathers": (
-        "on CPU at most one unit is gathered ahead, and on CUDA FairScale's streams pace the all-gathers: remove it"
+        "FairScale has no all-gather rate limiter (on CPU our units gather at most one unit ahead): remove it"
     ),
     "forward_prefetch": (
-        "on CPU the forward always gathers the next unit ahead, and on CUDA FairScale's streams overlap the"
-        " all-gathers: remove it (`backward_prefetch` chooses the backward's)"
+        "on CPU the forward gathers the next unit ahead (units in the parameters' dtype), and on CUDA FairScale's"
+        " streams overlap the all-gathers: remove it (`backward_prefetch` chooses the backward's)"
     ),
     "sync_module_states": (
         "FairScale does not broadcast rank 0's weights: seed every rank alike (`seed_everything`) or load a"
@@ -224,13 +225,9 @@ def fsdp_kwargs(
     if groups.replica is not None:  # taken by our FSDP class: gradient shards are all-reduced over it
         kwargs["replica_group"] = groups.replica
     # Taken by our FSDP class: when a root on CPU gathers ahead in the backward (workaround 16).
-    kwargs["backward_prefetch"] = _PREFETCH_MODES[config.backward_prefetch]
+    kwargs["backward_prefetch"] = config.backward_prefetch
     kwargs.update(config.fairscale_kwargs)
     return kwargs
-
-
-#: ``backward_prefetch`` names (torch's ``BackwardPrefetch``) and the modes of :mod:`lightning_fairscale.fsdp.prefetch`.
-_PREFETCH_MODES = {"BACKWARD_POST": "post", "BACKWARD_PRE": "pre", None: None}
 
 
 def backward_prefetch_name(value: Any) -> Optional[str]:
@@ -243,7 +240,7 @@ def backward_prefetch_name(value: Any) -> Optional[str]:
         ('BACKWARD_PRE', 'BACKWARD_POST')
     """
     name = getattr(value, "name", value)
-    if name is None or (isinstance(name, str) and name.upper() in _PREFETCH_MODES):
+    if name is None or (isinstance(name, str) and name.upper() in BACKWARD_MODES):
         return None if name is None else name.upper()
     raise ValueError(
         f"`backward_prefetch` must be torch's BackwardPrefetch.BACKWARD_POST (the default: the peak memory of the"

@@ -8,12 +8,16 @@ asynchronous collectives on threads of its own; two objects use them here, for t
 
 * :class:`Prefetcher` starts the all-gather of the unit that comes next as asynchronous gloo work, so that the next
   unit waits for it instead of gathering. In the forward, while the current unit computes. In the backward, as
-  torch's ``BackwardPrefetch`` says (:data:`BACKWARD_MODES`): ``"post"`` (the default) when the current unit's
-  gradient is done, alongside its reduce-scatter, both finished before the next unit computes, so that the backward's
-  peak is the synchronous one's; ``"pre"`` before the current unit's backward, overlapping it with the computation
-  at the cost of a unit's full parameters and a gradient in flight more; ``None``: synchronous. At most one unit is
-  prefetched at a time: a rank holds at most two units' full parameters (the one computing, the one arriving), plus
-  the root's.
+  the ``backward_prefetch`` mode says (:data:`BACKWARD_MODES`, torch's names): ``"BACKWARD_POST"`` (the default)
+  when the current unit's gradient is done, alongside its reduce-scatter, both finished before the next unit
+  computes, so that no gradient is in flight while a layer computes and the backward's peak is the synchronous
+  one's (unlike torch's ``BACKWARD_POST`` on GPUs, whose reduce-scatter overlaps the next unit's computation);
+  ``"BACKWARD_PRE"`` before the current unit's backward, overlapping it with the computation, and the reduce-scatter
+  in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
+  ``None``: the backward's collectives are synchronous. At most one unit is prefetched at a time: a rank holds at
+  most two units' full parameters (the one computing, the one arriving), plus the root's. Units that compute in
+  another dtype than their parameters' (mixed precision), keep their shards elsewhere, or share parameters are
+  gathered by FairScale, synchronously (:func:`can_prefetch`).
 * :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
   asynchronously, straight from the gradient (no bucket to copy it into), in pieces of :data:`PIECE_BYTES` (gloo
   copies a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small); at
@@ -49,9 +53,9 @@ __all__ = [
 #: and reduce-scatter buckets, as before; for comparisons, ``benchmarks/speed.py``).
 OVERLAP_ON_CPU = True
 
-#: When the backward gathers the next unit (torch's ``BackwardPrefetch`` names, lower case): ``"post"`` when the
-#: current unit's gradient is done, ``"pre"`` before its backward computes, ``None`` never.
-BACKWARD_MODES = ("post", "pre", None)
+#: When the backward gathers the next unit, by torch's ``BackwardPrefetch`` names: ``"BACKWARD_POST"`` when the current
+#: unit's gradient is done, ``"BACKWARD_PRE"`` before its backward computes, ``None`` never.
+BACKWARD_MODES = ("BACKWARD_POST", "BACKWARD_PRE", None)
 
 #: The bytes of each rank's piece of a reduce-scatter (gloo's own buffer holds one piece per thread at a time).
 PIECE_BYTES = 4 * 2**20
@@ -92,21 +96,23 @@ class Prefetcher:
     """Gathers the next unit's full parameters ahead (one per root, shared by its units).
 
     The units call :meth:`rebuild` instead of FairScale's ``_rebuild_full_params`` (forward and backward),
-    :meth:`gradient_done` after their post-backward hook, :meth:`settle` before they free their full parameters, and
-    the root calls :meth:`forward_started` / :meth:`forward_ended` around its forward and :meth:`pass_ended` at the end
-    of its backward: whatever was gathered ahead and not used by then (a forward that took another path) is dropped,
-    so that no gathered copy outlives a pass, in which the optimizer cannot have changed the shards.
+    :meth:`after_post_backward` after their post-backward hook, :meth:`settle` before they free their full
+    parameters; the root calls :meth:`forward_started` / :meth:`forward_ended` around its forward,
+    :meth:`backward_started` when its backward begins and :meth:`pass_ended` when it ends: whatever was gathered
+    ahead and not used by then (a forward that took another path) is dropped, so that no gathered copy outlives a
+    pass, in which the optimizer cannot have changed the shards.
 
     Args:
-        backward: when the backward gathers ahead, one of :data:`BACKWARD_MODES`.
-        reducer: the root's reducer; in the ``"post"`` mode its reductions are finished before a unit's backward.
+        reducer: the root's reducer, whose reductions the ``"BACKWARD_POST"`` mode finishes before a layer computes.
+        backward: when the backward gathers ahead, one of :data:`BACKWARD_MODES` (torch's ``BackwardPrefetch``
+            names).
     """
 
-    def __init__(self, backward: Optional[str] = "post", reducer: Optional["AsyncReduceScatter"] = None) -> None:
+    def __init__(self, reducer: "AsyncReduceScatter", backward: Optional[str] = "BACKWARD_POST") -> None:
         if backward not in BACKWARD_MODES:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, not {backward!r}")
-        self.backward = backward
         self.reducer = reducer
+        self.backward = backward
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
         self._recording: Optional[list[Any]] = None
@@ -118,18 +124,21 @@ class Prefetcher:
         self.pass_ended()
         self._recording = [] if not in_backward() else None
 
-    def forward_ended(self, backward_follows: bool = False) -> None:
-        """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice), and what
-        was gathered ahead and not used is dropped. When a backward follows (the forward succeeded with gradients
-        enabled) and the backward prefetches, the backward's first unit (the forward's last) starts gathering: it
-        arrives while the loss and the root's last layers compute their gradients."""
+    def forward_ended(self) -> None:
+        """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice); what
+        was gathered ahead and not used is dropped."""
         if self._recording is not None:
             recorded = self._recording
             unique = len({id(u) for u in recorded}) == len(recorded)
             self.order = recorded if unique else []
             self._recording = None
         self.pass_ended()
-        if backward_follows and self.backward is not None and self.order and not in_backward():
+
+    def backward_started(self) -> None:
+        """The root's backward begins: in the ``"BACKWARD_PRE"`` mode the backward's first unit (the forward's last)
+        starts gathering while the root's last layers compute their gradients. (Not in the ``"BACKWARD_POST"``
+        mode: the synchronous backward holds no unit's full parameters there.)"""
+        if self.backward == "BACKWARD_PRE" and self.order:
             self._start(self.order[-1])
 
     def pass_ended(self) -> None:
@@ -153,46 +162,58 @@ class Prefetcher:
 
     def rebuild(self, unit: Any, rebuild: Callable[[], Any]) -> Any:
         """FairScale's ``rebuild()`` of ``unit``'s full parameters, from its prefetched all-gathers if there are
-        any; then, in the forward (and in the backward's ``"pre"`` mode), the next unit's all-gathers start."""
+        any; then, in the forward (and in the backward's ``"BACKWARD_PRE"`` mode), the next unit's all-gathers
+        start."""
         backward = in_backward()
         if self._recording is not None and not backward:
             self._recording.append(unit)
-        if backward and self.backward == "post" and self.reducer is not None:
-            # The gradients reduced while this unit was gathered are freed before its backward computes: the
-            # backward's peak stays the synchronous one's.
+        if backward and self.backward == "BACKWARD_POST":
+            # The gradient reduced while this unit was gathered is freed before the unit computes.
             self.reducer.flush()
         self.settle(unit)
         result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
-        if not backward or self.backward == "pre":
+        if not backward or self.backward == "BACKWARD_PRE":
             self._start_next(unit, backward)
         return result
 
-    def gradient_done(self, unit: Any) -> None:
-        """``unit``'s post-backward hook has run for a parameter: in the ``"post"`` mode, once the unit holds no full
-        parameters any more, the unit before it starts gathering (alongside the unit's reduce-scatter)."""
-        if self.backward != "post" or not in_backward():
+    def after_post_backward(self, unit: Any) -> None:
+        """``unit``'s post-backward hook has run for one of its parameters (and started its reduce-scatter). In the
+        ``"BACKWARD_POST"`` mode, once the unit holds no full parameters, the unit before it starts gathering,
+        alongside the reduce-scatter; both are waited for before that unit computes (:meth:`rebuild`). When nothing
+        starts (that unit keeps its full parameters, as the root and the units of ``SHARD_GRAD_OP`` do; or it
+        cannot be gathered ahead; or a parameter of this unit still computes), the reduction is waited for now:
+        no gradient is in flight while a layer computes, as in the synchronous backward. (A unit whose parameters are
+        all frozen has no post-backward hook: the unit before it is gathered by FairScale, synchronously.)"""
+        if self.backward != "BACKWARD_POST" or not in_backward():
             return
-        if any(_holds_storage(p._full_param_padded) for p in unit.params if hasattr(p, "_full_param_padded")):
-            return  # a unit of several parameters: others still compute
-        self._start_next(unit, backward=True)
+        if not (_still_gathered(unit) or self._start_next(unit, backward=True)):
+            self.reducer.flush()
 
-    def _start_next(self, unit: Any, backward: bool) -> None:
-        """Start gathering the unit after ``unit`` in the last forward's order (before it, in a backward)."""
+    def _start_next(self, unit: Any, backward: bool) -> bool:
+        """Start gathering the unit after ``unit`` in the last forward's order (before it, in a backward); whether
+        it started."""
         if unit not in self.order:
-            return
+            return False
         index = self.order.index(unit) + (-1 if backward else 1)
-        if 0 <= index < len(self.order):
-            self._start(self.order[index])
+        return 0 <= index < len(self.order) and self._start(self.order[index])
 
-    def _start(self, unit: Any) -> None:
-        if self._pending is not None or unit.has_full_params or not can_prefetch(unit):
-            return  # one unit in flight at most; nothing to gather for a unit that holds its full parameters
+    def _start(self, unit: Any) -> bool:
+        if self._pending is not None or unit.has_full_params or not can_prefetch(unit) or _still_gathered(unit):
+            # One unit in flight at most; nothing to gather for a unit that holds (some of) its full parameters:
+            # FairScale's own rebuild completes a partly freed one.
+            return False
         works = []
         for param in unit.params:
             full = param._full_param_padded
             _alloc_storage(full)
             works.append(dist.all_gather_into_tensor(full, param._fp32_shard, group=unit.process_group, async_op=True))
         self._pending = (unit, works)
+        return True
+
+
+def _still_gathered(unit: Any) -> bool:
+    """Whether any of ``unit``'s full parameters still has its storage."""
+    return any(_holds_storage(p._full_param_padded) for p in unit.params if hasattr(p, "_full_param_padded"))
 
 
 class AsyncReduceScatter:

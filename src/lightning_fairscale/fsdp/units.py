@@ -207,7 +207,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         *args: Any,
         param_init_fn: Optional[ParamInitFn] = None,
         replica_group: Any = None,
-        backward_prefetch: Optional[str] = "post",
+        backward_prefetch: Optional[str] = "BACKWARD_POST",
         **kwargs: Any,
     ):
         if not has_meta_tensors(module):
@@ -223,7 +223,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 self._build(module, *args, **kwargs)
         #: Hybrid sharding (workaround 14): the ranks holding the same shard in the other replicas, or ``None``.
         self.replica_group = replica_group
-        #: When a root's backward on CPU gathers the next unit ahead (workaround 16; ``prefetch.BACKWARD_MODES``).
+        #: When a root's backward on CPU gathers the next unit ahead (workaround 16): ``"BACKWARD_POST"``,
+        #: ``"BACKWARD_PRE"`` or ``None`` (``prefetch.BACKWARD_MODES``).
         self.backward_prefetch = backward_prefetch
 
     def _build(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -266,12 +267,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             return super().forward(*args, **kwargs)
         self._prefetcher.forward_started()  # workaround 16
         try:
-            output = super().forward(*args, **kwargs)
-        except BaseException:
-            self._prefetcher.forward_ended()  # starts nothing: another rank may not be at this point
-            raise
-        self._prefetcher.forward_ended(backward_follows=torch.is_grad_enabled())
-        return output
+            return super().forward(*args, **kwargs)
+        finally:
+            self._prefetcher.forward_ended()
 
     def _setup_streams(self) -> None:
         if len(self._streams) > 0 or not self._is_root:
@@ -289,7 +287,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         prefetcher = None
         if overlaps:
             reducer = prefetch.AsyncReduceScatter(max_in_flight=0 if self.backward_prefetch is None else 1)
-            prefetcher = prefetch.Prefetcher(self.backward_prefetch, reducer)
+            prefetcher = prefetch.Prefetcher(reducer, self.backward_prefetch)
         self._reducer = reducer
         for module in fsdp_instances(self):
             module._streams = self._streams
@@ -308,10 +306,15 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
         super()._free_full_params(params)
 
+    def _queue_wait_for_post_backward(self) -> None:
+        super()._queue_wait_for_post_backward()  # the root's backward begins
+        if self._prefetcher is not None:
+            self._prefetcher.backward_started()  # workaround 16
+
     def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
         super()._post_backward_hook(param, *unused)
         if self._prefetcher is not None:
-            self._prefetcher.gradient_done(self)  # workaround 16
+            self._prefetcher.after_post_backward(self)  # workaround 16
 
     def _prep_grads_for_backward(self) -> None:
         for param in self.params:  # workaround 12
