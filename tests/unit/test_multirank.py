@@ -177,7 +177,8 @@ class _Overlap:
     holding: list[int] = dataclasses.field(default_factory=list)
     holding_backward: list[int] = dataclasses.field(default_factory=list)
     served: int = 0
-    reducing: list[int] = dataclasses.field(default_factory=list)
+    #: (reductions, bytes of gradients) in flight.
+    reducing: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     pending_after_no_grad_forward: bool = False
 
 
@@ -205,7 +206,7 @@ def _train_deep(
 
     def count_reductions(*unused: Any) -> None:
         if isinstance(root._reducer, prefetch.AsyncReduceScatter):
-            seen.reducing.append(len(root._reducer._in_flight))
+            seen.reducing.append((len(root._reducer._in_flight), root._reducer.bytes_in_flight))
 
     # Every block, and the root's first layer (which computes last, after the root's own reduce-scatter started).
     hooks = [m.register_full_backward_pre_hook(count_reductions) for m in model.modules() if isinstance(m, Block)]
@@ -242,8 +243,11 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
             "seen": dataclasses.asdict(seen),
             "parameters": (parameters_of(unwrap_module(overlapped)), reference),
         }
-    _, zero2 = _train_deep(rank, world_size, overlap=True, reshard_after_forward=False)
-    out["zero2_reducing"] = zero2.reducing
+    # Without a bucket's worth of budget, and under SHARD_GRAD_OP (units keep their full parameters).
+    out["no_budget_reducing"] = _train_deep(rank, world_size, overlap=True, bucket_cap_mb=0)[1].reducing
+    out["zero2_reducing"] = _train_deep(rank, world_size, overlap=True, reshard_after_forward=False, bucket_cap_mb=0)[
+        1
+    ].reducing
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
     g = torch.Generator().manual_seed(200 + rank)
     inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
@@ -576,18 +580,22 @@ def test_at_most_two_units_hold_full_parameters_while_prefetching(
         assert max(seen["holding_backward"]) == in_backward, f"rank {rank}: {seen['holding_backward']}"
 
 
-def test_only_the_pre_mode_computes_a_backward_while_a_gradient_is_reduced(ranks: list[Any]) -> None:
-    """The memory of BACKWARD_POST (the default) is the synchronous backward's: no gradient is in flight when a
-    layer's backward computes, be it a block's or the root's first layer (whose unit keeps its full parameters), also
-    under SHARD_GRAD_OP (every unit keeps them); BACKWARD_PRE overlaps one; without prefetch each is waited for at
-    once."""
+def test_the_post_mode_computes_a_backward_beside_no_more_gradients_than_the_bucket_holds(ranks: list[Any]) -> None:
+    """The memory of BACKWARD_POST (the default) is the synchronous backward's: while a layer's backward computes,
+    be it a block's or the root's first layer (whose unit keeps its full parameters), also under SHARD_GRAD_OP (every
+    unit keeps them), the gradients in flight fit in the reduce-scatter bucket the synchronous path would hold
+    (``bucket_cap_mb``: 1 MiB in these tests, none at 0); BACKWARD_PRE overlaps one reduction whatever its size;
+    without prefetch each is waited for at once."""
     for rank, result in enumerate(ranks):
-        reducing = {mode: result["prefetch"]["modes"][mode]["seen"]["reducing"] for mode in prefetch.BACKWARD_MODES}
-        assert len(reducing["BACKWARD_POST"]) == 3 * 6, "every block's and the first layer's backward, each step"
-        assert max(reducing["BACKWARD_POST"]) == max(reducing[None]) == 0, f"rank {rank}: {reducing}"
-        assert max(reducing["BACKWARD_PRE"]) == 1, f"rank {rank}: {reducing}"
-        zero2 = result["prefetch"]["zero2_reducing"]
-        assert len(zero2) == 3 * 6 and max(zero2) == 0, f"rank {rank}: SHARD_GRAD_OP: {zero2}"
+        checks = result["prefetch"]
+        reducing = {mode: checks["modes"][mode]["seen"]["reducing"] for mode in prefetch.BACKWARD_MODES}
+        post, pre, none = reducing["BACKWARD_POST"], reducing["BACKWARD_PRE"], reducing[None]
+        assert len(post) == 3 * 6, "every block's and the first layer's backward, each step"
+        assert max(b for _, b in post) <= 2**20 and max(n for n, _ in post) >= 1, f"rank {rank}: {post}"
+        assert max(n for n, _ in none) == 0 and max(n for n, _ in pre) == 1, f"rank {rank}: {reducing}"
+        for name in ("no_budget_reducing", "zero2_reducing"):
+            counts = [n for n, _ in checks[name]]
+            assert len(counts) == 3 * 6 and max(counts) == 0, f"rank {rank}: {name}: {checks[name]}"
 
 
 def test_async_reducer_reduces_like_plain_reduce_scatters_one_at_a_time(ranks: list[Any]) -> None:

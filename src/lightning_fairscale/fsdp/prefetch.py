@@ -10,8 +10,9 @@ asynchronous collectives on threads of its own; two objects use them here, for t
   unit waits for it instead of gathering. In the forward, while the current unit computes. In the backward, as
   the ``backward_prefetch`` mode says (:data:`BACKWARD_MODES`, torch's names): ``"BACKWARD_POST"`` (the default)
   when the current unit's gradient is done, alongside its reduce-scatter, both finished before the next unit
-  computes, so that no gradient is in flight while a layer computes and the backward's peak is the synchronous
-  one's (unlike torch's ``BACKWARD_POST`` on GPUs, whose reduce-scatter overlaps the next unit's computation);
+  computes (but gradients that fit the synchronous path's reduce-scatter bucket, ``bucket_cap_mb``, which go on),
+  so that the backward's peak is the synchronous one's (unlike torch's ``BACKWARD_POST`` on GPUs, whose
+  reduce-scatter overlaps the next unit's computation);
   ``"BACKWARD_PRE"`` before the current unit's backward, overlapping it with the computation, and the reduce-scatter
   in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
   ``None``: the backward's collectives are synchronous. At most one unit is prefetched at a time: a rank holds at
@@ -168,8 +169,9 @@ class Prefetcher:
         if self._recording is not None and not backward:
             self._recording.append(unit)
         if backward and self.backward == "BACKWARD_POST":
-            # The gradient reduced while this unit was gathered is freed before the unit computes.
-            self.reducer.flush()
+            # The gradient reduced while this unit was gathered is freed before the unit computes (but what fits the
+            # synchronous path's bucket).
+            self.reducer.settle()
         self.settle(unit)
         result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
         if not backward or self.backward == "BACKWARD_PRE":
@@ -181,13 +183,14 @@ class Prefetcher:
         ``"BACKWARD_POST"`` mode, once the unit holds no full parameters, the unit before it starts gathering,
         alongside the reduce-scatter; both are waited for before that unit computes (:meth:`rebuild`). When nothing
         starts (that unit keeps its full parameters, as the root and the units of ``SHARD_GRAD_OP`` do; or it
-        cannot be gathered ahead; or a parameter of this unit still computes), the reduction is waited for now:
-        no gradient is in flight while a layer computes, as in the synchronous backward. (A unit whose parameters are
+        cannot be gathered ahead; or a parameter of this unit still computes), the reduction is waited for now.
+        Either way, while a layer computes no more gradients are in flight than the reducer's ``budget_bytes``,
+        which the synchronous backward's bucket holds. (A unit whose parameters are
         all frozen has no post-backward hook: the unit before it is gathered by FairScale, synchronously.)"""
         if self.backward != "BACKWARD_POST" or not in_backward():
             return
         if not (_still_gathered(unit) or self._start_next(unit, backward=True)):
-            self.reducer.flush()
+            self.reducer.settle()
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering the unit after ``unit`` in the last forward's order (before it, in a backward); whether
@@ -220,12 +223,22 @@ class AsyncReduceScatter:
     """The reducer of a root's units on CPU (gloo), in place of FairScale's ``ReduceScatterBucketer``: the same
     interface (``reduce_scatter_async``, ``flush``, ``teardown``), each gradient reduce-scattered asynchronously, in
     pieces, as soon as it is computed, at most ``max_in_flight`` at a time (``0``: each is waited for at once);
-    callbacks run on this thread, in order, when their reduction is waited for (the next call beyond the limit, or
-    :meth:`flush`)."""
+    callbacks run on this thread, in order, when their reduction is waited for (the next call beyond the limit,
+    :meth:`settle` or :meth:`flush`).
 
-    def __init__(self, max_in_flight: int = 1) -> None:
+    Args:
+        max_in_flight: how many reductions may be in flight.
+        budget_bytes: how many bytes of gradients :meth:`settle` leaves in flight: the synchronous path's bucket
+            holds that much (FairScale's ``bucket_cap_mb``), so small gradients may go on reducing while the next
+            layers compute at no more memory than it.
+    """
+
+    def __init__(self, max_in_flight: int = 1, budget_bytes: int = 0) -> None:
         self.max_in_flight = max_in_flight
+        self.budget_bytes = budget_bytes
         self._in_flight: deque[tuple[list[Any], Tensor, list[Tensor], Optional[Callable[[Tensor], None]]]] = deque()
+        #: The bytes of the gradients in flight.
+        self.bytes_in_flight = 0
 
     def reduce_scatter_async(
         self, input_list: list[Tensor], group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
@@ -241,15 +254,22 @@ class AsyncReduceScatter:
         ]
         # The inputs stay referenced until their reduction is waited for: gloo reads them on its own threads.
         self._in_flight.append((works, output, input_list, callback_fn))
+        self.bytes_in_flight += _bytes(input_list)
         if self.max_in_flight == 0:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        works, output, _, callback_fn = self._in_flight.popleft()
+        works, output, input_list, callback_fn = self._in_flight.popleft()
         for work in works:
             work.wait()
+        self.bytes_in_flight -= _bytes(input_list)
         if callback_fn is not None:
             callback_fn(output)
+
+    def settle(self) -> None:
+        """Wait for the oldest reductions until at most ``budget_bytes`` of gradients are in flight."""
+        while self._in_flight and self.bytes_in_flight > self.budget_bytes:
+            self._complete_oldest()
 
     def flush(self) -> None:
         """Wait for every reduction started, and run their callbacks."""
@@ -259,6 +279,10 @@ class AsyncReduceScatter:
     def teardown(self) -> None:
         """Nothing is kept between backwards (FairScale's bucketer frees its buffers here)."""
         self.flush()
+
+
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def pieces(numel: int, element_size: int, piece_bytes: Optional[int] = None) -> list[slice]:

@@ -117,6 +117,7 @@ by the workarounds above that say "all devices".
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -286,7 +287,10 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         reducer: Any = bucketer(self.bucket_cap_mb)
         prefetcher = None
         if overlaps:
-            reducer = prefetch.AsyncReduceScatter(max_in_flight=0 if self.backward_prefetch is None else 1)
+            reducer = prefetch.AsyncReduceScatter(
+                max_in_flight={None: 0, "BACKWARD_PRE": 1}.get(self.backward_prefetch, sys.maxsize),
+                budget_bytes=max(0, int(self.bucket_cap_mb * 2**20)),  # what the bucket it replaces would hold
+            )
             prefetcher = prefetch.Prefetcher(reducer, self.backward_prefetch)
         self._reducer = reducer
         for module in fsdp_instances(self):
