@@ -243,6 +243,14 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
             "seen": dataclasses.asdict(seen),
             "parameters": (parameters_of(unwrap_module(overlapped)), reference),
         }
+    # Mixed precision (bf16 compute over fp32 shards): the cast shards are gathered ahead too.
+    mixed = {"mixed_precision": True, "compute_dtype": torch.bfloat16}
+    overlapped, seen = _train_deep(rank, world_size, overlap=True, **mixed)
+    synchronous, _ = _train_deep(rank, world_size, overlap=False, **mixed)
+    out["mixed"] = {
+        "served": seen.served,
+        "parameters": (parameters_of(unwrap_module(overlapped)), parameters_of(unwrap_module(synchronous))),
+    }
     # Without a bucket's worth of budget, and under SHARD_GRAD_OP (units keep their full parameters).
     out["no_budget_reducing"] = _train_deep(rank, world_size, overlap=True, bucket_cap_mb=0)[1].reducing
     out["zero2_reducing"] = _train_deep(rank, world_size, overlap=True, reshard_after_forward=False, bucket_cap_mb=0)[
@@ -578,6 +586,17 @@ def test_at_most_two_units_hold_full_parameters_while_prefetching(
         seen = result["prefetch"]["modes"][mode]["seen"]
         assert max(seen["holding"]) == 2, f"rank {rank}: units holding full parameters: {seen['holding']}"
         assert max(seen["holding_backward"]) == in_backward, f"rank {rank}: {seen['holding_backward']}"
+
+
+def test_mixed_precision_units_are_gathered_ahead_and_train_as_synchronous_ones(ranks: list[Any]) -> None:
+    for rank, result in enumerate(ranks):
+        mixed = result["prefetch"]["mixed"]
+        assert mixed["served"] == SERVED["BACKWARD_POST"], f"rank {rank}: {mixed['served']}"
+        overlapped, synchronous = mixed["parameters"]
+        assert overlapped.keys() == synchronous.keys()
+        for name in overlapped:
+            if len(ranks) == 2:  # three ranks: bf16 sums of three terms in a buffer-dependent order
+                assert torch.equal(overlapped[name], synchronous[name]), f"rank {rank}: {name} differs"
 
 
 def test_the_post_mode_computes_a_backward_beside_no_more_gradients_than_the_bucket_holds(ranks: list[Any]) -> None:

@@ -69,8 +69,8 @@ _TORCH_FSDP_ARGUMENTS = {
         "FairScale has no all-gather rate limiter (on CPU our units gather at most one unit ahead): remove it"
     ),
     "forward_prefetch": (
-        "on CPU the forward gathers the next unit ahead (units in the parameters' dtype), and on CUDA FairScale's"
-        " streams overlap the all-gathers: remove it (`backward_prefetch` chooses the backward's)"
+        "on CPU the forward gathers the next unit ahead, and on CUDA FairScale's streams overlap the all-gathers:"
+        " remove it (`backward_prefetch` chooses the backward's)"
     ),
     "sync_module_states": (
         "FairScale does not broadcast rank 0's weights: seed every rank alike (`seed_everything`) or load a"

@@ -16,9 +16,8 @@ asynchronous collectives on threads of its own; two objects use them here, for t
   ``"BACKWARD_PRE"`` before the current unit's backward, overlapping it with the computation, and the reduce-scatter
   in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
   ``None``: the backward's collectives are synchronous. At most one unit is prefetched at a time: a rank holds at
-  most two units' full parameters (the one computing, the one arriving), plus the root's. Units that compute in
-  another dtype than their parameters' (mixed precision), keep their shards elsewhere, or share parameters are
-  gathered by FairScale, synchronously (:func:`can_prefetch`).
+  most two units' full parameters (the one computing, the one arriving), plus the root's. Units that keep their
+  shards elsewhere or share parameters are gathered by FairScale, synchronously (:func:`can_prefetch`).
 * :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
   asynchronously, straight from the gradient (no bucket to copy it into), in pieces of :data:`PIECE_BYTES` (gloo
   copies a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small); at
@@ -78,10 +77,11 @@ def _alloc_storage(tensor: Tensor) -> None:
 
 
 def can_prefetch(unit: Any) -> bool:
-    """Whether ``unit``'s full parameters can be gathered ahead: a unit that computes on CPU in its parameters'
-    dtype, over gloo, whose parameters are all sharded and its own (what FairScale's ``_rebuild_full_params`` then
-    does is one all-gather per parameter into ``_full_param_padded``, which this module does asynchronously)."""
-    if unit.compute_device.type != "cpu" or unit.mixed_precision or unit.move_params_to_cpu:
+    """Whether ``unit``'s full parameters can be gathered ahead: a unit that computes on CPU over gloo, whose
+    parameters are all sharded and its own (what FairScale's ``_rebuild_full_params`` then does is one all-gather per
+    parameter into ``_full_param_padded``, of the shard cast to the compute dtype under mixed precision, which this
+    module does asynchronously)."""
+    if unit.compute_device.type != "cpu" or unit.move_params_to_cpu:
         return False
     if unit._has_shared_params or not unit.params:
         return False
@@ -117,8 +117,8 @@ class Prefetcher:
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
         self._recording: Optional[list[Any]] = None
-        #: The unit gathered ahead, and its all-gathers' handles.
-        self._pending: Optional[tuple[Any, list[Any]]] = None
+        #: The unit gathered ahead, its all-gathers' handles, and the shards they read (in the compute dtype).
+        self._pending: Optional[tuple[Any, list[Any], list[Tensor]]] = None
 
     def forward_started(self) -> None:
         """The root's forward begins (not a recomputation inside a backward): record the order of the units."""
@@ -145,7 +145,7 @@ class Prefetcher:
     def pass_ended(self) -> None:
         """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""
         if self._pending is not None:
-            unit, _ = self._pending
+            unit = self._pending[0]
             self.settle(unit)
             unit._free_full_params()
 
@@ -154,7 +154,7 @@ class Prefetcher:
         whether there were any."""
         if self._pending is None or self._pending[0] is not unit:
             return False
-        _, works = self._pending
+        works = self._pending[1]
         self._pending = None
         for work in works:
             work.wait()
@@ -205,12 +205,14 @@ class Prefetcher:
             # One unit in flight at most; nothing to gather for a unit that holds (some of) its full parameters:
             # FairScale's own rebuild completes a partly freed one.
             return False
-        works = []
+        works, sources = [], []
         for param in unit.params:
             full = param._full_param_padded
             _alloc_storage(full)
-            works.append(dist.all_gather_into_tensor(full, param._fp32_shard, group=unit.process_group, async_op=True))
-        self._pending = (unit, works)
+            # Under mixed precision the full parameters are in the compute dtype: FairScale gathers the cast shard.
+            sources.append(param._fp32_shard.to(full.dtype))
+            works.append(dist.all_gather_into_tensor(full, sources[-1], group=unit.process_group, async_op=True))
+        self._pending = (unit, works, sources)
         return True
 
 

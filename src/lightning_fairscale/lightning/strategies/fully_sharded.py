@@ -133,9 +133,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
             ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
             alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
             current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
-            ``None``: no prefetch in the backward. The forward on CPU gathers the next unit ahead (units that
-            compute in their parameters' dtype). On CUDA, FairScale's streams overlap the collectives and this is
-            not used.
+            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
+            FairScale's streams overlap the collectives and this is not used.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     The arguments other than Lightning's are checked once, here, and kept in :attr:`config` (a frozen
