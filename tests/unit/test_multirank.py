@@ -233,8 +233,9 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     ``SHARD_GRAD_OP`` (units keep their full parameters from forward to backward), against the synchronous ones; and
     the async reducer."""
     synchronous, seen_sync = _train_deep(rank, world_size, overlap=False)
-    out: dict[str, Any] = {"reducer_sync": type(synchronous._reducer).__name__, "modes": {}, "served_sync": 0}
-    out["served_sync"] = seen_sync.served
+    out: dict[str, Any] = {
+        "reducer_sync": type(synchronous._reducer).__name__, "modes": {}, "served_sync": seen_sync.served
+    }
     reference = parameters_of(unwrap_module(synchronous))
     for mode in prefetch.BACKWARD_MODES:
         overlapped, seen = _train_deep(rank, world_size, overlap=True, backward_prefetch=mode)

@@ -31,6 +31,7 @@ previous forward), as gloo requires. The CUDA path does not use them.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -46,6 +47,7 @@ __all__ = [
     "Prefetcher",
     "can_prefetch",
     "in_backward",
+    "overlap",
     "pieces",
 ]
 
@@ -72,7 +74,7 @@ def _holds_storage(tensor: Tensor) -> bool:
 
 def _alloc_storage(tensor: Tensor) -> None:
     """Give ``tensor`` (whose storage FairScale resized to 0) its full storage back."""
-    if tensor.untyped_storage().size() == 0:
+    if not _holds_storage(tensor):
         tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
 
@@ -91,6 +93,16 @@ def can_prefetch(unit: Any) -> bool:
     except (RuntimeError, ValueError, AttributeError):
         return False
     return all(getattr(p, "_is_sharded", False) and hasattr(p, "_full_param_padded") for p in unit.params)
+
+
+def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple["AsyncReduceScatter", "Prefetcher"]:
+    """The reducer and the prefetcher of a root on CPU (gloo) for its ``backward_prefetch`` mode
+    (:data:`BACKWARD_MODES`): without prefetch in the backward each reduction is waited for at once,
+    ``"BACKWARD_PRE"`` keeps one in flight, ``"BACKWARD_POST"`` as many as its prefetcher lets go on (within the
+    ``bucket_cap_mb`` bucket the reducer replaces: see :meth:`Prefetcher.after_post_backward`)."""
+    max_in_flight = {None: 0, "BACKWARD_PRE": 1}.get(backward_prefetch, sys.maxsize)
+    reducer = AsyncReduceScatter(max_in_flight, budget_bytes=max(0, int(bucket_cap_mb * 2**20)))
+    return reducer, Prefetcher(reducer, backward_prefetch)
 
 
 class Prefetcher:
@@ -187,7 +199,7 @@ class Prefetcher:
         Either way, while a layer computes no more gradients are in flight than the reducer's ``budget_bytes``,
         which the synchronous backward's bucket holds. (A unit whose parameters are
         all frozen has no post-backward hook: the unit before it is gathered by FairScale, synchronously.)"""
-        if self.backward != "BACKWARD_POST" or not in_backward():
+        if self.backward != "BACKWARD_POST":
             return
         if not (_still_gathered(unit) or self._start_next(unit, backward=True)):
             self.reducer.settle()
@@ -221,6 +233,9 @@ def _still_gathered(unit: Any) -> bool:
     return any(_holds_storage(p._full_param_padded) for p in unit.params if hasattr(p, "_full_param_padded"))
 
 
+_Reduction = tuple[list[Any], Tensor, list[Tensor], int, Optional[Callable[[Tensor], None]]]
+
+
 class AsyncReduceScatter:
     """The reducer of a root's units on CPU (gloo), in place of FairScale's ``ReduceScatterBucketer``: the same
     interface (``reduce_scatter_async``, ``flush``, ``teardown``), each gradient reduce-scattered asynchronously, in
@@ -238,7 +253,8 @@ class AsyncReduceScatter:
     def __init__(self, max_in_flight: int = 1, budget_bytes: int = 0) -> None:
         self.max_in_flight = max_in_flight
         self.budget_bytes = budget_bytes
-        self._in_flight: deque[tuple[list[Any], Tensor, list[Tensor], Optional[Callable[[Tensor], None]]]] = deque()
+        #: Each reduction in flight: its pieces' handles, its output, its inputs (and their bytes), its callback.
+        self._in_flight: deque[_Reduction] = deque()
         #: The bytes of the gradients in flight.
         self.bytes_in_flight = 0
 
@@ -255,16 +271,17 @@ class AsyncReduceScatter:
             for piece in pieces(output.numel(), output.element_size())
         ]
         # The inputs stay referenced until their reduction is waited for: gloo reads them on its own threads.
-        self._in_flight.append((works, output, input_list, callback_fn))
-        self.bytes_in_flight += _bytes(input_list)
+        size = sum(chunk.numel() * chunk.element_size() for chunk in input_list)
+        self._in_flight.append((works, output, input_list, size, callback_fn))
+        self.bytes_in_flight += size
         if self.max_in_flight == 0:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        works, output, input_list, callback_fn = self._in_flight.popleft()
+        works, output, _, size, callback_fn = self._in_flight.popleft()
         for work in works:
             work.wait()
-        self.bytes_in_flight -= _bytes(input_list)
+        self.bytes_in_flight -= size
         if callback_fn is not None:
             callback_fn(output)
 
@@ -281,10 +298,6 @@ class AsyncReduceScatter:
     def teardown(self) -> None:
         """Nothing is kept between backwards (FairScale's bucketer frees its buffers here)."""
         self.flush()
-
-
-def _bytes(tensors: list[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def pieces(numel: int, element_size: int, piece_bytes: Optional[int] = None) -> list[slice]:

@@ -117,7 +117,6 @@ by the workarounds above that say "all devices".
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -287,11 +286,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         reducer: Any = bucketer(self.bucket_cap_mb)
         prefetcher = None
         if overlaps:
-            reducer = prefetch.AsyncReduceScatter(
-                max_in_flight={None: 0, "BACKWARD_PRE": 1}.get(self.backward_prefetch, sys.maxsize),
-                budget_bytes=max(0, int(self.bucket_cap_mb * 2**20)),  # what the bucket it replaces would hold
-            )
-            prefetcher = prefetch.Prefetcher(reducer, self.backward_prefetch)
+            reducer, prefetcher = prefetch.overlap(self.backward_prefetch, self.bucket_cap_mb)
         self._reducer = reducer
         for module in fsdp_instances(self):
             module._streams = self._streams
