@@ -197,6 +197,7 @@ def run_jobs(
     script: Path | None = None,
     nodes: int = 1,
     launcher: str = "env",
+    killed: Optional[str] = None,
 ) -> Jobs:
     """Run ``scenarios/train.py`` (or ``script``) once for every job (name -> its ``Scenario``, or the
     ``FabricScenario`` of ``fabric_train.py``), one after another in one launch.
@@ -205,19 +206,29 @@ def run_jobs(
     on every rank; the others must succeed. See ``scenarios/jobs.py``; a ``FabricScenario`` job runs Fabric's loop in
     the same processes. With ``nodes`` the processes are that many simulated nodes of ``devices`` processes each,
     started by ``launcher`` (see :func:`run_script`).
+
+    ``killed``: the last job, in which a process is killed (its ``kill``), so that it needs no launch of its own:
+    the launch may fail there, after every other job did what it should (the killed job's test checks how it ended).
     """
     folder.mkdir(parents=True, exist_ok=True)
     devices = {config.devices for config in jobs.values()}  # type: ignore[attr-defined]
     assert len(devices) == 1, f"one launch trains on one number of processes, not {devices}"
     assert set(failing) <= set(jobs), set(failing) - set(jobs)
+    assert killed is None or killed == list(jobs)[-1], f"the killed job {killed!r} ends the launch: put it last"
     spec = [job_spec(name, config, str(folder / f"{name}.pt"), name in failing) for name, config in jobs.items()]
     path = folder / "jobs.json"
     path.write_text(json.dumps(spec))
     (ranks,) = devices
     proc = run_script(
         [str(script or TRAIN_SCRIPT), "--jobs", str(path)], cwd=folder, package=package, ranks=ranks * nodes,
-        nodes=nodes, launcher=launcher,
+        nodes=nodes, launcher=launcher, expect_ok=killed is None,
     )
+    if killed is not None:  # not ended earlier: every other job left its result
+        unfinished = [name for name in jobs if name not in (*failing, killed) and not (folder / f"{name}.pt").exists()]
+        assert not unfinished, (
+            f"the launch ended before the killed job {killed!r} (exit code {proc.returncode}); jobs without a"
+            f" result: {unfinished}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return Jobs(folder, list(jobs), proc)
 
 

@@ -25,8 +25,9 @@ from scenarios.common import (
     max_difference,
     reference_training,
 )
-from scenarios.config import FabricScenario, Scenario
+from scenarios.config import FabricScenario, Kill, Scenario
 
+import lightning_fairscale
 import lightning_fairscale.fabric as ours
 import lightning_fairscale.lightning.fabric as ours_unified
 from conftest import TESTS, Jobs, command, run_jobs, run_script
@@ -93,11 +94,16 @@ EMPTY_INIT = {  # name -> the scenario's fields
 RAW = {key: value * 0.5 for key, value in RegressionModelWrapper(build_network()).state_dict().items()}
 
 
+#: The job of :func:`runs` whose rank 0 is killed (SIGKILL) halfway through a save: the last of the launch.
+KILLED = "killed-save-ddp_sharded"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     """The loops on 2 processes, in one launch. ``fsdp``: FSDP (each Block a unit, activation checkpointing), 4 steps,
     checkpoints of step 2 in both formats, resumed in the same processes into models set up otherwise (optimizer made
-    after `setup_module`; made first, then set up separately). ``mixed-*``: 2 steps in a lower precision."""
+    after `setup_module`; made first, then set up separately). ``mixed-*``: 2 steps in a lower precision. The last
+    job's rank 0 is killed while it saves (:data:`KILLED`)."""
     folder = tmp_path_factory.mktemp("fabric")
     (folder / "ck").mkdir()
     torch.save(RAW, folder / "ck" / "raw.pt")
@@ -118,8 +124,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         **TRUE_HALF,
     }  # fmt: skip
     jobs["true-bf16"] = jobs["true-bf16"].replace(save_dir=str(folder / "ck-bf16"), resume_setup=("after", "separate"))
+    # Last, as it ends the launch: rank 0 dies halfway through writing the second last.ckpt.
+    jobs[KILLED] = FabricScenario(**LOOP, strategy="ddp_sharded", steps=2, save_last=True,
+                                  save_dir=str(folder / "ck-killed"), kill=Kill(2, rank=0))
     failing = [name for name in jobs if name.startswith("partial-strict")]
-    return run_jobs(folder, jobs, failing=failing, script=FABRIC_SCRIPT)
+    return run_jobs(folder, jobs, failing=failing, script=FABRIC_SCRIPT, killed=KILLED)
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +221,25 @@ def test_a_changed_model_loads_partially_with_strict_false(runs: Jobs, fsdp_run:
             assert "missing keys [extra.weight, extra.bias]" in message, error["traceback"][-3000:]
             assert "unexpected keys [net.1.norm.weight, net.1.norm.bias]" in message
             assert "pass `strict=False`" in message
+
+
+def test_a_sharded_ddp_save_killed_midway_keeps_the_previous_checkpoint(runs: Jobs) -> None:
+    """`Fabric(strategy="ddp_sharded")` saves last.ckpt after every step; rank 0 is SIGKILLed halfway through writing
+    the second: the first (step 1) stays whole at that path and loads.
+
+    The strategy's default CheckpointIO, ``ShardedCheckpointIO``, writes a hidden ``.last.ckpt.partial`` beside the
+    target, flushes it to disk and renames it into place. (Lightning's ``TorchCheckpointIO`` serializes into memory
+    first, which this kill does not reach: the launch would finish and the test fail.)
+    """
+    assert runs.proc.returncode != 0 and not (runs.folder / f"{KILLED}.pt").exists(), runs.output(KILLED)[-3000:]
+    folder = runs.folder / "ck-killed"
+    # Killed while writing the new file beside the target, which is untouched.
+    assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.partial", "last.ckpt"]
+    last = torch.load(folder / "last.ckpt", weights_only=True)
+    assert list(last) == ["model", "optimizer", "step"] and last["step"] == 1
+    assert max_difference(last["model"], reference(1)) < ATOL
+    assert {float(entry["step"]) for entry in last["optimizer"]["state"].values()} == {1.0}
+    assert len(last["optimizer"]["state"]) == len(list(build_network().parameters()))  # consolidated: every one
 
 
 def test_sharded_ddp_loads_partially_as_fabrics_ddp(runs: Jobs, fsdp_run: dict[str, Any]) -> None:
@@ -381,10 +409,14 @@ NAMES = {
 @pytest.mark.parametrize("package", ["lightning_fabric", "lightning"])
 @pytest.mark.parametrize("name", list(NAMES))
 def test_registry_names_reach_either_fabric(package: str, name: str) -> None:
-    packages = {"lightning_fabric": (lightning_fabric, ours), "lightning": (unified_fabric, ours_unified)}
-    fabric_module, classes = packages[package]
+    packages = {
+        "lightning_fabric": (lightning_fabric, ours, lightning_fairscale),
+        "lightning": (unified_fabric, ours_unified, lightning_fairscale.lightning),
+    }
+    fabric_module, classes, package_classes = packages[package]
     fabric = fabric_module.Fabric(accelerator="cpu", devices=2, strategy=name)
     assert type(fabric.strategy) is getattr(classes, NAMES[name])
+    assert type(fabric.strategy.checkpoint_io) is package_classes.ShardedCheckpointIO  # atomic saves by default
     assert fabric_module.strategies.STRATEGY_REGISTRY["fsdp"]["strategy"] is fabric_module.strategies.FSDPStrategy
 
 

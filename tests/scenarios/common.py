@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import errno
+import io
+import os
+import signal
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -345,3 +349,30 @@ def after_partial_load(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 Factory = Callable[..., LightningModule]
+
+
+def die_while_saving(nth: int, how: str = "kill") -> None:
+    """From now on, this process dies (SIGKILL) halfway through writing its ``nth`` checkpoint file with
+    ``torch.save``: half the file's bytes are written and flushed, then the process is killed, a crash no code can
+    clean up. With ``how="enospc"`` the write fails as on a full disk instead.
+
+    Only ``torch.save`` into a file counts: a CheckpointIO that serializes into memory first (Lightning's
+    ``TorchCheckpointIO``) is not interrupted, and the run goes on.
+    """
+    real_save, calls = torch.save, [0]
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(f, io.BytesIO):  # no file: tensors pickled for a collective (OSS's state consolidation)
+            return real_save(obj, f, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] < nth or not hasattr(f, "write"):
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[: buffer.tell() // 2])
+        f.flush()
+        if how == "enospc":  # what a full disk does to the writer
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save

@@ -10,6 +10,8 @@ writes the result file (torch.save) with:
 * with ``save_at=K, save_dir=D``: checkpoints of step K in ``D`` (``full.ckpt``, and ``sharded.ckpt`` for FSDP),
   and ``resumed``: for each, the final state dict of a fresh model and optimizer (set up as ``resume_setup`` says)
   that loaded it in this process and trained the remaining steps;
+* with ``save_last=True, save_dir=D``: ``D/last.ckpt`` saved after every step, each save replacing the last (with
+  ``kill``, a rank dies halfway through writing one: see ``common.die_while_saving``);
 * with ``load=PATH``: the loop starts from that checkpoint (Fabric's or the Trainer's) at step ``load_step``;
 * with ``partial_from=DIR`` (and nothing else): ``partial``, models whose code changed loaded from DIR's files.
 
@@ -41,6 +43,7 @@ from scenarios.common import (  # noqa: E402
     RegressionModelWrapper,
     build_network,
     dataset,
+    die_while_saving,
     make_optimizer,
     split_param_groups,
 )
@@ -125,7 +128,7 @@ def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first
             fabric.clip_gradients(model, optimizer, clip_val=config.clip_val)
         optimizer.step()
         optimizer.zero_grad()
-        if save is not None and step + 1 == config.save_at:
+        if save is not None and (step + 1 == config.save_at or config.save_last):
             save(step + 1)
     return norms
 
@@ -196,6 +199,8 @@ def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
             torch.save({"partial": partial, "strategy": type(fabric.strategy).__name__}, out)
         return
     model, optimizer = set_up(fabric, config.setup, config)
+    if config.kill is not None and fabric.global_rank == config.kill.rank:
+        die_while_saving(config.kill.nth, config.kill.how)
     result: dict[str, Any] = {
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__,
         "package": PACKAGE,
@@ -220,6 +225,9 @@ def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
 
     def save(step: int) -> None:
         state = {"model": model, "optimizer": optimizer, "step": step}
+        if config.save_last:
+            fabric.save(work / "last.ckpt", state)
+            return
         fabric.save(work / "full.ckpt", state)
         kind = getattr(fabric.strategy, "state_dict_type", None)
         if kind is not None:  # FSDP: the same strategy writes the sharded format too

@@ -14,14 +14,14 @@ returned. The tests run ``train.py --jobs FILE``: several scenarios one after an
 
 from __future__ import annotations
 
-import errno
 import functools
 import importlib
-import io
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,6 +44,7 @@ from scenarios.common import (  # noqa: E402
     ManualWrapModel,
     PartialModel,
     RegressionModel,
+    die_while_saving,
 )
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
@@ -53,6 +54,7 @@ from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, a
     FullyShardedMixedPrecisionPlugin,
     ModelCheckpoint,
     ModelPruning,
+    ModelSummary as PlainModelSummary,
     StochasticWeightAveraging,
     Trainer,
     seed_everything,
@@ -68,42 +70,50 @@ def layer_classes(names: Optional[list[str]]) -> Optional[set[type]]:
 
 class KillDuringSave(Callback):
     """Kills this process (SIGKILL) halfway through writing its n-th checkpoint file: a crash no code can clean up.
-    With ``how="enospc"`` the write fails as on a full disk instead."""
+    With ``how="enospc"`` the write fails as on a full disk instead (``scenarios.common.die_while_saving``)."""
 
     def __init__(self, nth: int, rank: int, how: str) -> None:
         self.nth, self.rank, self.how = nth, rank, how
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        if trainer.global_rank != self.rank:
-            return
-        real_save, calls = torch.save, [0]
-
-        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-            if isinstance(f, io.BytesIO):  # no file: tensors pickled for a collective (OSS's state consolidation)
-                return real_save(obj, f, *args, **kwargs)
-            calls[0] += 1
-            if calls[0] < self.nth or not hasattr(f, "write"):
-                return real_save(obj, f, *args, **kwargs)
-            buffer = io.BytesIO()
-            real_save(obj, buffer, *args, **kwargs)
-            f.write(buffer.getvalue()[: buffer.tell() // 2])
-            f.flush()
-            if self.how == "enospc":  # what a full disk does to the writer
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        torch.save = save
+        if trainer.global_rank == self.rank:
+            die_while_saving(self.nth, self.how)
 
 
 class LoseRank(Callback):
-    """Sends SIGKILL (a crash) or SIGSTOP (a hang) to this process at the start of a given training step."""
+    """Sends SIGKILL (a crash) or SIGSTOP (a hang) to this process at the start of a given training step, after
+    printing ``lost rank R at T`` (``T``: ``time.time()``), from which the test measures how quickly the run ends."""
 
     def __init__(self, rank: int, step: int, how: str) -> None:
         self.rank, self.step, self.signal = rank, step, getattr(signal, f"SIG{how}")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            print(f"lost rank {self.rank} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), self.signal)
+
+
+def start_together(strategy: Any, processes: int, out: str) -> None:
+    """Holds the ``processes`` ranks of this node before the rendezvous until all have got there (files
+    ``OUT.started-rankR``, ``R`` the local rank).
+
+    The strategy's ``timeout`` bounds the rendezvous too, not only the collectives. Rank 0 starts the other ranks
+    (Lightning's launcher) only when its own fit begins, so they reach the rendezvous a whole start-up (imports)
+    later: on a loaded machine that alone can outlast a short ``timeout``, and the run fails to connect before any
+    rank is lost. Started together, the ranks only wait for each other as long as connecting takes.
+    """
+    setup_distributed = strategy.setup_distributed
+
+    def together() -> None:
+        Path(f"{out}.started-rank{strategy.cluster_environment.local_rank()}").touch()
+        deadline = time.monotonic() + 600  # a guard against a rank that never starts; the test's own limit is lower
+        while time.monotonic() < deadline and not all(
+            Path(f"{out}.started-rank{rank}").exists() for rank in range(processes)
+        ):
+            time.sleep(0.1)
+        setup_distributed()
+
+    strategy.setup_distributed = together
 
 
 class RecordUnits(Callback):
@@ -229,7 +239,12 @@ class RecordTraining(Callback):
             if module.training:
                 self.block_linear_calls += 1
 
-        pl_module.net[1].up.register_forward_hook(probe)
+        # The Linear layer itself, inside its FSDP unit (a hook on the unit would run after the unit's forward,
+        # when the module holds its original parameters again, the shards).
+        layer = pl_module.net[1].up
+        while not isinstance(layer, torch.nn.Linear):
+            layer = layer.module
+        layer.register_forward_hook(probe)
 
     def on_before_backward(self, trainer: Trainer, pl_module: Any, loss: torch.Tensor) -> None:
         # Whether this micro-batch's backward reduce-scatters gradients (False inside FSDP's `no_sync`).
@@ -336,12 +351,15 @@ def main(config: Scenario, out: str) -> None:
     callbacks: list[Callback] = [recorder, training, counter, groups]
     summaries = RecordSummary()
     if config.model_summary:
-        callbacks.append(summaries)
+        # Lightning's plain ModelSummary, whose text the test reads (its default is RichModelSummary where `rich`
+        # is installed); the rich one's layout has a unit test.
+        callbacks += [summaries, PlainModelSummary(max_depth=1)]
     loaded = RecordLoaded()
     if config.record_loaded:
         callbacks.append(loaded)
     if config.lose is not None:
         callbacks.append(LoseRank(config.lose.rank, config.lose.step, config.lose.how))
+        start_together(strategy, config.devices, out)
     if config.callback:
         callbacks.append(
             StochasticWeightAveraging(swa_lrs=0.01) if config.callback == "swa" else ModelPruning("l1_unstructured")

@@ -203,14 +203,13 @@ def test_a_trainers_checkpoint_loads_by_position_and_returns_its_rest(fabric: Fa
         fabric.load(tmp_path / "trainer.ckpt", {**state, "second": second})
 
 
-def test_sharded_ddp_names_the_consolidation_for_a_sharded_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Sharded DDP has no sharded format: given the IO that recognises one, it says how to load it."""
+def test_sharded_ddp_names_the_consolidation_for_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """Sharded DDP has no sharded format: its IO (``ShardedCheckpointIO``, the default) recognises one, and it says
+    how to load it."""
     with contextlib.contextmanager(_launched)("fsdp") as fsdp:
         saved(fsdp, tmp_path / "sharded.ckpt", sharded=True)
-    monkeypatch.setitem(STRATEGIES, "ddp_sharded", lambda: DDPShardedStrategy(checkpoint_io=ShardedCheckpointIO()))
     with contextlib.contextmanager(_launched)("ddp_sharded") as sharded_ddp:
+        assert type(sharded_ddp.strategy.checkpoint_io) is ShardedCheckpointIO
         with pytest.raises(ValueError, match="consolidate it into one file first.*lightning-fairscale-consolidate"):
             sharded_ddp.load(tmp_path / "sharded.ckpt", set_up(sharded_ddp))
 

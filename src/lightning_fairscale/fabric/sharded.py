@@ -37,6 +37,7 @@ from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
+from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io
 
 if TYPE_CHECKING:
     from lightning_fairscale._compat import _LRScheduler
@@ -57,7 +58,9 @@ class DDPShardedStrategy(DDPStrategy):
     * ``fabric.no_backward_sync(model)``: gradient accumulation without reductions.
     * ``fabric.save``/``fabric.load``: one file written by rank 0, Fabric's layout (``torch.load(path)["model"]`` is
       the model's state dict; each optimizer's the state of a plain optimizer, consolidated from the shards): it
-      resumes on any number of processes, with the Trainer too; the Trainer's files load as well.
+      resumes on any number of processes, with the Trainer too; the Trainer's files load as well. The file is
+      written atomically by the default CheckpointIO plugin, :class:`~lightning_fairscale.ShardedCheckpointIO`: a
+      save killed midway leaves the previous checkpoint of that path intact.
 
     Example:
         >>> from lightning_fairscale.fabric import DDPShardedStrategy
@@ -93,6 +96,7 @@ class DDPShardedStrategy(DDPStrategy):
         self._backward_sync_control = NoBackwardSync()
 
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
+    checkpoint_io = default_checkpoint_io(DDPStrategy)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
-from lightning_fairscale._compat import _PATH
+from lightning_fairscale._compat import _PATH, checkpoint_io_slot, set_checkpoint_io_slot
 from typing_extensions import override
 
 from lightning_fairscale.checkpoint import files as files
@@ -48,7 +48,14 @@ from lightning_fairscale.checkpoint.files import (
 )
 
 # The file-level names are re-exported here, where they were first defined.
-__all__ = ["META_FILE", "CheckpointFileError", "ShardedCheckpointIO", "shard_file_name", "sharded_checkpoint_io"]
+__all__ = [
+    "META_FILE",
+    "CheckpointFileError",
+    "ShardedCheckpointIO",
+    "default_checkpoint_io",
+    "shard_file_name",
+    "sharded_checkpoint_io",
+]
 
 
 def _is_local(path: _PATH) -> bool:
@@ -174,3 +181,30 @@ def sharded_checkpoint_io(io: Any) -> ShardedCheckpointIO:
             ' `state_dict_type="full"`.'
         )
     return io
+
+
+def default_checkpoint_io(base: Any) -> Any:
+    """The ``checkpoint_io`` property of a strategy whose Lightning class is ``base``: the CheckpointIO plugin the
+    strategy was given, else a :class:`ShardedCheckpointIO` where Lightning would make its ``TorchCheckpointIO``.
+
+    In a strategy's class body: ``checkpoint_io = default_checkpoint_io(DDPStrategy)``. Lightning's own property
+    (``base.checkpoint_io``) still returns the plugin, so that what it does besides (the Trainer's completes a
+    wrapping plugin such as ``AsyncCheckpointIO``) stays as it is.
+    """
+    inherited = base.checkpoint_io  # Lightning's property
+
+    def get(strategy: Any) -> Any:
+        if checkpoint_io_slot(strategy) is None:
+            set_checkpoint_io_slot(strategy, ShardedCheckpointIO())
+        return inherited.fget(strategy)
+
+    def set_(strategy: Any, io: Optional[Any]) -> None:
+        set_checkpoint_io_slot(strategy, io)
+
+    return property(
+        get,
+        set_,
+        doc=":class:`~lightning_fairscale.ShardedCheckpointIO` unless the strategy was given another CheckpointIO"
+        " plugin: checkpoint files are written beside their target and renamed into place, so a save killed midway"
+        " keeps the previous checkpoint.",
+    )

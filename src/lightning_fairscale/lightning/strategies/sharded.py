@@ -24,11 +24,9 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning.fabric.plugins import CheckpointIO
 from lightning_fairscale.lightning._compat import (
-    checkpoint_io_slot,
     collective_timeout,
     layer_sync_plugin,
     precision_plugin_slot,
-    set_checkpoint_io_slot,
     set_precision_plugin_slot,
     use_multiprocessing_launcher,
 )
@@ -66,7 +64,7 @@ from lightning_fairscale.sharded_ddp.engine import (
     wrap_model,
 )
 from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io
 from lightning_fairscale.lightning.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
@@ -241,19 +239,7 @@ class DDPShardedStrategy(DDPStrategy):
             optimizer = optimizer._optimizer
         return full_state(optimizer, self.is_global_zero)
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """:class:`~lightning_fairscale.ShardedCheckpointIO` unless the Trainer got another: checkpoint files are
-        written beside their target and renamed into place, so a save killed midway keeps the previous one."""
-        if checkpoint_io_slot(self) is None:
-            set_checkpoint_io_slot(self, ShardedCheckpointIO())
-        return super().checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        set_checkpoint_io_slot(self, io)
+    checkpoint_io = default_checkpoint_io(DDPStrategy)
 
     @override
     def _configure_launcher(self) -> None:
