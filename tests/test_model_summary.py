@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -52,9 +53,9 @@ def test_summaries_show_the_full_model_and_each_ranks_shard(tmp_path: Path, flat
     assert all(0 < shards[0][i] < reference.param_nums[i] for i in blocks)  # a unit is split across the ranks
 
     output = proc.stdout + proc.stderr  # every rank's
-    # The Trainer's default summary (ModelSummary callback, rank 0): the full model and rank 0's column.
+    # The Trainer's ModelSummary callback (rank 0): the full model and rank 0's column.
     assert output.count(f"{get_human_readable_count(total):<10}Total params") == 1, output[-4000:]
-    assert output.count("| Params on rank 0 |") == 1
+    assert output.count("| Params per Device |") == 1
     # The unit summary: logged by rank 0 only, once.
     assert output.count(f"DDPFullyShardedStrategy: 3 FSDP units, {total:,} parameters") == 1, output[-4000:]
 
@@ -64,10 +65,29 @@ def test_outside_fsdp_the_summary_equals_lightnings() -> None:
     model.example_input_array = torch.zeros(2, IN_FEATURES)
     ours, lightning = FullyShardedSummary(model, max_depth=2), ModelSummary(model, max_depth=2)
     data = dict(ours._get_summary_data())
-    assert data.pop("Params on rank 0") == data["Params"]  # one process holds everything
+    assert data.pop("Params per Device") == data["Params"]  # one process holds everything
     assert data == dict(lightning._get_summary_data())
     assert ours.total_parameters == lightning.total_parameters
     assert ours.total_training_modes == lightning.total_training_modes
+
+
+def test_the_rich_summary_shows_every_column_under_its_header() -> None:
+    """Lightning's ``RichModelSummary`` lays out the columns it knows: the per-rank one is among them."""
+    pytest.importorskip("rich")
+    from rich.console import Console
+    from pytorch_lightning.callbacks import RichModelSummary
+
+    model = RegressionModel()
+    summary = FullyShardedSummary(model, max_depth=1)
+    data = summary._get_summary_data()
+    console = Console(width=200, record=True)
+    with mock.patch("rich.get_console", return_value=console):
+        RichModelSummary.summarize(data, summary.total_parameters, summary.trainable_parameters,
+                                   summary.model_size, summary.total_training_modes, summary.total_flops)
+    header = next(line for line in console.export_text().splitlines() if "Name" in line)
+    assert [cell.strip() for cell in header.strip("┃ ").split("┃")][:5] == [
+        "Name", "Type", "Params", "Params per Device", "Mode"
+    ]
 
 
 def test_counts_follow_shared_parameters_to_every_owner() -> None:

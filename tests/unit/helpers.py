@@ -27,6 +27,7 @@ from models import Block
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.engine import finish_wrapping
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
     ParameterLayout,
@@ -142,6 +143,7 @@ def shard(
     layout = ParameterLayout.before_wrapping(module)
     root = wrap(module, policy=policy, flatten=flatten, **kwargs)
     layout.after_wrapping(root)
+    finish_wrapping(root, layout)
     orders = repoint_optimizer(optimizer, layout)
     layout.forget_originals()
     return Sharded(root, optimizer, layout, orders)
@@ -233,16 +235,18 @@ def _split_views(
         for j in group["params"]:
             m, piece, start, stop = layout["views"][j]
             size = -(-numels[m] // world_size)
-            lo, hi = max(start, rank * size), min(stop, (rank + 1) * size)
-            if lo >= hi:
-                continue
-            if j in state["state"]:
+            first = min(rank * size, numels[m])
+            last = min(first + size, numels[m])
+            lo, hi = max(start, first), min(stop, last)
+            if lo >= hi:  # every rank holds a view of every original parameter, empty outside its shard
+                lo = hi = max(min(lo, last), first)
+            if j in state["state"] and lo < hi:
                 entries[len(views)] = {
                     k: v[lo - start : hi - start] if isinstance(v, Tensor) and v.dim() else v
                     for k, v in state["state"][j].items()
                 }
             indices.append(len(views))
-            views.append((m, piece, lo - rank * size, hi - rank * size))
+            views.append((m, piece, lo - first, hi - first))
         groups.append({**group, "params": indices})
     return {"state": entries, "param_groups": groups}, {**layout, "views": views}
 

@@ -128,6 +128,8 @@ def test_the_config_is_frozen_and_a_changed_copy_is_checked_again() -> None:
          "pass one. Keep `activation_checkpointing_policy`"),
         ({"exclude_wrap_modules": "ModuleList"}, TypeError, "exclude_wrap_modules"),
         ({"lightning_1x_optimizer_state": "keep", "owner": "MyStrategy"}, ValueError, "MyStrategy"),
+        ({"fairscale_kwargs": {"use_orig_params": False}}, ValueError,
+         "always keeps the original parameters (torch FSDP's `use_orig_params=True`)"),
     ],
 )
 def test_bad_arguments_fail_when_the_config_is_built(arguments: dict[str, Any], error: type, message: str) -> None:
@@ -241,6 +243,41 @@ def test_wrap_model_makes_the_units_the_config_asks_for(process_group: dist.Proc
     assert all(isinstance(m, Block) and "forward" in m.__dict__ for m in wrapped.checkpointed)
     assert described and described[0].startswith("DDPFullyShardedStrategy: ")
     x = torch.randn(4, 3)
+    torch.testing.assert_close(wrapped.root(x), reference(x), rtol=0, atol=1e-6)
+
+
+def test_use_orig_params_true_is_what_the_strategy_does() -> None:
+    assert FullyShardedConfig(fairscale_kwargs={"use_orig_params": True}).fairscale_kwargs == {}
+
+
+def test_a_policy_for_a_model_that_holds_units_already_warns(process_group: dist.ProcessGroup) -> None:
+    """As Lightning's FSDPStrategy: the policy is ignored, and says so."""
+    config = FullyShardedConfig(auto_wrap_policy={Block})
+    groups = fsdp_engine.make_process_groups(config, rank=0, world_size=1, num_nodes=1, timeout=TIMEOUT)
+    model = Net()
+    with fsdp_engine.wrapping_context(config, CPU, groups, "32-true"):
+        model.blocks[0] = FullyShardedDataParallel(model.blocks[0], **fsdp_kwargs(config, CPU, groups, "32-true"))
+    with pytest.warns(UserWarning, match="`auto_wrap_policy` is set, but the model already holds FSDP units"):
+        wrapped = fsdp_engine.wrap_model(config, model, CPU, groups, "32-true")
+    assert unit_paths(wrapped.root) == ["", "blocks.0"]
+
+
+def test_a_model_checkpointed_already_is_not_checkpointed_again(process_group: dist.ProcessGroup) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+    )
+
+    config = FullyShardedConfig(auto_wrap_policy={Block}, activation_checkpointing=Block)
+    groups = fsdp_engine.make_process_groups(config, rank=0, world_size=1, num_nodes=1, timeout=TIMEOUT)
+    model, reference = Net(), Net()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    with pytest.warns(UserWarning, match="already contains checkpointed layers"):
+        wrapped = fsdp_engine.wrap_model(config, model, CPU, groups, "32-true")
+    assert wrapped.checkpointed == []  # none of ours: torch's wrappers only, once
+    assert not any("forward" in m.__dict__ for m in wrapped.root.modules() if isinstance(m, Block))
+    assert sum(isinstance(m, CheckpointWrapper) for m in wrapped.root.modules()) == 2
+    x = torch.randn(4, 3, requires_grad=True)
     torch.testing.assert_close(wrapped.root(x), reference(x), rtol=0, atol=1e-6)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams, prefetch
+from lightning_fairscale.fsdp import cpu_streams, param_views, prefetch
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
@@ -107,15 +107,19 @@ def view_checks(rank: int, world_size: int) -> dict[str, Any]:
     loss = (sharded.root(x) ** 2).mean()
     loss.backward()
     sharded.optimizer.step()
-    # An optimizer over the one-element unit only: the other ranks hold no view of it (padding), yet take part in the
-    # same norm, over the views alone (not their flat gradients, which hold the other parameters').
+    # An optimizer over the one-element unit only: the other ranks hold an empty view of it (padding), yet take part
+    # in the same norm, over the optimizer's views alone (not their flat gradients, which hold the other parameters'),
+    # as the precision plugins take it; the root's `clip_grad_norm_` takes the whole model's, as torch's.
     only = _views_model()
     alone = shard(only, torch.optim.SGD([only[2].weight], lr=0.1), policy={nn.Linear}, exclude={nn.Sequential},
                   min_num_params=0)  # fmt: skip
     (alone.root(x) ** 2).mean().backward()
-    lone_norm = alone.root.clip_grad_norm_(1e9)
+    held = [p for group in alone.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    lone_norm = clip_grad_norm_(held, 1e9, 2.0, group=param_views.norm_group(alone.optimizer))
+    model_norm = alone.root.clip_grad_norm_(1e9)
     return {
         "lone_norm": lone_norm,
+        "model_norm": model_norm,
         "views": views,
         "parameters": parameters_of(unwrap_module(sharded.root)),
         "inputs": x,
@@ -315,7 +319,8 @@ def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[st
     x, y = rank_batch(batches(1)[0], rank, world_size)
     nn.functional.mse_loss(root(x), y).backward()
     # Gradient shards reduced through a bucket are compact copies, not views that keep the bucket's buffer alive.
-    out["grad_bytes"] = [(p.grad.untyped_storage().nbytes(), p.grad.numel() * 4) for p in root.parameters()]
+    flat = [p for unit in root.modules() if isinstance(unit, FullyShardedDataParallel) for p in unit.params]
+    out["grad_bytes"] = [(p.grad.untyped_storage().nbytes(), p.grad.numel() * 4) for p in flat]
     out["norm"] = root.clip_grad_norm_(CLIP)
     torch.optim.SGD(root.parameters(), lr=0.5).step()
     out["clipped"] = parameters_of(unwrap_module(root))
@@ -443,7 +448,7 @@ def _unsharded_optimizer_state(local: list[dict[str, Any]]) -> tuple[dict[str, A
                 r["optimizer"]["state"].get(j, {})
                 for r in local
                 for j, view in enumerate(r["layout"]["views"])
-                if tuple(view[:2]) == (m, piece)
+                if tuple(view[:2]) == (m, piece) and view[2] < view[3]  # an empty view holds no state
             ]
             if all(parts):
                 state[len(views)] = {
@@ -461,14 +466,17 @@ def test_each_original_parameter_is_the_union_of_its_views_on_the_ranks(ranks: l
     model = _views_model()
     expected = dict(model.named_parameters())
     for name, param in expected.items():
-        parts = sorted((start, values) for r in ranks for n, start, values, _ in r["views"]["views"] if n == name)
+        views = [v for r in ranks for v in r["views"]["views"] if v[0] == name and v[2].numel()]
+        parts = sorted((start, values) for _, start, values, _ in views)
         assert [start for start, _ in parts] == [sum(v.numel() for _, v in parts[:i]) for i in range(len(parts))]
         assert torch.equal(torch.cat([v for _, v in parts]), param.detach().reshape(-1)), name
         assert all(grad == param.requires_grad for r in ranks for n, _, _, grad in r["views"]["views"] if n == name)
     split = {n for r in ranks for n, start, _, _ in r["views"]["views"] if start > 0}
     assert split, "some parameter should cross a shard boundary"
-    # The single-element unit: only rank 0 holds it, the others hold padding and have no view of it.
-    assert [sum(n == "2.weight" for n, _, _, _ in r["views"]["views"]) for r in ranks] == [1] + [0] * (len(ranks) - 1)
+    # The single-element unit: only rank 0 holds it; the others hold padding and an empty view of it, as torch FSDP's
+    # original parameters outside a rank's shard.
+    held = [[v.numel() for n, _, v, _ in r["views"]["views"] if n == "2.weight"] for r in ranks]
+    assert held == [[1]] + [[0]] * (len(ranks) - 1)
 
 
 def test_adamw_groups_across_units_and_a_frozen_weight_equal_plain_training(ranks: list[Any]) -> None:
@@ -507,8 +515,10 @@ def test_the_norm_of_an_optimizer_that_some_ranks_hold_no_view_of_is_its_paramet
     x = torch.cat([r["views"]["inputs"] for r in ranks])
     ((model(x) ** 2).mean()).backward()
     expected = model[2].weight.grad.norm()
+    whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     for r in ranks:
         torch.testing.assert_close(r["views"]["lone_norm"], expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(r["views"]["model_norm"], whole, rtol=1e-6, atol=0)
 
 
 def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[Any], expected: Any) -> None:

@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.optim import (
     ParameterLayout,
     Piece,
     load_plain_state,
     plain_state_dict,
-    repoint_optimizer,
 )
 from lightning_fairscale.fsdp.param_views import views_of
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
@@ -165,15 +165,18 @@ def test_frozen_parameters_share_a_unit_with_trainable_ones() -> None:
     assert_tensors_equal(values, parameters_of(reference))
 
 
-def test_a_new_layout_of_the_same_model_replaces_the_views_of_the_earlier_one() -> None:
-    """A later stage (another Trainer) learns the layout of the sharded model anew: only its views get gradients."""
+def test_a_later_stage_takes_the_same_parameters_and_views() -> None:
+    """A later stage (another Trainer, ``fit`` after ``validate``) makes its optimizer over the sharded model's own
+    parameters: they are the views the first stage's optimizer held, and its optimizer holds the same ones."""
     model = Net()
     sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=set())
-    again = ParameterLayout().after_wrapping(sharded.root)
+    first = list(sharded.optimizer.param_groups[0]["params"])
+    wrapped = fsdp_engine.wrapped_model(sharded.root)
+    assert wrapped.layout is sharded.layout
     optimizer = torch.optim.SGD(sharded.root.parameters(), lr=0.1)
-    repoint_optimizer(optimizer, again)
-    [managed] = again.managed
-    assert [view.param for view in views_of(managed)] == optimizer.param_groups[0]["params"]
+    fsdp_engine.repoint(optimizer, wrapped.layout)
+    [managed] = wrapped.layout.managed
+    assert [view.param for view in views_of(managed)] == optimizer.param_groups[0]["params"] == first
 
 
 def test_zero_grad_reaches_the_flat_gradient_and_accumulation_without_it_adds() -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.checkpoint.files import FORMAT_KEY
 from lightning_fairscale.fsdp.sharded_checkpoint import check_fits, check_wrapping, consolidate, split_checkpoint
-from lightning_fairscale.fsdp.state_names import module_aliases
+from lightning_fairscale.fsdp.state_names import state_aliases
 
 from .helpers import OPTIMIZERS, Block, Net, Sharded, assert_optimizer_states_equal, assert_tensors_equal, batches
 from .helpers import param_groups, shard, split_by_hand, step, wrap
@@ -65,7 +65,7 @@ def test_split_checkpoint_puts_the_shards_apart_from_the_trainer_state() -> None
     assert {k: v for k, v in meta.items() if k != FORMAT_KEY} == TRAINER_STATE
     info = meta[FORMAT_KEY]
     assert (info["format_version"], info["world_size"]) == (2, 1)
-    assert info["aliases"] == module_aliases(sharded.root)
+    assert info["aliases"] == state_aliases(sharded.root)
     assert set(info["versions"]) == {"lightning_fairscale", "torch", "fairscale"}
     assert shard_["world_size"] == 1
     assert shard_["shard_metadata"] == sharded.root.local_metadata_dict()

@@ -27,7 +27,7 @@ from lightning_fairscale.fsdp.activation_checkpointing import (
     validate_layer_classes,
 )
 from lightning_fairscale.fsdp.policies import validate_auto_wrap_policy
-from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, module_aliases
+from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, state_aliases
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
 from .helpers import OPTIMIZERS, Block, Net, batches, parameters_of, shard, step, unit_paths, wrap
@@ -296,8 +296,8 @@ class Aliased(Net):
         self.first = self.blocks[0]
 
 
-def test_module_aliases_name_every_path_of_a_shared_layer() -> None:
-    aliases = module_aliases(Aliased())
+def test_state_aliases_name_every_path_of_a_shared_layer() -> None:
+    aliases = state_aliases(Aliased())
     assert ("blocks.0.", "first.") in aliases and ("first.", "blocks.0.") in aliases
     assert all(known != alias for known, alias in aliases)
     # The block and its layers have two names each; every other module has one.

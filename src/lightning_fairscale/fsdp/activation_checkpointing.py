@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from fairscale.nn.checkpoint import checkpoint_wrapper
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
@@ -82,6 +83,14 @@ def apply_activation_checkpointing(
     """
     if not classes:
         return []
+    if any(_is_checkpointed(submodule) for submodule in module.modules()):
+        # As Lightning's FSDPStrategy: layers checkpointed by the user are not checkpointed a second time.
+        rank_zero_warn(
+            "`activation_checkpointing` is set, but the model already contains checkpointed layers (torch's"
+            " `apply_activation_checkpointing` or FairScale's `checkpoint_wrapper`). Checkpointing is left as the"
+            " model has it: the setting is ignored."
+        )
+        return []
     checkpointed = []
     for submodule in module.modules():
         if isinstance(submodule, classes) and is_wrapped(submodule):
@@ -95,6 +104,15 @@ def apply_activation_checkpointing(
             submodule.__dict__[_MARK] = submodule.__dict__["forward"]
             checkpointed.append(submodule)
     return checkpointed
+
+
+def _is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's ``CheckpointWrapper`` or a layer FairScale's ``checkpoint_wrapper`` patched (not
+    by this module). Known by name: torch's class lives in a private module."""
+    torch_wrapper = type(module).__name__ == "CheckpointWrapper" and type(module).__module__.startswith("torch.")
+    forward = getattr(module.__dict__.get("forward"), "func", None)  # FairScale's partial over its function
+    patched = getattr(forward, "__name__", "") == "_checkpointed_forward"
+    return torch_wrapper or (patched and _MARK not in module.__dict__)
 
 
 def remove_activation_checkpointing(module: nn.Module) -> None:

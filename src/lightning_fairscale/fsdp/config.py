@@ -141,6 +141,7 @@ class FullyShardedConfig:
         self._set("lightning_1x_optimizer_state", validate_policy(self.lightning_1x_optimizer_state, self.owner))
         self._set("backward_prefetch", backward_prefetch_name(self.backward_prefetch))
         self._set("param_init_fn", validate_param_init_fn(self.param_init_fn))
+        self._set("fairscale_kwargs", _without_use_orig_params(self.fairscale_kwargs))
         validate_arguments(
             self.min_num_params, self.bucket_cap_mb, self.compute_dtype, self.auto_wrap_policy, self.fairscale_kwargs
         )
@@ -343,6 +344,21 @@ def _checkpointing_classes(classes: Any, policy: Any) -> tuple[type[Module], ...
     if policy is not None:
         return checkpointing_layer_classes(policy)
     return validate_layer_classes(classes, "activation_checkpointing")
+
+
+def _without_use_orig_params(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without torch FSDP's ``use_orig_params``, which is what the strategy does anyway (the model's
+    attributes are the parameters the optimizer steps, see ``fsdp.original_params``): ``True`` is accepted, ``False``
+    refused with the reason."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("use_orig_params", True) is not True:
+        raise ValueError(
+            "`DDPFullyShardedStrategy(use_orig_params=False)` is not supported, and not needed: the strategy always"
+            " keeps the original parameters (torch FSDP's `use_orig_params=True`), so param groups may split FSDP"
+            " units, frozen and trainable parameters may share one, and `model.parameters()` after setup are the"
+            " parameters the optimizer steps. Remove `use_orig_params`."
+        )
+    return kwargs
 
 
 def _optional_classes(value: Any, argument: str) -> Optional[tuple[type[Module], ...]]:

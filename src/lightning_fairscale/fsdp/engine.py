@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.distributed.collectives import all_agree
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp import cpu_streams, original_params
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
     ProcessGroups,
@@ -65,13 +65,15 @@ from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.fsdp.summary import unit_summary
 from lightning_fairscale.fsdp.activation_checkpointing import apply_activation_checkpointing
 from lightning_fairscale.fsdp.policies import wrap_module
-from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, module_aliases
+from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, state_aliases
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from lightning_fairscale.fsdp.unwrapping import remember_root
 
 __all__ = [
     "Ranks",
     "WrappedModel",
     "buffer_name",
+    "finish_wrapping",
     "is_sharded_checkpoint",
     "load_full",
     "load_sharded",
@@ -85,6 +87,7 @@ __all__ = [
     "state_dict_keys",
     "together",
     "wrap_model",
+    "wrapped_model",
     "wrapping_context",
 ]
 
@@ -177,17 +180,50 @@ def wrap_model(
     checkpointed = apply_activation_checkpointing(
         module, config.activation_checkpointing, config.activation_checkpointing_offload
     )
+    if is_wrapped(module) and config.auto_wrap_policy is not None:
+        rank_zero_warn(  # as Lightning's FSDPStrategy
+            "An FSDP `auto_wrap_policy` is set, but the model already holds FSDP units (wrapped in `configure_model`)."
+            " The policy is ignored."
+        )
     policy = wrap_policy(config, own_units=checkpointed, root=module)
     with wrapping_context(config, device, groups, precision):
         root = wrap_module(module, policy, **fsdp_kwargs(config, device, groups, precision))
     layout.after_wrapping(root)
     del placeholders
+    model = finish_wrapping(root, layout, checkpointed)
     remember_root(module, root)
     cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
     if describe is not None:
         describe(f"{config.owner}: {unit_summary(root)}")
-    return WrappedModel(root, layout, checkpointed)
+    return model
+
+
+#: The attribute of a root unit that holds its :class:`WrappedModel`.
+_WRAPPED = "_lightning_fairscale_wrapped"
+
+
+def wrapped_model(root: FullyShardedDataParallel) -> WrappedModel:
+    """The :class:`WrappedModel` of ``root`` (:func:`finish_wrapping`): one per sharded model, whichever stage or
+    strategy set it up, so that every stage's optimizers hold the same original parameters."""
+    model = root.__dict__.get(_WRAPPED)
+    if model is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
+        model = finish_wrapping(root, ParameterLayout().after_wrapping(root))
+    return model
+
+
+def finish_wrapping(
+    root: FullyShardedDataParallel, layout: ParameterLayout, checkpointed: Sequence[Module] = ()
+) -> WrappedModel:
+    """The sharded model, once ``layout`` knows where its original parameters went: this rank's views of them
+    become the attributes of ``root``'s modules again, under their names, tied ones included (workaround 17,
+    :mod:`~lightning_fairscale.fsdp.original_params`), and the :class:`WrappedModel` is kept on ``root``."""
+    originals, orders = layout.originals(), layout.parameter_names
+    for unit in fsdp_instances(root):
+        original_params.install(unit, originals, orders)
+    model = WrappedModel(root, layout, list(checkpointed))
+    root.__dict__[_WRAPPED] = model  # a later stage, or another strategy, takes the model as it is
+    return model
 
 
 def repoint(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:
@@ -297,7 +333,7 @@ def _expected_shapes(model: WrappedModel) -> dict[str, Any]:
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:  # as `state_dict` has them
                 shapes[buffer_name(f"{path}.{name}" if path else name)] = buffer.shape
-    return apply_aliases(shapes, module_aliases(model.root))
+    return apply_aliases(shapes, state_aliases(model.root))
 
 
 def load_full(

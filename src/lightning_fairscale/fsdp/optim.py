@@ -96,8 +96,10 @@ class ParameterLayout:
     _positions: dict[int, int] = field(default_factory=dict)
     #: ``(id(managed), piece)`` -> where the unwrapped module lists that original parameter (:meth:`in_module_order`).
     _module_order: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
-    #: ``(id(managed), piece)`` -> this rank's view of that original parameter (``None``: outside this rank's shard).
-    _views: dict[tuple[int, int], Optional[ParamView]] = field(default_factory=dict)
+    #: ``(id(managed), piece)`` -> this rank's view of that original parameter (empty: outside this rank's shard).
+    _views: dict[tuple[int, int], ParamView] = field(default_factory=dict)
+    #: ``id(module) -> `` the names of its parameters in the order it registered them (before wrapping).
+    parameter_names: dict[int, list[str]] = field(default_factory=dict)
     #: ``id(view parameter)`` -> ``(managed, piece)``.
     _viewed: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
 
@@ -108,6 +110,7 @@ class ParameterLayout:
             for name, param in owner._parameters.items():
                 if param is not None and not hasattr(param, "_is_sharded"):
                     layout._owners[(id(owner), name)] = id(param)
+            layout.parameter_names[id(owner)] = list(owner._parameters)
         layout._positions = {id(param): i for i, param in enumerate(module.parameters())}
         return layout
 
@@ -180,26 +183,37 @@ class ParameterLayout:
         found = self._viewed.get(id(param)) or self._original.get(id(param))
         return [found] if found is not None else []
 
-    def view(self, managed: nn.Parameter, piece: int) -> Optional[ParamView]:
-        """This rank's view of original parameter ``piece`` of ``managed``, made on first use; ``None`` when none of
-        its elements are in this rank's shard."""
+    def view(self, managed: nn.Parameter, piece: int) -> ParamView:
+        """This rank's view of original parameter ``piece`` of ``managed``, made on first use: the elements of this
+        rank's shard that belong to it, none when it lies in other ranks' shards (as torch FSDP's original
+        parameters with ``use_orig_params=True``: every rank holds one parameter per original parameter)."""
         key = (id(managed), piece)
-        if key not in self._views:
+        view = self._views.get(key)
+        if view is None:
             info = self.managed[managed]
             start, stop, _ = local_range(managed, info.unit)
             p = info.pieces[piece]
             lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
-            view = param_views.attach(managed, piece, lo - start, hi - start, p.trainable) if lo < hi else None
+            lo, hi = (lo, hi) if lo < hi else (max(min(lo, stop), start),) * 2
+            view = param_views.attach(managed, piece, lo - start, hi - start, p.trainable)
             self._views[key] = view
-            if view is not None:
-                self._viewed[id(view.param)] = (managed, piece)
-        return self._views[key]
+            self._viewed[id(view.param)] = (managed, piece)
+        return view
+
+    def originals(self) -> dict[tuple[int, str], nn.Parameter]:
+        """``(id(owner module), name) -> `` this rank's view of that original parameter, for every original
+        parameter of a flat parameter (what :func:`~lightning_fairscale.fsdp.original_params.install` puts back)."""
+        found: dict[tuple[int, str], nn.Parameter] = {}
+        for managed in self.managed:
+            for k, (_, owner, name) in enumerate(getattr(managed, "_param_infos", [])):
+                found[(id(owner), name)] = self.view(managed, k).param
+        return found
 
     def view_of(self, param: nn.Parameter) -> tuple[nn.Parameter, ParamView]:
         """The managed parameter and the :class:`ParamView` of ``param``, a view an optimizer holds."""
         managed, piece = self._viewed[id(param)]
         view = self._views[(id(managed), piece)]
-        assert view is not None and view.param is param
+        assert view.param is param
         return managed, view
 
     def global_range(self, managed: nn.Parameter, view: ParamView) -> tuple[int, int]:
@@ -239,8 +253,7 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
             for managed, piece in located:
                 order.append((managed, piece))
                 view = layout.view(managed, piece)
-                if view is not None:
-                    views.setdefault(id(view.param), view.param)
+                views.setdefault(id(view.param), view.param)
         group["params"] = list(views.values())
         orders.append(order)
     optimizer.state = defaultdict(dict)
@@ -304,7 +317,7 @@ def _state_template(views: list[tuple[ParamView, dict[str, Any]]]) -> dict[str, 
     elementwise: dict[str, torch.dtype] = {}
     values: dict[str, Any] = {}
     for view, state in views:
-        if not state:
+        if not state or view.start == view.stop:  # an empty view's state (if any) is no part of the whole
             continue
         pieces.add(view.piece)
         for key, value in state.items():
@@ -477,7 +490,8 @@ def load_view_states(
         first = index
         for param in group["params"]:
             managed, view = layout.view_of(param)
-            state = source(managed, view.piece, *layout.global_range(managed, view))
+            empty = view.start == view.stop  # holds no element: no state, as a fresh one gets none
+            state = None if empty else source(managed, view.piece, *layout.global_range(managed, view))
             if state:
                 out_state[index] = state
             index += 1

@@ -39,6 +39,7 @@ __all__ = [
     "norm_group",
     "repoint_data",
     "share_gradients",
+    "share_local_gradients",
     "take_back_gradients",
     "trainable_views",
     "views_of",
@@ -111,7 +112,7 @@ def take_back_gradients(managed: nn.Parameter) -> None:
     """
     if not managed.__dict__.pop(_SHARED, False) or managed.grad is None:
         return
-    views = [view for view in views_of(managed) if view.trainable]
+    views = [view for view in views_of(managed) if view.trainable and view.start < view.stop]
     missing = [view for view in views if view.param.grad is None]
     if len(missing) == len(views):
         managed.grad = None
@@ -152,6 +153,24 @@ def repoint_data(managed: nn.Parameter) -> None:
 
 
 @torch.no_grad()
+def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
+    """After a backward that did not synchronise (``no_sync``, accumulating): give each trainable view its slice of
+    this rank's own gradient, not reduced yet (FairScale holds it unsharded until the synchronising backward), as
+    DDP's parameters hold theirs in ``no_sync``. Its dtype must be the view's (under mixed precision it is the compute
+    dtype: the views then get none until the synchronising backward). Changing them changes nothing: the
+    synchronising backward reduces FairScale's gradient and gives the views its shard."""
+    grad = managed.grad
+    shard = _shard(managed)
+    if grad is None or grad.dtype != shard.dtype or grad.numel() == shard.numel():
+        return
+    flat = grad.view(-1)
+    offset = min(rank * shard.numel(), flat.numel())
+    for view in views_of(managed):
+        if view.trainable and view.start < view.stop:
+            view.param.grad = flat[offset + view.start : offset + view.stop]
+
+
+@torch.no_grad()
 def share_gradients(managed: nn.Parameter) -> None:
     """After a synchronising backward: point every view at the current shard, and give the trainable ones their
     slice of the flat gradient shard (a view: clipping or unscaling them changes the flat gradient too)."""
@@ -163,7 +182,9 @@ def share_gradients(managed: nn.Parameter) -> None:
     grad = managed.grad
     shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
     for view in views:
-        if view.trainable and shares:
+        # A view of no element of this shard gets no gradient (as torch FSDP's original parameters outside the
+        # shard): an optimizer then keeps no state for it.
+        if view.trainable and shares and view.start < view.stop:
             view.param.grad = grad.view(-1)[view.start : view.stop]  # type: ignore[union-attr]
     if shares:
         managed.__dict__[_SHARED] = True

@@ -17,6 +17,7 @@ from torch.distributed.fsdp.wrap import _Policy as TorchPolicy  # the base of to
 
 from lightning_fairscale.fsdp.materialize import check_materializable
 from lightning_fairscale.fsdp.state_names import is_wrapped
+from lightning_fairscale.fsdp.ties import keep_ties_together
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 
 __all__ = [
@@ -271,7 +272,8 @@ def wrap_module(module: nn.Module, policy: PolicyCallable, **fsdp_kwargs: Any) -
     # part of it cannot be initialised.
     check_materializable(module, fsdp_kwargs.get("param_init_fn"))
     if not is_wrapped(module):
-        module = auto_wrap(module, auto_wrap_policy=policy)
+        # A unit never takes some names of a tied parameter without the others (see `fsdp.ties`).
+        module = auto_wrap(module, auto_wrap_policy=keep_ties_together(policy, module))
     if not isinstance(module, _FairScaleFSDP):
         module = FullyShardedDataParallel(module, **fsdp_kwargs)
     return module

@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_fairscale.fsdp.state_names import apply_aliases, fairscale_ties
 from lightning_fairscale.fsdp.units import fsdp_instances
 
 __all__ = [
@@ -217,7 +218,7 @@ class SavedShards:
 
     def pieces(self, aliases: Iterable[tuple[str, str]] = ()) -> dict[str, SavedPiece]:
         """Where each original parameter lies in the saved flat parameters, by the unwrapped module's name (also
-        under each alias: see :func:`lightning_fairscale.fsdp.state_names.module_aliases`)."""
+        under each alias: see :func:`lightning_fairscale.fsdp.state_names.state_aliases`)."""
         found: dict[str, SavedPiece] = {}
         for unit in self.metadata["param_metadata"]:
             prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
@@ -226,10 +227,7 @@ class SavedShards:
                 for name, shape, numel in zip(info["names"], info["shapes"], info["numels"]):
                     found[prefix + name] = SavedPiece(prefix + flat, offset, total, torch.Size(shape))
                     offset += int(numel)
-        for known, alias in aliases:
-            for name in [n for n in found if n.startswith(known)]:
-                found.setdefault(alias + name[len(known) :], found[name])
-        return found
+        return apply_aliases(found, [*aliases, *fairscale_ties(self.metadata)])
 
     def buffers(self, clean: Callable[[str], str]) -> dict[str, Tensor]:
         """The saved buffers, by the unwrapped module's name."""
@@ -322,7 +320,8 @@ class SavedShards:
         if (rank, index) not in self._views:
             found: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
             for j, (m, k, start, stop) in enumerate(self.file(rank)["optimizer_layouts"][index]["views"]):
-                found.setdefault((m, k), []).append((j, start, stop))
+                if start < stop:  # an empty view holds nothing of the parameter
+                    found.setdefault((m, k), []).append((j, start, stop))
             self._views[(rank, index)] = found
         return self._views[(rank, index)]
 

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY, load_meta, load_shard
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece, describe_layout, plain_state_dict
-from lightning_fairscale.fsdp.state_names import apply_aliases, module_aliases
+from lightning_fairscale.fsdp.state_names import apply_aliases, fairscale_ties, state_aliases
 
 
 __all__ = [
@@ -85,7 +85,7 @@ def split_checkpoint(
     meta[FORMAT_KEY] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
-        "aliases": module_aliases(root),
+        "aliases": state_aliases(root),
         "versions": {
             "lightning_fairscale": __version__,
             "torch": str(torch.__version__),
@@ -189,9 +189,11 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
         shards.append(load_shard(Path(path), rank, world_size, weights_only=False))
     say("consolidating parameters")
     state_dict = _FairScaleFSDP.consolidate_shard_weights(
-        [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards], [s["shard_metadata"] for s in shards]
+        [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards],
+        [_saved_buffers_only(s["shard_metadata"], s["state_dict"]) for s in shards],
     )
-    state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, info.get("aliases", []))
+    aliases = [*info.get("aliases", []), *fairscale_ties(shards[0]["shard_metadata"])]
+    state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, aliases)
     say(f"consolidated {len(state_dict)} parameters and buffers")
     optimizer_states = []
     count = len(shards[0].get("optimizer_states", []))
@@ -260,7 +262,7 @@ def _from_views(
     for r, (state, layout) in enumerate(ranks):
         for j, (owner, piece, start, stop) in enumerate(layout["views"]):
             entry = state["state"].get(j)
-            if owner != m or not entry:
+            if owner != m or not entry or start == stop:  # an empty view holds nothing of the parameter
                 continue
             with_state.add(piece)
             for key, value in entry.items():
@@ -298,6 +300,13 @@ def _flat_shards(state_dict: dict[str, Any], metadata: dict[str, Any]) -> dict[s
         for name in unit["params"]
     }
     return {k: v.reshape(-1) if k in managed else v for k, v in state_dict.items()}
+
+
+def _saved_buffers_only(metadata: dict[str, Any], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """FairScale's metadata with only the buffers the shard holds: its ``buffer_names`` lists every buffer, also the
+    non-persistent ones a state dict leaves out (Llama's ``rotary_emb.inv_freq``), which its consolidation would then
+    look for and fail on."""
+    return {**metadata, "buffer_names": [name for name in metadata["buffer_names"] if name in state_dict]}
 
 
 def _param_metadata(metadata: dict[str, Any], unit: int, index: int) -> tuple[str, str, dict[str, Any]]:

@@ -3,19 +3,21 @@ taken out of paths, and the aliases a state dict needs for modules registered un
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import nn
 
-from lightning_fairscale.fsdp.units import fsdp_instances
+from lightning_fairscale.fsdp.units import fsdp_instances, named_fsdp_instances
 
 __all__ = [
     "add_aliases",
     "apply_aliases",
     "clean_path",
+    "fairscale_ties",
     "is_wrapped",
-    "module_aliases",
+    "state_aliases",
+    "tied_aliases",
 ]
 
 
@@ -39,34 +41,74 @@ def is_wrapped(module: nn.Module) -> bool:
     return next(fsdp_instances(module), None) is not None
 
 
-def module_aliases(root: nn.Module) -> list[tuple[str, str]]:
-    """``(prefix, alias)`` pairs: every state-dict key starting with ``prefix`` also exists starting with ``alias``.
+def state_aliases(root: nn.Module) -> list[tuple[str, str]]:
+    """``(known, alias)`` pairs: the other names under which the plain module's state dict holds a tensor.
 
-    A layer can be both an attribute of the LightningModule and part of a container that the user wrapped (the
-    documentation's manual-wrap example does this). FSDP then saves its tensors under one name only; the plain
-    module saves them under every name, and ``load_state_dict`` expects every name.
+    * A module reachable under several names: ``known`` and ``alias`` are prefixes (ending with ``.``), and every key
+      starting with ``known`` also exists starting with ``alias``. A layer can be both an attribute of the
+      LightningModule and part of a container that the user wrapped (the documentation's manual-wrap example does
+      this): FSDP saves its tensors under one name only; the plain module saves them under every name, and
+      ``load_state_dict`` expects every name.
+    * A tied parameter (:mod:`lightning_fairscale.fsdp.ties`): ``known`` and ``alias`` are whole keys
+      (``("embed.weight", "lm_head.weight")``), as torch's ``state_dict`` writes it under both.
     """
     paths: dict[int, list[str]] = {}
     for path, module in root.named_modules(remove_duplicate=False):
         clean = clean_path(path + ".") if path else ""
         if clean not in paths.setdefault(id(module), []):
             paths[id(module)].append(clean)
-    return [(known, alias) for names in paths.values() for known in names for alias in names if alias != known]
+    pairs = [(known, alias) for names in paths.values() for known in names for alias in names if alias != known]
+    return pairs + tied_aliases(root)
 
 
-def apply_aliases(state_dict: dict[str, Any], aliases: Iterable[tuple[str, str]]) -> dict[str, Any]:
-    """Add the keys :func:`module_aliases` names to ``state_dict`` (in place), and return it.
+def _joined(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def tied_aliases(root: nn.Module) -> list[tuple[str, str]]:
+    """``(known key, alias key)`` for every second name of a tied parameter that FairScale flattened once."""
+    pairs = []
+    for path, unit in named_fsdp_instances(root):
+        prefix = clean_path(path + ".") if path else ""
+        for flat in unit.params[: unit._num_flatten_params]:
+            for module_name, source_path, _, name, _, source_name in flat._shared_param_infos:
+                known = clean_path(prefix + _joined(source_path, source_name))
+                pairs.append((known, clean_path(prefix + _joined(module_name, name))))
+    return pairs
+
+
+def fairscale_ties(metadata: dict[str, Any]) -> list[tuple[str, str]]:
+    """The tied parameters' ``(known key, alias key)`` pairs recorded in FairScale's ``local_metadata_dict`` (each
+    unit's ``shared_param_info``), for sharded checkpoints saved before :func:`state_aliases` recorded them. FairScale
+    builds each path from one name's module and the other name's attribute, which is right when both names end alike
+    (``embed.weight``, ``lm_head.weight``); both directions are given, and only a known key adds its alias."""
+    pairs = []
+    for unit in metadata.get("param_metadata", []):
+        prefix = f"{unit['fsdp_path']}." if unit.get("fsdp_path") else ""
+        for first, second in unit.get("shared_param_info", []):
+            pairs += [(prefix + first, prefix + second), (prefix + second, prefix + first)]
+    return pairs
+
+
+def apply_aliases(state_dict: dict[str, Any], aliases: Iterable[Sequence[str]]) -> dict[str, Any]:
+    """Add the keys :func:`state_aliases` names to ``state_dict`` (in place), and return it.
 
     Example:
         >>> apply_aliases({"blocks.0.weight": 1}, [("blocks.0.", "first.")])
         {'blocks.0.weight': 1, 'first.weight': 1}
+        >>> apply_aliases({"embed.weight": 1}, [("embed.weight", "head.weight")])
+        {'embed.weight': 1, 'head.weight': 1}
     """
     for known, alias in aliases:
+        if not known.endswith("."):  # a tied parameter's whole key
+            if known in state_dict:
+                state_dict.setdefault(alias, state_dict[known])
+            continue
         for key in [k for k in state_dict if k.startswith(known)]:
             state_dict.setdefault(alias + key[len(known) :], state_dict[key])
     return state_dict
 
 
 def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:
-    """``state_dict`` with the keys of every module reachable under several names in ``root`` (see above)."""
-    return apply_aliases(state_dict, module_aliases(root))
+    """``state_dict`` with the keys of every tensor reachable under several names in ``root`` (see above)."""
+    return apply_aliases(state_dict, state_aliases(root))

@@ -109,6 +109,14 @@ The workarounds, and why each is needed:
     one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too
     (:mod:`~lightning_fairscale.fsdp.prefetch`: at most one unit gathered ahead and one reduction in flight). Same
     results; the CUDA path is unchanged.
+17. **The model's own parameters (all devices).** FairScale deletes a unit's parameters from their modules and
+    leaves stale views of the full flat parameter in their place (freed memory between steps), and
+    ``model.parameters()`` gives its flat parameters. As torch FSDP's ``use_orig_params=True``, each original
+    parameter is put back, under its names (tied ones: one parameter), as the optimizer's view of it
+    (:mod:`~lightning_fairscale.fsdp.original_params`). :class:`FullyShardedDataParallel` hands its modules
+    FairScale's views of the full parameters for its forward and, in the backward, once its full parameters are
+    gathered (a checkpointed layer recomputes with them), and the original parameters back after each; FairScale's
+    end of the backward sees its flat parameters (it checks each unit's state by its ``parameters()``).
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -116,6 +124,7 @@ by the workarounds above that say "all devices".
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -126,7 +135,7 @@ from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp import param_views, prefetch
+from lightning_fairscale.fsdp import original_params, param_views, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -189,9 +198,10 @@ def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype])
 class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
-    On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9 and 11 to
-    15: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters in
-    one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root). On CPU it uses no-op
+    On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9, 11 to 15
+    and 17: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters
+    in one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root, the model's own
+    parameters). On CPU it uses no-op
     streams (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible reduce-scatter bucketer
     and a device-agnostic :meth:`clip_grad_norm_`.
 
@@ -229,6 +239,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _build(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
+        ties.check_not_split(module)
+        own = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if not hasattr(p, "_is_sharded")]
         frozen = _unfreeze_own_parameters(module)
         try:
             self._build_in_dtype(module, *args, **kwargs)
@@ -236,6 +248,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             for param in frozen.values():
                 param.requires_grad_(False)
         _record_frozen(self, frozen)
+        ties.record_flattened(self, own)
 
     def _build_in_dtype(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """FairScale's ``__init__``, also over parameters in true half precision (workaround 13)."""
@@ -263,13 +276,35 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root is not False:  # the root (or not yet known): inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
-        if not self._is_root or self._prefetcher is None:
-            return super().forward(*args, **kwargs)
-        self._prefetcher.forward_started()  # workaround 16
+        original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
         try:
-            return super().forward(*args, **kwargs)
+            if not self._is_root or self._prefetcher is None:
+                return super().forward(*args, **kwargs)
+            self._prefetcher.forward_started()  # workaround 16
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self._prefetcher.forward_ended()
         finally:
-            self._prefetcher.forward_ended()
+            original_params.show(self)  # workaround 17: the original parameters again
+
+    def named_modules(  # type: ignore[override]
+        self, memo: Optional[set[nn.Module]] = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """``nn.Module.named_modules``, but once the unit holds the original parameters (workaround 17) its wrappers
+        (this unit and FairScale's ``FlattenParamsWrapper``) take the path of the module they wrap, so that
+        ``model.named_parameters()`` names the parameters as the unwrapped model does."""
+        if not original_params.is_installed_on(self):
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+            return
+        memo = set() if memo is None else memo
+        wrapper = self._fsdp_wrapped_module
+        for module in (self, wrapper):
+            if module not in memo:
+                if remove_duplicate:
+                    memo.add(module)
+                yield prefix, module
+        yield from wrapper.module.named_modules(memo, prefix, remove_duplicate)
 
     def _setup_streams(self) -> None:
         if len(self._streams) > 0 or not self._is_root:
@@ -297,8 +332,17 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
-            return super()._rebuild_full_params(force_full_precision)
-        return self._prefetcher.rebuild(self, super()._rebuild_full_params)  # workaround 16
+            result = super()._rebuild_full_params(force_full_precision)
+        else:
+            result = self._prefetcher.rebuild(self, super()._rebuild_full_params)  # workaround 16
+        if prefetch.in_backward() and not force_full_precision:
+            original_params.use_full_views(self)  # workaround 17: a recomputed forward sees the full parameters
+        return result
+
+    def _use_full_params(self) -> None:
+        super()._use_full_params()
+        if prefetch.in_backward():
+            original_params.use_full_views(self)  # workaround 17
 
     def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         if self._prefetcher is not None:
@@ -321,11 +365,19 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         super()._prep_grads_for_backward()
 
     def _wait_for_post_backward(self) -> None:
+        # FairScale checks each unit's state by its `parameters()`, which must be its flat ones there (workaround 17);
+        # the original parameters come back at the end of the context.
+        with original_params.fairscale_layout(self):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         super()._wait_for_post_backward()
-        if self._require_backward_grad_sync:  # workaround 12
-            for unit in fsdp_instances(self):
-                for param in unit.params:
+        for unit in fsdp_instances(self):  # workaround 12
+            for param in unit.params:
+                if self._require_backward_grad_sync:
                     param_views.share_gradients(param)
+                else:
+                    param_views.share_local_gradients(param, unit.rank)
         self._reshard_frozen_params()
         if self._prefetcher is not None:
             self._prefetcher.pass_ended()  # workaround 16: nothing gathered ahead outlives the backward
@@ -346,7 +398,27 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         for unit in fsdp_instances(self):
             for param in unit.params:
                 unit._init_param_attributes(param)
-        return super().load_local_state_dict(state_dict, strict)
+        with original_params.fairscale_layout(self):  # workaround 17
+            return super().load_local_state_dict(state_dict, strict)
+
+    # FairScale's state dicts and `summon_full_params` see the units as FairScale made them (workaround 17).
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with original_params.fairscale_layout(self):
+            return super().state_dict(*args, **kwargs)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with original_params.fairscale_layout(self):
+            return super().local_state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with original_params.fairscale_layout(self):
+            return super().load_state_dict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Iterator[None]:
+        with original_params.fairscale_layout(self), super().summon_full_params(recurse, volatile):
+            yield
 
     def _post_reduction_hook(self, param: torch.nn.Parameter, reduced_grad: Tensor) -> None:
         """FairScale's hook, given a compact copy of a shard that is a view into a bucket's buffer (workaround 8),
@@ -374,7 +446,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         """The parameters whose gradients are the model's, with a gradient: the trainable original parameters' views
         where the model's optimizers hold views (frozen parameters' elements excluded; decided alike on every rank,
         also one that holds no trainable view), else FSDP's own parameters."""
-        own = list(self.parameters())
+        own = [param for unit in fsdp_instances(self) for param in unit.params]
         holders = param_views.trainable_views(own) if param_views.has_views(self) else own
         return [p for p in holders if p.grad is not None]
 
@@ -387,7 +459,7 @@ def _unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], t
     """Make the frozen parameters that this unit will own (not those of units inside it) trainable; returns them,
     by ``(id(owner module), name)``, so that they can be frozen again."""
     frozen: dict[tuple[int, str], torch.nn.Parameter] = {}
-    inner = {id(p) for unit in fsdp_instances(module) for p in unit.parameters()}
+    inner = {id(p) for unit in fsdp_instances(module) for p in unit.params}
     for owner in module.modules():
         for name, param in owner._parameters.items():
             if param is not None and not param.requires_grad and id(param) not in inner:

@@ -4,20 +4,19 @@ unit a LightningModule keeps between stages."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
 
+from lightning_fairscale.fsdp import original_params
 from lightning_fairscale.fsdp.units import fsdp_instances
 
 __all__ = [
     "forget_root",
     "remember_root",
-    "root_parameters_visible",
     "unwrap_module",
     "wrapped_root",
 ]
@@ -43,6 +42,7 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
     units = list(fsdp_instances(root))
     if not units:
         return root
+    original_params.forget(root)  # FairScale's own layout, which its unflattening expects
     full = {}
     for unit in units:  # one unit at a time: each unit's gathered parameters are freed before the next is gathered
         full[id(unit)] = _full_parameters(unit, device, keep)
@@ -105,26 +105,6 @@ def wrapped_root(module: nn.Module) -> Optional[_FairScaleFSDP]:
 def forget_root(module: nn.Module) -> None:
     """Undo :func:`remember_root` (after unwrapping)."""
     module.__dict__.pop(_ROOT_ATTRIBUTE, None)
-
-
-@contextlib.contextmanager
-def root_parameters_visible(root: _FairScaleFSDP) -> Iterator[None]:
-    """Inside this context, the wrapped module's ``parameters()`` include the root unit's own managed parameters.
-
-    FairScale moves the parameters that no inner unit holds into a flat parameter of the wrapper *around* the
-    module, where ``module.parameters()`` does not see them. When optimizers are created over a module that is
-    already sharded (``fit`` after ``validate``), ``configure_optimizers``' ``self.parameters()`` would silently leave
-    them out; they are registered on the module under hidden names while it runs.
-    """
-    module = _original(root)
-    names = [f"_fsdp_root_param_{i}" for i in range(len(root.params))]
-    for name, param in zip(names, root.params):
-        module._parameters[name] = param
-    try:
-        yield
-    finally:
-        for name in names:
-            module._parameters.pop(name, None)
 
 
 def _flat_pieces(

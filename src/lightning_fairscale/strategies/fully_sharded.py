@@ -44,7 +44,7 @@ from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout
 from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_callbacks
@@ -60,7 +60,7 @@ from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
-from lightning_fairscale.fsdp.unwrapping import forget_root, root_parameters_visible, unwrap_module, wrapped_root
+from lightning_fairscale.fsdp.unwrapping import forget_root, unwrap_module, wrapped_root
 
 
 class DDPFullyShardedStrategy(DDPStrategy):
@@ -325,15 +325,17 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._layout.forget_originals()
 
     def _setup_sharded_again(self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool) -> None:
-        """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so."""
-        if self._layout is None or self._layout.root is not root:  # another strategy wrapped it: learn the layout
-            self._layout = ParameterLayout().after_wrapping(root)
+        """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
+        parameters are the original ones (views into the shards), so ``configure_optimizers`` makes the optimizers
+        over them as in the first stage, and they are re-pointed the one way."""
+        wrapped = fsdp_engine.wrapped_model(root)
+        if wrapped.layout is not self._layout:  # another strategy set it up: its optimizers are not ours
             self._group_orders = []
+        self._layout, self._checkpointed = wrapped.layout, wrapped.checkpointed
         self.model = root
         if fitting:
-            with root_parameters_visible(root):
-                self.setup_optimizers(trainer)
-            self._group_orders = [repoint_optimizer(_unwrap(opt), self._layout) for opt in self.optimizers]
+            self.setup_optimizers(trainer)
+            self._group_orders = [fsdp_engine.repoint(_unwrap(opt), self._layout) for opt in self.optimizers]
 
     @contextlib.contextmanager
     @override

@@ -103,11 +103,13 @@ class ParameterCounts:
                     self._owned.setdefault(id(owner), []).append((id(param), piece))
                     offset += numel
                 # A parameter shared by several modules is flattened once; the other owners point at it.
-                for _, _, owner, _, source, source_name in param._shared_param_infos:
+                for _, _, owner, name, source, source_name in param._shared_param_infos:
                     self._owned.setdefault(id(owner), []).append(pieces[(id(source), source_name)])
+                    pieces[(id(owner), name)] = pieces[(id(source), source_name)]
         for module in root.modules():
-            for param in module._parameters.values():
-                if param is None or id(param) in flat:
+            for name, param in module._parameters.items():
+                # A piece's original parameter (FairScale workaround 17) is counted as the piece, above.
+                if param is None or id(param) in flat or (id(module), name) in pieces:
                     continue
                 key = (id(param), 0)
                 if key not in self._counts:  # a parameter FSDP does not manage
@@ -157,6 +159,22 @@ def user_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.
     return walk(module, prefix)
 
 
+def _attribute_paths(root: nn.Module) -> dict[int, str]:
+    """Each module's path by attribute names, wrappers included (as torch's module tracker, and so the FLOP counter,
+    names modules: ``named_modules()`` of a unit holding its original parameters skips its wrappers)."""
+    paths: dict[int, str] = {}
+
+    def walk(module: nn.Module, path: str) -> None:
+        if id(module) in paths:
+            return
+        paths[id(module)] = path
+        for name, child in module.named_children():
+            walk(child, f"{path}.{name}" if path else name)
+
+    walk(root, "")
+    return paths
+
+
 def _fsdp_root(model: pl.LightningModule) -> Optional[nn.Module]:
     trainer = attached_trainer(model)
     wrapped = trainer.strategy.model if trainer is not None else None
@@ -186,7 +204,7 @@ class FullyShardedSummary(ModelSummary):
     """Lightning's model summary of a LightningModule sharded by FairScale's FSDP, counted without gathering.
 
     The layers, their types and parameter counts, the totals and the model size are those of the unwrapped model;
-    the column ``Params on rank R`` has the elements of each layer's parameters that this rank holds (an FSDP unit's
+    the column ``Params per Device`` has the elements of each layer's parameters that this rank holds (an FSDP unit's
     parameters are split evenly across ranks, so a layer inside a unit may lie more on one rank than another). An
     ``example_input_array`` runs through the root FSDP unit, on every rank. Outside FSDP it equals Lightning's
     summary.
@@ -200,7 +218,7 @@ class FullyShardedSummary(ModelSummary):
         self._root: nn.Module = _fsdp_root(model) or model
         self._counts = ParameterCounts(self._root)
         # Paths from the module the example input is passed to: the names FLOP counting records modules by.
-        self._raw_paths = {id(m): path for path, m in self._root.named_modules()}
+        self._raw_paths = _attribute_paths(self._root)
         self._layer_paths: dict[str, str] = {}
         super().__init__(model, max_depth=max_depth)
 
@@ -284,7 +302,8 @@ class FullyShardedSummary(ModelSummary):
         shard = [get_human_readable_count(layer.shard_parameters) for layer in layers]
         shard += [NOT_APPLICABLE] * (len(arrays[0][1]) - len(shard))  # the "other params" row, if any
         after = [name for name, _ in arrays].index("Params") + 1
-        arrays.insert(after, (f"Params on rank {self._counts.rank}", shard))
+        # Lightning's name for it (its DeepSpeed summary's), which its RichModelSummary knows how to show.
+        arrays.insert(after, ("Params per Device", shard))
         return arrays
 
 

@@ -76,7 +76,10 @@ class _Model:
     originals: weakref.WeakValueDictionary[int, Parameter]
 
     def knows(self, param: Parameter) -> bool:
-        return param in self.wrapped.layout.managed or self.originals.get(id(param)) is param
+        # A managed (flat) parameter, an original one from before wrapping, or one of the model's parameters after
+        # it (the views into the shards, which `model.parameters()` gives).
+        layout = self.wrapped.layout
+        return param in layout.managed or self.originals.get(id(param)) is param or bool(layout.locate(param))
 
 
 class DDPFullyShardedStrategy(DDPStrategy, _Sharded):

@@ -1,0 +1,324 @@
+"""The models people bring (issue 32): Hugging Face GPT-2 and Llama (tied input/output embeddings), and GPT-2 with
+PEFT's LoRA, trained with ``DDPFullyShardedStrategy`` as a Lightning user writes it, on 2 CPU processes: each against
+plain single-process training of the same model on the same global batches (computed in the launched processes,
+with torch only), and what the user's own code sees of the module once the strategy has set it up.
+
+Every training of this module runs in one launch of ``scenarios/hf_models.py`` (``conftest.run_jobs``): :data:`JOBS`
+lists them by name. A stage that fails in a job is recorded there (every rank's traceback) and fails the tests that
+need it; the other tests still run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+if not transformers.utils.is_torch_available():  # transformers 5 needs torch >= 2.6 (CI's lowest torch is 2.4)
+    pytest.skip(
+        f"transformers {transformers.__version__} does not work with torch {torch.__version__}",
+        allow_module_level=True,
+    )
+
+from scenarios.hf_models import EMBEDDING, GLOBAL_BATCH, HFJob  # noqa: E402
+
+from conftest import TESTS, Jobs, run_jobs  # noqa: E402
+
+HF_SCRIPT = TESTS / "scenarios" / "hf_models.py"
+ATOL = 1e-5
+MODELS = ("gpt2", "llama")
+KINDS = ("full", "sharded")
+#: The resumes: 2 steps saved, then 2 more. Lightning resumes exactly from the end of an epoch only when an epoch is
+#: one batch (from a 2-batch epoch, plain Lightning 2.6 restarts the next epoch at batch_idx 2, ends it after one
+#: batch, and with accumulation steps after one micro-batch): the resumes train on one global batch a step, without
+#: accumulation (the saved checkpoint is still the recipe's: two param groups, the schedule, clipping).
+HALF, MORE = 2, 2
+RESUME = {"steps": HALF, "more_steps": MORE, "accumulate": 1, "samples": GLOBAL_BATCH}
+
+JOBS: dict[str, HFJob] = {
+    # The recipe: AdamW in two param groups, warm-up schedule, clipping by norm at 1.0, 2 micro-batches a step.
+    **{f"recipe-{m}": HFJob(job="recipe", model=m, steps=3) for m in MODELS},
+    **{f"resume-{m}": HFJob(job="resume", model=m, **RESUME) for m in MODELS},
+    **{f"probes-{m}": HFJob(job="probes", model=m, steps=2) for m in MODELS},
+    **{f"probes-{m}-bf16": HFJob(job="probes", model=m, steps=1, accumulate=1, precision="bf16-true")
+       for m in MODELS},
+    "lora": HFJob(job="lora", model="gpt2", steps=3),
+    # Fabric's loop: 2 + 2 steps over the 4 global batches of 16 samples, clipping, no accumulation.
+    "fabric": HFJob(job="fabric", model="llama", steps=HALF, more_steps=MORE, accumulate=1),
+    "validate-fit": HFJob(job="validate-fit", model="gpt2", **RESUME),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    return run_jobs(tmp_path_factory.mktemp("hf_models"), JOBS, script=HF_SCRIPT)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _first_line(text: str) -> str:
+    """The exception line of a traceback (its last non-empty line)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def job(runs: Jobs, name: str, *stages: str) -> dict[str, Any]:
+    """The result of the job ``name``, after checking that it ran through and that none of ``stages`` failed on
+    any rank."""
+    result = runs[name]
+    if result["error"]:
+        text = next(iter(result["error"].values()))
+        pytest.fail(f"job {name} failed on rank(s) {sorted(result['error'])}: {_first_line(text)}\n{text}")
+    assert_stages(result, name, *stages)
+    return result
+
+
+def assert_stages(result: dict[str, Any], name: str, *stages: str) -> None:
+    for stage in stages:
+        failed = result["errors"].get(stage)
+        if failed:
+            text = next(iter(failed.values()))
+            pytest.fail(f"{name}: stage {stage!r} failed on rank(s) {sorted(failed)}: {_first_line(text)}\n{text}")
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = ATOL) -> None:
+    """The same keys (tied ones included), every tensor within ``atol``."""
+    assert actual, "no weights recorded"
+    missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+    assert not missing and not extra, f"missing keys {missing}, unexpected keys {extra}"
+    differences = {k: (actual[k].float() - expected[k].float()).abs().max().item() for k in expected}
+    worst = max(differences, key=differences.__getitem__)
+    assert differences[worst] < atol, f"{worst} differs by {differences[worst]:.3g} (> {atol}); all: {differences}"
+
+
+def assert_trained(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
+    """Training moved the weights well beyond the tolerance (the comparison is not of two untrained models)."""
+    moved = max((trained[k].float() - initial[k].float()).abs().max().item() for k in initial)
+    assert moved > 100 * ATOL, moved
+
+
+def assert_same_losses(actual: list[float], expected: list[float]) -> None:
+    assert len(actual) == len(expected), (actual, expected)
+    worst = max(abs(a - b) for a, b in zip(actual, expected))
+    assert worst < ATOL, f"losses differ by {worst:.3g}: {actual} against {expected}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 1. The recipe against unsharded training
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_recipe_equals_unsharded_training(runs: Jobs, model: str) -> None:
+    """Each transformer layer an FSDP unit, AdamW with two param groups, a schedule, clipping and accumulation: the
+    losses and the trained weights (``unshard_module``) are the unsharded training's."""
+    result = job(runs, f"recipe-{model}", "unshard")
+    assert_same_losses(result["losses"], result["reference_losses"])
+    assert_same_weights(result["trained"], result["reference"])
+    assert_trained(result["reference"], result["initial"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 2. A full checkpoint loads into a fresh HF model
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_full_checkpoint_loads_into_a_fresh_hf_model(runs: Jobs, model: str) -> None:
+    """``torch.load`` the full checkpoint, strip the LightningModule's ``model.`` prefix,
+    ``load_state_dict(strict=True)`` into a fresh model of the same configuration: the trained model's logits. The
+    state dict holds the output layer's key as well as the embedding's (as HF's own ``state_dict()`` does), with the
+    same values."""
+    name = f"recipe-{model}"
+    result = job(runs, name, "save")
+    keys = result.get("saved_keys")
+    assert keys is not None, f"the checkpoint was not read: {result['errors'].get('load')}"
+    assert "model.lm_head.weight" in keys and f"model.{EMBEDDING[model]}" in keys, keys
+    assert result["saved_tied_equal"], "the saved lm_head.weight differs from the saved embedding"
+    assert_stages(result, name, "load", "unshard", "trained-logits")
+    difference = (result["loaded_logits"] - result["trained_logits"]).abs().max().item()
+    assert difference < ATOL, difference
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 3. Exact resumes, and the consolidated sharded checkpoint
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_resume_in_a_new_trainer_is_exact(runs: Jobs, model: str, kind: str) -> None:
+    """2 steps of the recipe saved (full, or with ``state_dict_type="sharded"``), resumed with ``fit(ckpt_path=...)`` in
+    a new Trainer for 2 more: the 4 steps of unsharded training, loss by loss."""
+    name = f"resume-{model}"
+    result = job(runs, name, "train-and-save", f"resume-{kind}")
+    assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
+    assert_same_weights(result["resumed"][kind], result["reference"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_consolidated_sharded_checkpoint_equals_the_full_save(runs: Jobs, model: str) -> None:
+    """``lightning-fairscale-consolidate`` of the sharded checkpoint: the full checkpoint's state dict, key for key
+    (the tied output layer's included), value for value."""
+    name = f"resume-{model}"
+    result = job(runs, name, "train-and-save", "consolidate", "read-consolidated")
+    full, consolidated = result["full_state_dict"], result["consolidated_state_dict"]
+    assert "model.lm_head.weight" in full and f"model.{EMBEDDING[model]}" in full, sorted(full)
+    assert sorted(consolidated) == sorted(full), (sorted(set(full) ^ set(consolidated)))
+    different = [k for k in full if not torch.equal(full[k], consolidated[k])]
+    assert not different, different
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 4. What the LightningModule's code sees after set-up
+
+
+#: The hooks that record each probe of ``ProbedCausalLM``.
+PROBE_HOOKS = {
+    "tied": ("on_train_start", "on_after_backward", "on_train_batch_end"),
+    "optimizer": ("on_train_start", "on_after_backward", "on_train_batch_end"),
+    "names": ("on_train_start", "on_after_backward"),
+    "gradients": ("on_after_backward",),
+    "deepcopy": ("on_train_start",),
+    "readable": ("on_train_start", "on_train_batch_end"),
+}
+
+
+def probe_values(runs: Jobs, name: str, check: str) -> list[tuple[int, str, Any]]:
+    """Every rank's values of the probe ``check``: (rank, hook, value); each of its hooks ran on every rank as often
+    as it should (once at the start, once per micro-batch)."""
+    result = job(runs, name)
+    micro_batches = JOBS[name].steps * JOBS[name].accumulate
+    calls = {"on_train_start": 1, "on_after_backward": micro_batches, "on_train_batch_end": micro_batches}
+    assert len(result["probes"]) == JOBS[name].devices, len(result["probes"])
+    values = []
+    for rank, probes in enumerate(result["probes"]):
+        for hook in PROBE_HOOKS[check]:
+            seen = [value for h, c, value in probes if h == hook and c == check]
+            assert len(seen) == calls[hook], (
+                f"rank {rank}: {hook} ran {len(seen)} times, not {calls[hook]}: {result['errors']}"
+            )
+            values += [(rank, hook, value) for value in seen]
+    return values
+
+
+def assert_probe(runs: Jobs, name: str, check: str) -> None:
+    values = probe_values(runs, name, check)
+    wrong = [(rank, hook, value) for rank, hook, value in values if value is not True]
+    assert not wrong, f"{len(wrong)} of {len(values)} {check!r} probes failed, first: {wrong[0]}"
+    assert_stages(runs[name], name, "fit")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_output_layer_stays_tied_to_the_embedding(runs: Jobs, model: str) -> None:
+    """``self.model.lm_head.weight is self.model.<embedding>.weight`` at the start of training, after every backward
+    and after every batch, on every rank."""
+    assert_probe(runs, f"probes-{model}", "tied")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_optimizer_holds_the_modules_parameters(runs: Jobs, model: str) -> None:
+    """``optimizer.param_groups[0]["params"][0] is next(iter(self.parameters()))``, throughout training."""
+    assert_probe(runs, f"probes-{model}", "optimizer")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_named_parameters_keep_the_models_names(runs: Jobs, model: str) -> None:
+    """``self.named_parameters()`` after set-up: the names (and order) it had before, ``model.transformer.wte.weight``
+    ... (by which the param groups were made, and by which a user logs or checks gradients)."""
+    assert_probe(runs, f"probes-{model}", "names")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_trainable_parameter_has_a_gradient_after_backward(runs: Jobs, model: str) -> None:
+    """In ``on_after_backward`` (every micro-batch), ``p.grad is not None`` for every trainable ``p`` of
+    ``self.named_parameters()``."""
+    assert_probe(runs, f"probes-{model}", "gradients")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_parameters_can_be_deep_copied(runs: Jobs, model: str) -> None:
+    """``copy.deepcopy(list(self.parameters()))`` in ``on_train_start`` works and copies them."""
+    assert_probe(runs, f"probes-{model}", "deepcopy")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_parameter_is_readable_between_steps_on_every_rank(runs: Jobs, model: str) -> None:
+    """``p.sum()`` of every parameter, at the start of training and after every batch, on every rank."""
+    assert_probe(runs, f"probes-{model}", "readable")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_true_bf16_parameters_are_bf16(runs: Jobs, model: str) -> None:
+    """Under ``precision="bf16-true"`` the module's parameters are bfloat16 in every hook, on every rank."""
+    name = f"probes-{model}-bf16"
+    result = job(runs, name, "fit")
+    for rank, dtypes in enumerate(result["dtypes"]):
+        assert set(dtypes) == {"on_train_start", "on_after_backward", "on_train_batch_end"}, (rank, dtypes)
+        assert all(seen == ["torch.bfloat16"] for seen in dtypes.values()), (rank, dtypes)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 5. PEFT
+
+
+def test_lora_equals_unsharded_lora_training_and_trains_only_the_adapters(runs: Jobs) -> None:
+    """``get_peft_model(gpt2, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))``, each GPT2Block a unit
+    (frozen base weights beside the adapters): the unsharded LoRA training's losses and weights; only the LoRA
+    weights changed."""
+    result = job(runs, "lora", "unshard")
+    trained, initial = result["trained"], result["initial"]
+    assert_same_losses(result["losses"], result["reference_losses"])
+    assert_same_weights(trained, result["reference"])
+    adapters = [k for k in initial if "lora_" in k]
+    assert len(adapters) == 4, adapters
+    changed = [k for k in initial if not torch.equal(trained[k], initial[k])]
+    assert sorted(changed) == sorted(adapters), changed
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 6. Fabric
+
+
+def test_fabric_llama_equals_unsharded_training(runs: Jobs) -> None:
+    """Llama set up by ``fabric.setup`` with each decoder layer a unit, AdamW in two param groups, the warm-up
+    schedule, ``fabric.clip_gradients``: the losses and the weights (a full ``fabric.save``) of unsharded training."""
+    result = job(runs, "fabric", "final-state")
+    assert_same_losses(result["losses"], result["reference_losses"])
+    assert_same_weights(result["trained"], result["reference"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fabric_llama_resumes_exactly(runs: Jobs, kind: str) -> None:
+    """``fabric.save`` of step 2 (full or sharded), ``fabric.load`` into a fresh model, optimizer and schedule, 2 more
+    steps: the 4 steps of unsharded training."""
+    result = job(runs, "fabric", f"resume-{kind}")
+    assert result["resumed_step"][kind] == HALF
+    assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
+    assert_same_weights(result["resumed"][kind], result["reference"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# 7. validate, then fit, on one instance
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_validate_then_fit_saves_adam_moments_in_parameter_order(runs: Jobs, kind: str) -> None:
+    """After ``trainer.validate(model)`` then ``trainer.fit(model)`` (AdamW over ``self.parameters()``), the saved
+    ``optimizer_states[0]["state"][i]["exp_avg"]`` has the shape of the i-th parameter of the plain module (the full
+    save; the sharded one consolidated)."""
+    stages = ["validate-fit-save", *(["consolidate"] if kind == "sharded" else []), f"read-{kind}"]
+    result = job(runs, "validate-fit", *stages)
+    moments, shapes = result["saved_moments"][kind], result["parameter_shapes"]
+    assert sorted(moments) == list(range(len(shapes))), (sorted(moments), len(shapes))
+    wrong = [(i, moments[i], shapes[i]) for i in range(len(shapes)) if moments[i] != shapes[i]]
+    assert not wrong, f"{len(wrong)} of {len(shapes)} moments have another parameter's shape: {wrong}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_validate_then_fit_resumes_exactly(runs: Jobs, kind: str) -> None:
+    """The checkpoint of the validate-then-fit instance, resumed in a new Trainer: unsharded training's weights."""
+    result = job(runs, "validate-fit", "validate-fit-save", f"resume-{kind}")
+    assert_same_weights(result["resumed"][kind], result["reference"])
