@@ -139,6 +139,8 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
     from fairscale.nn import FullyShardedDataParallel
 
     import lightning_fairscale  # noqa: F401  (registers the strategy names)
+    from lightning_fairscale.fsdp.param_views import views_of
+    from lightning_fairscale.fsdp.unwrapping import wrapped_root
     from scenarios.common import Block, RegressionModel
     from scenarios.flavor import Callback, DDPFullyShardedStrategy, Trainer
 
@@ -157,8 +159,19 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
     RECORD["originals_alive"] = []
     model = RegressionModel()
     for index in range(2):
-        # The parameters the fit starts from, but for FSDP's shards (the second fit starts from the first's).
-        originals = [weakref.ref(param) for param in model.parameters() if not hasattr(param, "_is_sharded")]
+        # The parameters the fit starts from, but for FSDP's shards and the views into them that the model holds as
+        # its parameters once sharded (the second fit starts from the first's): those hold no memory of their own.
+        root = wrapped_root(model)  # the root unit wraps the LightningModule: it is not among its modules
+        views = {
+            id(view.param)
+            for unit in (root.modules() if root is not None else []) if isinstance(unit, FullyShardedDataParallel)
+            for param in unit.params for view in views_of(param)
+        }  # fmt: skip
+        originals = [
+            weakref.ref(param) for param in model.parameters()
+            if not hasattr(param, "_is_sharded") and id(param) not in views
+        ]  # fmt: skip
+        del root
         RECORD["model_parameters"] = len(originals)
         # FSDP: every Block recomputes its activations (a unit of its own); the second Trainer's strategy unshards.
         fsdp = strategy_name == "fsdp_fairscale"

@@ -225,3 +225,23 @@ def test_a_tie_across_the_module_tree_is_written_under_both_names_offline(tmp_pa
     plain = TiedLM()
     plain.load_state_dict(state, strict=True)
     assert plain.head.weight is plain.embed.weight
+
+
+def test_a_term_on_the_parameters_outside_the_forward_reaches_their_gradients(process_group: Any) -> None:
+    """An L2 term summed over ``model.parameters()`` after the forward: its gradient reaches the optimizer's
+    parameters as it would unsharded (the views' own gradients are added to FairScale's)."""
+    model, plain = TiedLM(), TiedLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    sharded = shard(model, optimizer, policy={Block}, min_num_params=0)
+    for step in range(2):
+        ids, targets = _batch(step, -1, 1)
+        for net, opt in ((sharded.root, optimizer), (plain, plain_optimizer)):
+            loss = _loss(net, ids, targets)
+            params = model.parameters() if net is sharded.root else plain.parameters()
+            (loss + 0.5 * sum(p.pow(2).sum() for p in params)).backward()
+            opt.step()
+            opt.zero_grad()
+    full = unwrap_module(sharded.root)
+    for (name, expected), (_, actual) in zip(plain.named_parameters(), full.named_parameters()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")

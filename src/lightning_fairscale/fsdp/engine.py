@@ -206,10 +206,11 @@ _WRAPPED = "_lightning_fairscale_wrapped"
 def wrapped_model(root: FullyShardedDataParallel) -> WrappedModel:
     """The :class:`WrappedModel` of ``root`` (:func:`finish_wrapping`): one per sharded model, whichever stage or
     strategy set it up, so that every stage's optimizers hold the same original parameters."""
-    model = root.__dict__.get(_WRAPPED)
-    if model is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
-        model = finish_wrapping(root, ParameterLayout().after_wrapping(root))
-    return model
+    kept = root.__dict__.get(_WRAPPED)
+    if kept is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
+        return finish_wrapping(root, ParameterLayout().after_wrapping(root))
+    layout, checkpointed = kept
+    return WrappedModel(root, layout, checkpointed)
 
 
 def finish_wrapping(
@@ -221,9 +222,10 @@ def finish_wrapping(
     originals, orders = layout.originals(), layout.parameter_names
     for unit in fsdp_instances(root):
         original_params.install(unit, originals, orders)
-    model = WrappedModel(root, layout, list(checkpointed))
-    root.__dict__[_WRAPPED] = model  # a later stage, or another strategy, takes the model as it is
-    return model
+    # A later stage, or another strategy, takes the model as it is. What the root keeps refers to it weakly only
+    # (the layout), so that a sharded model nobody uses any more is freed at once, not by the garbage collector.
+    root.__dict__[_WRAPPED] = (layout, list(checkpointed))
+    return WrappedModel(root, layout, list(checkpointed))
 
 
 def repoint(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:

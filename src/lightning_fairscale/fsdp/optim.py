@@ -17,6 +17,7 @@ FSDP replaces a unit's parameters by one flat, sharded parameter per unit (or sh
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -67,8 +68,16 @@ class Piece:
 
 @dataclass
 class _Managed:
-    unit: _FairScaleFSDP
+    """A managed parameter's unit (weakly: the root unit keeps the layout) and the original parameters it holds."""
+
+    _unit: Callable[[], Optional[_FairScaleFSDP]]
     pieces: list[Piece]
+
+    @property
+    def unit(self) -> _FairScaleFSDP:
+        unit = self._unit()
+        assert unit is not None, "the FSDP unit of this parameter is gone"
+        return unit
 
     @property
     def numel(self) -> int:
@@ -90,8 +99,8 @@ class ParameterLayout:
     _owners: dict[tuple[int, str], int] = field(default_factory=dict)
     managed: dict[nn.Parameter, _Managed] = field(default_factory=dict)
     _original: dict[int, tuple[nn.Parameter, int]] = field(default_factory=dict)
-    #: The root unit the layout describes.
-    root: Optional[nn.Module] = None
+    #: The root unit the layout describes, weakly (the root keeps its layout: see ``fsdp.engine.wrapped_model``).
+    _root: Optional[Callable[[], Optional[nn.Module]]] = None
     #: Position of each parameter in ``module.parameters()`` before wrapping, by id (until :meth:`after_wrapping`).
     _positions: dict[int, int] = field(default_factory=dict)
     #: ``(id(managed), piece)`` -> where the unwrapped module lists that original parameter (:meth:`in_module_order`).
@@ -115,7 +124,7 @@ class ParameterLayout:
         return layout
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
-        self.root = root
+        self._root = weakref.ref(root)
         for path, unit in named_fsdp_instances(root):
             for param in unit.params:
                 param_views.forget(param)  # the views of an earlier layout of this model (an earlier stage)
@@ -136,11 +145,11 @@ class ParameterLayout:
                         self._original[original] = (managed, len(pieces) - 1)
                     self._note_position(managed, len(pieces) - 1, original)
                     offset += numel
-                self.managed[managed] = _Managed(unit, pieces)
+                self.managed[managed] = _Managed(weakref.ref(unit), pieces)
             for managed, names in zip(unit.params[flat_count:], unit._param_name_groups[flat_count:]):
                 shape = torch.Size(managed._orig_size)
                 piece = Piece(prefix + clean_path(names[0]), 0, shape.numel(), shape, trainable=managed.requires_grad)
-                self.managed[managed] = _Managed(unit, [piece])
+                self.managed[managed] = _Managed(weakref.ref(unit), [piece])
                 # Sharded in place: the original itself, unless the unit replaced a meta one when materialising it.
                 owner_path, _, name = names[0].rpartition(".")
                 owner = unit.module.module.get_submodule(owner_path)
@@ -150,6 +159,11 @@ class ParameterLayout:
         self._owners.clear()
         self._positions.clear()
         return self
+
+    @property
+    def root(self) -> Optional[nn.Module]:
+        """The root unit the layout describes (``None`` before :meth:`after_wrapping`, or once it is gone)."""
+        return self._root() if self._root is not None else None
 
     def _note_position(self, managed: nn.Parameter, piece: int, original: Optional[int]) -> None:
         if original in self._positions:  # wrapped now: where the module listed the original parameter

@@ -123,14 +123,20 @@ def show(unit: nn.Module) -> None:
         wrapper._parameters.pop(name, None)
     for owner, order in slots.owners:
         current = owner._parameters
-        rebuilt = {}
+        attributes = owner.__dict__
         for name in order:
-            view = owner.__dict__.pop(name, None)  # FairScale's plain view, kept for the backward
+            view = attributes.pop(name, None)  # FairScale's plain view, kept for the backward
             if view is not None:
                 slots.views[(id(owner), name)] = view
-            param = slots.params.get((id(owner), name), current.get(name))
-            if (id(owner), name) in slots.params or name in current:
-                rebuilt[name] = param
+        if not current:  # the usual case: every parameter of the module is an original one (fast path)
+            current.update((name, slots.params[(id(owner), name)]) for name in order)
+            continue
+        rebuilt: dict[str, Optional[nn.Parameter]] = {}
+        for name in order:
+            if (id(owner), name) in slots.params:
+                rebuilt[name] = slots.params[(id(owner), name)]
+            elif name in current:
+                rebuilt[name] = current[name]
         rebuilt.update((n, p) for n, p in current.items() if n not in rebuilt)
         current.clear()
         current.update(rebuilt)

@@ -23,6 +23,7 @@ start and the end of each backward; the views are made by :class:`lightning_fair
 from __future__ import annotations
 
 from collections.abc import Iterable
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,9 @@ __all__ = [
 _VIEWS = "_lightning_fairscale_views"
 #: Set on a flat parameter while its gradient is the one shared with its views (after a synchronising backward).
 _SHARED = "_lightning_fairscale_grad_shared"
+#: On a flat parameter: the gradient tensor given to each of its views (by ``id`` of the view), to tell them from
+#: gradients the backward computed for the views themselves.
+_GIVEN = "_lightning_fairscale_given_grads"
 #: Set on an optimizer that holds views: the process group over which the norm of its gradients is taken.
 _NORM_GROUP = "_lightning_fairscale_norm_group"
 #: Set on the root FSDP unit of a model whose optimizers hold views (on every rank alike, even one holding none).
@@ -89,6 +93,7 @@ def forget(managed: nn.Parameter) -> None:
     earlier stage, which hold the old ones, are gone or no longer stepped)."""
     managed.__dict__.pop(_VIEWS, None)
     managed.__dict__.pop(_SHARED, None)
+    managed.__dict__.pop(_GIVEN, None)
 
 
 def views_of(managed: nn.Parameter) -> list[ParamView]:
@@ -105,21 +110,29 @@ def trainable_views(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
 def take_back_gradients(managed: nn.Parameter) -> None:
     """Before a backward: make ``managed.grad`` reflect what was done to its views' gradients since they got them.
 
-    All ``None`` (``zero_grad()``): the flat gradient is dropped, the backward starts afresh. Some ``None`` (an
+    All dropped (``zero_grad()``): the flat gradient is dropped, the backward starts afresh. Some dropped (an
     optimizer over part of the unit zeroed its own): their slices are zeroed. Otherwise (accumulating over
     synchronising backwards, or ``zero_grad(set_to_none=False)``, which zeroes the shared slices in place) the flat
-    gradient is kept, and FairScale accumulates into it.
+    gradient is kept, and FairScale accumulates into it. A view's gradient is dropped when it is no longer the one
+    it was given: ``None``, or one the backward has begun computing for the view itself (a term on the model's
+    parameters outside its forward, whose gradient reaches the view before this unit's backward starts).
     """
     if not managed.__dict__.pop(_SHARED, False) or managed.grad is None:
         return
     views = [view for view in views_of(managed) if view.trainable and view.start < view.stop]
-    missing = [view for view in views if view.param.grad is None]
+    given = managed.__dict__.get(_GIVEN, {})
+    missing = [view for view in views if not _holds_given(view, given)]
     if len(missing) == len(views):
         managed.grad = None
         return
     flat = managed.grad.view(-1)
     for view in missing:
         flat[view.start : view.stop].zero_()
+
+
+def _holds_given(view: ParamView, given: dict[int, Any]) -> bool:
+    ref = given.get(id(view.param))
+    return view.param.grad is not None and ref is not None and view.param.grad is ref()
 
 
 def mark_norm_group(optimizer: Any, group: Any) -> None:
@@ -152,6 +165,26 @@ def repoint_data(managed: nn.Parameter) -> None:
         view.param.data = shard[view.start : view.stop]
 
 
+def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tensor) -> None:
+    """Add into ``flat`` (the flat gradient shard) what the backward gave the views themselves: a term computed on
+    the model's parameters outside its forward (``sum(p.pow(2).sum() for p in model.parameters())``) reaches the
+    views, not FairScale's flat parameter. A gradient this module gave a view (its slice of FairScale's gradient, to
+    which autograd adds in place when accumulating) is FairScale's already. Each rank holds its slice of such a term's
+    gradient whole: no reduction, as for an unsharded model's parameter."""
+    given = managed.__dict__.get(_GIVEN, {})
+    for view in views:
+        own = view.param.grad
+        if own is None or not view.trainable or view.start == view.stop or _holds_given(view, given):
+            continue
+        flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
+
+
+def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
+    view.param.grad = grad
+    # Weakly: the gradient is freed with the view's reference to it (`zero_grad()`), as FairScale's is.
+    managed.__dict__.setdefault(_GIVEN, {})[id(view.param)] = weakref.ref(grad)
+
+
 @torch.no_grad()
 def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
     """After a backward that did not synchronise (``no_sync``, accumulating): give each trainable view its slice of
@@ -161,13 +194,13 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
     synchronising backward reduces FairScale's gradient and gives the views its shard."""
     grad = managed.grad
     shard = _shard(managed)
-    if grad is None or grad.dtype != shard.dtype or grad.numel() == shard.numel():
+    if grad is None or grad.dtype != shard.dtype:
         return
-    flat = grad.view(-1)
-    offset = min(rank * shard.numel(), flat.numel())
+    flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
+    offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
     for view in views_of(managed):
         if view.trainable and view.start < view.stop:
-            view.param.grad = flat[offset + view.start : offset + view.stop]
+            _give(managed, view, flat[offset + view.start : offset + view.stop])
 
 
 @torch.no_grad()
@@ -181,10 +214,12 @@ def share_gradients(managed: nn.Parameter) -> None:
     shard = _shard(managed)
     grad = managed.grad
     shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
+    if shares:
+        _add_own_gradients(managed, views, grad.view(-1))  # type: ignore[union-attr]
     for view in views:
         # A view of no element of this shard gets no gradient (as torch FSDP's original parameters outside the
         # shard): an optimizer then keeps no state for it.
         if view.trainable and shares and view.start < view.stop:
-            view.param.grad = grad.view(-1)[view.start : view.stop]  # type: ignore[union-attr]
+            _give(managed, view, grad.view(-1)[view.start : view.stop])  # type: ignore[union-attr]
     if shares:
         managed.__dict__[_SHARED] = True

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp.units import named_fsdp_instances
+from lightning_fairscale.fsdp.units import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.state_names import clean_path
 
 __all__ = ["memory_figures", "unit_summary"]
@@ -75,7 +75,9 @@ def memory_figures(model: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
         >>> figures["memory/parameters_bytes"]
         24.0
     """
-    params = list(model.parameters())
+    # FSDP's own parameters too: their gradients stay allocated after `zero_grad()` on the original parameters
+    # (FairScale drops them at the next backward), and a storage is counted once whichever holds it.
+    params = list(model.parameters()) + [param for unit in fsdp_instances(model) for param in unit.params]
     state = [
         value
         for optimizer in optimizers
