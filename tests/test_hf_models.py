@@ -10,6 +10,7 @@ need it; the other tests still run.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,8 +54,21 @@ JOBS: dict[str, HFJob] = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
-    return run_jobs(tmp_path_factory.mktemp("hf_models"), JOBS, script=HF_SCRIPT)
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf_models")
+
+
+@pytest.fixture(scope="module")
+def runs(folder: Path) -> Jobs:
+    return run_jobs(folder, JOBS, script=HF_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def resharded(runs: Jobs, folder: Path) -> Jobs:
+    """The 2-process resume job's checkpoints (GPT-2, tied) resumed on 1 process: one more, short, launch."""
+    jobs = {"resharded-gpt2": HFJob(job="resume-resharded", model="gpt2", devices=1,
+                                    checkpoints=str(folder / "resume-gpt2"), **RESUME)}  # fmt: skip
+    return run_jobs(folder / "resharded", jobs, script=HF_SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -154,6 +168,14 @@ def test_resume_in_a_new_trainer_is_exact(runs: Jobs, model: str, kind: str) -> 
     a new Trainer for 2 more: the 4 steps of unsharded training, loss by loss."""
     name = f"resume-{model}"
     result = job(runs, name, "train-and-save", f"resume-{kind}")
+    assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
+    assert_same_weights(result["resumed"][kind], result["reference"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_of_2_processes_resumes_exactly_on_1(resharded: Jobs, kind: str) -> None:
+    """GPT-2's 2-process checkpoints (tied embeddings), full and sharded, resumed on 1 process: unsharded training."""
+    result = job(resharded, "resharded-gpt2", f"resume-{kind}")
     assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
     assert_same_weights(result["resumed"][kind], result["reference"])
 
@@ -288,6 +310,15 @@ def test_fabric_llama_equals_unsharded_training(runs: Jobs) -> None:
     result = job(runs, "fabric", "final-state")
     assert_same_losses(result["losses"], result["reference_losses"])
     assert_same_weights(result["trained"], result["reference"])
+
+
+def test_after_fabric_setup_the_parameters_are_the_optimizers_and_stay_tied(runs: Jobs) -> None:
+    probes = job(runs, "fabric")["fabric_probes"]
+    assert len(probes) == 2
+    for rank_probes in probes:
+        assert rank_probes == {
+            "tied": True, "optimizer_holds_the_parameters": True, "plain_parameters": True, "copies": True
+        }
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -75,6 +75,8 @@ class HFJob(Config):
     clip: Optional[float] = 1.0  # gradient_clip_val (by norm)
     precision: str = "32-true"
     samples: int = SAMPLES
+    #: ``resume-resharded``: the folder of a ``resume`` job run on another number of processes (its checkpoints).
+    checkpoints: str = ""
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -517,6 +519,29 @@ def resume(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) ->
     stages.run("read-consolidated", read_both)
 
 
+def resume_resharded(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) -> None:
+    """The checkpoints of a ``resume`` job saved on another number of processes, each resumed here for
+    ``more_steps``: the whole training of unsharded training."""
+    total = config.steps + config.more_steps
+    result["resumed"], result["resumed_losses"] = {}, {}
+    for kind in ("full", "sharded"):
+
+        def resumed(kind: str = kind) -> None:
+            module = CausalLM(build_model(config.model), samples=config.samples)
+            path = Path(config.checkpoints) / f"half-{kind}.ckpt"
+            trainer = fit(config, module, total, ckpt_path=str(path), state_dict_type=kind)
+            result["resumed_losses"][kind] = global_losses(gather(module.losses))
+            result["resumed"][kind] = unsharded(trainer, module)
+
+        stages.run(f"resume-{kind}", resumed)
+        barrier()
+    if rank() == 0:
+        model, result["reference_losses"] = reference(
+            config.model, total, accumulate=config.accumulate, clip=config.clip, samples=config.samples
+        )
+        result["reference"] = state(model)
+
+
 def probes(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) -> None:
     """The recipe's training with :class:`ProbedCausalLM`; every rank's probes and dtypes."""
     module = ProbedCausalLM(build_model(config.model), config.model, samples=config.samples)
@@ -640,11 +665,27 @@ def fabric_train(fabric: Any, run: dict[str, Any], last: int, config: HFJob,
     return losses
 
 
+def fabric_probes(model: Any, optimizer: Any, kind: str) -> dict[str, Any]:
+    """What a Fabric loop's own code sees after ``fabric.setup``: the tie, and the optimizer's parameters being the
+    model's (the same objects, both ways)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    params = list(model.parameters())
+    inner = model.module  # the HF model inside Fabric's wrapper (and the FSDP units)
+    embedding = inner.get_submodule(EMBEDDING[kind].rsplit(".", 1)[0]).weight
+    return {
+        "tied": inner.lm_head.weight is embedding,
+        "optimizer_holds_the_parameters": held == {id(p) for p in params},
+        "plain_parameters": all(type(p) is torch.nn.Parameter for p in params),
+        "copies": len(copy.deepcopy(params)) == len(params),
+    }
+
+
 def fabric_run(fabric: Any, fields: dict[str, Any], work_dir: str, stages: Stages, result: dict[str, Any]) -> None:
     config = HFJob.from_json(fields)
     work = Path(work_dir)
     first, total = config.steps, config.steps + config.more_steps
     run = fabric_setup(fabric, config.model)
+    result["fabric_probes"] = gather(fabric_probes(run["model"], run["optimizer"], config.model))
 
     def save() -> None:
         fabric.strategy.state_dict_type = "full"
@@ -681,6 +722,7 @@ def fabric_run(fabric: Any, fields: dict[str, Any], work_dir: str, stages: Stage
 JOB_FUNCTIONS: dict[str, Callable[[HFJob, Path, Stages, dict[str, Any]], None]] = {
     "recipe": recipe,
     "resume": resume,
+    "resume-resharded": resume_resharded,
     "probes": probes,
     "lora": lora,
     "validate-fit": validate_fit,
