@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "LIGHTNING_ARGUMENTS",
     "check_spawn_start_method",
     "config_arguments",
     "config_property",
@@ -37,6 +38,9 @@ _BASE_ARGUMENTS = (
     "timeout",
     "start_method",
 )
+#: Every argument of a strategy's constructor that goes to Lightning, not to its configuration: those of
+#: ``DDPStrategy`` and the precision plugin, as ``precision_plugin`` (the Trainer's name) or ``precision`` (Fabric's).
+LIGHTNING_ARGUMENTS = (*_BASE_ARGUMENTS, "precision_plugin", "precision")
 
 
 def lightning_arguments(arguments: Mapping[str, Any], precision_name: str) -> dict[str, Any]:
@@ -60,16 +64,32 @@ def lightning_arguments(arguments: Mapping[str, Any], precision_name: str) -> di
 
 
 def config_arguments(config_class: type, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of ``config_class`` (a dataclass), from a strategy constructor's arguments: those named
-    as its fields (its ``InitVar`` too), and the constructor's extra keyword arguments (``kwargs``) as
-    ``fairscale_kwargs``.
+    """The keyword arguments of ``config_class`` (a dataclass), from a strategy constructor's arguments (its
+    ``locals()``): those named as its fields (its ``InitVar`` too), and the constructor's extra keyword arguments
+    (``kwargs``) as ``fairscale_kwargs``.
+
+    Every other argument must be one of Lightning's (:data:`LIGHTNING_ARGUMENTS`): a constructor argument that
+    neither the configuration nor Lightning takes would be lost, so it raises a ``TypeError`` instead.
 
     Example:
         >>> from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
         >>> config_arguments(ShardedDDPConfig, {"self": None, "timeout": 5, "kwargs": {"reduce_buffer_size": 8}})
         {'fairscale_kwargs': {'reduce_buffer_size': 8}}
+        >>> config_arguments(ShardedDDPConfig, {"self": None, "bucket_cap_mb": 25, "kwargs": {}})
+        Traceback (most recent call last):
+        ...
+        TypeError: ShardedDDPConfig takes no argument `bucket_cap_mb`, and neither does Lightning: ...
     """
     names = set(inspect.signature(config_class).parameters) - {"fairscale_kwargs", "owner"}
+    # `__class__`: in the `locals()` of a method that calls `super()`.
+    unknown = set(arguments) - names - set(LIGHTNING_ARGUMENTS) - {"self", "kwargs", "__class__"}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise TypeError(
+            f"{config_class.__name__} takes no argument `{name}`, and neither does Lightning: a strategy's arguments"
+            f" are its configuration's ({', '.join(sorted(names))}) and Lightning's"
+            f" ({', '.join(LIGHTNING_ARGUMENTS)})."
+        )
     return {
         **{name: value for name, value in arguments.items() if name in names},
         "fairscale_kwargs": arguments["kwargs"],

@@ -8,8 +8,9 @@ design is :mod:`lightning_fairscale.callbacks.model_summary`, whose summary subc
 and overrides its private hooks.
 
 Checked against pytorch-lightning / lightning-fabric / lightning 2.6.0 and 2.6.6, and torch 2.13. This module is
-bound to Lightning (see :mod:`lightning_fairscale.lightning`): for ``import lightning as L`` it is compiled again with
-``lightning.pytorch`` / ``lightning.fabric`` in place of the standalone packages.
+bound to Lightning (see :mod:`lightning_fairscale.lightning`): ``make lightning`` (``tools/generate_lightning.py``)
+writes its copy for ``import lightning as L``, ``lightning_fairscale/lightning/_compat.py``, with ``lightning.pytorch``
+/ ``lightning.fabric`` in place of the standalone packages in its imports.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ __all__ = [
     "attached_trainer",
     "checkpoint_io_slot",
     "collective_timeout",
-    "fabric_precision_slot",
     "layer_sync_plugin",
     "precision_plugin_slot",
     "set_checkpoint_io_slot",
@@ -95,12 +95,8 @@ def use_multiprocessing_launcher(strategy: Any, launcher_class: type) -> None:
         strategy._launcher = launcher_class(strategy, start_method=strategy._start_method)
 
 
-def fabric_precision_slot(strategy: Any) -> Optional[Any]:
-    """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` when none was."""
-    return strategy._precision
-
-
 def set_fabric_precision_slot(strategy: Any, precision: Optional[Any]) -> None:
+    """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` for Fabric's default."""
     strategy._precision = precision
 
 

@@ -72,7 +72,8 @@ def test_values_are_kept_in_one_form() -> None:
     assert config.backward_prefetch == "BACKWARD_PRE"
     assert FullyShardedConfig(backward_prefetch=None).backward_prefetch is None
     assert config.cpu_offload is True and config.min_num_params == 1000 and type(config.min_num_params) is int
-    assert (config.sharding_strategy, config.reshard_after_forward) == ("SHARD_GRAD_OP", False)  # ZeRO-2
+    # ZeRO-2: the user's `reshard_after_forward` kept as given (FSDP gets False, see `fsdp_kwargs`).
+    assert (config.sharding_strategy, config.reshard_after_forward) == ("SHARD_GRAD_OP", True)
     assert config.activation_checkpointing == (Block,)
     assert (config.exclude_wrap_modules, config.force_leaf_modules) == ((nn.ModuleList,), (nn.LSTM, nn.GRU))
     given["verbose"] = False  # the config keeps its own copy

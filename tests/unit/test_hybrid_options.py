@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.distributed.fsdp import ShardingStrategy
 
 from lightning_fairscale.fsdp.hybrid import mesh_request, resolve_mesh, sharding_name
@@ -19,9 +20,10 @@ from lightning_fairscale.strategies import DDPFullyShardedStrategy
     ],
 )
 def test_sharding_strategy_names(given: object, name: str, reshard: bool) -> None:
-    strategy = DDPFullyShardedStrategy(sharding_strategy=given)
+    strategy = DDPFullyShardedStrategy(sharding_strategy=given, parallel_devices=[torch.device("cpu")])
     assert strategy.sharding_strategy == name
-    assert strategy.reshard_after_forward is reshard
+    assert strategy.reshard_after_forward is True  # the user's value (the default), kept
+    assert strategy.fsdp_kwargs()["reshard_after_forward"] is reshard  # what FSDP gets
 
 
 def test_no_shard_points_to_ddp() -> None:

@@ -58,6 +58,8 @@ from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_pla
 from lightning_fairscale.fsdp.summary import memory_figures
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from lightning_fairscale._compat import _LRScheduler
 
 __all__ = ["DDPFullyShardedStrategy"]
@@ -101,6 +103,75 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
       dict; see :mod:`lightning_fairscale.checkpoint.fabric`), which the Trainer resumes from too, and the Trainer's:
       ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
 
+    Args:
+        accelerator: the accelerator; Fabric sets it.
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
+            bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
+        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
+        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+            Under ``sharding_strategy="SHARD_GRAD_OP"`` or ``"_HYBRID_SHARD_ZERO2"`` FSDP does not reshard, whatever
+            this says (the strategy keeps the value given, for another ``sharding_strategy``).
+        move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
+            precision, whose gradients are fp16 or bf16).
+        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
+            half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
+        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
+        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
+        parallel_devices: the devices of this node; Fabric sets them.
+        cluster_environment: the cluster environment; Fabric sets it.
+        checkpoint_io: the checkpoint IO plugin.
+        precision_plugin: another name for ``precision`` (the Trainer's).
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
+            (each instance its own unit), a callable with FairScale's policy signature
+            ``(module, recurse, unwrapped_params, module_is_root) -> bool``, or what Lightning's ``FSDPStrategy``
+            takes: a callable with torch's signature ``(module, recurse, nonwrapped_numel) -> bool`` (such as
+            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or torch's
+            ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
+            (``min_num_params``).
+        exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
+            still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
+        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
+            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``)
+            for the size policy, none else.
+        activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
+            the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
+        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``: a set of
+            layer classes, ``ModuleWrapPolicy({Block})`` or ``partial(transformer_auto_wrap_policy,
+            transformer_layer_cls={Block})``. Pass one of the two arguments.
+        state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
+            gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
+            directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
+            and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        precision: the precision plugin; Fabric's ``precision`` flag chooses it.
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
+            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
+            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
+            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
+        param_init_fn: for a model built on the ``meta`` device (``fabric.init_module(empty_init=True)``, or
+            ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
+            (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
+            argument). Default: each such module's ``reset_parameters()``.
+        sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
+            (as ``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
+            across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
+            (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
+        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
+            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which
+            ``strategy.device_mesh`` then is).
+        backward_prefetch: when the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's
+            ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
+            alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
+            current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
+            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
+            FairScale's streams overlap the collectives and this is not used.
+        **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
+
     Example:
         >>> from lightning_fairscale.fabric import DDPFullyShardedStrategy
         >>> DDPFullyShardedStrategy(min_num_params=1_000, state_dict_type="sharded").state_dict_type
@@ -139,7 +210,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Any] = None,
+        device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         **kwargs: Any,
     ) -> None:
@@ -171,6 +242,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
     param_init_fn = config_property("param_init_fn")
     sharding_strategy = config_property("sharding_strategy")
+    device_mesh = config_property("device_mesh")
     backward_prefetch = config_property("backward_prefetch")
 
     @classmethod
@@ -202,11 +274,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @checkpoint_io.setter
     def checkpoint_io(self, io: Optional[Any]) -> None:
         set_checkpoint_io_slot(self, io)
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether the precision plugin asks FairScale for mixed precision."""
-        return self.precision.precision in ("16-mixed", "bf16-mixed")
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every FSDP unit of this strategy is built with."""

@@ -62,6 +62,26 @@ class DDPShardedStrategy(DDPStrategy):
       written atomically by the default CheckpointIO plugin, :class:`~lightning_fairscale.ShardedCheckpointIO`: a
       save killed midway leaves the previous checkpoint of that path intact.
 
+    Args:
+        accelerator: the accelerator; Fabric sets it.
+        parallel_devices: the devices of this node; Fabric sets them.
+        cluster_environment: the cluster environment; Fabric sets it.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which
+            writes each checkpoint file atomically).
+        precision_plugin: another name for ``precision`` (the Trainer's).
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
+            parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
+            supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
+        precision: the precision plugin; Fabric's ``precision`` flag chooses it.
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
+            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
+        **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
+            node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
+
     Example:
         >>> from lightning_fairscale.fabric import DDPShardedStrategy
         >>> DDPShardedStrategy(reduce_buffer_size=2**20).reduce_buffer_size
@@ -95,6 +115,7 @@ class DDPShardedStrategy(DDPStrategy):
         self._set_up: SetUp[None] = SetUp()
         self._backward_sync_control = NoBackwardSync()
 
+    find_unused_parameters = config_property("find_unused_parameters")
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 

@@ -95,7 +95,9 @@ class FullyShardedConfig:
     precision plugin, timeout...); the strategy's extra keyword arguments are :attr:`fairscale_kwargs`. Values are
     kept in one form: ``cpu_offload`` a bool, the layer classes tuples, ``sharding_strategy`` its upper-case name,
     ``device_mesh`` ``(replicas, shard_size)`` or ``None``, ``activation_checkpointing_policy`` merged into
-    ``activation_checkpointing``.
+    ``activation_checkpointing``. No option is written over by another: what one implies for another (the ZeRO-2
+    sharding strategies do not reshard after forward, whatever ``reshard_after_forward`` says) is computed where it
+    is used (:func:`fsdp_kwargs`), so that a changed copy (``dataclasses.replace``) starts from the user's values.
 
     Raises:
         ValueError, TypeError: an argument is not accepted; the message says what is.
@@ -103,6 +105,7 @@ class FullyShardedConfig:
 
     cpu_offload: bool = False
     flatten_parameters: bool = True
+    #: As given: FSDP gets False under the ZeRO-2 sharding strategies, whatever it says (see :func:`fsdp_kwargs`).
     reshard_after_forward: bool = True
     move_grads_to_cpu: Optional[bool] = None
     fp32_reduce_scatter: Optional[bool] = None
@@ -134,8 +137,6 @@ class FullyShardedConfig:
     def __post_init__(self, activation_checkpointing_policy: Optional[Any]) -> None:
         name = sharding_name(self.sharding_strategy)
         self._set("sharding_strategy", name)
-        if name in _ZERO2:
-            self._set("reshard_after_forward", False)
         request = mesh_request(name, self.device_mesh)
         self._set("device_mesh", request if isinstance(request, tuple) else None)
         self._set("lightning_1x_optimizer_state", validate_policy(self.lightning_1x_optimizer_state, self.owner))
@@ -205,7 +206,8 @@ def fsdp_kwargs(
         # Groups made with the strategy's `timeout`: FairScale's own (when given none) wait 30 minutes.
         "process_group": groups.all_gather,
         "compute_device": device,
-        "reshard_after_forward": config.reshard_after_forward,
+        # The ZeRO-2 strategies keep the full parameters from forward to backward, whatever the user's value says.
+        "reshard_after_forward": config.reshard_after_forward and config.sharding_strategy not in _ZERO2,
         "flatten_parameters": config.flatten_parameters,
         "bucket_cap_mb": config.bucket_cap_mb,
         "mixed_precision": mixed,

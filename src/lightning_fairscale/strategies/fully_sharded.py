@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
 import torch
@@ -62,6 +62,9 @@ from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_
 from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
 from lightning_fairscale.fsdp.unwrapping import forget_root, unwrap_module, wrapped_root
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 class DDPFullyShardedStrategy(DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
@@ -76,6 +79,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
             bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
         flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
         reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+            Under ``sharding_strategy="SHARD_GRAD_OP"`` or ``"_HYBRID_SHARD_ZERO2"`` FSDP does not reshard, whatever
+            this says (the strategy keeps the value given, for another ``sharding_strategy``).
         move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
         fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
             precision, whose gradients are fp16 or bf16).
@@ -123,11 +128,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
             (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
             argument). Default: each such module's ``reset_parameters()``.
         sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
-            (``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
+            (as ``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
             across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
             (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
         device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
-            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape.
+            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which
+            ``strategy.device_mesh`` then is).
         backward_prefetch: when the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's
             ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
             alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
@@ -179,7 +185,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Any] = None,
+        device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         **kwargs: Any,
     ) -> None:
@@ -219,6 +225,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
     param_init_fn = config_property("param_init_fn")
     sharding_strategy = config_property("sharding_strategy")
+    device_mesh = config_property("device_mesh")
     backward_prefetch = config_property("backward_prefetch")
 
     @classmethod
@@ -252,11 +259,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def checkpoint_io(self, io: Optional[Any]) -> None:
         set_checkpoint_io_slot(self, io)
-
-    @property
-    def mixed_precision(self) -> bool:
-        """Whether the precision plugin asks FairScale for mixed precision."""
-        return self.precision_plugin.precision in ("16-mixed", "bf16-mixed")
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every FSDP unit of this strategy is built with."""

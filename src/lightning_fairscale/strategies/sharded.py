@@ -136,6 +136,7 @@ class DDPShardedStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # Configuration
 
+    find_unused_parameters = config_property("find_unused_parameters")
     lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
 
     @classmethod
