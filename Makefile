@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[test,docs]" "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
+	# The Hugging Face packages of tests/test_hf_models.py (pyproject's `hf` extra), in a folder that only those tests
+	# put on their path: in the environment, torchmetrics would import transformers in every process that imports
+	# Lightning. PEFT and Accelerate without their dependencies (torch is the environment's).
+	rm -rf $(VENV)/hf
+	$(PY) -m pip install --quiet --target $(VENV)/hf "transformers>=4.45,<6"
+	$(PY) -m pip install --quiet --target $(VENV)/hf --no-deps "peft>=0.13,<1" accelerate psutil
 	rm -f $(VENV)/.installed-*  # another set of versions installed before: switching back must reinstall
 	touch $(STAMP)
 

@@ -10,12 +10,17 @@ need it; the other tests still run.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+# transformers and peft: in a folder of their own (the Makefile's `$(VENV)/hf`, pyproject's `hf` extra), last, so
+# that the environment's packages win where both have one.
+sys.path.append(os.path.join(sys.prefix, "hf"))
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 if not transformers.utils.is_torch_available():  # transformers 5 needs torch >= 2.6 (CI's lowest torch is 2.4)

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# transformers and peft: in a folder of their own (the Makefile's `$(VENV)/hf`), last, so that the environment's
+# packages win where both have one.
+sys.path.append(os.path.join(sys.prefix, "hf"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
