@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 import torch
 from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fairscale._compat import checkpoint_io_slot, collective_timeout, set_checkpoint_io_slot
+from lightning_fairscale._compat import collective_timeout
 from lightning_fairscale._compat import set_fabric_precision_slot
 from lightning_fairscale._compat import _Sharded
 from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -37,7 +37,7 @@ from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
+from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_checkpoint_io
 from lightning_fairscale.fabric._common import (
     FabricCheckpoints,
     NoBackwardSync,
@@ -263,17 +263,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     def precision(self, precision: Optional[Precision]) -> None:
         set_fabric_precision_slot(self, fabric_precision(precision, type(self).__name__, fsdp_grad_scaler))
 
-    @property
-    def checkpoint_io(self) -> Any:
-        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by
-        default."""
-        if checkpoint_io_slot(self) is None:
-            set_checkpoint_io_slot(self, ShardedCheckpointIO())
-        return super().checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[Any]) -> None:
-        set_checkpoint_io_slot(self, io)
+    checkpoint_io = default_checkpoint_io(DDPStrategy)
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every FSDP unit of this strategy is built with."""

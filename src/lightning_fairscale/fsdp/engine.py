@@ -224,8 +224,9 @@ def finish_wrapping(
         original_params.install(unit, originals, orders)
     # A later stage, or another strategy, takes the model as it is. What the root keeps refers to it weakly only
     # (the layout), so that a sharded model nobody uses any more is freed at once, not by the garbage collector.
-    root.__dict__[_WRAPPED] = (layout, list(checkpointed))
-    return WrappedModel(root, layout, list(checkpointed))
+    model = WrappedModel(root, layout, list(checkpointed))
+    root.__dict__[_WRAPPED] = (layout, model.checkpointed)
+    return model
 
 
 def repoint(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:

@@ -13,11 +13,9 @@ import lightning.pytorch as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.lightning._compat import (
-    checkpoint_io_slot,
     collective_timeout,
     layer_sync_plugin,
     precision_plugin_slot,
-    set_checkpoint_io_slot,
     set_precision_plugin_slot,
 )
 from lightning_fairscale.lightning._compat import _optimizers_to_device
@@ -40,7 +38,7 @@ from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
-from lightning_fairscale.lightning.plugins.checkpoint_io import ShardedCheckpointIO, sharded_checkpoint_io
+from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, sharded_checkpoint_io
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
@@ -247,19 +245,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         set_precision_plugin_slot(self, None if plugin is None else fully_sharded_precision_plugin(plugin))
 
-    @property
-    @override
-    def checkpoint_io(self) -> Any:
-        """The CheckpointIO plugin: a :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` by
-        default."""
-        if checkpoint_io_slot(self) is None:
-            set_checkpoint_io_slot(self, ShardedCheckpointIO())
-        return super().checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Optional[Any]) -> None:
-        set_checkpoint_io_slot(self, io)
+    checkpoint_io = default_checkpoint_io(DDPStrategy)
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every FSDP unit of this strategy is built with."""
