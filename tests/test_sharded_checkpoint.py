@@ -31,6 +31,7 @@ from conftest import (
     run_jobs,
     run_script,
 )
+from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale import consolidate as consolidate_tool
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
@@ -55,6 +56,10 @@ KILLS = {
     "sharded-rank0-shard": ("sharded", 0, 3),
     "sharded-rank0-meta": ("sharded", 0, 4),
 }
+
+#: Where these tests keep sharded checkpoints (what `ShardedCheckpointIO().sharded_storage()` gives).
+STORAGE = ShardedStorage()
+
 
 
 @pytest.fixture(scope="module")
@@ -323,26 +328,25 @@ def test_a_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(
 
 
 def test_an_unfinished_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
-    io = ShardedCheckpointIO()
     target = tmp_path / "last.ckpt"
-    io.begin_sharded(target)
-    io.save_shard({"state_dict": {}}, target, 0, 2)  # rank 1 never wrote: the save must not complete
+    STORAGE.begin_sharded(target)
+    STORAGE.save_shard({"state_dict": {}}, target, 0, 2)  # rank 1 never wrote: the save must not complete
     with pytest.raises(RuntimeError, match="were not written"):
-        io.commit_sharded({"global_step": 1}, target, 2)
+        STORAGE.commit_sharded({"global_step": 1}, target, 2)
     assert not target.exists()
-    io.abort_sharded(target)
+    STORAGE.abort_sharded(target)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_crash_between_the_renames_finds_the_previous_checkpoint(tmp_path: Path) -> None:
     io = ShardedCheckpointIO()
     target = tmp_path / "last.ckpt"
-    io.begin_sharded(target)
-    io.save_shard({"state_dict": {"w": torch.ones(1)}}, target, 0, 1)
-    io.commit_sharded({"global_step": 1}, target, 1)
+    STORAGE.begin_sharded(target)
+    STORAGE.save_shard({"state_dict": {"w": torch.ones(1)}}, target, 0, 1)
+    STORAGE.commit_sharded({"global_step": 1}, target, 1)
     target.rename(tmp_path / ".last.ckpt.replaced")  # what the next save does first
     assert io.load_checkpoint(target)["global_step"] == 1
-    assert torch.equal(io.load_shard(target, 0, 1)["state_dict"]["w"], torch.ones(1))
+    assert torch.equal(STORAGE.load_shard(target, 0, 1)["state_dict"]["w"], torch.ones(1))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
@@ -359,9 +363,9 @@ def test_a_damaged_file_gets_an_error_naming_it(tmp_path: Path, damage: str) -> 
 def test_remove_checkpoint_removes_files_and_directories(tmp_path: Path) -> None:
     io = ShardedCheckpointIO()
     io.save_checkpoint({"x": 1}, tmp_path / "a.ckpt")
-    io.begin_sharded(tmp_path / "b.ckpt")
-    io.save_shard({}, tmp_path / "b.ckpt", 0, 1)
-    io.commit_sharded({}, tmp_path / "b.ckpt", 1)
+    STORAGE.begin_sharded(tmp_path / "b.ckpt")
+    STORAGE.save_shard({}, tmp_path / "b.ckpt", 0, 1)
+    STORAGE.commit_sharded({}, tmp_path / "b.ckpt", 1)
     io.remove_checkpoint(tmp_path / "a.ckpt")
     io.remove_checkpoint(tmp_path / "b.ckpt")
     assert list(tmp_path.iterdir()) == []

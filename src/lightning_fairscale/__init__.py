@@ -21,7 +21,6 @@ import importlib
 import sys
 from typing import Any
 
-from lightning_fairscale.__about__ import __version__
 from lightning_fairscale._deprecated import deprecated_alias
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 from lightning_fairscale.precision import (
@@ -37,6 +36,9 @@ from lightning_fairscale.strategies import DDPFullyShardedStrategy, DDPShardedSt
 
 # Fabric's registry gets the same names (Fabric's classes are in `lightning_fairscale.fabric`).
 importlib.import_module("lightning_fairscale.fabric")
+
+#: The package's version (what pyproject.toml reads).
+__version__ = "0.1.0"
 
 __all__ = [
     "DDPFullyShardedStrategy",

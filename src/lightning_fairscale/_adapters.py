@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+import textwrap
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Callable, Literal, TypeVar
 
 __all__ = [
     "LIGHTNING_ARGUMENTS",
@@ -26,6 +28,7 @@ __all__ = [
     "config_property",
     "lightning_arguments",
     "register_strategies",
+    "strategy_options",
 ]
 
 #: The arguments of Lightning's ``DDPStrategy`` (the Trainer's and Fabric's alike) that the strategies take too.
@@ -41,6 +44,96 @@ _BASE_ARGUMENTS = (
 #: Every argument of a strategy's constructor that goes to Lightning, not to its configuration: those of
 #: ``DDPStrategy`` and the precision plugin, as ``precision_plugin`` (the Trainer's name) or ``precision`` (Fabric's).
 LIGHTNING_ARGUMENTS = (*_BASE_ARGUMENTS, "precision_plugin", "precision")
+
+
+#: The ``Args:`` entries of Lightning's arguments, for the Trainer's strategies and for Fabric's.
+_LIGHTNING_DOCS = {
+    "accelerator": "the accelerator; {front_end} sets it.",
+    "parallel_devices": "the devices of this node; {front_end} sets them.",
+    "cluster_environment": "the cluster environment; {front_end} sets it.",
+    "checkpoint_io": "the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which\n"
+    "    writes each checkpoint file, and each sharded checkpoint directory, atomically).",
+    "process_group_backend": '``"nccl"``, ``"gloo"``... (default: from the device).',
+    "timeout": "how long collectives wait for the other ranks before failing.",
+    "start_method": '``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.',
+}
+_PRECISION_DOCS = {
+    "Trainer": {
+        "precision_plugin": "the precision plugin; the Trainer's ``precision`` flag chooses it.",
+        "precision": "another name for ``precision_plugin`` (Fabric's).",
+    },
+    "Fabric": {
+        "precision": "the precision plugin; Fabric's ``precision`` flag chooses it.",
+        "precision_plugin": "another name for ``precision`` (the Trainer's).",
+    },
+}
+
+Strategy = TypeVar("Strategy", bound=type)
+
+
+def strategy_options(config_class: type, front_end: Literal["Trainer", "Fabric"]) -> Callable[[Strategy], Strategy]:
+    """A class decorator that gives a strategy its options, declared once in ``config_class``: a
+    :func:`config_property` for each field, and the ``Args:`` section of its docstring.
+
+    The strategy's docstring lists in ``Args:`` only what is its own (``**kwargs``...); the section it gets holds
+    an entry for every argument of its constructor, in the constructor's order: its own, else the configuration's
+    (the ``Args:`` of ``config_class``'s docstring), else Lightning's, as the Trainer's or Fabric's strategies take
+    them. A constructor argument nobody documents is an error here, at import.
+    """
+
+    def decorate(strategy: Strategy) -> Strategy:
+        for field in dataclasses.fields(config_class):
+            if field.name not in ("fairscale_kwargs", "owner") and field.name not in vars(strategy):
+                setattr(strategy, field.name, config_property(field.name))
+        lightning = {
+            name: text.format(front_end=front_end)
+            for name, text in {**_LIGHTNING_DOCS, **_PRECISION_DOCS[front_end]}.items()
+        }
+        known = {**lightning, **_args_entries(config_class.__doc__ or ""), **_args_entries(strategy.__doc__ or "")}
+        parameters = list(inspect.signature(strategy.__init__).parameters.values())[1:]  # type: ignore[misc]
+        names = [("**" if p.kind is inspect.Parameter.VAR_KEYWORD else "") + p.name for p in parameters]
+        undocumented = [name for name in names if name not in known]
+        if undocumented:
+            raise TypeError(f"{strategy.__qualname__}: no `Args:` entry for {undocumented}.")
+        entries = "\n".join(f"{name}: {known[name]}" for name in names)
+        strategy.__doc__ = _with_args_section(strategy.__doc__ or "", entries)
+        return strategy
+
+    return decorate
+
+
+def _args_entries(doc: str) -> dict[str, str]:
+    """The entries of the ``Args:`` section of a Google-style docstring: name (``**kwargs`` with its stars) ->
+    its text, continuation lines indented by four spaces."""
+    section = _args_section(inspect.cleandoc(doc))
+    entries: dict[str, str] = {}
+    name = None
+    for line in textwrap.dedent(section).splitlines():
+        match = re.match(r"^(\**\w+): ?(.*)$", line)
+        if match:
+            name = match.group(1)
+            entries[name] = match.group(2)
+        elif name is not None and line.strip():
+            entries[name] += "\n" + line
+    return entries
+
+
+def _args_section(doc: str) -> str:
+    """The lines of the ``Args:`` section of a docstring cleaned by ``inspect.cleandoc`` (empty when it has none)."""
+    match = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n(?=[ \t]))*)", doc, flags=re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def _with_args_section(doc: str, entries: str) -> str:
+    """``doc`` (a class docstring) with its ``Args:`` section made of ``entries``, indented as the section was."""
+    clean = inspect.cleandoc(doc)
+    body = textwrap.indent(entries, "    ") + "\n"
+    if _args_section(clean) or "\nArgs:\n" in f"\n{clean}\n":
+        clean = re.sub(r"^Args:\n((?:[ \t]+.*\n?|\n(?=[ \t]))*)", lambda _: "Args:\n" + body, clean, count=1,
+                       flags=re.MULTILINE)
+    else:
+        clean = f"{clean}\n\nArgs:\n{body}"
+    return clean
 
 
 def lightning_arguments(arguments: Mapping[str, Any], precision_name: str) -> dict[str, Any]:

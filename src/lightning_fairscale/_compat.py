@@ -21,10 +21,9 @@ from typing import Any, Optional
 from lightning_fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.core.optimizer import _MockOptimizer
+from pytorch_lightning.core.optimizer import LightningOptimizer, _MockOptimizer
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from pytorch_lightning.utilities.model_helpers import _ModuleMode
-from torch.optim.lr_scheduler import _LRScheduler
 
 __all__ = [
     "PRIVATE_ATTRIBUTES",
@@ -32,6 +31,7 @@ __all__ = [
     "checkpoint_io_slot",
     "collective_timeout",
     "layer_sync_plugin",
+    "plain_optimizer",
     "precision_plugin_slot",
     "set_checkpoint_io_slot",
     "set_fabric_precision_slot",
@@ -39,7 +39,6 @@ __all__ = [
     "use_multiprocessing_launcher",
     "_PATH",
     "_BackwardSyncControl",
-    "_LRScheduler",
     "_MockOptimizer",
     "_ModuleMode",
     "_MultiProcessingLauncher",
@@ -51,7 +50,7 @@ __all__ = [
 #: The private attributes of Lightning objects that the package uses (all through this module).
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
-    "_launcher", "_start_method",
+    "_launcher", "_start_method", "_optimizer",
 )  # fmt: skip
 
 
@@ -98,6 +97,11 @@ def use_multiprocessing_launcher(strategy: Any, launcher_class: type) -> None:
 def set_fabric_precision_slot(strategy: Any, precision: Optional[Any]) -> None:
     """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` for Fabric's default."""
     strategy._precision = precision
+
+
+def plain_optimizer(optimizer: Any) -> Any:
+    """``LightningOptimizer._optimizer``: the user's optimizer inside the Trainer's wrapper (itself otherwise)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def attached_trainer(module: Any) -> Optional[Any]:

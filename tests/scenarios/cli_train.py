@@ -41,7 +41,7 @@ class RecordStrategy(Callback):
             "strategy": type(strategy).__name__,
             "auto_wrap_policy": sorted(c.__name__ for c in policy) if policy is not None else None,
             "activation_checkpointing": [c.__name__ for c in strategy.activation_checkpointing],
-            "checkpointed": sorted(type(m).__name__ for m in strategy._checkpointed),
+            "checkpointed": sorted(type(m).__name__ for m in strategy._sharded.checkpointed),
             "bucket_cap_mb": strategy.bucket_cap_mb,
             "reshard_after_forward": strategy.reshard_after_forward,
             "units": [

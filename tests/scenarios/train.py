@@ -214,11 +214,11 @@ class RecordLoaded(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-        from lightning_fairscale.fsdp.engine import module_state_dict
+        from lightning_fairscale.fsdp.engine import wrapped_model
 
         model = trainer.strategy.model
         if isinstance(model, FullyShardedDataParallel):  # gathered unit by unit, kept on rank 0
-            state = module_state_dict(model, sharded=False, is_global_zero=trainer.is_global_zero)
+            state = wrapped_model(model).state_dict(sharded=False, is_global_zero=trainer.is_global_zero)
         else:
             state = pl_module.state_dict()
         self.state = {k: v.detach().clone() for k, v in state.items()}

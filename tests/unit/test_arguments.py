@@ -16,7 +16,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, ShardedCheckpointIO
 from lightning_fairscale import fabric
-from lightning_fairscale.plugins.checkpoint_io import sharded_checkpoint_io
+from lightning_fairscale.plugins.checkpoint_io import sharded_storage
 from lightning_fairscale.precision import FullyShardedHalfPrecisionPlugin, FullyShardedMixedPrecisionPlugin
 from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.fsdp import config as fsdp_config
@@ -217,12 +217,12 @@ def test_true_half_precision_refuses_options_asking_for_another_dtype(precision:
         check_settings(strategy, cpu)
 
 
-def test_sharded_checkpoints_need_the_sharded_checkpoint_io() -> None:
+def test_sharded_checkpoints_need_the_sharded_storage() -> None:
     strategy = DDPFullyShardedStrategy(state_dict_type="sharded")
     assert type(strategy.checkpoint_io) is ShardedCheckpointIO  # the default
     strategy.checkpoint_io = TorchCheckpointIO()
     with pytest.raises(TypeError, match="directories with .*ShardedCheckpointIO.*given TorchCheckpointIO"):
-        sharded_checkpoint_io(strategy.checkpoint_io)
+        sharded_storage(strategy.checkpoint_io)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"reduce_buffer_size": 0}, {"reduce_buffer_size": 2**20},

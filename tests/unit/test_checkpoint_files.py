@@ -14,7 +14,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.checkpoint.files import (
+    staging_directory,
     CheckpointFileError,
     hidden_path,
     read_file,
@@ -24,6 +26,10 @@ from lightning_fairscale.checkpoint.files import (
 from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
 
 WORLD_SIZE = 2
+
+#: Where these tests keep sharded checkpoints (what `ShardedCheckpointIO().sharded_storage()` gives).
+STORAGE = ShardedStorage()
+
 
 
 def test_shard_file_names_sort_in_rank_order() -> None:
@@ -55,16 +61,16 @@ def test_read_file_names_a_missing_file(tmp_path: Path) -> None:
 
 def save_sharded(io: ShardedCheckpointIO, target: Path, step: int) -> None:
     """A complete sharded save of ``WORLD_SIZE`` ranks, as the strategy runs it (each rank writes its shard)."""
-    io.begin_sharded(target)
+    STORAGE.begin_sharded(target)
     for rank in range(WORLD_SIZE):
-        io.save_shard({"w": torch.full((2,), float(10 * step + rank))}, target, rank, WORLD_SIZE)
-    io.commit_sharded({"global_step": step}, target, WORLD_SIZE)
+        STORAGE.save_shard({"w": torch.full((2,), float(10 * step + rank))}, target, rank, WORLD_SIZE)
+    STORAGE.commit_sharded({"global_step": step}, target, WORLD_SIZE)
 
 
 def assert_holds(io: ShardedCheckpointIO, target: Path, step: int) -> None:
     assert io.load_checkpoint(target)["global_step"] == step
     for rank in range(WORLD_SIZE):
-        assert torch.equal(io.load_shard(target, rank, WORLD_SIZE)["w"], torch.full((2,), float(10 * step + rank)))
+        assert torch.equal(STORAGE.load_shard(target, rank, WORLD_SIZE)["w"], torch.full((2,), float(10 * step + rank)))
 
 
 def crash_at_rename(monkeypatch: pytest.MonkeyPatch, number: int) -> None:
@@ -83,14 +89,14 @@ def crash_at_rename(monkeypatch: pytest.MonkeyPatch, number: int) -> None:
 # The renames of a commit: 1. meta.pt into the staging directory, 2. the previous checkpoint aside (.replaced),
 # 3. the staging directory into place.
 PHASES: dict[str, Callable[[ShardedCheckpointIO, Path, pytest.MonkeyPatch], None]] = {
-    "prepared": lambda io, target, mp: io.begin_sharded(target),
+    "prepared": lambda io, target, mp: STORAGE.begin_sharded(target),
     "one-shard-written": lambda io, target, mp: (
-        io.begin_sharded(target),
-        io.save_shard({"w": torch.zeros(2)}, target, 0, WORLD_SIZE),
+        STORAGE.begin_sharded(target),
+        STORAGE.save_shard({"w": torch.zeros(2)}, target, 0, WORLD_SIZE),
     ),
     "all-shards-written": lambda io, target, mp: (
-        io.begin_sharded(target),
-        [io.save_shard({"w": torch.zeros(2)}, target, r, WORLD_SIZE) for r in range(WORLD_SIZE)],
+        STORAGE.begin_sharded(target),
+        [STORAGE.save_shard({"w": torch.zeros(2)}, target, r, WORLD_SIZE) for r in range(WORLD_SIZE)],
     ),
     "writing-meta": lambda io, target, mp: (crash_at_rename(mp, 3), save_sharded(io, target, 99)),
     "parking-the-previous": lambda io, target, mp: (crash_at_rename(mp, 4), save_sharded(io, target, 99)),
@@ -109,7 +115,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(
     except OSError as error:
         assert "simulated crash" in str(error)
     monkeypatch.undo()
-    assert io.is_sharded(io.recover(target))
+    assert STORAGE.is_sharded(STORAGE.recover(target))
     assert_holds(io, target, 1)
     save_sharded(io, target, 2)  # the next save is not disturbed by what the interrupted one left
     assert_holds(io, target, 2)
@@ -119,26 +125,26 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(
 def test_is_sharded_only_for_a_complete_directory(tmp_path: Path) -> None:
     io = ShardedCheckpointIO()
     save_sharded(io, tmp_path / "done.ckpt", 1)
-    io.begin_sharded(tmp_path / "staged.ckpt")
+    STORAGE.begin_sharded(tmp_path / "staged.ckpt")
     io.save_checkpoint({"x": 1}, tmp_path / "full.ckpt")
     (tmp_path / "empty.ckpt").mkdir()
-    assert io.is_sharded(tmp_path / "done.ckpt")
-    assert not io.is_sharded(io.staging_directory(tmp_path / "staged.ckpt"))
-    assert not any(io.is_sharded(tmp_path / name) for name in ("staged.ckpt", "full.ckpt", "empty.ckpt", "none"))
+    assert STORAGE.is_sharded(tmp_path / "done.ckpt")
+    assert not STORAGE.is_sharded(staging_directory(tmp_path / "staged.ckpt"))
+    assert not any(STORAGE.is_sharded(tmp_path / name) for name in ("staged.ckpt", "full.ckpt", "empty.ckpt", "none"))
     with pytest.raises(CheckpointFileError, match=r"empty\.ckpt is not a complete sharded checkpoint: it has no meta"):
-        io.load_meta(tmp_path / "empty.ckpt")
+        STORAGE.load_meta(tmp_path / "empty.ckpt")
 
 
 def test_load_shard_names_the_file_of_another_world_size(tmp_path: Path) -> None:
     io = ShardedCheckpointIO()
     save_sharded(io, tmp_path / "last.ckpt", 1)
     with pytest.raises(CheckpointFileError, match=r"shard-00000-of-00003\.pt"):
-        io.load_shard(tmp_path / "last.ckpt", 0, 3)
+        STORAGE.load_shard(tmp_path / "last.ckpt", 0, 3)
 
 
 def test_sharded_checkpoints_need_a_local_file_system() -> None:
     with pytest.raises(ValueError, match="local or mounted file system, got memory://"):
-        ShardedCheckpointIO().begin_sharded("memory://checkpoints/last.ckpt")
+        ShardedCheckpointIO().sharded_storage().begin_sharded("memory://checkpoints/last.ckpt")
 
 
 def test_a_full_checkpoint_replaces_a_sharded_one_of_the_same_name(tmp_path: Path) -> None:
@@ -183,7 +189,7 @@ def test_a_failed_full_save_does_not_block_a_sharded_save_of_the_same_name(tmp_p
     hidden_path(target, "partial").write_bytes(b"half a checkpoint")  # as a full save killed midway leaves it
     save_sharded(io, target, 1)
     assert_holds(io, target, 1)
-    io.begin_sharded(target)  # a sharded save killed midway leaves its staging directory ...
+    STORAGE.begin_sharded(target)  # a sharded save killed midway leaves its staging directory ...
     io.save_checkpoint({"global_step": 2}, target)  # ... where the next full save stages its file
     assert io.load_checkpoint(target)["global_step"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
@@ -244,7 +250,7 @@ def test_a_failed_commit_puts_the_previous_checkpoint_back(tmp_path: Path, monke
     with pytest.raises(OSError, match="simulated crash"):
         save_sharded(io, target, 2)
     monkeypatch.undo()
-    io.abort_sharded(target)  # what the strategy does when a step fails
+    STORAGE.abort_sharded(target)  # what the strategy does when a step fails
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert_holds(io, target, 1)
 
@@ -259,4 +265,4 @@ def test_removing_a_checkpoint_removes_its_parked_previous_version(
         save_sharded(io, target, 2)
     monkeypatch.undo()
     io.remove_checkpoint(target)
-    assert not io.recover(target).exists()  # it does not come back from its hiding place
+    assert not STORAGE.recover(target).exists()  # it does not come back from its hiding place

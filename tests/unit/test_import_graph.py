@@ -26,6 +26,7 @@ ENGINE = (
     "distributed",
     "distributed.collectives",
     "distributed.process_exit",
+    "distributed.torch_private",
     "fsdp",
     "fsdp.engine",
     "fsdp.grad_norm",
@@ -39,6 +40,7 @@ ENGINE = (
     "fsdp.param_views",
     "fsdp.policies",
     "fsdp.resharding",
+    "fsdp.saving",
     "fsdp.sharded_checkpoint",
     "fsdp.summary",
     "fsdp.state_names",
@@ -107,8 +109,8 @@ def test_an_engine_module_imports_no_lightning_module(name: str) -> None:
         assert not lightning, f"{name} imports {module}, which imports {lightning}"
 
 
-#: The engine's folders, lowest first: a folder imports only folders of lower layers (and top-level modules such as
-#: ``__about__``), so there is no cycle between them. The adapters (``strategies``, ``fabric``, ``precision``,
+#: The engine's folders, lowest first: a folder imports only folders of lower layers, so there is no cycle between
+#: them. The adapters (``strategies``, ``fabric``, ``precision``,
 #: ``plugins``, ``callbacks``) sit above all of them; the command-line tools (``consolidate``, ``convert_1x``) too.
 LAYERS = (("distributed",), ("mixed_precision",), ("checkpoint",), ("fsdp", "sharded_ddp"))
 
@@ -148,7 +150,7 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
 #: Lightning's private attributes (see ``_compat.PRIVATE_ATTRIBUTES``), read here from the source so that this test
 #: needs no Lightning import.
 PRIVATE_ATTRIBUTES = {"_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision",
-                      "_trainer", "_launcher", "_start_method"}  # fmt: skip
+                      "_trainer", "_launcher", "_start_method", "_optimizer"}  # fmt: skip
 
 
 def test_the_private_attribute_list_is_compats() -> None:
@@ -186,3 +188,61 @@ def test_the_engine_runs_where_lightning_cannot_be_imported() -> None:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
+
+
+#: The one module that reaches torch's private names: the engine's lowest layer, which imports no Lightning.
+TORCH_PRIVATE = Path("distributed") / "torch_private.py"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _torch_aliases(tree: ast.Module) -> set[str]:
+    """The names a module binds to torch or to one of its modules (``torch``, ``dist``, ``nn``...)."""
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    aliases.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            aliases.update(alias.asname or alias.name for alias in node.names if alias.name[:1].islower())
+    return aliases
+
+
+def _attribute_path(node: ast.AST) -> list[str]:
+    """``["torch", "_C", "_current_graph_task_id"]`` for ``torch._C._current_graph_task_id``; ``[]`` when the chain
+    does not start at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
+def test_only_the_torch_compatibility_module_uses_private_torch_names() -> None:
+    """``from torch.x import _Name``, ``torch._C...``, ``dist.distributed_c10d._get_default_store()``: only
+    ``distributed/torch_private.py`` (attributes of the objects torch returns, a module's ``_parameters``, are not
+    torch's module namespace and are not counted)."""
+    offenders = []
+    for path in SOURCE.rglob("*.py"):
+        relative = path.relative_to(SOURCE)
+        if relative == TORCH_PRIVATE:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = _torch_aliases(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+                names = [a.name for a in node.names if _private(a.name)]
+                if names or any(_private(part) for part in node.module.split(".")):
+                    offenders.append(f"{relative}:{node.lineno}: from {node.module} import {names}")
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "torch"]
+                private = [n for n in names if any(map(_private, n.split(".")))]
+                offenders += [f"{relative}:{node.lineno}: import {n}" for n in private]
+            elif isinstance(node, ast.Attribute):
+                parts = _attribute_path(node)
+                if parts and parts[0] in aliases and _private(parts[-1]) and not any(map(_private, parts[:-1])):
+                    offenders.append(f"{relative}:{node.lineno}: {'.'.join(parts)}")
+    assert not offenders, offenders

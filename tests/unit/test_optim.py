@@ -174,7 +174,7 @@ def test_a_later_stage_takes_the_same_parameters_and_views() -> None:
     wrapped = fsdp_engine.wrapped_model(sharded.root)
     assert wrapped.layout is sharded.layout
     optimizer = torch.optim.SGD(sharded.root.parameters(), lr=0.1)
-    fsdp_engine.repoint(optimizer, wrapped.layout)
+    wrapped.repoint(optimizer)
     [managed] = wrapped.layout.managed
     assert [view.param for view in views_of(managed)] == optimizer.param_groups[0]["params"] == first
 

@@ -102,15 +102,16 @@ def _rank_run(rank: int, world_size: int) -> dict[str, Any]:
     # A later stage (`fit` after `validate`, or a second `fit`): its optimizer is made over `model.parameters()` of
     # the sharded model, and saves its state in their order, shaped like the plain module's parameters.
     later = torch.optim.Adam(model.parameters(), lr=0.0)  # state, without moving the weights
-    orders = fsdp_engine.repoint(later, sharded.layout)
+    wrapped = fsdp_engine.wrapped_model(sharded.root)
+    wrapped.repoint(later)
     _loss(sharded.root, *_batch(0, rank, world_size)).backward()
     later.step()
-    consolidated = fsdp_engine.optimizer_state(later, sharded.layout, orders, sharded=False)
+    consolidated = wrapped.optimizer_state(later, sharded=False)
     out["later_state"] = {i: tuple(s["exp_avg"].shape) for i, s in consolidated.get("state", {}).items()}
     later.zero_grad()
     out["still_tied"] = model.head.weight is model.embed.weight
     out["same_objects"] = all(p is q for (_, p), (_, q) in zip(params, model.named_parameters()))
-    state = fsdp_engine.module_state_dict(sharded.root, sharded=False, is_global_zero=rank == 0)
+    state = wrapped.state_dict(sharded=False, is_global_zero=rank == 0)
     out["state_keys"] = sorted(state) if rank == 0 else None
     full = unwrap_module(sharded.root)
     out["unwrapped_tied"] = full.head.weight is full.embed.weight
@@ -220,8 +221,8 @@ def test_a_tie_across_the_module_tree_is_written_under_both_names_offline(tmp_pa
     """A full state dict of the wrapped model holds every name, and loads strictly into a plain model."""
     model = TiedLM()
     root = wrap(model, policy={Block}, min_num_params=0)
-    fsdp_engine.wrapped_model(root)  # a root wrapped by hand: its layout learnt, its originals installed
-    state = fsdp_engine.module_state_dict(root, sharded=False, is_global_zero=True)
+    # A root wrapped by hand: its layout learnt, its originals installed.
+    state = fsdp_engine.wrapped_model(root).state_dict(sharded=False, is_global_zero=True)
     plain = TiedLM()
     plain.load_state_dict(state, strict=True)
     assert plain.head.weight is plain.embed.weight

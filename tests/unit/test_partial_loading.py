@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys
-from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp import cpu_streams, engine
-from lightning_fairscale.fsdp.optim import ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.optim import ParameterLayout
+from lightning_fairscale.fsdp.saving import Ranks
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
 from .helpers import OUT_FEATURES, Block, Net, batches, parameters_of, run_ranks, step, wrap
@@ -57,28 +58,29 @@ def assert_parameters(model: engine.WrappedModel, expected: dict[str, Tensor]) -
         assert torch.equal(actual[name], value), name
 
 
-def this_rank() -> engine.Ranks:
+def this_rank() -> Ranks:
     """This process on the default process group (one rank in-process, or forked ranks)."""
-    return engine.Ranks(torch.distributed.get_rank())
+    return Ranks(torch.distributed.get_rank())
 
 
-def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None, order: Any = None) -> None:
+def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None) -> None:
     ranks = this_rank()
-    checkpoint: dict[str, Any] = {"state_dict": engine.module_state_dict(model.root, True, ranks.is_global_zero)}
+    checkpoint: dict[str, Any] = {"state_dict": model.state_dict(True, ranks.is_global_zero)}
     if optimizer is not None:
         checkpoint["optimizer_states"] = [optimizer.state_dict()]
-    optimizers, orders = ([optimizer], [order]) if optimizer is not None else ([], [])
-    engine.save_sharded(ranks, ShardedCheckpointIO(), {**checkpoint, "global_step": 3}, path, model, optimizers, orders)
+    optimizers = [optimizer] if optimizer is not None else []
+    model.save_sharded(ranks, ShardedStorage(), {**checkpoint, "global_step": 3}, path, optimizers)
 
 
 def load_sharded(model: engine.WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:
-    order = repoint_optimizer(optimizer, model.layout) if optimizer is not None else []
+    if optimizer is not None:
+        model.repoint(optimizer)
 
-    def optimizers(meta: dict[str, Any], saved: int) -> list[tuple[int, Any, Any]]:
-        return [(0, optimizer, order)] if optimizer is not None else []
+    def optimizers(meta: dict[str, Any], saved: int) -> list[tuple[int, Any]]:
+        return [(0, optimizer)] if optimizer is not None else []
 
-    io = ShardedCheckpointIO()
-    return engine.load_sharded(this_rank(), io, path, model, optimizers, False, strict=strict, relax=RELAX_TRAINER)
+    storage = ShardedStorage()
+    return model.load_sharded(this_rank(), storage, path, optimizers, False, strict=strict, relax=RELAX_TRAINER)
 
 
 @pytest.mark.parametrize("flatten", [True, False], ids=["flat", "unflattened"])
@@ -86,7 +88,8 @@ def load_sharded(model: engine.WrappedModel, path: Path, strict: bool, optimizer
 def test_a_full_state_dict_loads_what_fits(process_group: None, policy: str, flatten: bool) -> None:
     source = Net(seed=0).state_dict()
     model = wrapped(PartialNet(seed=1), POLICIES[policy], flatten)
-    keys = engine.load_full(model, source, strict=False)
+    with pytest.warns(UserWarning, match=r"strict loading off: the model's entries that the checkpoint lacks"):
+        keys = model.load_full(source, strict=False)
     assert isinstance(keys, IncompatibleKeys)
     assert (sorted(keys.missing_keys), sorted(keys.unexpected_keys)) == (sorted(NEW), sorted(GONE))
     assert_parameters(model, expected_after_partial_load(source, seed=1))
@@ -96,7 +99,7 @@ def test_a_strict_load_names_the_keys_and_changes_nothing(process_group: None) -
     model = wrapped(PartialNet(seed=1), {Block})
     with pytest.raises(ValueError, match=r"missing keys \[extra.weight, extra.bias\]; unexpected keys "
                                          r"\[blocks.0.norm.weight, blocks.0.norm.bias\].*strict_loading = False"):
-        engine.load_full(model, Net(seed=0).state_dict(), strict=True, relax=RELAX_TRAINER)
+        model.load_full(Net(seed=0).state_dict(), strict=True, relax=RELAX_TRAINER)
     assert_parameters(model, parameters_of(PartialNet(seed=1)))
 
 
@@ -104,7 +107,7 @@ def test_shapes_that_differ_stay_an_error(process_group: None) -> None:
     source = Net(seed=0).state_dict()
     source["out.bias"] = torch.zeros(OUT_FEATURES + 1)
     with pytest.raises(ValueError, match=r"different shapes for \[out.bias: checkpoint \(3,\), model \(2,\)\]"):
-        engine.load_full(wrapped(PartialNet(seed=1), {Block}), source, strict=False)
+        wrapped(PartialNet(seed=1), {Block}).load_full(source, strict=False)
 
 
 class WithBuffers(nn.Module):
@@ -121,12 +124,13 @@ def test_buffers_load_by_name_and_non_persistent_ones_are_not_expected(process_g
     source = WithBuffers()
     source.count += 5
     model = wrapped(WithBuffers())
-    assert engine.load_full(model, source.state_dict(), strict=True) == IncompatibleKeys([], [])
+    assert model.load_full(source.state_dict(), strict=True) == IncompatibleKeys([], [])
     assert model.root.module.count.item() == 5  # type: ignore[union-attr]
     # A buffer the checkpoint lacks keeps its value.
     without = {k: v for k, v in source.state_dict().items() if k != "count"}
     fresh = wrapped(WithBuffers())
-    assert engine.load_full(fresh, without, strict=False) == IncompatibleKeys(["count"], [])
+    with pytest.warns(UserWarning, match=r"keep their values \(1\): \[count\]"):
+        assert fresh.load_full(without, strict=False) == IncompatibleKeys(["count"], [])
     assert fresh.root.module.count.item() == 0  # type: ignore[union-attr]
 
 
@@ -134,7 +138,8 @@ def test_buffers_load_by_name_and_non_persistent_ones_are_not_expected(process_g
 def test_a_sharded_checkpoint_loads_what_fits_by_name(process_group: None, tmp_path: Path, policy: str) -> None:
     save_sharded(wrapped(Net(seed=0), {Block}), tmp_path / "ck")
     model = wrapped(PartialNet(seed=1), POLICIES[policy])
-    meta, keys = load_sharded(model, tmp_path / "ck", strict=False)
+    with pytest.warns(UserWarning, match=r"strict loading off: .*the checkpoint's entries that the model lacks"):
+        meta, keys = load_sharded(model, tmp_path / "ck", strict=False)
     assert meta == {"global_step": 3}
     assert (sorted(keys.missing_keys), sorted(keys.unexpected_keys)) == (sorted(NEW), sorted(GONE))
     assert_parameters(model, expected_after_partial_load(Net(seed=0).state_dict(), seed=1))
@@ -152,9 +157,9 @@ def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(proces
         source = Net(seed=0)
         optimizer = make(source.parameters(), lr=0.1)
         model = wrapped(source, {Block})
-        order = repoint_optimizer(optimizer, model.layout)
+        model.repoint(optimizer)
         step(model.root, optimizer, batches(1)[0])
-        save_sharded(model, tmp_path / name, optimizer, order)
+        save_sharded(model, tmp_path / name, optimizer)
         target = PartialNet(seed=1)
         count = len(list(target.parameters()))
         fresh_optimizer = make(target.parameters(), lr=0.1)
@@ -163,7 +168,8 @@ def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(proces
             with pytest.raises(ValueError, match="optimizer state is laid out over that model's FSDP parameters"):
                 load_sharded(partial, tmp_path / name, strict=False, optimizer=fresh_optimizer)
         else:
-            load_sharded(partial, tmp_path / name, strict=False, optimizer=fresh_optimizer)
+            with pytest.warns(UserWarning, match="strict loading off"):
+                load_sharded(partial, tmp_path / name, strict=False, optimizer=fresh_optimizer)
             assert fresh_optimizer.state_dict()["param_groups"][0]["params"] == list(range(count))  # views of all
             assert not fresh_optimizer.state_dict()["state"]
 
@@ -182,7 +188,7 @@ def load_on_ranks(rank: int, world_size: int, path: Path, policy: str) -> dict[s
     sharded = wrapped(PartialNet(seed=1), POLICIES[policy])
     _, keys = load_sharded(sharded, path, strict=False)
     full = wrapped(PartialNet(seed=1), POLICIES[policy])  # the full state dict's path, on these ranks too
-    engine.load_full(full, Net(seed=0).state_dict(), strict=False)
+    full.load_full(Net(seed=0).state_dict(), strict=False)
     return {
         "keys": keys,
         "sharded": parameters_of(unwrap_module(sharded.root)),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.checkpoint.files import FORMAT_KEY
 from lightning_fairscale.fsdp.sharded_checkpoint import check_fits, check_wrapping, consolidate, split_checkpoint
 from lightning_fairscale.fsdp.state_names import state_aliases
@@ -26,6 +26,10 @@ pytestmark = pytest.mark.usefixtures("process_group")
 
 POLICY = {True: {nn.Linear}, False: {Block}}
 TRAINER_STATE = {"epoch": 1, "global_step": 2, "loops": {"fit_loop": {"epoch_progress": 7}}}
+
+#: Where these tests keep sharded checkpoints (what `ShardedCheckpointIO().sharded_storage()` gives).
+STORAGE = ShardedStorage()
+
 
 
 def trained(optimizer: str, flatten: bool) -> tuple[Sharded, nn.Module, torch.optim.Optimizer]:
@@ -51,11 +55,10 @@ def split(sharded: Sharded) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def write(path: Path, meta: dict[str, Any], shards: list[dict[str, Any]]) -> Path:
-    io = ShardedCheckpointIO()
-    io.begin_sharded(path)
+    STORAGE.begin_sharded(path)
     for rank, shard_ in enumerate(shards):
-        io.save_shard(shard_, path, rank, len(shards))
-    io.commit_sharded({**meta, FORMAT_KEY: {**meta[FORMAT_KEY], "world_size": len(shards)}}, path, len(shards))
+        STORAGE.save_shard(shard_, path, rank, len(shards))
+    STORAGE.commit_sharded({**meta, FORMAT_KEY: {**meta[FORMAT_KEY], "world_size": len(shards)}}, path, len(shards))
     return path
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_fairscale.checkpoint.legacy import CurrentOptimizer, OptimizerStatePolicy, adopt_optimizer_states
 
@@ -148,6 +149,13 @@ def describe_partial_load(keys: IncompatibleKeys) -> str:
         parts.append(f"the checkpoint's entries that the model lacks were ignored ({len(unexpected)}): "
                      f"{_first(unexpected)}")
     return f"Loaded the checkpoint's state_dict with strict loading off: {'; '.join(parts)}." if parts else ""
+
+
+def report_partial_load(keys: IncompatibleKeys) -> None:
+    """Tell once (rank 0) what a load with strict loading off left out, as :func:`describe_partial_load` says it."""
+    message = describe_partial_load(keys)
+    if message:
+        rank_zero_warn(message)
 
 
 def _shape(value: Any) -> Any:

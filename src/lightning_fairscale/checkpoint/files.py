@@ -40,6 +40,7 @@ __all__ = [
     "META_FILE",
     "CheckpointFileError",
     "MapLocation",
+    "ShardedStorage",
     "abort_sharded",
     "begin_sharded",
     "commit_sharded",
@@ -261,3 +262,67 @@ def load_shard(
     """``rank``'s file of the sharded checkpoint directory ``path``, memory-mapped."""
     file = find_checkpoint(path) / shard_file_name(rank, world_size)
     return read_file(file, map_location=map_location, weights_only=weights_only)
+
+
+class ShardedStorage:
+    """Where the engine reads and writes sharded checkpoint directories: the seam between the checkpoint protocol
+    (which ranks write what, when they agree) and the files. This one uses the local (or a mounted) file system, with
+    the phases above; a subclass may store the same files elsewhere.
+
+    :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO` offers one
+    (:meth:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO.sharded_storage`); the strategies hand it to
+    the engine. Paths are strings or path-like objects.
+
+    Example:
+        >>> import tempfile
+        >>> storage = ShardedStorage()
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     storage.begin_sharded(f"{tmp}/last.ckpt")
+        ...     storage.save_shard({"w": torch.ones(2)}, f"{tmp}/last.ckpt", rank=0, world_size=1)
+        ...     storage.commit_sharded({"global_step": 7}, f"{tmp}/last.ckpt", world_size=1)
+        ...     storage.is_sharded(f"{tmp}/last.ckpt"), storage.load_meta(f"{tmp}/last.ckpt")["global_step"]
+        (True, 7)
+    """
+
+    def is_sharded(self, path: Any) -> bool:
+        """Whether ``path`` is a complete sharded checkpoint directory."""
+        return not _is_remote(path) and is_sharded(Path(path))
+
+    def recover(self, path: Any) -> Path:
+        """``path``, or the checkpoint (file or directory) it replaced when a save was interrupted between renames."""
+        return find_checkpoint(Path(path))
+
+    def begin_sharded(self, path: Any) -> None:
+        """Phase 1, rank 0: an empty staging directory for ``path``."""
+        if _is_remote(path):
+            raise ValueError(f"Sharded checkpoints are written to a local or mounted file system, got {path}.")
+        begin_sharded(Path(path))
+
+    def save_shard(self, shard: dict[str, Any], path: Any, rank: int, world_size: int) -> None:
+        """Phase 2, every rank that writes: this rank's shard, into the staging directory of ``path``."""
+        save_shard(shard, Path(path), rank, world_size)
+
+    def commit_sharded(self, meta: dict[str, Any], path: Any, world_size: int) -> None:
+        """Phase 3, rank 0: ``meta.pt`` once every shard is there, then the directory into place."""
+        commit_sharded(meta, Path(path), world_size)
+
+    def abort_sharded(self, path: Any) -> None:
+        """After a failed phase, rank 0: the staging directory goes; the previous checkpoint stays as it was."""
+        abort_sharded(Path(path))
+
+    def load_meta(self, path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The metadata of the sharded checkpoint directory ``path``."""
+        return load_meta(Path(path), weights_only=weights_only)
+
+    def load_shard(
+        self, path: Any, rank: int, world_size: int, map_location: MapLocation = "cpu",
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """``rank``'s file of the sharded checkpoint directory ``path``, memory-mapped."""
+        return load_shard(Path(path), rank, world_size, map_location=map_location, weights_only=weights_only)
+
+
+def _is_remote(path: Any) -> bool:
+    """Whether ``path`` names a remote file system (``s3://...``): fsspec's paths, which Lightning's CheckpointIO
+    plugins write without the guarantees of the local protocol."""
+    return "://" in str(path)

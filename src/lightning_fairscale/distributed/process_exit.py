@@ -34,12 +34,18 @@ import contextlib
 import dataclasses
 import gc
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["close_process_group_at_exit", "default_group", "record_groups", "release_at_exit"]
+__all__ = [
+    "close_process_group_at_exit",
+    "closing_at_exit",
+    "default_group",
+    "record_groups",
+    "release_at_exit",
+]
 
 _strategies: weakref.WeakSet[Any] = weakref.WeakSet()
 #: The FairScale objects the engines built, whose references to process groups are dropped at exit.
@@ -73,6 +79,15 @@ def close_process_group_at_exit(strategy: Any, default_before: Optional[dist.Pro
     if current is not None and current is not default_before:
         _default = current
     _register()
+
+
+@contextlib.contextmanager
+def closing_at_exit(strategy: Any) -> Iterator[None]:
+    """Around a strategy's set-up of its process groups (Lightning's ``setup_environment``): what it made is closed
+    when the interpreter exits (see :func:`close_process_group_at_exit`)."""
+    before = default_group()
+    yield
+    close_process_group_at_exit(strategy, before)
 
 
 def record_groups(*groups: Any) -> None:

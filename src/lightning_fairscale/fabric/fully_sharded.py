@@ -8,10 +8,8 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
@@ -21,23 +19,23 @@ from lightning_fabric.strategies import DDPStrategy
 from lightning_fairscale._compat import collective_timeout
 from lightning_fairscale._compat import set_fabric_precision_slot
 from lightning_fairscale._compat import _Sharded
-from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_fabric.utilities.rank_zero import rank_zero_info
 from lightning_fairscale._compat import _PATH
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload
-from torch.nn import Module, Parameter
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale._adapters import config_arguments, lightning_arguments, register_strategies, strategy_options
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_checkpoint_io
+from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
 from lightning_fairscale.fabric._common import (
     FabricCheckpoints,
     NoBackwardSync,
@@ -47,42 +45,23 @@ from lightning_fairscale.fabric._common import (
     fabric_precision,
 )
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
-from lightning_fairscale.checkpoint.checks import IncompatibleKeys, describe_partial_load
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
+from lightning_fairscale.fsdp.saving import Ranks
 from lightning_fairscale.fsdp.summary import memory_figures
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_fairscale._compat import _LRScheduler
+    from lightning_fairscale.distributed.torch_private import TorchLRScheduler
 
 __all__ = ["DDPFullyShardedStrategy"]
 
-#: The attribute of a root unit that holds what the strategy knows about it (see `_Model`).
-_RECORD = "_lightning_fairscale_fabric"
-
-
-@dataclass
-class _Model:
-    """A model the strategy set up: the wrapped model, and its original parameters while they live (optimizers made
-    over them before ``setup_module`` are re-pointed by ``setup_optimizers``)."""
-
-    wrapped: fsdp_engine.WrappedModel
-    originals: weakref.WeakValueDictionary[int, Parameter]
-
-    def knows(self, param: Parameter) -> bool:
-        # A managed (flat) parameter, an original one from before wrapping, or one of the model's parameters after
-        # it (the views into the shards, which `model.parameters()` gives).
-        layout = self.wrapped.layout
-        return param in layout.managed or self.originals.get(id(param)) is param or bool(layout.locate(param))
-
-
+@strategy_options(FullyShardedConfig, "Fabric")
 class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
@@ -104,72 +83,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
       ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
 
     Args:
-        accelerator: the accelerator; Fabric sets it.
-        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
-            bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
-        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
-        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
-            Under ``sharding_strategy="SHARD_GRAD_OP"`` or ``"_HYBRID_SHARD_ZERO2"`` FSDP does not reshard, whatever
-            this says (the strategy keeps the value given, for another ``sharding_strategy``).
-        move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
-        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
-            precision, whose gradients are fp16 or bf16).
-        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
-            half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
-        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
-        min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
-        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
-        parallel_devices: the devices of this node; Fabric sets them.
-        cluster_environment: the cluster environment; Fabric sets it.
-        checkpoint_io: the checkpoint IO plugin.
-        precision_plugin: another name for ``precision`` (the Trainer's).
-        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
-        auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
-            (each instance its own unit), a callable with FairScale's policy signature
-            ``(module, recurse, unwrapped_params, module_is_root) -> bool``, or what Lightning's ``FSDPStrategy``
-            takes: a callable with torch's signature ``(module, recurse, nonwrapped_numel) -> bool`` (such as
-            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or torch's
-            ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
-            (``min_num_params``).
-        exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
-            still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
-        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
-            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``)
-            for the size policy, none else.
-        activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
-            the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
-        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
-        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``: a set of
-            layer classes, ``ModuleWrapPolicy({Block})`` or ``partial(transformer_auto_wrap_policy,
-            transformer_layer_cls={Block})``. Pass one of the two arguments.
-        state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
-            gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
-            directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
-            and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
-        timeout: how long collectives wait for the other ranks before failing.
-        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
-        precision: the precision plugin; Fabric's ``precision`` flag chooses it.
-        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
-            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
-            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
-            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
-        param_init_fn: for a model built on the ``meta`` device (``fabric.init_module(empty_init=True)``, or
-            ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
-            (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
-            argument). Default: each such module's ``reset_parameters()``.
-        sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
-            (as ``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
-            across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
-            (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
-        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
-            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which
-            ``strategy.device_mesh`` then is).
-        backward_prefetch: when the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's
-            ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
-            alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
-            current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
-            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
-            FairScale's streams overlap the collectives and this is not used.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -220,30 +133,9 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         self.config = config
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
-        #: The root units of the models set up (each knows its `_Model`), and each optimizer's layout and order.
-        self._set_up: SetUp[tuple[ParameterLayout, GroupOrder]] = SetUp()
+        #: The root units of the models set up, and the sharded model each optimizer was re-pointed to.
+        self._set_up: SetUp[fsdp_engine.WrappedModel] = SetUp()
         self._backward_sync_control = NoBackwardSync()
-
-    cpu_offload = config_property("cpu_offload")
-    flatten_parameters = config_property("flatten_parameters")
-    reshard_after_forward = config_property("reshard_after_forward")
-    move_grads_to_cpu = config_property("move_grads_to_cpu")
-    fp32_reduce_scatter = config_property("fp32_reduce_scatter")
-    compute_dtype = config_property("compute_dtype")
-    bucket_cap_mb = config_property("bucket_cap_mb")
-    min_num_params = config_property("min_num_params")
-    state_dict_to_cpu = config_property("state_dict_to_cpu")
-    auto_wrap_policy = config_property("auto_wrap_policy")
-    exclude_wrap_modules = config_property("exclude_wrap_modules")
-    force_leaf_modules = config_property("force_leaf_modules")
-    activation_checkpointing = config_property("activation_checkpointing")
-    activation_checkpointing_offload = config_property("activation_checkpointing_offload")
-    state_dict_type = config_property("state_dict_type")
-    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
-    param_init_fn = config_property("param_init_fn")
-    sharding_strategy = config_property("sharding_strategy")
-    device_mesh = config_property("device_mesh")
-    backward_prefetch = config_property("backward_prefetch")
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -272,15 +164,14 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @override
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
-        default_before = process_exit.default_group()
-        super().setup_environment()
-        process_exit.close_process_group_at_exit(self, default_before)
+        with process_exit.closing_at_exit(self):
+            super().setup_environment()
         self._groups = fsdp_engine.set_up_run(
             self.config, self.root_device, self.precision.precision, self.global_rank, self.world_size,
             self.num_nodes, collective_timeout(self),
         )
         if self.config.state_dict_type == "sharded":
-            sharded_checkpoint_io(self.checkpoint_io)  # fail before training, not at the first save
+            sharded_storage(self.checkpoint_io)  # fail before training, not at the first save
 
     @override
     def teardown(self) -> None:
@@ -319,8 +210,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[_LRScheduler] = None
-    ) -> tuple[Module, list[Optimizer], Optional[_LRScheduler]]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[TorchLRScheduler] = None
+    ) -> tuple[Module, list[Optimizer], Optional[TorchLRScheduler]]:
         """Wrap the model and re-point its optimizers (made over its parameters) to the shards; LR schedulers work
         as they are."""
         root = self.setup_module(module)
@@ -329,15 +220,11 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @override
     def setup_module(self, module: Module) -> FullyShardedDataParallel:
         """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit."""
-        if isinstance(module, FullyShardedDataParallel) and _RECORD in module.__dict__:
+        if fsdp_engine.is_set_up(module):
             raise ValueError("The model is set up already: pass the model you created to `fabric.setup` once.")
-        originals: weakref.WeakValueDictionary[int, Parameter] = weakref.WeakValueDictionary(
-            {id(param): param for param in module.parameters()}
-        )
         wrapped = fsdp_engine.wrap_model(
             self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info
         )
-        wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
         self._set_up.models.add(wrapped.root)
         return wrapped.root
 
@@ -346,10 +233,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         """Re-point the optimizer to the shards of the model whose parameters it holds."""
         params = [param for group in optimizer.param_groups for param in group["params"]]
         for root in self._set_up.models:
-            model: _Model = root.__dict__[_RECORD]
+            model = fsdp_engine.wrapped_model(root)
             if params and all(model.knows(param) for param in params):
-                layout = model.wrapped.layout
-                self._set_up.optimizers[optimizer] = (layout, fsdp_engine.repoint(optimizer, layout))
+                model.repoint(optimizer)
+                self._set_up.optimizers[optimizer] = model
                 return optimizer
         raise ValueError(
             "The optimizer holds parameters that are not those of a model set up with this strategy. Create it over"
@@ -357,11 +244,11 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             " `fabric.setup_module` returned), and keep every trained module inside that model."
         )
 
-    def _fsdp_model(self, module: Any) -> Optional[_Model]:
-        """What the strategy knows of ``module``, when it is (the root unit of) a model it set up."""
-        return module.__dict__.get(_RECORD) if isinstance(module, FullyShardedDataParallel) else None
+    def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
+        """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""
+        return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None
 
-    def _order(self, optimizer: Optimizer) -> tuple[ParameterLayout, GroupOrder]:
+    def _model_of(self, optimizer: Optimizer) -> fsdp_engine.WrappedModel:
         if optimizer not in self._set_up.optimizers:
             raise ValueError(
                 f"The {type(optimizer).__name__} was not set up with this strategy: pass it to `fabric.setup` or"
@@ -442,9 +329,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, on rank 0 (a collective call)."""
-        if not isinstance(module, FullyShardedDataParallel) or self._fsdp_model(module) is None:
+        model = self._fsdp_model(module)
+        if model is None:
             return super().get_module_state_dict(module)
-        return fsdp_engine.module_state_dict(module, sharded=False, is_global_zero=self.is_global_zero)
+        return model.state_dict(sharded=False, is_global_zero=self.is_global_zero)
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -455,7 +343,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         model = self._fsdp_model(module)
         if model is None:
             return super().load_module_state_dict(module, state_dict, strict=strict)
-        _report_partial_load(fsdp_engine.load_full(model.wrapped, state_dict, strict))
+        model.load_full(state_dict, strict)
         return None
 
     @override
@@ -467,8 +355,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         if optimizer not in self._set_up.optimizers:
             optimizer.load_state_dict(state)
             return
-        layout, order = self._order(optimizer)
-        load_plain_state(state, optimizer, layout, order)
+        self._model_of(optimizer).load_optimizer_state(optimizer, state)
 
     def _is_ours(self, module: Module) -> bool:
         return self._fsdp_model(module) is not None
@@ -477,27 +364,25 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         return self.config.state_dict_type == "sharded" and self._is_ours(module)
 
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
-        if not isinstance(module, FullyShardedDataParallel) or not self._is_ours(module):
-            return module.state_dict()
-        return fsdp_engine.module_state_dict(module, sharded=sharded, is_global_zero=self.is_global_zero)
+        model = self._fsdp_model(module)
+        return module.state_dict() if model is None else model.state_dict(sharded, self.is_global_zero)
 
     def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         if optimizer not in self._set_up.optimizers:
             return super().get_optimizer_state(optimizer)
-        return fsdp_engine.optimizer_state(optimizer, *self._order(optimizer), sharded=sharded)
+        return self._model_of(optimizer).optimizer_state(optimizer, sharded)
 
     def _model_keys(self, module: Module) -> list[str]:
         model = self._fsdp_model(module)
-        return fsdp_engine.state_dict_keys(model.wrapped) if model is not None else list(module.state_dict())
+        return model.state_dict_keys() if model is not None else list(module.state_dict())
 
     def _save_sharded(
         self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
     ) -> None:
         model = self._fsdp_model(module)
         assert model is not None
-        orders = [self._order(optimizer)[1] for optimizer in optimizers]
-        io, ranks = sharded_checkpoint_io(self.checkpoint_io), fsdp_engine.Ranks(self.global_rank)
-        fsdp_engine.save_sharded(ranks, io, checkpoint, path, model.wrapped, optimizers, orders, roles.record())
+        storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
+        model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record())
 
     def _load_sharded(
         self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
@@ -509,19 +394,11 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
                 " `fabric.load(path, {'model': model, ...})`."
             )
 
-        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
+        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
             positions = optimizer_positions(meta, roles, saved, strict)
-            return [(position, state[key], self._order(state[key])[1]) for position, key in positions]
+            return [(position, state[key]) for position, key in positions]
 
-        meta, keys = fsdp_engine.load_sharded(
-            fsdp_engine.Ranks(self.global_rank), self.checkpoint_io, path, model.wrapped, restored, weights_only, strict
-        )
-        _report_partial_load(keys)
+        storage = sharded_storage(self.checkpoint_io, saving=False)
+        meta, _ = model.load_sharded(Ranks(self.global_rank), storage, path, restored, weights_only, strict)
         return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
 
-
-def _report_partial_load(keys: IncompatibleKeys) -> None:
-    """Tell once (rank 0) what a load with ``strict=False`` left out."""
-    message = describe_partial_load(keys)
-    if message:
-        rank_zero_warn(message)

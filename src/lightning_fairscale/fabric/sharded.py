@@ -26,9 +26,9 @@ from typing_extensions import override
 from lightning_fairscale._adapters import (
     check_spawn_start_method,
     config_arguments,
-    config_property,
     lightning_arguments,
     register_strategies,
+    strategy_options,
 )
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -40,11 +40,12 @@ from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io
 
 if TYPE_CHECKING:
-    from lightning_fairscale._compat import _LRScheduler
+    from lightning_fairscale.distributed.torch_private import TorchLRScheduler
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
 
 
+@strategy_options(ShardedDDPConfig, "Fabric")
 class DDPShardedStrategy(DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
 
@@ -63,22 +64,6 @@ class DDPShardedStrategy(DDPStrategy):
       save killed midway leaves the previous checkpoint of that path intact.
 
     Args:
-        accelerator: the accelerator; Fabric sets it.
-        parallel_devices: the devices of this node; Fabric sets them.
-        cluster_environment: the cluster environment; Fabric sets it.
-        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which
-            writes each checkpoint file atomically).
-        precision_plugin: another name for ``precision`` (the Trainer's).
-        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
-        timeout: how long collectives wait for the other ranks before failing.
-        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
-        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
-            parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
-            supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
-        precision: the precision plugin; Fabric's ``precision`` flag chooses it.
-        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
-            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
-            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
 
@@ -115,8 +100,6 @@ class DDPShardedStrategy(DDPStrategy):
         self._set_up: SetUp[None] = SetUp()
         self._backward_sync_control = NoBackwardSync()
 
-    find_unused_parameters = config_property("find_unused_parameters")
-    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 
     @classmethod
@@ -153,14 +136,13 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), and its clean-up at exit."""
-        default_before = process_exit.default_group()
-        super().setup_environment()
-        process_exit.close_process_group_at_exit(self, default_before)
+        with process_exit.closing_at_exit(self):
+            super().setup_environment()
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[_LRScheduler] = None
-    ) -> tuple[Module, list[Optimizer], Optional[_LRScheduler]]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[TorchLRScheduler] = None
+    ) -> tuple[Module, list[Optimizer], Optional[TorchLRScheduler]]:
         """Rebuild the optimizers as OSS (the scheduler follows its optimizer) and wrap the model in
         ``ShardedDataParallel``."""
         sharded = []

@@ -90,14 +90,76 @@ class FullyShardedConfig:
     """The options of ``DDPFullyShardedStrategy``, checked when built; frozen (``dataclasses.replace`` makes a
     changed copy, checked again).
 
-    The arguments are those of the strategies, documented on
-    :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`, less Lightning's own (accelerator, devices,
-    precision plugin, timeout...); the strategy's extra keyword arguments are :attr:`fairscale_kwargs`. Values are
+    The arguments are those of the strategies (the Trainer's and Fabric's, whose ``Args:`` are these), less
+    Lightning's own (accelerator, devices, precision plugin, timeout...); the strategy's extra keyword arguments are
+    :attr:`fairscale_kwargs`. Values are
     kept in one form: ``cpu_offload`` a bool, the layer classes tuples, ``sharding_strategy`` its upper-case name,
     ``device_mesh`` ``(replicas, shard_size)`` or ``None``, ``activation_checkpointing_policy`` merged into
     ``activation_checkpointing``. No option is written over by another: what one implies for another (the ZeRO-2
     sharding strategies do not reshard after forward, whatever ``reshard_after_forward`` says) is computed where it
     is used (:func:`fsdp_kwargs`), so that a changed copy (``dataclasses.replace``) starts from the user's values.
+
+    Args:
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
+            bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
+        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
+        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+            Under ``sharding_strategy="SHARD_GRAD_OP"`` or ``"_HYBRID_SHARD_ZERO2"`` FSDP does not reshard, whatever
+            this says (the strategy keeps the value given, for another ``sharding_strategy``).
+        move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
+            precision, whose gradients are fp16 or bf16).
+        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
+            half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
+        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
+        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
+        auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
+            (each instance its own unit), a callable with FairScale's policy signature
+            ``(module, recurse, unwrapped_params, module_is_root) -> bool``, or what Lightning's ``FSDPStrategy``
+            takes: a callable with torch's signature ``(module, recurse, nonwrapped_numel) -> bool`` (such as
+            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or torch's
+            ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
+            (``min_num_params``).
+        exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
+            still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
+        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
+            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``)
+            for the size policy, none else.
+        activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
+            the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
+        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``: a set of
+            layer classes, ``ModuleWrapPolicy({Block})`` or ``partial(transformer_auto_wrap_policy,
+            transformer_layer_cls={Block})``. Pass one of the two arguments.
+        state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
+            gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
+            directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
+            and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
+            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
+            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
+            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
+        param_init_fn: for a model built on the ``meta`` device (``trainer.init_module(empty_init=True)``,
+            ``fabric.init_module(empty_init=True)``, or ``torch.device("meta")``): called with each module that
+            holds meta tensors, once they are on the device (uninitialised), to initialise them in place, just before
+            its FSDP unit is sharded (torch FSDP's argument). Default: each such module's ``reset_parameters()``.
+        sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
+            (as ``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
+            across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
+            (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
+        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
+            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which
+            ``strategy.device_mesh`` then is).
+        backward_prefetch: when the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's
+            ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
+            alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
+            current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
+            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
+            FairScale's streams overlap the collectives and this is not used.
+        fairscale_kwargs: keyword arguments passed to FairScale's ``FullyShardedDataParallel`` as they are (the
+            strategies' ``**kwargs``).
+        owner: the strategy's class name, which the error messages name.
 
     Raises:
         ValueError, TypeError: an argument is not accepted; the message says what is.

@@ -5,35 +5,44 @@ The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and
 
 * :func:`set_up_run`: the process groups of a run (:class:`~lightning_fairscale.fsdp.config.ProcessGroups`), made
   once the default group exists;
-* :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing, and the
-  :class:`~lightning_fairscale.fsdp.optim.ParameterLayout` that re-points optimizers made over the unwrapped module;
-* :func:`module_state_dict`, :func:`optimizer_state`, :func:`save_sharded`: the two checkpoint formats;
-* :func:`load_full` and :func:`load_sharded`: loading either format into this rank's shards, gathering nothing;
-  with strict loading off, what fits (partial loading), reporting the keys that did not as ``torch`` does.
+* :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing; the
+  result is a :class:`WrappedModel`, the one object a strategy keeps of a sharded model;
+* :class:`WrappedModel`: re-points the optimizers made over the unwrapped module, gives the state dicts in the two
+  checkpoint formats, saves and loads them (:mod:`~lightning_fairscale.fsdp.saving`: into this rank's shards,
+  gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does), and
+  gives the model its full parameters back (:meth:`WrappedModel.unshard`).
 
 They take the strategy's :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` and what the run adds (the
-device, the precision, the process groups, the ranks, the CheckpointIO plugin), passed in by the strategies: nothing
-here imports Lightning or calls back into a strategy.
+device, the precision, the process groups, the ranks, the checkpoint's
+:class:`~lightning_fairscale.checkpoint.files.ShardedStorage`), passed in by the strategies: nothing here imports
+Lightning or calls back into a strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Generator, Iterable, Sequence
 from datetime import timedelta
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.fsdp.wrap as torch_wrap
 from fairscale.nn.wrap import enable_wrap
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys, resumable_optimizer_states
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.distributed.collectives import all_agree
-from lightning_fairscale.fsdp import cpu_streams, original_params
+from lightning_fairscale.fsdp import cpu_streams, original_params, saving
+from lightning_fairscale.fsdp.activation_checkpointing import (
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
     ProcessGroups,
@@ -41,51 +50,27 @@ from lightning_fairscale.fsdp.config import (
     fsdp_kwargs,
     wrap_policy,
 )
-from lightning_fairscale.fsdp.hybrid import resolve_mesh, sharding_groups
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
+from lightning_fairscale.fsdp.hybrid import drop_groups_of, resolve_mesh, sharding_groups
 from lightning_fairscale.fsdp.optim import (
     GroupOrder,
     ParameterLayout,
     consolidate_state,
     load_plain_state,
-    load_view_states,
-    managed_params,
-    managed_positions,
     repoint_optimizer,
 )
-from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
-from lightning_fairscale.fsdp.sharded_checkpoint import (
-    FORMAT_KEY,
-    check_fits,
-    check_wrapping,
-    split_checkpoint,
-    wrapped_alike,
-)
-from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys, check_state_dict_fits
-from lightning_fairscale.fsdp.summary import unit_summary
-from lightning_fairscale.fsdp.activation_checkpointing import apply_activation_checkpointing
 from lightning_fairscale.fsdp.policies import wrap_module
-from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, state_aliases
-from lightning_utilities.core.rank_zero import rank_zero_warn
-from lightning_fairscale.fsdp.unwrapping import remember_root
+from lightning_fairscale.fsdp.saving import Ranks, buffer_name
+from lightning_fairscale.fsdp.state_names import apply_aliases, is_wrapped, state_aliases
+from lightning_fairscale.fsdp.summary import memory_figures, unit_summary
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
+from lightning_fairscale.fsdp.unwrapping import forget_root, remember_root, unwrap_module, unwrapped
 
 __all__ = [
-    "Ranks",
     "WrappedModel",
-    "buffer_name",
     "finish_wrapping",
-    "is_sharded_checkpoint",
-    "load_full",
-    "load_sharded",
+    "is_set_up",
     "make_process_groups",
-    "module_state_dict",
-    "optimizer_state",
-    "repoint",
-    "save_sharded",
     "set_up_run",
-    "shard_writer",
-    "state_dict_keys",
-    "together",
     "wrap_model",
     "wrapped_model",
     "wrapping_context",
@@ -93,34 +78,201 @@ __all__ = [
 
 
 
-@dataclass(frozen=True)
-class Ranks:
-    """This process among the strategy's, as the sharded checkpoint needs it: its global rank, and how all ranks
-    agree that a phase succeeded everywhere (by default :func:`~lightning_fairscale.distributed.collectives.all_agree`
-    over the default process group, which Lightning made with the strategy's ``timeout``). The strategies build one
-    from their ``global_rank``.
+@dataclass
+class _Record:
+    """What a root unit keeps of its sharding, for every :class:`WrappedModel` of it: nothing that refers back to
+    the root (the layout does weakly), so that a sharded model nobody uses any more is freed at once, not by the
+    garbage collector."""
 
-    Example:
-        >>> Ranks(global_rank=0, agree=lambda ok: ok).is_global_zero
-        True
+    layout: ParameterLayout
+    #: The layers that recompute their activations (activation checkpointing).
+    checkpointed: list[Module]
+    #: The optimizers re-pointed to the shards, and the order of each one's state in checkpoints.
+    orders: weakref.WeakKeyDictionary[Optimizer, GroupOrder] = field(default_factory=weakref.WeakKeyDictionary)
+    #: The parameters from before wrapping, by id, while something else keeps them alive (an optimizer made over
+    #: them, until it is re-pointed).
+    originals: weakref.WeakValueDictionary[int, torch.nn.Parameter] = field(
+        default_factory=weakref.WeakValueDictionary
+    )
+
+
+class WrappedModel:
+    """A model sharded by :func:`wrap_model`: the one object the Trainer's and Fabric's strategies keep of it.
+
+    It holds the root unit, where each original parameter went
+    (:class:`~lightning_fairscale.fsdp.optim.ParameterLayout`), the layers that recompute their activations, and for
+    each optimizer re-pointed to its shards (:meth:`repoint`) the order its state is saved in. Everything a front end
+    does with a sharded model goes through it: re-pointing optimizers, state dicts, both checkpoint formats, and giving
+    the model its full parameters back (:meth:`unshard`). What it knows is kept on the root unit, so that every stage
+    and every strategy that takes the sharded model (:func:`wrapped_model`) knows the same.
     """
 
-    global_rank: int
-    agree: Callable[[bool], bool] = all_agree
+    def __init__(
+        self, root: FullyShardedDataParallel, layout: ParameterLayout, checkpointed: Sequence[Module] = (),
+        originals: Iterable[torch.nn.Parameter] = (),
+    ) -> None:
+        self.root = root
+        self._record = _Record(layout, list(checkpointed))
+        self._record.originals.update({id(param): param for param in originals})
+        root.__dict__[_WRAPPED] = self._record
+
+    @classmethod
+    def of(cls, root: FullyShardedDataParallel) -> Optional[WrappedModel]:
+        """The sharded model whose root unit is ``root``, if it is one (see :func:`wrapped_model`)."""
+        record = root.__dict__.get(_WRAPPED)
+        if record is None:
+            return None
+        model = cls.__new__(cls)
+        model.root, model._record = root, record
+        return model
 
     @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
+    def layout(self) -> ParameterLayout:
+        """Where each original parameter went."""
+        return self._record.layout
 
+    @property
+    def checkpointed(self) -> list[Module]:
+        """The layers that recompute their activations."""
+        return self._record.checkpointed
 
-@dataclass
-class WrappedModel:
-    """A model wrapped by :func:`wrap_model`: its root unit, where its original parameters went, and the layers that
-    recompute their activations (to undo it when unwrapping)."""
+    # ------------------------------------------------------------------------------------------------------------
+    # Optimizers
 
-    root: FullyShardedDataParallel
-    layout: ParameterLayout
-    checkpointed: list[Module] = field(default_factory=list)
+    def knows(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` is one of this model's: a parameter from before wrapping (still alive), a view that
+        ``model.parameters()`` gives after it, or a managed (flat) parameter."""
+        layout = self.layout
+        return param in layout.managed or self._record.originals.get(id(param)) is param or bool(layout.locate(param))
+
+    def repoint(self, *optimizers: Optimizer) -> None:
+        """Make each optimizer hold this rank's views of its parameters, and remember the order of its state.
+
+        An optimizer made over the original parameters keeps the order the user listed them in. One made over the
+        managed parameters (after wrapping) has no such order: its state is saved in the order of the unwrapped
+        module's ``parameters()``, as a plain optimizer over them would save it, so that either one loads the other's
+        checkpoint.
+        """
+        layout = self.layout
+        for optimizer in optimizers:
+            params = [param for group in optimizer.param_groups for param in group["params"]]
+            over_managed = all(param in layout.managed for param in params)
+            orders = repoint_optimizer(optimizer, layout)
+            self._record.orders[optimizer] = [layout.in_module_order(o) for o in orders] if over_managed else orders
+
+    def holds(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` was re-pointed to this model's shards."""
+        return optimizer in self._record.orders
+
+    def order(self, optimizer: Optimizer) -> GroupOrder:
+        """The order of ``optimizer``'s state in checkpoints (see :meth:`repoint`)."""
+        if optimizer not in self._record.orders:
+            raise ValueError(
+                f"The {type(optimizer).__name__} was not set up with the sharded model: pass it to the strategy"
+                " (`configure_optimizers`, `fabric.setup` or `fabric.setup_optimizers`) before saving or loading it."
+            )
+        return self._record.orders[optimizer]
+
+    def forget_originals(self) -> None:
+        """Stop answering for the parameters from before wrapping, once the optimizers hold the views: from here on
+        nothing refers to the unsharded parameters, and they are freed."""
+        self.layout.forget_originals()
+        self._record.originals.clear()
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        """Load the state of a plain optimizer over the unwrapped module into ``optimizer``'s views (this rank's
+        slices only)."""
+        load_plain_state(state, optimizer, self.layout, self.order(optimizer))
+
+    def resumable_states(
+        self, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer], policy: OptimizerStatePolicy, owner: str
+    ) -> list[dict[str, Any]]:
+        """The optimizer states of a full checkpoint (the Trainer's ``optimizer_states``) in the layout of plain
+        optimizers over the unwrapped module, for :meth:`load_full`; Lightning 1.x's are adopted as ``policy`` says
+        (see :mod:`lightning_fairscale.checkpoint.legacy`; ``owner`` names the strategy in its messages)."""
+        if not optimizers:
+            return []
+        managed = self.layout.managed
+        # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
+        shapes = [[[managed[m].pieces[k].shape for m, k in group] for group in self.order(opt)] for opt in optimizers]
+        return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State dicts and checkpoints
+
+    def state_dict(self, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
+        """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
+        ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
+        return saving.module_state_dict(self.root, sharded, is_global_zero)
+
+    def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
+        """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
+        with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
+        call."""
+        order = self.order(optimizer)
+        return optimizer.state_dict() if sharded else consolidate_state(optimizer, self.layout, order)
+
+    def state_dict_keys(self) -> list[str]:
+        """The keys of the unwrapped module's state dict, known without gathering anything."""
+        return list(self.expected_shapes())
+
+    def expected_shapes(self) -> dict[str, Any]:
+        """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
+        root = self.root
+        shapes: dict[str, Any] = {p.name: p.shape for m in self.layout.managed.values() for p in m.pieces}
+        for path, module in root.named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:  # as `state_dict` has them
+                    shapes[buffer_name(f"{path}.{name}" if path else name)] = buffer.shape
+        return apply_aliases(shapes, state_aliases(root))
+
+    def load_full(
+        self, state_dict: dict[str, Any], strict: bool,
+        optimizers: Sequence[tuple[Optimizer, dict[str, Any]]] = (), relax: str = RELAX_FABRIC,
+    ) -> IncompatibleKeys:
+        """Load a full state dict and plain optimizer states into this rank's shards, reading only their slices
+        (see :func:`~lightning_fairscale.fsdp.saving.load_full`)."""
+        return saving.load_full(self, state_dict, strict, optimizers, relax)
+
+    def save_sharded(
+        self, ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any,
+        optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
+    ) -> None:
+        """Write a sharded checkpoint directory (see :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
+        saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric)
+
+    def load_sharded(
+        self, ranks: Ranks, storage: ShardedStorage, path: Any,
+        optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
+        weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
+    ) -> tuple[dict[str, Any], IncompatibleKeys]:
+        """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
+        :func:`~lightning_fairscale.fsdp.saving.load_sharded`)."""
+        return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The end of sharding
+
+    def unshard(self, keep: bool) -> Module:
+        """Give the model its full parameters back, as the plain module it was (a collective call): every unit is
+        gathered in turn, onto the CPU (with ``keep=False`` this rank keeps nothing: its parameters end up on the
+        ``meta`` device). The layers lose their activation checkpointing, the process groups and FairScale's CPU
+        workarounds are released, and the optimizers re-pointed to the shards are forgotten (their state lived
+        there). Returns the unwrapped module."""
+        root = self.root
+        module = unwrapped(root)
+        unwrap_module(root, torch.device("cpu"), keep=keep)
+        drop_groups_of(root)  # nothing shards over them any more
+        forget_root(module)
+        remove_activation_checkpointing(module)
+        cpu_streams.release(root)  # the sharded model's hold on the CPU workarounds ends with it
+        root.__dict__.pop(_WRAPPED, None)
+        return module
+
+    def memory_figures(self, optimizers: Iterable[Optimizer] = ()) -> dict[str, float]:
+        """This rank's bytes of parameters, gradients and optimizer state (see
+        :func:`~lightning_fairscale.fsdp.summary.memory_figures`)."""
+        return memory_figures(self.root, optimizers)
 
 
 def set_up_run(
@@ -165,17 +317,20 @@ def wrapping_context(
 
 def wrap_model(
     config: FullyShardedConfig, module: Module, device: torch.device, groups: ProcessGroups, precision: str,
-    describe: Optional[Callable[[str], Any]] = None,
+    describe: Optional[Callable[[str], Any]] = None, optimizers: Optional[Sequence[Optimizer]] = None,
 ) -> WrappedModel:
     """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit) on
     ``device``, over ``groups``, under ``precision`` (the precision plugin's setting).
 
-    The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
-    ``layout.forget_originals()``. ``describe`` gets the summary of the units (the front end's way to log it).
+    ``optimizers``, made over ``module``'s parameters, are re-pointed to the shards, and the unsharded parameters are
+    freed. Without it (``None``), optimizers made later or elsewhere are re-pointed by :meth:`WrappedModel.repoint`;
+    until :meth:`WrappedModel.forget_originals`, the parameters from before wrapping are known (while alive).
+    ``describe`` gets the summary of the units (the front end's way to log it).
     """
     # Materialising replaces the meta parameters: kept alive until the layout knows where they went, so that the
     # ids it knows them by stay theirs (they hold no memory).
     placeholders = [param for param in module.parameters() if param.is_meta]
+    originals = list(module.parameters())
     layout = ParameterLayout.before_wrapping(module)
     checkpointed = apply_activation_checkpointing(
         module, config.activation_checkpointing, config.activation_checkpointing_offload
@@ -190,250 +345,48 @@ def wrap_model(
         root = wrap_module(module, policy, **fsdp_kwargs(config, device, groups, precision))
     layout.after_wrapping(root)
     del placeholders
-    model = finish_wrapping(root, layout, checkpointed)
+    model = finish_wrapping(root, layout, checkpointed, originals)
     remember_root(module, root)
     cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
     if describe is not None:
         describe(f"{config.owner}: {unit_summary(root)}")
+    if optimizers is not None:
+        model.repoint(*optimizers)
+        model.forget_originals()  # from here on nothing refers to the unsharded parameters: they are freed
     return model
 
 
-#: The attribute of a root unit that holds its :class:`WrappedModel`.
+#: The attribute of a root unit that holds what its :class:`WrappedModel` knows (a `_Record`).
 _WRAPPED = "_lightning_fairscale_wrapped"
 
 
-def wrapped_model(root: FullyShardedDataParallel) -> WrappedModel:
+def wrapped_model(root: Module) -> WrappedModel:
     """The :class:`WrappedModel` of ``root`` (:func:`finish_wrapping`): one per sharded model, whichever stage or
     strategy set it up, so that every stage's optimizers hold the same original parameters."""
-    kept = root.__dict__.get(_WRAPPED)
-    if kept is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
+    if not isinstance(root, FullyShardedDataParallel):
+        raise TypeError(f"A sharded model is the root FSDP unit of a model, not a {type(root).__name__}.")
+    model = WrappedModel.of(root)
+    if model is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
         return finish_wrapping(root, ParameterLayout().after_wrapping(root))
-    layout, checkpointed = kept
-    return WrappedModel(root, layout, checkpointed)
+    return model
+
+
+def is_set_up(module: Module) -> bool:
+    """Whether ``module`` is the root unit of a model :func:`wrap_model` (or :func:`wrapped_model`) set up."""
+    return isinstance(module, FullyShardedDataParallel) and _WRAPPED in module.__dict__
 
 
 def finish_wrapping(
-    root: FullyShardedDataParallel, layout: ParameterLayout, checkpointed: Sequence[Module] = ()
+    root: FullyShardedDataParallel, layout: ParameterLayout, checkpointed: Sequence[Module] = (),
+    originals: Iterable[torch.nn.Parameter] = (),
 ) -> WrappedModel:
     """The sharded model, once ``layout`` knows where its original parameters went: this rank's views of them
     become the attributes of ``root``'s modules again, under their names, tied ones included (workaround 17,
     :mod:`~lightning_fairscale.fsdp.original_params`), and the :class:`WrappedModel` is kept on ``root``."""
-    originals, orders = layout.originals(), layout.parameter_names
+    views, orders = layout.originals(), layout.parameter_names
     for unit in fsdp_instances(root):
-        original_params.install(unit, originals, orders)
-    # A later stage, or another strategy, takes the model as it is. What the root keeps refers to it weakly only
-    # (the layout), so that a sharded model nobody uses any more is freed at once, not by the garbage collector.
-    model = WrappedModel(root, layout, list(checkpointed))
-    root.__dict__[_WRAPPED] = (layout, model.checkpointed)
-    return model
+        original_params.install(unit, views, orders)
+    # A later stage, or another strategy, takes the model as it is (the root keeps what the model knows).
+    return WrappedModel(root, layout, checkpointed, originals)
 
-
-def repoint(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrder:
-    """Make ``optimizer`` hold this rank's views of its parameters; returns the order of its state in checkpoints.
-
-    An optimizer made over the original parameters keeps the order the user listed them in. One made over the
-    managed parameters (after wrapping) has no such order: its state is saved in the order of the unwrapped module's
-    ``parameters()``, as a plain optimizer over them would save it, so that either one loads the other's checkpoint.
-    """
-    over_managed = all(param in layout.managed for group in optimizer.param_groups for param in group["params"])
-    orders = repoint_optimizer(optimizer, layout)
-    return [layout.in_module_order(order) for order in orders] if over_managed else orders
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# State dicts and checkpoints
-
-
-def module_state_dict(root: FullyShardedDataParallel, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
-    """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
-    ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
-    if sharded:
-        return root.local_state_dict()
-    state_dict = root.state_dict()  # every rank gathers, rank 0 keeps
-    return add_aliases(state_dict, root) if is_global_zero else state_dict
-
-
-def optimizer_state(optimizer: Optimizer, layout: ParameterLayout, order: GroupOrder, sharded: bool) -> dict:
-    """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks); with
-    ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective call."""
-    return optimizer.state_dict() if sharded else consolidate_state(optimizer, layout, order)
-
-
-def is_sharded_checkpoint(io: Any, path: Any) -> bool:
-    """Whether ``path`` is a sharded checkpoint directory (one that a crash left half-replaced included)."""
-    return hasattr(io, "is_sharded") and io.is_sharded(io.recover(Path(str(path))))
-
-
-def together(ranks: Ranks, io: Any, action: Callable[[], Any], path: Any, step: str) -> None:
-    """Run ``action`` on every rank, then agree: if it failed anywhere, it fails everywhere, and rank 0 removes the
-    unfinished sharded checkpoint, so that no rank is left waiting for another and the previous one stays as it was."""
-    error: Optional[BaseException] = None
-    try:
-        action()
-    except Exception as exception:  # reported to every rank below, then re-raised here
-        error = exception
-    if ranks.agree(error is None):
-        return
-    if ranks.is_global_zero:
-        io.abort_sharded(path)
-    if error is not None:
-        raise error
-    raise RuntimeError(
-        f"Another process failed to {step} the sharded checkpoint {path} (its error is in its log). The"
-        " previous checkpoint of that name, if any, is unchanged."
-    )
-
-
-def save_sharded(
-    ranks: Ranks, io: Any, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
-    optimizers: Sequence[Optimizer], orders: Sequence[GroupOrder], fabric: Optional[dict[str, Any]] = None,
-) -> None:
-    """The ranks of one replica write their shards of ``checkpoint`` (made with :func:`module_state_dict` and
-    :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last.
-
-    Without hybrid sharding that replica is every rank. Under hybrid sharding every replica holds the same shards,
-    so the shard group of rank 0 writes them once (a checkpoint of ``shard_size`` shards); the other replicas write
-    nothing but take part in every agreement, so that a failure anywhere fails everywhere.
-
-    ``checkpoint`` is the Trainer's, or with ``fabric`` (the keys of the model and of the optimizers) what
-    ``fabric.save`` writes (see :func:`~lightning_fairscale.fsdp.sharded_checkpoint.split_checkpoint`)."""
-    shard_rank, shards, writes = shard_writer(ranks, model.root)
-    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric)
-    # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
-    # previous checkpoint untouched, instead of leaving the others waiting for it.
-    zero = ranks.is_global_zero
-    together(ranks, io, lambda: io.begin_sharded(path) if zero else None, path, "prepare")
-    together(ranks, io, lambda: io.save_shard(shard, path, shard_rank, shards) if writes else None, path, "write")
-    together(ranks, io, lambda: io.commit_sharded(meta, path, shards) if zero else None, path, "complete")
-
-
-def shard_writer(ranks: Ranks, root: FullyShardedDataParallel) -> tuple[int, int, bool]:
-    """``(shard rank, number of shards, whether this rank writes its shard)`` in a sharded checkpoint.
-
-    The shards are those of the root unit's group: every rank without hybrid sharding, the shard group under it.
-    Replica 0, the shard group of global rank 0, writes: its ranks are ``0 ... shard_size - 1``, whose shard rank is
-    their global rank (see :func:`~lightning_fairscale.fsdp.hybrid.hybrid_groups`).
-    """
-    shard_rank, shards = root.rank, root.world_size
-    return shard_rank, shards, ranks.global_rank == shard_rank
-
-
-def buffer_name(name: str) -> str:
-    """The unwrapped module's name of a buffer of the wrapped model."""
-    return clean_path(name + ".").rstrip(".")
-
-
-def state_dict_keys(model: WrappedModel) -> list[str]:
-    """The keys of the unwrapped module's state dict, known without gathering anything."""
-    return list(_expected_shapes(model))
-
-
-def _expected_shapes(model: WrappedModel) -> dict[str, Any]:
-    """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
-    shapes: dict[str, Any] = {p.name: p.shape for m in model.layout.managed.values() for p in m.pieces}
-    for path, module in model.root.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:  # as `state_dict` has them
-                shapes[buffer_name(f"{path}.{name}" if path else name)] = buffer.shape
-    return apply_aliases(shapes, state_aliases(model.root))
-
-
-def load_full(
-    model: WrappedModel, state_dict: dict[str, Any], strict: bool,
-    optimizers: Sequence[tuple[Optimizer, GroupOrder, dict[str, Any]]] = (), relax: str = RELAX_FABRIC,
-) -> IncompatibleKeys:
-    """Load a full state dict (the unwrapped module's keys) and plain optimizer states into this rank's shards;
-    returns the keys the state dict and the model did not share.
-
-    Only the slices this rank owns are read, unit by unit, so a memory-mapped checkpoint is never read whole.
-
-    Args:
-        model: the wrapped model.
-        state_dict: the full state dict.
-        strict: whether missing and unexpected keys are errors (shapes that differ always are). Without it, the
-            model's parameters and buffers that the state dict lacks keep their values, and its other entries are
-            ignored.
-        optimizers: ``(optimizer, order, plain state dict)`` for each optimizer to restore.
-        relax: how to turn strict loading off, the end of the error that a strict load raises (see
-            :func:`~lightning_fairscale.checkpoint.checks.check_state_dict_fits`).
-    """
-    keys = check_state_dict_fits(state_dict, _expected_shapes(model), strict, relax)
-    layout = model.layout
-    load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
-    for optimizer, order, state in optimizers:
-        load_plain_state(state, optimizer, layout, order)
-    return keys
-
-
-def load_sharded(
-    ranks: Ranks, io: Any, path: Any, model: WrappedModel,
-    optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer, GroupOrder]]],
-    weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
-) -> tuple[dict[str, Any], IncompatibleKeys]:
-    """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict
-    and the keys the checkpoint and the model did not share.
-
-    Args:
-        ranks: this process's global rank and the agreement of all ranks.
-        io: the :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`.
-        path: the checkpoint directory.
-        model: the wrapped model.
-        optimizers: given the meta dict and the number of optimizer states saved, the optimizers to restore, each
-            with the position of its state in the checkpoint and its order (:func:`repoint`); raises when they do
-            not fit.
-        weights_only: passed to ``torch.load``.
-        strict: whether missing and unexpected keys are errors, as for :func:`load_full`. Without it the model may
-            also be wrapped otherwise than the saved one: its parameters are then found by name.
-        relax: as for :func:`load_full`.
-    """
-    meta = io.load_meta(path, weights_only=weights_only)
-    saved_world_size = check_fits(meta, path)
-    aliases = meta[FORMAT_KEY].get("aliases", [])
-    shards = SavedShards(
-        lambda r: io.load_shard(path, r, saved_world_size, weights_only=weights_only),
-        saved_world_size,
-    )
-    found: list[IncompatibleKeys] = []
-
-    def read() -> None:
-        saved = {name: piece.shape for name, piece in shards.pieces(aliases).items()}
-        saved.update(apply_aliases({k: v.shape for k, v in shards.buffers(buffer_name).items()}, aliases))
-        found.append(check_state_dict_fits(saved, _expected_shapes(model), strict, relax))
-        alike = wrapped_alike(shards.file(0), model.root)
-        if alike:
-            shards.load_into(model.root)
-        elif strict:
-            check_wrapping(shards.file(0), model.root, path)  # raises, naming the consolidation command
-        else:
-            layout = model.layout
-            shards.load_by_name(model.root, lambda p: layout.managed[p].pieces, buffer_name, aliases)
-        for index, optimizer, order in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
-            if not alike:  # a partial load: the param groups' hyperparameters only, when there is no state to lose
-                saved_optimizer = shards.file(0)["optimizer_states"][index]
-                _check_no_optimizer_state(saved_optimizer, path)
-                load_view_states(optimizer, model.layout, saved_optimizer["param_groups"], lambda *_: None)
-                continue
-            params = managed_params(order)
-            groups, source = shards.optimizer_source(index, managed_positions(params, model.root))
-            position = {id(param): m for m, param in enumerate(params)}
-            load_view_states(
-                optimizer, model.layout, groups, lambda managed, *at: source(position[id(managed)], *at)
-            )
-
-    together(ranks, io, read, path, "read")
-    meta.pop(FORMAT_KEY)
-    return meta, found[0]
-
-
-def _check_no_optimizer_state(saved: dict[str, Any], path: Any) -> None:
-    """A sharded optimizer state is laid out over the saved model's FSDP parameters: it cannot follow the model's
-    parameters into other ones by name, as the model's state can (a partial load)."""
-    if any(saved["state"].values()):
-        raise ValueError(
-            f"The sharded checkpoint {path} was saved from a model with other parameters or wrapping, and its"
-            " optimizer state is laid out over that model's FSDP parameters: it does not load into this model's."
-            " Load the model's state only (`fabric.load(path, {'model': model}, strict=False)`, or"
-            " `trainer.validate(model, ckpt_path=...)` before `trainer.fit(model)`), or resume with an optimizer"
-            " that keeps no per-parameter state (SGD without momentum)."
-        )

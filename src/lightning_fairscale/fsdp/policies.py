@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, Union
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy
 from torch import nn
-from torch.distributed.fsdp.wrap import _Policy as TorchPolicy  # the base of torch's policy objects
 
+from lightning_fairscale.distributed.torch_private import TorchPolicy
 from lightning_fairscale.fsdp.materialize import check_materializable
 from lightning_fairscale.fsdp.state_names import is_wrapped
 from lightning_fairscale.fsdp.ties import keep_ties_together

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fairscale.distributed.torch_private import in_backward
+
 __all__ = [
     "BACKWARD_MODES",
     "OVERLAP_ON_CPU",
@@ -61,11 +63,6 @@ BACKWARD_MODES = ("BACKWARD_POST", "BACKWARD_PRE", None)
 
 #: The bytes of each rank's piece of a reduce-scatter (gloo's own buffer holds one piece per thread at a time).
 PIECE_BYTES = 4 * 2**20
-
-
-def in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread (hooks, recomputed forwards)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _holds_storage(tensor: Tensor) -> bool:

@@ -18,6 +18,8 @@ plain-layout code the online consolidation uses. The file work (atomic writes, d
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import copy
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +30,6 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_fairscale.__about__ import __version__
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY, load_meta, load_shard
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece, describe_layout, plain_state_dict
 from lightning_fairscale.fsdp.state_names import apply_aliases, fairscale_ties, state_aliases
@@ -87,7 +88,7 @@ def split_checkpoint(
         "world_size": world_size,
         "aliases": state_aliases(root),
         "versions": {
-            "lightning_fairscale": __version__,
+            "lightning_fairscale": _package_version(),
             "torch": str(torch.__version__),
             "fairscale": _fairscale_version(),
         },
@@ -107,6 +108,15 @@ def split_checkpoint(
             describe_layout(opt, order, root, layout) for opt, order in zip(optimizers, orders)
         ]
     return meta, shard
+
+
+def _package_version() -> str:
+    """This package's version, from its installed metadata: the engine does not import the package itself (which
+    imports Lightning)."""
+    try:
+        return importlib.metadata.version("lightning_fairscale")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
 
 
 def _fairscale_version() -> str:

@@ -18,6 +18,7 @@ __all__ = [
     "forget_root",
     "remember_root",
     "unwrap_module",
+    "unwrapped",
     "wrapped_root",
 ]
 
@@ -99,7 +100,7 @@ def remember_root(module: nn.Module, root: _FairScaleFSDP) -> None:
 def wrapped_root(module: nn.Module) -> Optional[_FairScaleFSDP]:
     """The root unit that wraps ``module`` (see :func:`remember_root`), or ``None`` when it is not wrapped."""
     root = module.__dict__.get(_ROOT_ATTRIBUTE)
-    return root if isinstance(root, _FairScaleFSDP) and _original(root) is module else None
+    return root if isinstance(root, _FairScaleFSDP) and unwrapped(root) is module else None
 
 
 def forget_root(module: nn.Module) -> None:
@@ -136,14 +137,15 @@ def _forget_fsdp_attributes(param: nn.Parameter) -> None:
             delattr(param, name)
 
 
-def _original(unit: _FairScaleFSDP) -> nn.Module:
-    return unit.module.module  # FSDP -> FlattenParamsWrapper -> the user's module
+def unwrapped(unit: _FairScaleFSDP) -> nn.Module:
+    """The module ``unit`` wraps (FSDP -> FairScale's ``FlattenParamsWrapper`` -> the user's module)."""
+    return unit.module.module
 
 
 def _replace_units(module: nn.Module) -> nn.Module:
     """Replace every unit in the tree by the module it wraps; innermost units are handled by the recursion."""
     if isinstance(module, _FairScaleFSDP):
-        return _replace_units(_original(module))
+        return _replace_units(unwrapped(module))
     for name, child in list(module.named_children()):
         replacement = _replace_units(child)
         if replacement is not child:

@@ -46,8 +46,19 @@ _MULTI_NODE_REDUCE_BUFFER_SIZE = 2**23
 class ShardedDDPConfig:
     """The options of ``DDPShardedStrategy``, checked when built; frozen.
 
-    The arguments are those of the strategies, documented on :class:`lightning_fairscale.strategies.DDPShardedStrategy`,
-    less Lightning's own; the strategy's extra keyword arguments are :attr:`fairscale_kwargs`.
+    The arguments are those of the strategies (the Trainer's and Fabric's, whose ``Args:`` are these), less
+    Lightning's own; the strategy's extra keyword arguments are :attr:`fairscale_kwargs`.
+
+    Args:
+        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
+            parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
+            supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
+        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
+            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
+        fairscale_kwargs: keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are (the
+            strategies' ``**kwargs``).
+        owner: the strategy's class name, which the error messages name.
 
     Raises:
         ValueError, TypeError: an argument is not accepted; the message says what is.

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_fairscale.distributed.torch_private import default_store
+
 __all__ = ["explain_collective_failure", "is_collective_failure", "report_collective_failure"]
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ def _exited_children(rank: int, launcher: Any) -> list[int]:
 def _lost_ranks(rank: int, world_size: int, wait_s: float) -> Optional[list[int]]:
     """The ranks that did not check in within ``wait_s`` seconds; ``None`` when the store cannot be reached."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         prefix = "lightning_fairscale/alive/"
         store.set(f"{prefix}{rank}", "1")
         deadline = time.monotonic() + wait_s

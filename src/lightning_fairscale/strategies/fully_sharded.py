@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -11,15 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
-from lightning_fairscale._compat import (
-    collective_timeout,
-    layer_sync_plugin,
-    precision_plugin_slot,
-    set_precision_plugin_slot,
-)
-from lightning_fairscale._compat import _optimizers_to_device
-from lightning_fairscale._compat import _PATH, attached_trainer
-from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -31,39 +22,44 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale._adapters import config_arguments, config_property, lightning_arguments, register_strategies
+from lightning_fairscale._adapters import config_arguments, lightning_arguments, register_strategies, strategy_options
+from lightning_fairscale._compat import (
+    _PATH,
+    _optimizers_to_device,
+    attached_trainer,
+    collective_timeout,
+    layer_sync_plugin,
+    plain_optimizer,
+    precision_plugin_slot,
+    set_precision_plugin_slot,
+)
+from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
+from lightning_fairscale.checkpoint.checks import (
+    RELAX_TRAINER,
+    restores_optimizer_states,
+)
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
-from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_checkpoint_io
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.hybrid import release_groups
+from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout
-from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
-from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
-from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_callbacks
-from lightning_fairscale.checkpoint.checks import (
-    RELAX_TRAINER,
-    IncompatibleKeys,
-    describe_partial_load,
-    restores_optimizer_states,
-    resumable_optimizer_states,
-)
-from lightning_fairscale.strategies._lost_ranks import report_collective_failure
+from lightning_fairscale.fsdp.saving import Ranks, is_sharded_checkpoint
 from lightning_fairscale.fsdp.summary import memory_figures
-from lightning_fairscale.fsdp import cpu_streams
-from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
-from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
-from lightning_fairscale.fsdp.unwrapping import forget_root, unwrap_module, wrapped_root
+from lightning_fairscale.fsdp.unwrapping import wrapped_root
+from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
+from lightning_fairscale.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
+from lightning_fairscale.strategies._callbacks import check_callbacks, trainer_callbacks
+from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+@strategy_options(FullyShardedConfig, "Trainer")
 class DDPFullyShardedStrategy(DDPStrategy):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
@@ -71,78 +67,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
     Lightning 1.x's ``DDPFullyShardedStrategy``, plus ``auto_wrap_policy``; any other keyword goes to FairScale's
     ``FullyShardedDataParallel``. Runs on GPUs (NCCL) and on CPUs (gloo).
 
-    Args:
-        accelerator: the accelerator; the Trainer sets it.
-        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
-            bool, or torch's ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it.
-        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
-        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
-            Under ``sharding_strategy="SHARD_GRAD_OP"`` or ``"_HYBRID_SHARD_ZERO2"`` FSDP does not reshard, whatever
-            this says (the strategy keeps the value given, for another ``sharding_strategy``).
-        move_grads_to_cpu: move gradient shards to the CPU after reduction (defaults to ``cpu_offload``).
-        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision (an error under true half
-            precision, whose gradients are fp16 or bf16).
-        compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
-            half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
-        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
-        min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
-        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
-        parallel_devices: the devices of this node; the Trainer sets them.
-        cluster_environment: the cluster environment; the Trainer sets it.
-        checkpoint_io: the checkpoint IO plugin.
-        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
-        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
-        auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
-            (each instance its own unit), a callable with FairScale's policy signature
-            ``(module, recurse, unwrapped_params, module_is_root) -> bool``, or what Lightning's ``FSDPStrategy``
-            takes: a callable with torch's signature ``(module, recurse, nonwrapped_numel) -> bool`` (such as
-            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or torch's
-            ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
-            (``min_num_params``).
-        exclude_wrap_modules: layer classes that never become units themselves under auto wrap (their children
-            still can). Default: FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else.
-        force_leaf_modules: layer classes auto wrap does not descend into: neither they nor their children become
-            units, their parameters belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``)
-            for the size policy, none else.
-        activation_checkpointing: a layer class, or a list of them, whose instances recompute their activations in
-            the backward pass instead of keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit).
-        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
-        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``: a set of
-            layer classes, ``ModuleWrapPolicy({Block})`` or ``partial(transformer_auto_wrap_policy,
-            transformer_layer_cls={Block})``. Pass one of the two arguments.
-        state_dict_type: ``"full"`` (default): checkpoints are one file with the full model and optimizer state,
-            gathered on rank 0, loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint
-            directory, in parallel, and no rank gathers the full model; it resumes on the same number of processes,
-            and ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind.
-        timeout: how long collectives wait for the other ranks before failing.
-        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
-        precision: another name for ``precision_plugin`` (Fabric's).
-        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose
-            optimizer state is rank 0's shard only: ``"error"`` (default) fails before training when the optimizer
-            has per-parameter state (Adam...); ``"reset"`` starts that state afresh, with the checkpoint's
-            hyperparameters. Stateless optimizers (SGD without momentum) resume exactly either way.
-        param_init_fn: for a model built on the ``meta`` device (``trainer.init_module(empty_init=True)``, or
-            ``torch.device("meta")``): called with each module that holds meta tensors, once they are on the device
-            (uninitialised), to initialise them in place, just before its FSDP unit is sharded (torch FSDP's
-            argument). Default: each such module's ``reset_parameters()``.
-        sharding_strategy: ``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"``
-            (as ``reshard_after_forward=False``), ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate
-            across nodes: the gradient shards are all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"``
-            (hybrid, without resharding after forward); a string or torch's ``ShardingStrategy``.
-        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes
-            (consecutive ranks form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which
-            ``strategy.device_mesh`` then is).
-        backward_prefetch: when the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's
-            ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
-            alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
-            current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
-            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
-            FairScale's streams overlap the collectives and this is not used.
-        **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
-
     The arguments other than Lightning's are checked once, here, and kept in :attr:`config` (a frozen
     :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`); the strategy's attributes of the same names read
     it (setting one replaces the config by a checked copy).
+
+    Args:
+        **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
         >>> from lightning_fairscale.strategies import DDPFullyShardedStrategy
@@ -193,38 +123,13 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.config = config
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
-        #: Where the original parameters went, while the module is wrapped.
-        self._layout: Optional[ParameterLayout] = None
-        #: For each optimizer, the order of its state in checkpoints (see `fsdp_engine.repoint`).
-        self._group_orders: Sequence[GroupOrder] = []
+        #: The sharded model (the engine's object), while the module is wrapped.
+        self._sharded: Optional[fsdp_engine.WrappedModel] = None
         #: Whether the stage failed (teardown must then start no collective).
         self._failed = False
-        #: The layers that recompute their activations.
-        self._checkpointed: Sequence[Module] = []
 
     # ------------------------------------------------------------------------------------------------------------
-    # FSDP configuration
-
-    cpu_offload = config_property("cpu_offload")
-    flatten_parameters = config_property("flatten_parameters")
-    reshard_after_forward = config_property("reshard_after_forward")
-    move_grads_to_cpu = config_property("move_grads_to_cpu")
-    fp32_reduce_scatter = config_property("fp32_reduce_scatter")
-    compute_dtype = config_property("compute_dtype")
-    bucket_cap_mb = config_property("bucket_cap_mb")
-    min_num_params = config_property("min_num_params")
-    state_dict_to_cpu = config_property("state_dict_to_cpu")
-    auto_wrap_policy = config_property("auto_wrap_policy")
-    exclude_wrap_modules = config_property("exclude_wrap_modules")
-    force_leaf_modules = config_property("force_leaf_modules")
-    activation_checkpointing = config_property("activation_checkpointing")
-    activation_checkpointing_offload = config_property("activation_checkpointing_offload")
-    state_dict_type = config_property("state_dict_type")
-    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
-    param_init_fn = config_property("param_init_fn")
-    sharding_strategy = config_property("sharding_strategy")
-    device_mesh = config_property("device_mesh")
-    backward_prefetch = config_property("backward_prefetch")
+    # FSDP configuration (an option's property comes with `strategy_options`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -264,15 +169,14 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), then everything FSDP needs; all ranks together."""
         check_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
-        default_before = process_exit.default_group()
-        super().setup_environment()
-        process_exit.close_process_group_at_exit(self, default_before)
+        with process_exit.closing_at_exit(self):
+            super().setup_environment()
         self._groups = fsdp_engine.set_up_run(
             self.config, self.root_device, self.precision_plugin.precision, self.global_rank, self.world_size,
             self.num_nodes, collective_timeout(self),
         )
         if self.config.state_dict_type == "sharded":
-            sharded_checkpoint_io(self.checkpoint_io)  # fail before training, not at the first save
+            sharded_storage(self.checkpoint_io)  # fail before training, not at the first save
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -303,43 +207,33 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
-        wrapped = fsdp_engine.wrap_model(
-            self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info
+        precision = self.precision_plugin.precision
+        self._sharded = fsdp_engine.wrap_model(
+            self.config, self.model, self.root_device, self._groups, precision, rank_zero_info, self._plain_optimizers()
         )
-        self.model, self._layout, self._checkpointed = wrapped.root, wrapped.layout, wrapped.checkpointed
-        optimizers = [_unwrap(opt) for opt in self.optimizers] if fitting else []
-        self._group_orders = [fsdp_engine.repoint(optimizer, self._layout) for optimizer in optimizers]
-        # From here on nothing refers to the unsharded original parameters any more: they are freed.
-        self._layout.forget_originals()
+        self.model = self._sharded.root
 
     def _setup_sharded_again(self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool) -> None:
         """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
         parameters are the original ones (views into the shards), so ``configure_optimizers`` makes the optimizers
         over them as in the first stage, and they are re-pointed the one way."""
-        wrapped = fsdp_engine.wrapped_model(root)
-        if wrapped.layout is not self._layout:  # another strategy set it up: its optimizers are not ours
-            self._group_orders = []
-        self._layout, self._checkpointed = wrapped.layout, wrapped.checkpointed
+        self._sharded = fsdp_engine.wrapped_model(root)
         self.model = root
         if fitting:
             self.setup_optimizers(trainer)
-            self._group_orders = [fsdp_engine.repoint(_unwrap(opt), self._layout) for opt in self.optimizers]
+            self._sharded.repoint(*self._plain_optimizers())
+
+    def _plain_optimizers(self) -> list[Optimizer]:
+        """The strategy's optimizers, without Lightning's ``LightningOptimizer`` around them."""
+        return [plain_optimizer(optimizer) for optimizer in self.optimizers]
 
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``;
-        with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does.
-
-        ``configure_model`` runs in here, and the units it wraps (``wrap``) are sharded right away, where their
-        parameters are. FairScale keeps offloaded shards in CPU memory and asserts, at the first forward, that they
-        were created there; and creating the layers on the GPU first would need GPU memory for the whole unsharded
-        model, which is what ``cpu_offload`` is for. So they are created on the CPU (the inner device wins).
-
-        A model built with ``empty_init=True`` (``trainer.init_module(empty_init=True)``) takes no memory: each FSDP
-        unit materialises its part on its device just before sharding it, with ``reset_parameters()`` or the
-        strategy's ``param_init_fn`` (see :mod:`lightning_fairscale.fsdp.materialize`).
-        """
+        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``
+        (FairScale keeps offloaded shards there, and the units ``configure_model`` wraps are sharded where they are
+        made); with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does: each FSDP unit
+        then materialises its part just before sharding it (see :mod:`lightning_fairscale.fsdp.materialize`)."""
         if empty_init:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -365,7 +259,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         Log them from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``.
         """
         assert self.model is not None
-        return memory_figures(self.model, [_unwrap(opt) for opt in self.optimizers])
+        if self._sharded is None:
+            return memory_figures(self.model, self._plain_optimizers())
+        return self._sharded.memory_figures(self._plain_optimizers())
 
     @contextlib.contextmanager
     @override
@@ -389,20 +285,17 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only;
         with ``state_dict_type="sharded"``, this rank's parameter shards (FairScale's ``local_state_dict``)."""
-        assert self.model is not None
-        if not isinstance(self.model, _FairScaleFSDP):
+        if self._sharded is None:
             return super().lightning_module_state_dict()
-        return fsdp_engine.module_state_dict(self.model, self._saves_sharded(), self.is_global_zero)
+        return self._sharded.state_dict(self._saves_sharded(), self.is_global_zero)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """The full optimizer state in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks); with
         ``state_dict_type="sharded"``, this rank's state over its shards."""
-        if self._layout is None:  # not wrapped (after a stage): a plain optimizer over the unwrapped module
+        if self._sharded is None:  # not wrapped (after `unshard_module`): a plain optimizer over the module
             return super().optimizer_state(optimizer)
-        optimizer = _unwrap(optimizer)
-        index = [_unwrap(opt) for opt in self.optimizers].index(optimizer)
-        return fsdp_engine.optimizer_state(optimizer, self._layout, self._group_orders[index], self._saves_sharded())
+        return self._sharded.optimizer_state(plain_optimizer(optimizer), self._saves_sharded())
 
     @override
     def save_checkpoint(
@@ -417,15 +310,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
                     " written as a full checkpoint file.",
                 )
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        optimizers = [_unwrap(opt) for opt in self.optimizers]
-        io = sharded_checkpoint_io(self.checkpoint_io)
-        ranks = fsdp_engine.Ranks(self.global_rank)
-        fsdp_engine.save_sharded(ranks, io, checkpoint, filepath, self._wrapped(), optimizers, self._group_orders)
+        assert self._sharded is not None
+        storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
+        self._sharded.save_sharded(ranks, storage, checkpoint, filepath, self._plain_optimizers())
         return None
-
-    def _wrapped(self) -> fsdp_engine.WrappedModel:
-        assert isinstance(self.model, FullyShardedDataParallel) and self._layout is not None
-        return fsdp_engine.WrappedModel(self.model, self._layout, list(self._checkpointed))
 
     @property
     @override
@@ -454,48 +342,31 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 return checkpoint
             assert self.lightning_module is not None
             return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
-        optimizers = [_unwrap(opt) for opt in self.optimizers] if self._restores_optimizers() else []
-        io = self.checkpoint_io
-        assert self.lightning_module is not None
+        sharded = self._sharded
+        assert sharded is not None and self.lightning_module is not None
+        optimizers = self._plain_optimizers() if self._restores_optimizers() else []
         strict = self.lightning_module.strict_loading
-        if fsdp_engine.is_sharded_checkpoint(io, checkpoint_path):
+        storage = sharded_storage(self.checkpoint_io, saving=False)
+        if is_sharded_checkpoint(storage, checkpoint_path):
 
-            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer, GroupOrder]]:
+            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
                 if not optimizers or not restores_optimizer_states(saved, len(optimizers), rank_zero_warn):
                     return []
-                return [(i, opt, self._group_orders[i]) for i, opt in enumerate(optimizers)]
+                return list(enumerate(optimizers))
 
-            meta, keys = fsdp_engine.load_sharded(
-                fsdp_engine.Ranks(self.global_rank), io, checkpoint_path, self._wrapped(), restored, weights_only,
-                strict, RELAX_TRAINER,
+            ranks = Ranks(self.global_rank)
+            meta, _ = sharded.load_sharded(
+                ranks, storage, checkpoint_path, restored, weights_only, strict, RELAX_TRAINER
             )
-            _report_partial_load(keys)
             return meta if is_trainer_layout(meta) else to_trainer_layout(meta, pl.__version__, model_keys=None)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if not is_trainer_layout(checkpoint):
-            checkpoint = to_trainer_layout(checkpoint, pl.__version__, fsdp_engine.state_dict_keys(self._wrapped()))
-        assert self._layout is not None
-        states = self._resumable_states(checkpoint, optimizers) if optimizers else []
-        keys = fsdp_engine.load_full(
-            self._wrapped(),
-            checkpoint.pop("state_dict"),
-            strict,
-            list(zip(optimizers, self._group_orders, states)),
-            RELAX_TRAINER,
-        )
-        _report_partial_load(keys)
+            checkpoint = to_trainer_layout(checkpoint, pl.__version__, sharded.state_dict_keys())
+        policy = self.config.lightning_1x_optimizer_state
+        states = sharded.resumable_states(checkpoint, optimizers, policy, type(self).__name__)
+        sharded.load_full(checkpoint.pop("state_dict"), strict, list(zip(optimizers, states)), RELAX_TRAINER)
         checkpoint.pop("optimizer_states", None)
         return checkpoint
-
-    def _resumable_states(self, checkpoint: dict[str, Any], optimizers: list[Optimizer]) -> list[dict[str, Any]]:
-        """The checkpoint's optimizer states in the plain layout (Lightning 1.x's are adopted, see
-        :mod:`lightning_fairscale.checkpoint.legacy`)."""
-        assert self._layout is not None
-        # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
-        managed = self._layout.managed
-        shapes = [[[managed[m].pieces[k].shape for m, k in g] for g in order] for order in self._group_orders]
-        owner, policy = type(self).__name__, self.config.lightning_1x_optimizer_state
-        return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
 
     def _restores_optimizers(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -561,33 +432,16 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """
         module = self.lightning_module
         assert module is not None
-        model = self.model
-        if not isinstance(model, _FairScaleFSDP):
+        if self._sharded is None:
             return module
-        keep = self.is_global_zero or not rank_zero_only
-        unwrap_module(model, torch.device("cpu"), keep=keep)
-        drop_groups_of(model)  # nothing shards over them any more
-        forget_root(module)
-        remove_activation_checkpointing(module)
-        cpu_streams.release(model)  # the sharded model's hold on the CPU workarounds ends with it
-        self._checkpointed = []
+        self._sharded.unshard(keep=self.is_global_zero or not rank_zero_only)
+        self._sharded = None
         self.model = module
-        self._layout = None
-        self._group_orders = []
         self.optimizers = []
         self.lr_scheduler_configs = []
         return module
 
     def _is_wrapped(self) -> bool:
-        return isinstance(self.model, _FairScaleFSDP)
+        return self._sharded is not None
 
 
-def _report_partial_load(keys: IncompatibleKeys) -> None:
-    """Tell once (rank 0) what a load with ``strict_loading = False`` left out."""
-    message = describe_partial_load(keys)
-    if message:
-        rank_zero_warn(message)
-
-
-def _unwrap(optimizer: Optimizer) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -22,8 +22,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
-from lightning_fairscale.fsdp.engine import is_sharded_checkpoint
+from lightning_fairscale.fsdp.saving import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision.settings import unsupported
+from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
 
 __all__ = [
     "FabricCheckpoints",
@@ -130,7 +131,7 @@ class FabricCheckpoints:
         """``strategy.load_checkpoint``: restore ``state`` from a checkpoint (Fabric's or the Trainer's, full or
         sharded); returns what the state did not ask for."""
         io = self.io
-        if is_sharded_checkpoint(io, path):
+        if is_sharded_checkpoint(sharded_storage(io, saving=False), path):
             return self._load_sharded(path, state, strict, weights_only)
         if not state:
             return io.load_checkpoint(path, weights_only=weights_only)

@@ -19,7 +19,7 @@ replaces whichever kind:
   there, writes ``meta.pt`` last, and renames the directory into place.
 * Renaming into place parks an old checkpoint of the same name as ``.<name>.replaced`` when a single rename cannot
   replace it, and deletes it only once the new one is in place. At every instant ``<name>`` is a complete checkpoint,
-  or it is missing and ``.<name>.replaced`` is the last complete one: :meth:`ShardedCheckpointIO.recover` (and so
+  or it is missing and ``.<name>.replaced`` is the last complete one: :meth:`ShardedStorage.recover` (and so
   loading) finds it there. :mod:`lightning_fairscale.checkpoint.files` has the protocol step by step.
 
 Remote paths (``s3://`` ...) go through fsspec as in Lightning's ``TorchCheckpointIO``, without these guarantees.
@@ -36,11 +36,11 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning_fairscale.lightning._compat import _PATH, checkpoint_io_slot, set_checkpoint_io_slot
 from typing_extensions import override
 
-from lightning_fairscale.checkpoint import files as files
 from lightning_fairscale.checkpoint.files import (
     META_FILE,
     CheckpointFileError,
     MapLocation,
+    ShardedStorage,
     hidden_path,
     read_file,
     remove_path,
@@ -53,9 +53,10 @@ __all__ = [
     "META_FILE",
     "CheckpointFileError",
     "ShardedCheckpointIO",
+    "ShardedStorage",
     "default_checkpoint_io",
     "shard_file_name",
-    "sharded_checkpoint_io",
+    "sharded_storage",
 ]
 
 
@@ -100,9 +101,10 @@ class ShardedCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only  # type: ignore[arg-type]
             )
-        target = self.recover(Path(path))
+        storage = self.sharded_storage()
+        target = storage.recover(path)
         if target.is_dir():
-            return self.load_meta(target, weights_only=weights_only)
+            return storage.load_meta(target, weights_only=weights_only)
         if not target.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return read_file(target, map_location=map_location, weights_only=weights_only)
@@ -122,66 +124,32 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     # --------------------------------------------------------------------------------------------------------------
     # Sharded checkpoints
 
-    @staticmethod
-    def is_sharded(path: _PATH) -> bool:
-        """Whether ``path`` is a sharded checkpoint directory."""
-        return _is_local(path) and files.is_sharded(Path(path))
-
-    @staticmethod
-    def recover(path: Path) -> Path:
-        """``path``, or the checkpoint (file or directory) it replaced when a save was interrupted between renames."""
-        return files.find_checkpoint(path)
-
-    @staticmethod
-    def staging_directory(path: _PATH) -> Path:
-        """Where the shards of a checkpoint for ``path`` are assembled before it is renamed into place."""
-        return files.staging_directory(Path(path))
-
-    def begin_sharded(self, path: _PATH) -> None:
-        """Prepare an empty staging directory for ``path`` (rank 0, before the shards are written)."""
-        if not _is_local(path):
-            raise ValueError(f"Sharded checkpoints are written to a local or mounted file system, got {path}.")
-        files.begin_sharded(Path(path))
-
-    def save_shard(self, shard: dict[str, Any], path: _PATH, rank: int, world_size: int) -> None:
-        """Write this rank's shard into the staging directory of ``path`` (every rank)."""
-        files.save_shard(shard, Path(path), rank, world_size)
-
-    def commit_sharded(self, meta: dict[str, Any], path: _PATH, world_size: int) -> None:
-        """Write ``meta.pt`` after checking every shard is there, then move the directory into place (rank 0)."""
-        files.commit_sharded(meta, Path(path), world_size)
-
-    def abort_sharded(self, path: _PATH) -> None:
-        """Remove the staging directory of a save that failed (rank 0); the previous checkpoint stays as it was."""
-        files.abort_sharded(Path(path))
-
-    def load_meta(self, path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """The metadata of the sharded checkpoint directory ``path``."""
-        return files.load_meta(Path(path), weights_only=weights_only)
-
-    def load_shard(
-        self,
-        path: _PATH,
-        rank: int,
-        world_size: int,
-        map_location: MapLocation = "cpu",
-        weights_only: Optional[bool] = None,
-    ) -> dict[str, Any]:
-        """``rank``'s file of the sharded checkpoint directory ``path``."""
-        return files.load_shard(Path(path), rank, world_size, map_location=map_location, weights_only=weights_only)
+    def sharded_storage(self) -> ShardedStorage:
+        """Where sharded checkpoint directories are written and read: the local (or a mounted) file system, in three
+        atomic phases. Override it to store them elsewhere."""
+        return ShardedStorage()
 
 
-def sharded_checkpoint_io(io: Any) -> ShardedCheckpointIO:
-    """``io``, the CheckpointIO plugin of a ``DDPFullyShardedStrategy(state_dict_type="sharded")``, which must write
-    sharded checkpoint directories."""
-    if not isinstance(io, ShardedCheckpointIO):
-        raise TypeError(
-            f'`DDPFullyShardedStrategy(state_dict_type="sharded")` writes its checkpoint directories with'
-            f" `lightning_fairscale.ShardedCheckpointIO`, but the strategy was given {type(io).__name__}. Remove"
-            " the CheckpointIO plugin, pass a `ShardedCheckpointIO` (or a subclass), or use"
-            ' `state_dict_type="full"`.'
-        )
-    return io
+def sharded_storage(io: Any, saving: bool = True) -> ShardedStorage:
+    """The :class:`~lightning_fairscale.checkpoint.files.ShardedStorage` of a strategy's CheckpointIO plugin ``io``
+    (a :class:`ShardedCheckpointIO`, or Lightning's ``AsyncCheckpointIO`` around one).
+
+    Only a ``ShardedCheckpointIO`` writes sharded checkpoint directories: for another plugin, a save
+    (``DDPFullyShardedStrategy(state_dict_type="sharded")``) raises; loading reads them from the local file system.
+    """
+    plugin = io
+    while not isinstance(plugin, ShardedCheckpointIO) and getattr(plugin, "checkpoint_io", None) not in (None, plugin):
+        plugin = plugin.checkpoint_io  # a wrapping plugin (Lightning's `_WrappingCheckpointIO`): the one it wraps
+    if isinstance(plugin, ShardedCheckpointIO):
+        return plugin.sharded_storage()
+    if not saving:
+        return ShardedStorage()
+    raise TypeError(
+        f'`DDPFullyShardedStrategy(state_dict_type="sharded")` writes its checkpoint directories with'
+        f" `lightning_fairscale.ShardedCheckpointIO`, but the strategy was given {type(io).__name__}. Remove"
+        " the CheckpointIO plugin, pass a `ShardedCheckpointIO` (or a subclass), or use"
+        ' `state_dict_type="full"`.'
+    )
 
 
 def default_checkpoint_io(base: Any) -> Any:

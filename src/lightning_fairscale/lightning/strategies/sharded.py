@@ -26,12 +26,12 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning_fairscale.lightning._compat import (
     collective_timeout,
     layer_sync_plugin,
+    plain_optimizer,
     precision_plugin_slot,
     set_precision_plugin_slot,
     use_multiprocessing_launcher,
 )
 from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning_fairscale.lightning._compat import _MockOptimizer, _MultiProcessingLauncher
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -46,9 +46,9 @@ from typing_extensions import override
 from lightning_fairscale._adapters import (
     check_spawn_start_method,
     config_arguments,
-    config_property,
     lightning_arguments,
     register_strategies,
+    strategy_options,
 )
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -73,6 +73,7 @@ from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
 
+@strategy_options(ShardedDDPConfig, "Trainer")
 class DDPShardedStrategy(DDPStrategy):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Lightning 2.x.
 
@@ -84,22 +85,6 @@ class DDPShardedStrategy(DDPStrategy):
     processes. Runs on GPUs (NCCL) and on CPUs (gloo).
 
     Args:
-        accelerator: the accelerator; the Trainer sets it.
-        parallel_devices: the devices of this node; the Trainer sets them.
-        cluster_environment: the cluster environment; the Trainer sets it.
-        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which
-            writes each checkpoint file atomically).
-        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
-        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
-        timeout: how long collectives wait for the other ranks before failing.
-        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
-        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
-            parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
-            supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
-        precision: another name for ``precision_plugin`` (Fabric's).
-        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
-            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
-            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
 
@@ -135,10 +120,7 @@ class DDPShardedStrategy(DDPStrategy):
         self.config = config
 
     # ------------------------------------------------------------------------------------------------------------
-    # Configuration
-
-    find_unused_parameters = config_property("find_unused_parameters")
-    lightning_1x_optimizer_state = config_property("lightning_1x_optimizer_state")
+    # Configuration (an option's property comes with `strategy_options`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -236,9 +218,7 @@ class DDPShardedStrategy(DDPStrategy):
 
         A collective call: OSS gathers every rank's shard of the state on rank 0.
         """
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return full_state(optimizer, self.is_global_zero)
+        return full_state(plain_optimizer(optimizer), self.is_global_zero)
 
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 
@@ -298,9 +278,8 @@ class DDPShardedStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Lightning's set-up (the default process group), and its clean-up at exit."""
         check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
-        default_before = process_exit.default_group()
-        super().setup_environment()
-        process_exit.close_process_group_at_exit(self, default_before)
+        with process_exit.closing_at_exit(self):
+            super().setup_environment()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -318,7 +297,7 @@ class DDPShardedStrategy(DDPStrategy):
         # The user's optimizer (OSS builds it on each rank) names the class; OSS's param groups hold every parameter.
         users = [opt.optim if isinstance(opt, OSS) else opt for opt in self.optimizers]
         shapes = [[[p.shape for p in group["params"]] for group in opt.param_groups] for opt in self.optimizers]
-        owner, policy = type(self).__name__, self.lightning_1x_optimizer_state
+        owner, policy = type(self).__name__, self.config.lightning_1x_optimizer_state
         states = resumable_optimizer_states(checkpoint, users, shapes, policy, owner, rank_zero_warn)
         for optimizer, state in zip(self.optimizers, states):
             if isinstance(optimizer, OSS):

@@ -1,0 +1,37 @@
+"""Every private name of torch that lightning-fairscale uses, in one place.
+
+torch may rename or remove a private name in any release; reaching them all through this module means an upgrade
+breaks this one file, with an error that names what moved. No other module of the package imports a private torch
+name or reads a private attribute of a torch module (``torch._C``, ``torch.distributed.distributed_c10d._...``):
+``tests/unit/test_import_graph.py`` checks it. Lightning's private names live in :mod:`lightning_fairscale._compat`,
+which imports Lightning; this module is the engine's, the lowest layer, importable without Lightning. (FairScale's
+private attributes are another matter: FairScale is frozen, and ``fsdp/units.py`` lists what we rely on.)
+
+Checked against torch 2.4 to 2.13.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.wrap import _Policy
+from torch.optim.lr_scheduler import _LRScheduler
+
+__all__ = ["TorchPolicy", "TorchLRScheduler", "default_store", "in_backward"]
+
+#: The base class of torch's FSDP auto-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``...).
+TorchPolicy = _Policy
+#: The base class of torch's LR schedulers (what Fabric's strategies are given with the model and optimizers).
+TorchLRScheduler = _LRScheduler
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (the one every rank reached at its set-up)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (hooks, recomputed forwards)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,254 @@
+"""Saving and loading a sharded model, in both checkpoint formats, on every rank together.
+
+A **full** checkpoint holds the unwrapped module's state dict, gathered unit by unit on rank 0
+(:func:`module_state_dict`); it loads into this rank's shards reading only their slices (:func:`load_full`). A
+**sharded** checkpoint is a directory of one shard per rank (:func:`save_sharded`), saved by any number of processes
+and loaded by any other (:func:`load_sharded`), gathering nothing. Every phase of a sharded save or load ends with
+an agreement of all ranks (:func:`together`): a failure on one rank fails every rank, and the previous checkpoint
+stays as it was. The files themselves are a :class:`~lightning_fairscale.checkpoint.files.ShardedStorage`'s.
+
+The strategies call these through :class:`~lightning_fairscale.fsdp.engine.WrappedModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from torch.optim import Optimizer
+
+from lightning_fairscale.checkpoint.checks import (
+    RELAX_FABRIC,
+    IncompatibleKeys,
+    check_state_dict_fits,
+    report_partial_load,
+)
+from lightning_fairscale.checkpoint.files import ShardedStorage
+from lightning_fairscale.distributed.collectives import all_agree
+from lightning_fairscale.fsdp.optim import load_view_states, managed_params, managed_positions
+from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
+from lightning_fairscale.fsdp.sharded_checkpoint import (
+    FORMAT_KEY,
+    check_fits,
+    check_wrapping,
+    split_checkpoint,
+    wrapped_alike,
+)
+from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path
+from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+
+if TYPE_CHECKING:
+    from lightning_fairscale.fsdp.engine import WrappedModel
+
+__all__ = [
+    "Ranks",
+    "buffer_name",
+    "is_sharded_checkpoint",
+    "load_full",
+    "load_sharded",
+    "module_state_dict",
+    "save_sharded",
+    "shard_writer",
+    "together",
+]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process among the strategy's, as the sharded checkpoint needs it: its global rank, and how all ranks
+    agree that a phase succeeded everywhere (by default :func:`~lightning_fairscale.distributed.collectives.all_agree`
+    over the default process group, which Lightning made with the strategy's ``timeout``). The strategies build one
+    from their ``global_rank``.
+
+    Example:
+        >>> Ranks(global_rank=0, agree=lambda ok: ok).is_global_zero
+        True
+    """
+
+    global_rank: int
+    agree: Callable[[bool], bool] = all_agree
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+
+
+def module_state_dict(root: FullyShardedDataParallel, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
+    """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
+    ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
+    if sharded:
+        return root.local_state_dict()
+    state_dict = root.state_dict()  # every rank gathers, rank 0 keeps
+    return add_aliases(state_dict, root) if is_global_zero else state_dict
+
+
+def is_sharded_checkpoint(storage: ShardedStorage, path: Any) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (one that a crash left half-replaced included)."""
+    return storage.is_sharded(storage.recover(Path(str(path))))
+
+
+def together(ranks: Ranks, storage: ShardedStorage, action: Callable[[], Any], path: Any, step: str) -> None:
+    """Run ``action`` on every rank, then agree: if it failed anywhere, it fails everywhere, and rank 0 removes the
+    unfinished sharded checkpoint, so that no rank is left waiting for another and the previous one stays as it was."""
+    error: Optional[BaseException] = None
+    try:
+        action()
+    except Exception as exception:  # reported to every rank below, then re-raised here
+        error = exception
+    if ranks.agree(error is None):
+        return
+    if ranks.is_global_zero:
+        storage.abort_sharded(path)
+    if error is not None:
+        raise error
+    raise RuntimeError(
+        f"Another process failed to {step} the sharded checkpoint {path} (its error is in its log). The"
+        " previous checkpoint of that name, if any, is unchanged."
+    )
+
+
+def save_sharded(
+    ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
+    optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
+) -> None:
+    """The ranks of one replica write their shards of ``checkpoint`` (made with :func:`module_state_dict` and
+    :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last.
+
+    Without hybrid sharding that replica is every rank. Under hybrid sharding every replica holds the same shards,
+    so the shard group of rank 0 writes them once (a checkpoint of ``shard_size`` shards); the other replicas write
+    nothing but take part in every agreement, so that a failure anywhere fails everywhere.
+
+    ``checkpoint`` is the Trainer's, or with ``fabric`` (the keys of the model and of the optimizers) what
+    ``fabric.save`` writes (see :func:`~lightning_fairscale.fsdp.sharded_checkpoint.split_checkpoint`)."""
+    shard_rank, shards, writes = shard_writer(ranks, model.root)
+    orders = [model.order(optimizer) for optimizer in optimizers]
+    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric)
+    # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
+    # previous checkpoint untouched, instead of leaving the others waiting for it.
+    zero = ranks.is_global_zero
+    together(ranks, storage, lambda: storage.begin_sharded(path) if zero else None, path, "prepare")
+    together(ranks, storage, lambda: storage.save_shard(shard, path, shard_rank, shards) if writes else None, path,
+             "write")
+    together(ranks, storage, lambda: storage.commit_sharded(meta, path, shards) if zero else None, path, "complete")
+
+
+def shard_writer(ranks: Ranks, root: FullyShardedDataParallel) -> tuple[int, int, bool]:
+    """``(shard rank, number of shards, whether this rank writes its shard)`` in a sharded checkpoint.
+
+    The shards are those of the root unit's group: every rank without hybrid sharding, the shard group under it.
+    Replica 0, the shard group of global rank 0, writes: its ranks are ``0 ... shard_size - 1``, whose shard rank is
+    their global rank (see :func:`~lightning_fairscale.fsdp.hybrid.hybrid_groups`).
+    """
+    shard_rank, shards = root.rank, root.world_size
+    return shard_rank, shards, ranks.global_rank == shard_rank
+
+
+def buffer_name(name: str) -> str:
+    """The unwrapped module's name of a buffer of the wrapped model."""
+    return clean_path(name + ".").rstrip(".")
+
+
+def load_full(
+    model: WrappedModel, state_dict: dict[str, Any], strict: bool,
+    optimizers: Sequence[tuple[Optimizer, dict[str, Any]]] = (), relax: str = RELAX_FABRIC,
+) -> IncompatibleKeys:
+    """Load a full state dict (the unwrapped module's keys) and plain optimizer states into this rank's shards;
+    returns the keys the state dict and the model did not share (a warning names them, from rank 0).
+
+    Only the slices this rank owns are read, unit by unit, so a memory-mapped checkpoint is never read whole.
+
+    Args:
+        model: the wrapped model.
+        state_dict: the full state dict.
+        strict: whether missing and unexpected keys are errors (shapes that differ always are). Without it, the
+            model's parameters and buffers that the state dict lacks keep their values, and its other entries are
+            ignored.
+        optimizers: ``(optimizer, plain state dict)`` for each optimizer to restore (re-pointed to the model's
+            shards).
+        relax: how to turn strict loading off, the end of the error that a strict load raises (see
+            :func:`~lightning_fairscale.checkpoint.checks.check_state_dict_fits`).
+    """
+    keys = check_state_dict_fits(state_dict, model.expected_shapes(), strict, relax)
+    layout = model.layout
+    load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
+    for optimizer, state in optimizers:
+        model.load_optimizer_state(optimizer, state)
+    report_partial_load(keys)
+    return keys
+
+
+def load_sharded(
+    ranks: Ranks, storage: ShardedStorage, path: Any, model: WrappedModel,
+    optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
+    weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
+) -> tuple[dict[str, Any], IncompatibleKeys]:
+    """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict
+    and the keys the checkpoint and the model did not share (a warning names them, from rank 0).
+
+    Args:
+        ranks: this process's global rank and the agreement of all ranks.
+        storage: where the checkpoint's files are (see :class:`~lightning_fairscale.checkpoint.files.ShardedStorage`).
+        path: the checkpoint directory.
+        model: the wrapped model.
+        optimizers: given the meta dict and the number of optimizer states saved, the optimizers to restore (re-pointed
+            to the model's shards), each with the position of its state in the checkpoint; raises when they do not
+            fit.
+        weights_only: passed to ``torch.load``.
+        strict: whether missing and unexpected keys are errors, as for :func:`load_full`. Without it the model may
+            also be wrapped otherwise than the saved one: its parameters are then found by name.
+        relax: as for :func:`load_full`.
+    """
+    meta = storage.load_meta(path, weights_only=weights_only)
+    saved_world_size = check_fits(meta, path)
+    aliases = meta[FORMAT_KEY].get("aliases", [])
+    shards = SavedShards(
+        lambda r: storage.load_shard(path, r, saved_world_size, weights_only=weights_only),
+        saved_world_size,
+    )
+    found: list[IncompatibleKeys] = []
+
+    def read() -> None:
+        saved = {name: piece.shape for name, piece in shards.pieces(aliases).items()}
+        saved.update(apply_aliases({k: v.shape for k, v in shards.buffers(buffer_name).items()}, aliases))
+        found.append(check_state_dict_fits(saved, model.expected_shapes(), strict, relax))
+        alike = wrapped_alike(shards.file(0), model.root)
+        if alike:
+            shards.load_into(model.root)
+        elif strict:
+            check_wrapping(shards.file(0), model.root, path)  # raises, naming the consolidation command
+        else:
+            layout = model.layout
+            shards.load_by_name(model.root, lambda p: layout.managed[p].pieces, buffer_name, aliases)
+        for index, optimizer in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
+            if not alike:  # a partial load: the param groups' hyperparameters only, when there is no state to lose
+                saved_optimizer = shards.file(0)["optimizer_states"][index]
+                _check_no_optimizer_state(saved_optimizer, path)
+                load_view_states(optimizer, model.layout, saved_optimizer["param_groups"], lambda *_: None)
+                continue
+            params = managed_params(model.order(optimizer))
+            groups, source = shards.optimizer_source(index, managed_positions(params, model.root))
+            position = {id(param): m for m, param in enumerate(params)}
+            load_view_states(
+                optimizer, model.layout, groups, lambda managed, *at: source(position[id(managed)], *at)
+            )
+
+    together(ranks, storage, read, path, "read")
+    meta.pop(FORMAT_KEY)
+    report_partial_load(found[0])
+    return meta, found[0]
+
+
+def _check_no_optimizer_state(saved: dict[str, Any], path: Any) -> None:
+    """A sharded optimizer state is laid out over the saved model's FSDP parameters: it cannot follow the model's
+    parameters into other ones by name, as the model's state can (a partial load)."""
+    if any(saved["state"].values()):
+        raise ValueError(
+            f"The sharded checkpoint {path} was saved from a model with other parameters or wrapping, and its"
+            " optimizer state is laid out over that model's FSDP parameters: it does not load into this model's."
+            " Load the model's state only (`fabric.load(path, {'model': model}, strict=False)`, or"
+            " `trainer.validate(model, ckpt_path=...)` before `trainer.fit(model)`), or resume with an optimizer"
+            " that keeps no per-parameter state (SGD without momentum)."
+        )
