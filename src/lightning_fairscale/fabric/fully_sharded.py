@@ -22,7 +22,7 @@ from lightning_fairscale._compat import collective_timeout
 from lightning_fairscale._compat import set_fabric_precision_slot
 from lightning_fairscale._compat import _Sharded
 from lightning_fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning_fairscale._compat import _PATH
+from lightning_fairscale._compat import _PATH, fabric_compile_options
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload
@@ -53,6 +53,7 @@ from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, load_plain_state
 from lightning_fairscale.fsdp.summary import memory_figures
@@ -328,14 +329,22 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_module(self, module: Module) -> FullyShardedDataParallel:
-        """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit."""
+        """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit.
+
+        A model given to ``fabric.setup`` compiled (``torch.compile(model)``) has its layers compiled with the same
+        options, each unit's gather and reshard around them (workaround 18); Fabric then compiles the root unit
+        with them too, which runs the units as they are (dynamo does not trace a unit)."""
+        module, compiler = unwrap_compiled(module)  # compiled, and Fabric told not to take it off
+        options = fabric_compile_options()
+        if compiler is None and options is not None:
+            compiler = compiler_from_options(options)
         if isinstance(module, FullyShardedDataParallel) and _RECORD in module.__dict__:
             raise ValueError("The model is set up already: pass the model you created to `fabric.setup` once.")
         originals: weakref.WeakValueDictionary[int, Parameter] = weakref.WeakValueDictionary(
             {id(param): param for param in module.parameters()}
         )
         wrapped = fsdp_engine.wrap_model(
-            self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info
+            self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info, compiler
         )
         wrapped.root.__dict__[_RECORD] = _Model(wrapped, originals)
         self._set_up.models.add(wrapped.root)

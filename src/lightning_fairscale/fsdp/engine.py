@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.distributed.collectives import all_agree
 from lightning_fairscale.fsdp import cpu_streams, original_params
+from lightning_fairscale.fsdp.compile import Compiler, compile_regions, take_compiled
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
     ProcessGroups,
@@ -165,14 +166,20 @@ def wrapping_context(
 
 def wrap_model(
     config: FullyShardedConfig, module: Module, device: torch.device, groups: ProcessGroups, precision: str,
-    describe: Optional[Callable[[str], Any]] = None,
+    describe: Optional[Callable[[str], Any]] = None, compiler: Optional[Compiler] = None,
 ) -> WrappedModel:
     """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit) on
     ``device``, over ``groups``, under ``precision`` (the precision plugin's setting).
 
     The optimizers created over ``module`` are not changed yet: :func:`repoint` them, then call
     ``layout.forget_originals()``. ``describe`` gets the summary of the units (the front end's way to log it).
+
+    ``torch.compile`` (workaround 18, :mod:`~lightning_fairscale.fsdp.compile`): the ``torch.compile``\\ d
+    submodules of ``module`` are unwrapped before wrapping and ``compiler`` is that of a ``torch.compile(module)``
+    the front end took off; once wrapped, their layers are compiled, each unit's gather and reshard around them.
     """
+    # Before anything records names: a compiled submodule's parameters are named without `_orig_mod.`.
+    to_compile = take_compiled(module, compiler)
     # Materialising replaces the meta parameters: kept alive until the layout knows where they went, so that the
     # ids it knows them by stay theirs (they hold no memory).
     placeholders = [param for param in module.parameters() if param.is_meta]
@@ -191,6 +198,7 @@ def wrap_model(
     layout.after_wrapping(root)
     del placeholders
     model = finish_wrapping(root, layout, checkpointed)
+    compile_regions(module, to_compile)  # after activation checkpointing: compiled inside the checkpoint
     remember_root(module, root)
     cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit

@@ -271,6 +271,11 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     #: The CPU prefetcher of this unit's root (workaround 16), ``None`` where it does not apply (CUDA).
     _prefetcher: Optional[prefetch.Prefetcher] = None
 
+    # Workaround 18: dynamo never traces a unit (FairScale's parameter swaps and collectives), it runs it eagerly;
+    # the compiled regions inside run compiled (`torch.compiler.disable` gives each compiled function called from
+    # it its own compiler back). A skipped call, not a graph break: a `fullgraph=True` compile around a unit works.
+    __call__ = torch.compiler.disable(_FairScaleFSDP.__call__)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()  # FairScale's forward starts with it too: decides the root, sets up the prefetcher
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16

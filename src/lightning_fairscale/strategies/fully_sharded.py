@@ -18,7 +18,7 @@ from lightning_fairscale._compat import (
     set_precision_plugin_slot,
 )
 from lightning_fairscale._compat import _optimizers_to_device
-from lightning_fairscale._compat import _PATH, attached_trainer
+from lightning_fairscale._compat import _PATH, attached_trainer, take_trainer_compile
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -57,6 +57,7 @@ from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp import cpu_streams
 from lightning_fairscale.fsdp.activation_checkpointing import remove_activation_checkpointing
+from lightning_fairscale.fsdp.compile import Compiler, compile_regions, uncompile_regions
 from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups
 from lightning_fairscale.fsdp.unwrapping import forget_root, unwrap_module, wrapped_root
 
@@ -280,18 +281,21 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        # `trainer.fit(torch.compile(model))`: Lightning compiled the module's forward and step methods, which would
+        # trace FairScale's units; their layers are compiled instead, with the same options (workaround 18).
+        compiler = take_trainer_compile(self.lightning_module)
         root = wrapped_root(self.model)
         if root is not None:
-            self._setup_sharded_again(trainer, root, fitting)
+            self._setup_sharded_again(trainer, root, fitting, compiler)
         else:
-            self._setup_unwrapped(trainer, fitting)
+            self._setup_unwrapped(trainer, fitting, compiler)
         use_for_model_summaries(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.barrier()
 
-    def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool) -> None:
+    def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool, compiler: Optional[Compiler]) -> None:
         assert self.model is not None
         layer_sync = layer_sync_plugin(self)
         if fitting and layer_sync:
@@ -304,7 +308,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
         wrapped = fsdp_engine.wrap_model(
-            self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info
+            self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info,
+            compiler,
         )
         self.model, self._layout, self._checkpointed = wrapped.root, wrapped.layout, wrapped.checkpointed
         optimizers = [_unwrap(opt) for opt in self.optimizers] if fitting else []
@@ -312,10 +317,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
         # From here on nothing refers to the unsharded original parameters any more: they are freed.
         self._layout.forget_originals()
 
-    def _setup_sharded_again(self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool) -> None:
+    def _setup_sharded_again(
+        self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool, compiler: Optional[Compiler]
+    ) -> None:
         """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
         parameters are the original ones (views into the shards), so ``configure_optimizers`` makes the optimizers
-        over them as in the first stage, and they are re-pointed the one way."""
+        over them as in the first stage, and they are re-pointed the one way. Given compiled, its layers are
+        compiled (those of a first stage compiled already stay as they are)."""
+        if compiler is not None and self.lightning_module is not None:
+            compile_regions(self.lightning_module, [(self.lightning_module, compiler)])
         wrapped = fsdp_engine.wrapped_model(root)
         if wrapped.layout is not self._layout:  # another strategy set it up: its optimizers are not ours
             self._group_orders = []
@@ -568,6 +578,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         unwrap_module(model, torch.device("cpu"), keep=keep)
         drop_groups_of(model)  # nothing shards over them any more
         forget_root(module)
+        uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
         cpu_streams.release(model)  # the sharded model's hold on the CPU workarounds ends with it
         self._checkpointed = []
