@@ -84,7 +84,7 @@ def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, Optional[Compiler]]:
 
 def take_compiled(module: nn.Module, compiler: Optional[Compiler] = None) -> list[tuple[nn.Module, Compiler]]:
     """Replace every ``torch.compile``\\ d submodule of ``module`` by the module it wraps, in place; returns what to
-    compile once wrapped: each of them with its compiler, and ``module`` itself with ``compiler`` if given (the
+    compile once wrapped: each of them with its compiler, then ``module`` itself with ``compiler`` if given (the
     compile of the whole model, taken off by the front end).
 
     Raises:
@@ -95,7 +95,7 @@ def take_compiled(module: nn.Module, compiler: Optional[Compiler] = None) -> lis
             "The model given to the FSDP engine is still a `torch.compile` wrapper: take the compiled module's"
             " `_orig_mod` and pass its compiler instead."
         )
-    targets: list[tuple[nn.Module, Compiler]] = [] if compiler is None else [(module, compiler)]
+    targets: list[tuple[nn.Module, Compiler]] = []
     stack = [module]
     while stack:
         parent = stack.pop()
@@ -108,7 +108,8 @@ def take_compiled(module: nn.Module, compiler: Optional[Compiler] = None) -> lis
                 parts = _compiled_parts(child)
             if child is not None:
                 stack.append(child)
-    return targets
+    # The whole model last: a layer compiled on its own keeps its own options (see `compile_regions`).
+    return targets if compiler is None else [*targets, (module, compiler)]
 
 
 def _holds_unit(module: nn.Module) -> bool:

@@ -198,7 +198,13 @@ def wrap_model(
     layout.after_wrapping(root)
     del placeholders
     model = finish_wrapping(root, layout, checkpointed)
-    compile_regions(module, to_compile)  # after activation checkpointing: compiled inside the checkpoint
+    # After activation checkpointing: a checkpointed layer is compiled inside its checkpoint.
+    if to_compile and not compile_regions(module, to_compile):
+        rank_zero_warn(
+            "The model was given compiled (`torch.compile`), but it has no layer outside FSDP's units to compile: it"
+            " runs eagerly. The strategy compiles the modules below the one it wraps (a unit's layer, a block):"
+            " put the computation in submodules, or pass the model uncompiled."
+        )
     remember_root(module, root)
     cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
