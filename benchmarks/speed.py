@@ -85,8 +85,14 @@ IMPLEMENTATIONS: dict[str, str] = {
     "torch-fsdp-loop": "PyTorch FSDP, hand-written loop",
     "ddp": 'Lightning `strategy="ddp"` (Trainer)',
     "ddp_sharded": '`strategy="ddp_sharded"` (Trainer)',
+    "ours-compiled": "`DDPFullyShardedStrategy` (Trainer), `trainer.fit(torch.compile(model))`",
+    "ddp-compiled": 'Lightning `strategy="ddp"` (Trainer), `trainer.fit(torch.compile(model))`',
 }
-LIGHTNING = ("ours", "ours-sync", "ddp", "ddp_sharded")
+#: The ``torch.compile`` backend of the compiled implementations (``--compile-backend``; inductor: torch's default).
+COMPILE_BACKEND = os.environ.get("BENCH_COMPILE_BACKEND", "inductor")
+#: Each compiled implementation and the eager one it is compared with.
+COMPILED = {"ours-compiled": "ours", "ddp-compiled": "ddp"}
+LIGHTNING = ("ours", "ours-sync", "ddp", "ddp_sharded", "ours-compiled", "ddp-compiled")
 FSDP_IMPLEMENTATIONS = ("ours", "ours-sync", "fairscale-loop", "torch-fsdp-loop")
 TARGET_VS_TORCH_FSDP = 1.0
 TARGET_VS_DDP = 1.25
@@ -274,12 +280,16 @@ class _TimedEncoder(Encoder):
 
 def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: int, out: Path) -> None:
     torch.manual_seed(0)
-    model = _TimedEncoder(width, layers)
+    compiled = impl in COMPILED
+    # A compiled model has no timers in its step (dynamo would break its graph at them under "ddp").
+    model = Encoder(width, layers) if compiled else _TimedEncoder(width, layers)
     numel = sum(p.numel() for p in model.parameters())
     if impl == "ours-sync":  # as before the collectives overlapped on CPU
         prefetch.OVERLAP_ON_CPU = False
     fsdp = impl.startswith("ours")
-    strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}) if fsdp else impl
+    strategy: Any = (
+        DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}) if fsdp else COMPILED.get(impl, impl)
+    )
     marks = StepMarks(total_steps, warmup)
     trainer = Trainer(
         accelerator="cpu",
@@ -290,7 +300,7 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
         use_distributed_sampler=False,
         **_common.QUIET_TRAINER,
     )
-    trainer.fit(model, data_loader(width, total_steps))
+    trainer.fit(torch.compile(model, backend=COMPILE_BACKEND) if compiled else model, data_loader(width, total_steps))
     _common.write_rank_result(out, trainer.global_rank, marks.result(impl, trainer.global_rank, numel))
     dist.barrier()
 
@@ -414,7 +424,10 @@ def launch(impl: str, size: str, args: argparse.Namespace, work: Path, tag: str,
         timers["step"] = sum(periods[slowest]) / args.steps
         faults = ranks[slowest]["faults"]
         timers["faults"] = statistics.median(faults[i + 1] - faults[i] for i in measured)
-    return {"step": step, "peak_rss": [r["peak_rss"] for r in ranks], "numel": ranks[0]["numel"], "timers": timers}
+    # The first step's excess over a measured one: set-up of the first step (compiling, for a compiled model).
+    first = max(r["starts"][1] - r["starts"][0] for r in ranks) - step
+    return {"step": step, "peak_rss": [r["peak_rss"] for r in ranks], "numel": ranks[0]["numel"], "timers": timers,
+            "first_step_excess": first}
 
 
 def loadavg() -> str:
@@ -471,6 +484,15 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
                            f" {'PASS' if r <= TARGET_VS_DDP else 'MISS'})")
         if "ours-sync" in medians:
             targets.append(f"ours / ours with synchronous collectives = {ours / medians['ours-sync']:.3f}x")
+        for compiled, eager in COMPILED.items():
+            if compiled in medians and eager in medians:
+                setup = statistics.median(r["first_step_excess"] for r in by_impl[compiled])
+                setup_eager = statistics.median(r["first_step_excess"] for r in by_impl[eager])
+                targets.append(
+                    f"{compiled} ({args.compile_backend}) / {eager} = {medians[compiled] / medians[eager]:.3f}x;"
+                    f" compile time (first step's excess over a step, compiled minus eager) ="
+                    f" {setup - setup_eager:.1f} s"
+                )
         if "ddp_sharded" in medians and "ddp" in medians:
             targets.append(f"ddp_sharded / ddp = {medians['ddp_sharded'] / medians['ddp']:.3f}x")
         lines += [f"- {t}" for t in targets] + [""]
@@ -523,6 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the timed launches")
     parser.add_argument("--quick", action="store_true", help="one round, the small model, few steps")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--compile-backend", default=COMPILE_BACKEND, help="torch.compile backend of the *-compiled")
     parser.add_argument("--paired-steps", type=int, default=20, help="measured steps of the paired engines launch")
     parser.add_argument("--no-paired", dest="paired", action="store_false", help="skip the paired engines launch")
     parser.add_argument("--worker", choices=[*IMPLEMENTATIONS, "engines"], help=argparse.SUPPRESS)
@@ -535,6 +558,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.output == OUTPUT:
             args.output = Path(tempfile.gettempdir()) / "speed-quick.md"
     total_steps = args.warmup + args.steps + 1
+    os.environ["BENCH_COMPILE_BACKEND"] = args.compile_backend  # the workers read it (they inherit the environment)
 
     if args.worker:
         _common.quiet_known_warnings()

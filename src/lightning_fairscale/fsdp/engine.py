@@ -43,6 +43,7 @@ from lightning_fairscale.fsdp.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
+from lightning_fairscale.fsdp.compile import Compiler, compile_regions, take_compiled, uncompile_regions
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
     ProcessGroups,
@@ -264,6 +265,7 @@ class WrappedModel:
         unwrap_module(root, torch.device("cpu"), keep=keep)
         drop_groups_of(root)  # nothing shards over them any more
         forget_root(module)
+        uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
         cpu_streams.release(root)  # the sharded model's hold on the CPU workarounds ends with it
         root.__dict__.pop(_WRAPPED, None)
@@ -318,6 +320,7 @@ def wrapping_context(
 def wrap_model(
     config: FullyShardedConfig, module: Module, device: torch.device, groups: ProcessGroups, precision: str,
     describe: Optional[Callable[[str], Any]] = None, optimizers: Optional[Sequence[Optimizer]] = None,
+    compiler: Optional[Compiler] = None,
 ) -> WrappedModel:
     """Wrap ``module`` (activation checkpointing, auto wrap unless it holds units already, the root unit) on
     ``device``, over ``groups``, under ``precision`` (the precision plugin's setting).
@@ -326,7 +329,13 @@ def wrap_model(
     freed. Without it (``None``), optimizers made later or elsewhere are re-pointed by :meth:`WrappedModel.repoint`;
     until :meth:`WrappedModel.forget_originals`, the parameters from before wrapping are known (while alive).
     ``describe`` gets the summary of the units (the front end's way to log it).
+
+    ``torch.compile`` (workaround 18, :mod:`~lightning_fairscale.fsdp.compile`): the ``torch.compile``\\ d
+    submodules of ``module`` are unwrapped before wrapping and ``compiler`` is that of a ``torch.compile(module)``
+    the front end took off; once wrapped, their layers are compiled, each unit's gather and reshard around them.
     """
+    # Before anything records names: a compiled submodule's parameters are named without `_orig_mod.`.
+    to_compile = take_compiled(module, compiler)
     # Materialising replaces the meta parameters: kept alive until the layout knows where they went, so that the
     # ids it knows them by stay theirs (they hold no memory).
     placeholders = [param for param in module.parameters() if param.is_meta]
@@ -346,6 +355,13 @@ def wrap_model(
     layout.after_wrapping(root)
     del placeholders
     model = finish_wrapping(root, layout, checkpointed, originals)
+    # After activation checkpointing: a checkpointed layer is compiled inside its checkpoint.
+    if to_compile and not compile_regions(module, to_compile):
+        rank_zero_warn(
+            "The model was given compiled (`torch.compile`), but it has no layer outside FSDP's units to compile: it"
+            " runs eagerly. The strategy compiles the modules below the one it wraps (a unit's layer, a block):"
+            " put the computation in submodules, or pass the model uncompiled."
+        )
     remember_root(module, root)
     cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
@@ -361,14 +377,18 @@ def wrap_model(
 _WRAPPED = "_lightning_fairscale_wrapped"
 
 
-def wrapped_model(root: Module) -> WrappedModel:
+def wrapped_model(root: Module, compiler: Optional[Compiler] = None) -> WrappedModel:
     """The :class:`WrappedModel` of ``root`` (:func:`finish_wrapping`): one per sharded model, whichever stage or
-    strategy set it up, so that every stage's optimizers hold the same original parameters."""
+    strategy set it up, so that every stage's optimizers hold the same original parameters. With ``compiler`` (the
+    model was given compiled again), its layers are compiled (those compiled already stay as they are)."""
     if not isinstance(root, FullyShardedDataParallel):
         raise TypeError(f"A sharded model is the root FSDP unit of a model, not a {type(root).__name__}.")
     model = WrappedModel.of(root)
     if model is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
-        return finish_wrapping(root, ParameterLayout().after_wrapping(root))
+        model = finish_wrapping(root, ParameterLayout().after_wrapping(root))
+    if compiler is not None:
+        module = unwrapped(root)
+        compile_regions(module, [(module, compiler)])
     return model
 
 

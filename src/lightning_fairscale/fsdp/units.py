@@ -117,6 +117,14 @@ The workarounds, and why each is needed:
     FairScale's views of the full parameters for its forward and, in the backward, once its full parameters are
     gathered (a checkpointed layer recomputes with them), and the original parameters back after each; FairScale's
     end of the backward sees its flat parameters (it checks each unit's state by its ``parameters()``).
+18. **``torch.compile`` (all devices).** Dynamo cannot trace a unit (FairScale swaps ``param.data`` between shard
+    and full parameter, resizes storages and runs collectives): every backend failed at the first step. FairScale
+    declared compile unsupported. The user's compile is taken as "compile my layers" (regional compilation,
+    :mod:`~lightning_fairscale.fsdp.compile`): compiled submodules are unwrapped before wrapping, and after it the
+    largest modules that hold no unit get a compiled ``forward`` with the user's options, so that each unit's
+    gather, reshard and reduce-scatter run eagerly around compiled code. :class:`FullyShardedDataParallel`'s
+    ``__call__`` is skipped by dynamo, so that a compile around units (Fabric compiles the module its strategy
+    returns) runs them eagerly.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -270,6 +278,11 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     #: The CPU prefetcher of this unit's root (workaround 16), ``None`` where it does not apply (CUDA).
     _prefetcher: Optional[prefetch.Prefetcher] = None
+
+    # Workaround 18: dynamo never traces a unit (FairScale's parameter swaps and collectives), it runs it eagerly;
+    # the compiled regions inside run compiled (`torch.compiler.disable` gives each compiled function called from
+    # it its own compiler back). A skipped call, not a graph break: a `fullgraph=True` compile around a unit works.
+    __call__ = torch.compiler.disable(_FairScaleFSDP.__call__)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()  # FairScale's forward starts with it too: decides the root, sets up the prefetcher

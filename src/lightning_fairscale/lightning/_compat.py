@@ -16,19 +16,24 @@ writes its copy for ``import lightning as L``, ``lightning_fairscale/lightning/_
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from lightning.fabric import Fabric
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import _ModuleMode
 
 __all__ = [
     "PRIVATE_ATTRIBUTES",
     "attached_trainer",
+    "fabric_compile_options",
+    "take_trainer_compile",
     "checkpoint_io_slot",
     "collective_timeout",
     "layer_sync_plugin",
@@ -51,7 +56,7 @@ __all__ = [
 #: The private attributes of Lightning objects that the package uses (all through this module).
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
-    "_launcher", "_start_method", "_optimizer",
+    "_launcher", "_start_method", "_optimizer", "_compiler_ctx",
 )  # fmt: skip
 
 
@@ -109,3 +114,33 @@ def attached_trainer(module: Any) -> Optional[Any]:
     """``LightningModule._trainer``: the Trainer the module is attached to, ``None`` when none (the public
     ``module.trainer`` raises then)."""
     return module._trainer
+
+
+def take_trainer_compile(module: Any) -> Optional[Callable[..., Any]]:
+    """``LightningModule._compiler_ctx``: the compiler (dynamo context, with the user's options) of a
+    ``trainer.fit(torch.compile(model))``, which Lightning's ``from_compiled`` applied to the module's ``forward``
+    and step methods; taken off here (Lightning's ``to_uncompiled``: the module's own methods again). ``None`` when
+    the module was not given compiled."""
+    context = getattr(module, "_compiler_ctx", None)
+    if context is None:
+        return None
+    to_uncompiled(module)
+    return context["dynamo_ctx"]
+
+
+#: The methods of Fabric that take a ``torch.compile`` off a model and compile what the strategy returns again.
+_FABRIC_SETUPS = (Fabric.setup.__code__, Fabric.setup_module.__code__)
+
+
+def fabric_compile_options() -> Optional[dict[str, Any]]:
+    """The options of the ``torch.compile`` that ``fabric.setup`` / ``fabric.setup_module`` (the caller of the
+    strategy's ``setup_module``) took off the model: its local ``compile_kwargs``, ``None`` when the model was not
+    compiled or Fabric was told not to re-apply it (``_reapply_compile=False``). Fabric compiles the module the
+    strategy returns with them afterwards, and passes them nowhere else; read-only."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _FABRIC_SETUPS:
+            options = frame.f_locals.get("compile_kwargs")
+            return dict(options) if isinstance(options, dict) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

@@ -21,7 +21,7 @@ from lightning_fairscale.lightning._compat import collective_timeout
 from lightning_fairscale.lightning._compat import set_fabric_precision_slot
 from lightning_fairscale.lightning._compat import _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning_fairscale.lightning._compat import _PATH
+from lightning_fairscale.lightning._compat import _PATH, fabric_compile_options
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload
@@ -34,6 +34,7 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
@@ -220,11 +221,20 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_module(self, module: Module) -> FullyShardedDataParallel:
-        """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit."""
+        """Wrap the model: auto wrap (or the units made in ``fabric.init_module()``), then the root unit.
+
+        A model given to ``fabric.setup`` compiled (``torch.compile(model)``) has its layers compiled with the same
+        options, each unit's gather and reshard around them (workaround 18); Fabric then compiles the root unit
+        with them too, which runs the units as they are (dynamo does not trace a unit)."""
+        module, compiler = unwrap_compiled(module)  # compiled, and Fabric told not to take it off
+        options = fabric_compile_options()
+        if compiler is None and options is not None:
+            compiler = compiler_from_options(options)
         if fsdp_engine.is_set_up(module):
             raise ValueError("The model is set up already: pass the model you created to `fabric.setup` once.")
         wrapped = fsdp_engine.wrap_model(
-            self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info
+            self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info, None,
+            compiler,
         )
         self._set_up.models.add(wrapped.root)
         return wrapped.root

@@ -33,6 +33,7 @@ from lightning_fairscale.lightning._compat import (
     plain_optimizer,
     precision_plugin_slot,
     set_precision_plugin_slot,
+    take_trainer_compile,
 )
 from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.checkpoint.checks import (
@@ -44,6 +45,7 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp.compile import Compiler
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
@@ -185,18 +187,21 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        # `trainer.fit(torch.compile(model))`: Lightning compiled the module's forward and step methods, which would
+        # trace FairScale's units; their layers are compiled instead, with the same options (workaround 18).
+        compiler = take_trainer_compile(self.lightning_module)
         root = wrapped_root(self.model)
         if root is not None:
-            self._setup_sharded_again(trainer, root, fitting)
+            self._setup_sharded_again(trainer, root, fitting, compiler)
         else:
-            self._setup_unwrapped(trainer, fitting)
+            self._setup_unwrapped(trainer, fitting, compiler)
         use_for_model_summaries(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.barrier()
 
-    def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool) -> None:
+    def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool, compiler: Optional[Compiler]) -> None:
         assert self.model is not None
         layer_sync = layer_sync_plugin(self)
         if fitting and layer_sync:
@@ -208,17 +213,20 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
-        precision = self.precision_plugin.precision
         self._sharded = fsdp_engine.wrap_model(
-            self.config, self.model, self.root_device, self._groups, precision, rank_zero_info, self._plain_optimizers()
+            self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info,
+            self._plain_optimizers(), compiler,
         )
         self.model = self._sharded.root
 
-    def _setup_sharded_again(self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool) -> None:
+    def _setup_sharded_again(
+        self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool, compiler: Optional[Compiler]
+    ) -> None:
         """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
         parameters are the original ones (views into the shards), so ``configure_optimizers`` makes the optimizers
-        over them as in the first stage, and they are re-pointed the one way."""
-        self._sharded = fsdp_engine.wrapped_model(root)
+        over them as in the first stage, and they are re-pointed the one way. Given compiled, its layers are
+        compiled (those of a first stage compiled already stay as they are)."""
+        self._sharded = fsdp_engine.wrapped_model(root, compiler)
         self.model = root
         if fitting:
             self.setup_optimizers(trainer)
