@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_fairscale.checkpoint.safetensors import parse_size, plan_files, TensorEntry
 from lightning_fairscale.consolidate import main as consolidate_main
+from lightning_fairscale.fsdp.engine import module_state_dict
 from lightning_fairscale.fsdp.export import export_safetensors
 from lightning_fairscale.fsdp.sharded_checkpoint import split_checkpoint
 
@@ -120,6 +121,19 @@ def test_a_full_checkpoint_exports_alike_and_ties_are_found_from_shared_storage(
     report = export_safetensors(source, tmp_path / "hf", prefix="model.")
     assert_exported(tmp_path / "hf", expected())
     assert report.tied == {"head.weight": "embed.weight"} and report.outside_prefix == ["class_weights"]
+
+
+def test_the_strategys_full_save_stores_a_tie_once_and_exports_it_once(tmp_path: Path) -> None:
+    """FairScale's full state dict clones every name; the strategy's (``module_state_dict``) gives the tied key the
+    known key's tensor, as ``torch``'s own ``state_dict()`` does: the saved file shares it, and the export sees it."""
+    holder = Holder()
+    sharded = shard(holder, torch.optim.SGD(holder.parameters(), lr=0.1), policy={Block})
+    state = module_state_dict(sharded.root, sharded=False, is_global_zero=True)
+    assert state["model.head.weight"] is state["model.embed.weight"]
+    torch.save({"state_dict": state}, tmp_path / "full.ckpt")
+    report = export_safetensors(tmp_path / "full.ckpt", tmp_path / "hf", prefix="model.")
+    assert_exported(tmp_path / "hf", expected())
+    assert report.tied == {"head.weight": "embed.weight"}
 
 
 def test_a_copy_of_a_tied_parameter_is_written_unless_dropped(tmp_path: Path) -> None:
