@@ -81,8 +81,8 @@ def run_export_worker(args: argparse.Namespace) -> None:
 
 
 def largest_tensor_bytes(width: int) -> int:
-    """The largest tensor of :class:`Stack`: a block's ``Linear(w, 4w)`` weight (float32)."""
-    return 4 * width * 4 * width * 4
+    """The largest tensor of :class:`Stack`: a block's ``Linear(w, 4w)`` weight, 4w² float32 elements."""
+    return 4 * width * width * 4
 
 
 def main() -> int:
@@ -143,7 +143,8 @@ def main() -> int:
         f"| the largest tensor | {largest:,.0f} |",
         f"| the whole model | {model:,.0f} |",
         "",
-        f"The export held {(peak - before) / model:.1%} of the model's size above its start: one tensor at a time.",
+        f"The export held {(peak - before) / model:.1%} of the model's size above its start: one tensor at a time (the"
+        " tensor assembled from the ranks' slices, and the pages of the source read for it until they are released).",
         "",
     ]
     _common.publish("\n".join(lines), OUTPUT)
