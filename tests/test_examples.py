@@ -125,9 +125,44 @@ _SHARDS = re.compile(
 )
 
 
+#: A warning line (``path:line: Category: message``) located in torch.distributed, FairScale or this package.
+_WARNING = re.compile(
+    r"^(?P<path>\S*(?:/torch/distributed/|/fairscale/|/lightning_fairscale/)\S*):\d+: (?P<category>\w+): (?P<text>.*)$",
+    re.MULTILINE,
+)
+
+
+def deprecation_warnings(output: str) -> list[str]:
+    """The deprecation warnings among ``output``'s lines that torch.distributed, FairScale or lightning-fairscale
+    raised: a ``FutureWarning`` or ``DeprecationWarning``, or any warning saying "deprecated" (torch's
+    ``TypedStorage`` one is a ``UserWarning``)."""
+    return [
+        m.group(0)
+        for m in _WARNING.finditer(output)
+        if m["category"] in ("FutureWarning", "DeprecationWarning") or "deprecat" in m["text"].lower()
+    ]
+
+
+def test_deprecation_warnings_finds_the_lines_torch_printed() -> None:
+    """The lines the demo printed before issue 36 (FairScale's calls and ours, on torch 2.13) are found; others not."""
+    site = "/venv/lib/python3.11/site-packages"
+    printed = (
+        f"{site}/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_tensor` is"
+        " deprecated. Please use `torch.distributed.all_gather_single` instead.\n  return func(*args, **kwargs)\n"
+        f"{site}/fairscale/nn/data_parallel/fully_sharded_data_parallel.py:2562: UserWarning: TypedStorage is"
+        " deprecated. It will be removed in the future\n  if data.storage().size() > 0:\n"
+        f"{site}/pytorch_lightning/trainer/connectors/data_connector.py:425: PossibleUserWarning: few workers\n"
+        f"{site}/fairscale/nn/misc.py:10: UserWarning: something else\n"
+    )
+    found = deprecation_warnings(printed)
+    assert len(found) == 2 and "c10d_logger" in found[0] and "TypedStorage" in found[1], found
+
+
 def test_demo_trains_and_shards(run_example: Callable[[str], Run]) -> None:
     run = run_example("demo.py")
     run.assert_ok()
+    # Issue 36: a plain run's console has no deprecation warning of torch.distributed's, FairScale's or ours.
+    assert deprecation_warnings(run.output) == [], run.describe()
     assert "done" in run.stdout, run.describe()
 
     losses = [(int(step), float(loss)) for step, loss in _LOSS.findall(run.stdout)]
@@ -245,3 +280,10 @@ def test_fabric_fsdp_example_trains_and_resumes_exactly(run_example: Callable[[s
     checkpoint = run.cwd / "fabric-checkpoint"  # sharded: one file per rank, as the Trainer's strategy writes them
     names = ["meta.pt", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
     assert sorted(p.name for p in checkpoint.iterdir()) == names
+
+
+@pytest.mark.parametrize("script", sorted(TIMEOUTS))
+def test_no_example_prints_a_deprecation_warning_of_ours(run_example: Callable[[str], Run], script: str) -> None:
+    """Every example's console (the runs above, not more): no deprecation warning of torch.distributed's, FairScale's
+    or ours (issue 36)."""
+    assert deprecation_warnings(run_example(script).output) == [], run_example(script).describe()

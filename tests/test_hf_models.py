@@ -198,6 +198,30 @@ def test_consolidated_sharded_checkpoint_equals_the_full_save(runs: Jobs, model:
     assert not different, different
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_exported_safetensors_load_with_from_pretrained_into_the_same_logits(runs: Jobs, model: str, kind: str) -> None:
+    """Issue 36: the 2-process checkpoint of step 2 (sharded, or full), ``lightning-fairscale-consolidate --format
+    safetensors --prefix model.``, the config saved beside it: ``AutoModelForCausalLM.from_pretrained`` loads it with
+    no missing, unexpected or mismatched key, ties the output layer again, and computes the unsharded training's
+    logits at that step. The files hold the keys HF's own ``save_pretrained`` writes (the tied ``lm_head.weight``
+    once, under the embedding's name); the sharded checkpoint's export is split into files with an index."""
+    result = job(runs, f"resume-{model}", "train-and-save", "export")
+    exported = result["exported"][kind]
+    empty = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    assert {k: v for k, v in exported["loading_info"].items() if k in empty} == empty, exported["loading_info"]
+    assert exported["keys"] == result["hf_own_keys"], sorted(set(exported["keys"]) ^ set(result["hf_own_keys"]))
+    assert "lm_head.weight" not in exported["keys"] and EMBEDDING[model] in exported["keys"]
+    assert exported["tied"], "from_pretrained did not tie lm_head.weight to the embedding"
+    if kind == "sharded":
+        count = len(exported["files"])
+        assert count > 1 and exported["files"][0] == f"model-00001-of-{count:05d}.safetensors", exported["files"]
+    else:
+        assert exported["files"] == ["model.safetensors"]
+    difference = (exported["logits"] - result["half_reference_logits"]).abs().max().item()
+    assert difference < ATOL, difference
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # 4. What the LightningModule's code sees after set-up
 

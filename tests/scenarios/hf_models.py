@@ -12,7 +12,8 @@ one launch (``conftest.run_jobs``) and checks what rank 0 saved:
   schedule, clipping by norm, accumulation) with each transformer layer an FSDP unit; the trained weights
   (``unshard_module``), the losses, a full checkpoint loaded into a fresh HF model, and the unsharded reference;
 * ``resume``: N steps saved full and sharded, each resumed for M more steps in a new Trainer; the sharded checkpoint
-  consolidated offline (``lightning_fairscale.consolidate``);
+  consolidated offline (``lightning_fairscale.consolidate``); both exported to safetensors and loaded by
+  ``from_pretrained`` (issue 36);
 * ``probes``: what the LightningModule's code sees after set-up (``on_train_start``, ``on_after_backward``,
   ``on_train_batch_end``, on every rank): tied weights, the optimizer's parameters, gradients, deep copies, reads;
 * ``lora``: PEFT's LoRA on GPT-2 (frozen base weights in the units that train);
@@ -496,6 +497,8 @@ def resume(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) ->
     stages.run("train-and-save", train_and_save)
     barrier()
     stages.run("consolidate", consolidate, work / "half-sharded.ckpt", work / "consolidated.ckpt")
+    if rank() == 0:
+        stages.run("export", export_to_hf, config, work, result)
     barrier()
     result["resumed"], result["resumed_losses"] = {}, {}
     for kind in ("full", "sharded"):
@@ -520,6 +523,47 @@ def resume(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) ->
         result["consolidated_state_dict"] = load(work / "consolidated.ckpt")["state_dict"]
 
     stages.run("read-consolidated", read_both)
+
+
+#: The exports of :func:`export_to_hf`: the command line's arguments beyond the source and the folder. The sharded
+#: checkpoint's is split into files of at most 20 KB (the tiny models have ~100 KB): the index is what loads.
+EXPORTS = {"sharded": ["--max-shard-size", "20KB"], "full": []}
+
+
+def export_to_hf(config: HFJob, work: Path, result: dict[str, Any]) -> None:
+    """Rank 0: both checkpoints of step ``steps`` exported by ``lightning-fairscale-consolidate --format safetensors
+    --prefix model.``, the model's config saved beside each (as a user does), loaded by ``from_pretrained``: its
+    loading info, logits, keys and tie; the unsharded training's logits at that step; the keys HF's own
+    ``save_pretrained`` writes."""
+    import safetensors.torch
+    import transformers
+
+    from lightning_fairscale.consolidate import main as consolidate_main
+
+    plain = build_model(config.model)
+    plain.save_pretrained(work / "hf-own")
+    result["hf_own_keys"] = sorted(safetensors.torch.load_file(str(work / "hf-own" / "model.safetensors")))
+    model, _ = reference(
+        config.model, config.steps, accumulate=config.accumulate, clip=config.clip, samples=config.samples
+    )
+    result["half_reference_logits"] = logits(model)
+    result["exported"] = {}
+    for kind, options in EXPORTS.items():
+        out = work / f"hf-{kind}"
+        args = [str(work / f"half-{kind}.ckpt"), str(out), "--format", "safetensors", "--prefix", "model.", *options]
+        code = consolidate_main([*args, "--quiet"])
+        assert code == 0, f"lightning-fairscale-consolidate {' '.join(args)} exited with {code}"
+        plain.config.save_pretrained(out)
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        embedding = loaded.get_input_embeddings().weight
+        files = sorted(p.name for p in out.glob("*.safetensors"))
+        result["exported"][kind] = {
+            "loading_info": {k: sorted(map(str, v)) for k, v in info.items()},
+            "logits": logits(loaded),
+            "keys": sorted(k for f in files for k in safetensors.torch.load_file(str(out / f))),
+            "files": files,
+            "tied": loaded.lm_head.weight is embedding,
+        }
 
 
 def resume_resharded(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 FAKE_GPU = torch.device("meta")
 #: The collectives the fake backend checks (everything ``lightning_fairscale`` could call on a group).
 CHECKED = ("all_reduce", "gather", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "broadcast")
+CHECKED += tuple(name for name in ("reduce_scatter_single", "all_gather_single") if hasattr(dist, name))  # torch 2.13
 
 
 def _target_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:

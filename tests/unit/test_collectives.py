@@ -61,7 +61,8 @@ def test_reduce_scatter_writes_the_callers_output(fake_nccl: FakeNccl) -> None:
     output, source = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
     with fake_nccl.active():
         collectives.reduce_scatter_tensor(output, source)
-    assert fake_nccl.seen("reduce_scatter_tensor") == [[FAKE_GPU, FAKE_GPU]]
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    assert fake_nccl.seen(name) == [[FAKE_GPU, FAKE_GPU]]  # torch's current name: no deprecation warning
     assert type(output) is torch.Tensor and output.tolist() == [1.0, 2.0, 3.0]
 
 
@@ -102,10 +103,12 @@ def test_recording_traffic_counts_each_collective_once_with_its_group_and_payloa
             warnings.simplefilter("ignore")  # `_all_gather_base` is deprecated: FairScale still calls it
             dist._all_gather_base(torch.empty(4), torch.ones(4))  # calls `all_gather_into_tensor`: counted once
         collectives.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        collectives.all_gather_tensor(torch.empty(2, dtype=torch.float16), torch.ones(2, dtype=torch.float16))
     dist.all_reduce(torch.ones(1))  # after the block: not recorded
     assert transfers == [
         collectives.Transfer("all_reduce", (0,), 12),
         collectives.Transfer("all_gather", (0,), 16),
         collectives.Transfer("reduce_scatter", (0,), 16),
+        collectives.Transfer("all_gather", (0,), 4),
     ]
     assert dist.all_gather_into_tensor is real  # torch's functions are given back

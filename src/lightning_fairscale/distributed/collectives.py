@@ -34,11 +34,13 @@ from torch import Tensor
 __all__ = [
     "all_agree",
     "all_gather_object",
+    "all_gather_tensor",
     "all_reduce",
     "all_reduced_bytes",
     "forget_group",
     "gather",
     "group_device",
+    "current_name",
     "recording_traffic",
     "reduce_scatter_tensor",
     "Transfer",
@@ -148,14 +150,45 @@ def gather(tensor: Tensor, dst: int = 0, group: Any = None) -> Optional[list[Ten
     return [t.to(tensor.device) for t in received]
 
 
+#: The collectives of one tensor in and one out, by the names torch has given them, newest first: torch 2.13
+#: deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` (a ``FutureWarning`` at every call site) for the
+#: ``*_single`` names, which older releases lack; the underscored names are FairScale's, deprecated since torch 2.2.
+CURRENT_NAMES: dict[str, tuple[str, ...]] = {
+    "all_gather_into_tensor": ("all_gather_single", "all_gather_into_tensor"),
+    "_all_gather_base": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "_reduce_scatter_base": ("reduce_scatter_single", "reduce_scatter_tensor"),
+}
+
+
+def current_name(name: str) -> Callable[..., Any]:
+    """The function of ``torch.distributed`` that does what ``name`` does, under the newest name this torch has
+    (not deprecated): ``current_name("all_gather_into_tensor")`` is ``dist.all_gather_single`` on torch 2.13,
+    ``dist.all_gather_into_tensor`` before. Looked up at each call, so that :func:`recording_traffic` sees it."""
+    for candidate in CURRENT_NAMES.get(name, (name,)):
+        function = getattr(dist, candidate, None)
+        if function is not None:
+            return function
+    raise AttributeError(f"torch.distributed has no {name} (nor any newer name of it)")
+
+
+def all_gather_tensor(output: Tensor, input: Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Every rank's ``input`` (all of one size) into ``output``, their concatenation: torch's
+    ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13). Tensors where they are (gloo); returns the
+    work handle with ``async_op``."""
+    return current_name("all_gather_into_tensor")(output, input, group=group, async_op=async_op)
+
+
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
-    """``dist.reduce_scatter_tensor`` into ``output`` (in place), wherever ``output`` and ``input`` live."""
+    """The reduce-scatter of ``input`` into ``output`` (in place), wherever ``output`` and ``input`` live: torch's
+    ``reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13)."""
+    reduce_scatter = current_name("reduce_scatter_tensor")
     device = group_device(group, input.device)
     if device == input.device == output.device:
-        dist.reduce_scatter_tensor(output, input, op=op, group=group)
+        reduce_scatter(output, input, op=op, group=group)
         return output
     moved_output = output.to(device)
-    dist.reduce_scatter_tensor(moved_output, input.to(device), op=op, group=group)
+    reduce_scatter(moved_output, input.to(device), op=op, group=group)
     output.copy_(moved_output)
     return output
 
@@ -183,12 +216,15 @@ def _nbytes(tensor: Tensor) -> int:
 
 
 #: The collectives of ``torch.distributed`` that :func:`recording_traffic` counts: name -> (kind, payload of the
-#: bound arguments). The underscored ones are the names FairScale calls.
+#: bound arguments). The underscored ones are the names FairScale calls (routed to the newest names by
+#: :mod:`lightning_fairscale.fsdp.deprecations`), the ``*_single`` ones torch 2.13's.
 _RECORDED: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "all_gather": ("all_gather", lambda a: _nbytes(a["tensor"]) * len(a["tensor_list"])),
+    "all_gather_single": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
     "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
     "_all_gather_base": ("all_gather", lambda a: _nbytes(a["output_tensor"])),
     "reduce_scatter": ("reduce_scatter", lambda a: sum(_nbytes(t) for t in a["input_list"])),
+    "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "_reduce_scatter_base": ("reduce_scatter", lambda a: _nbytes(a["input"])),
     "all_reduce": ("all_reduce", lambda a: _nbytes(a["tensor"])),

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fairscale.distributed import collectives
 from lightning_fairscale.distributed.torch_private import in_backward
 
 __all__ = [
@@ -220,7 +221,7 @@ class Prefetcher:
             _alloc_storage(full)
             # Under mixed precision the full parameters are in the compute dtype: FairScale gathers the cast shard.
             sources.append(param._fp32_shard.to(full.dtype))
-            works.append(dist.all_gather_into_tensor(full, sources[-1], group=unit.process_group, async_op=True))
+            works.append(collectives.all_gather_tensor(full, sources[-1], group=unit.process_group, async_op=True))
         self._pending = (unit, works, sources)
         return True
 

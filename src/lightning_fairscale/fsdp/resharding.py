@@ -229,6 +229,19 @@ class SavedShards:
                     offset += int(numel)
         return apply_aliases(found, [*aliases, *fairscale_ties(self.metadata)])
 
+    def dtype(self, piece: SavedPiece) -> torch.dtype:
+        """The dtype the original parameter ``piece`` was saved in."""
+        return self.file(0)["state_dict"][piece.key].dtype
+
+    def read_piece(self, piece: SavedPiece) -> Tensor:
+        """One original parameter's saved values, in its shape: a new tensor, read from the files whose slices hold
+        it, whose pages are then released. What the export to safetensors writes, one tensor at a time."""
+        numel = piece.shape.numel()
+        out = torch.empty(numel, dtype=self.dtype(piece))
+        stop = piece.offset + numel
+        segments = self._segments(piece.numel, piece.offset, stop, lambda f: f["state_dict"][piece.key])
+        return copy_overlaps(out, piece.offset, segments).view(piece.shape)
+
     def buffers(self, clean: Callable[[str], str]) -> dict[str, Tensor]:
         """The saved buffers, by the unwrapped module's name."""
         state_dict = self.file(0)["state_dict"]

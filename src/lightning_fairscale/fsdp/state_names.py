@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_fairscale.fsdp.units import fsdp_instances, named_fsdp_instances
@@ -93,20 +94,39 @@ def fairscale_ties(metadata: dict[str, Any]) -> list[tuple[str, str]]:
 def apply_aliases(state_dict: dict[str, Any], aliases: Iterable[Sequence[str]]) -> dict[str, Any]:
     """Add the keys :func:`state_aliases` names to ``state_dict`` (in place), and return it.
 
+    A tied parameter's second key that ``state_dict`` already holds as a copy of the same values (FairScale's full
+    state dict clones each name) becomes the known key's tensor itself, as in ``torch``'s own ``state_dict()``: a
+    checkpoint then stores it once, and whoever reads it (:mod:`lightning_fairscale.fsdp.export`) sees the tie.
+
     Example:
         >>> apply_aliases({"blocks.0.weight": 1}, [("blocks.0.", "first.")])
         {'blocks.0.weight': 1, 'first.weight': 1}
         >>> apply_aliases({"embed.weight": 1}, [("embed.weight", "head.weight")])
         {'embed.weight': 1, 'head.weight': 1}
+        >>> tied = apply_aliases({"a": torch.ones(2), "b": torch.ones(2)}, [("a", "b")])
+        >>> tied["b"] is tied["a"]
+        True
     """
     for known, alias in aliases:
         if not known.endswith("."):  # a tied parameter's whole key
             if known in state_dict:
+                if _same_values(state_dict[known], state_dict.get(alias)):
+                    state_dict[alias] = state_dict[known]
                 state_dict.setdefault(alias, state_dict[known])
             continue
         for key in [k for k in state_dict if k.startswith(known)]:
             state_dict.setdefault(alias + key[len(known) :], state_dict[key])
     return state_dict
+
+
+def _same_values(known: Any, copy: Any) -> bool:
+    """Whether ``copy`` is a separate tensor with ``known``'s values (a pair recorded wrongly, naming another
+    parameter, has other values or another shape: it is left alone)."""
+    return (
+        isinstance(known, torch.Tensor) and isinstance(copy, torch.Tensor) and copy is not known
+        and copy.shape == known.shape and copy.dtype == known.dtype and copy.device == known.device
+        and bool(torch.equal(copy, known))
+    )
 
 
 def add_aliases(state_dict: dict[str, Any], root: nn.Module) -> dict[str, Any]:

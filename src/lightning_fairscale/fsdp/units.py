@@ -125,6 +125,11 @@ The workarounds, and why each is needed:
     gather, reshard and reduce-scatter run eagerly around compiled code. :class:`FullyShardedDataParallel`'s
     ``__call__`` is skipped by dynamo, so that a compile around units (Fabric compiles the module its strategy
     returns) runs them eagerly.
+19. **Deprecation warnings from FairScale's calls (all devices).** FairScale calls ``dist._all_gather_base``,
+    ``dist._reduce_scatter_base`` and ``Tensor.storage()``, which torch deprecates with a warning on every rank that
+    the user can do nothing about. :mod:`~lightning_fairscale.fsdp.deprecations` gives FairScale's modules a view of
+    ``torch.distributed`` with the current names of those collectives (no warning is raised) and ignores the
+    ``TypedStorage`` warning where FairScale's code is its location only; installed by the first unit built.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -143,7 +148,7 @@ from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp import original_params, param_views, prefetch, ties
+from lightning_fairscale.fsdp import deprecations, original_params, param_views, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -207,9 +212,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
     On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9, 11 to 15
-    and 17: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters
+    17 and 18: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters
     in one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root, the model's own
-    parameters). On CPU it uses no-op
+    parameters, no deprecation warnings from FairScale's calls). On CPU it uses no-op
     streams (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible reduce-scatter bucketer
     and a device-agnostic :meth:`clip_grad_norm_`.
 
@@ -228,6 +233,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         backward_prefetch: Optional[str] = "BACKWARD_POST",
         **kwargs: Any,
     ):
+        deprecations.install()  # workaround 19, before FairScale's first call
         if not has_meta_tensors(module):
             self._build(module, *args, **kwargs)
         else:
