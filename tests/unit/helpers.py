@@ -28,13 +28,8 @@ from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.engine import finish_wrapping
-from lightning_fairscale.fsdp.optim import (
-    GroupOrder,
-    ParameterLayout,
-    consolidate_state,
-    load_plain_state,
-    repoint_optimizer,
-)
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.optim_state import consolidate_state, load_plain_state
 from lightning_fairscale.fsdp.policies import auto_wrap_policy, wrap_module
 from lightning_fairscale.fsdp.state_names import clean_path
 

@@ -63,7 +63,8 @@ def test_compiled_layers_train_as_eager_ones_and_keep_their_names(process_group:
 
 def test_a_model_with_nothing_to_compile_runs_eagerly_with_a_warning(process_group: Any) -> None:
     from lightning_fairscale.fsdp import engine as fsdp_engine
-    from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+    from lightning_fairscale.fsdp.config import FullyShardedConfig
+    from lightning_fairscale.fsdp.hybrid import ProcessGroups
 
     model = nn.Linear(3, 2)
     with pytest.warns(UserWarning, match="no layer outside FSDP's units to compile"):

@@ -22,7 +22,7 @@ from lightning_fairscale.fsdp import cpu_streams, param_views, prefetch
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
-from lightning_fairscale.fsdp.optim import describe_layout
+from lightning_fairscale.fsdp.optim_state import describe_layout
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 

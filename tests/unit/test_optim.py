@@ -16,12 +16,8 @@ import torch
 from torch import nn
 
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.optim import (
-    ParameterLayout,
-    Piece,
-    load_plain_state,
-    plain_state_dict,
-)
+from lightning_fairscale.fsdp.optim import ParameterLayout, Piece
+from lightning_fairscale.fsdp.optim_state import load_plain_state, plain_state_dict
 from lightning_fairscale.fsdp.param_views import views_of
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 

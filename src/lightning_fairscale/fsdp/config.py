@@ -31,7 +31,7 @@ from torch.nn import Module
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
 from lightning_fairscale.fsdp.activation_checkpointing import checkpointing_layer_classes, validate_layer_classes
-from lightning_fairscale.fsdp.hybrid import mesh_request, sharding_name
+from lightning_fairscale.fsdp.hybrid import ProcessGroups, mesh_request, sharding_name
 from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy, auto_wrap_policy, validate_auto_wrap_policy
 from lightning_fairscale.fsdp.prefetch import BACKWARD_MODES
@@ -39,7 +39,6 @@ from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dty
 
 __all__ = [
     "FullyShardedConfig",
-    "ProcessGroups",
     "backward_prefetch_name",
     "check_settings",
     "fsdp_kwargs",
@@ -236,26 +235,6 @@ class FullyShardedConfig:
         """What the strategy shards over: ``None`` (every rank), ``"node"`` (hybrid, over the ranks of each node) or
         ``(replicas, shard_size)`` (see :func:`~lightning_fairscale.fsdp.hybrid.mesh_request`)."""
         return mesh_request(self.sharding_strategy, self.device_mesh)
-
-
-@dataclass(frozen=True, eq=False)
-class ProcessGroups:
-    """The process groups of one run of FSDP, made by :func:`~lightning_fairscale.fsdp.engine.make_process_groups`
-    (none before: FairScale then uses the default group).
-
-    FSDP uses two groups, one for all-gathers and one for reduce-scatters, so that they can overlap on GPUs; under
-    hybrid sharding both are this rank's shard group, and ``replica`` is its group of replicas (the ranks with the
-    same shard index on every node), over ``mesh`` (``(replicas, shard_size)``).
-    """
-
-    all_gather: Any = None
-    reduce_scatter: Any = None
-    replica: Any = None
-    mesh: Optional[tuple[int, int]] = None
-
-    def sharding(self) -> list[Any]:
-        """The groups FSDP shards over (all-gather, then reduce-scatter), none before they are made."""
-        return [group for group in (self.all_gather, self.reduce_scatter) if group is not None]
 
 
 def fsdp_kwargs(

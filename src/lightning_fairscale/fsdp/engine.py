@@ -3,7 +3,7 @@
 The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and Fabric's
 (:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
 
-* :func:`set_up_run`: the process groups of a run (:class:`~lightning_fairscale.fsdp.config.ProcessGroups`), made
+* :func:`set_up_run`: the process groups of a run (:class:`~lightning_fairscale.fsdp.hybrid.ProcessGroups`), made
   once the default group exists;
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing; the
   result is a :class:`WrappedModel`, the one object a strategy keeps of a sharded model;
@@ -52,17 +52,12 @@ from lightning_fairscale.fsdp.config import (
     wrap_policy,
 )
 from lightning_fairscale.fsdp.hybrid import drop_groups_of, resolve_mesh, sharding_groups
-from lightning_fairscale.fsdp.optim import (
-    GroupOrder,
-    ParameterLayout,
-    consolidate_state,
-    load_plain_state,
-    repoint_optimizer,
-)
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.optim_state import consolidate_state, load_plain_state
 from lightning_fairscale.fsdp.policies import wrap_module
 from lightning_fairscale.fsdp.saving import Ranks, buffer_name
 from lightning_fairscale.fsdp.state_names import apply_aliases, is_wrapped, state_aliases
-from lightning_fairscale.fsdp.summary import memory_figures, unit_summary
+from lightning_fairscale.fsdp.summary import unit_summary
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.unwrapping import forget_root, remember_root, unwrap_module, unwrapped
 
@@ -271,11 +266,6 @@ class WrappedModel:
         root.__dict__.pop(_WRAPPED, None)
         return module
 
-    def memory_figures(self, optimizers: Iterable[Optimizer] = ()) -> dict[str, float]:
-        """This rank's bytes of parameters, gradients and optimizer state (see
-        :func:`~lightning_fairscale.fsdp.summary.memory_figures`)."""
-        return memory_figures(self.root, optimizers)
-
 
 def set_up_run(
     config: FullyShardedConfig, device: torch.device, precision: str, rank: int, world_size: int, num_nodes: int,
@@ -291,7 +281,7 @@ def set_up_run(
 def make_process_groups(
     config: FullyShardedConfig, rank: int, world_size: int, num_nodes: int, timeout: Optional[timedelta]
 ) -> ProcessGroups:
-    """FSDP's process groups (see :class:`~lightning_fairscale.fsdp.config.ProcessGroups`): a collective call.
+    """FSDP's process groups (see :class:`~lightning_fairscale.fsdp.hybrid.ProcessGroups`): a collective call.
 
     All ranks create them together; they honour ``timeout``, so a lost rank cannot stall the others. They are closed
     when the interpreter exits (see :mod:`lightning_fairscale.distributed.process_exit`).
@@ -299,8 +289,8 @@ def make_process_groups(
     request = config.mesh_request
     mesh = None if request is None else resolve_mesh(request, world_size, num_nodes)
     # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
-    groups = ProcessGroups(*sharding_groups(mesh, rank, timeout), mesh=mesh)
-    process_exit.record_groups(groups.all_gather, groups.reduce_scatter, groups.replica)
+    groups = sharding_groups(mesh, rank, timeout)
+    process_exit.record_groups(*groups.all())
     return groups
 
 

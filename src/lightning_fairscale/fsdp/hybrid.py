@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch import Tensor
 from lightning_fairscale.distributed import collectives
 
 __all__ = [
-    "ShardingGroups",
+    "ProcessGroups",
     "drop_groups_of",
     "hybrid_groups",
     "mesh_request",
@@ -145,13 +146,28 @@ def replicate_gradient(reduced_grad: Tensor, replica_group: Any) -> None:
     reduced_grad.div_(dist.get_world_size(replica_group))
 
 
-class ShardingGroups(NamedTuple):
-    """This rank's process groups for one layout: FSDP's all-gather and reduce-scatter groups (its shard group, or
-    every rank), and under hybrid sharding its replica group."""
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups for one run of FSDP, made by :func:`sharding_groups` (none before: FairScale then
+    uses the default group).
 
-    all_gather: Any
-    reduce_scatter: Any
+    FSDP uses two groups, one for all-gathers and one for reduce-scatters, so that they can overlap on GPUs; under
+    hybrid sharding both are this rank's shard group, and ``replica`` is its group of replicas (the ranks with the
+    same shard index on every node), over ``mesh`` (``(replicas, shard_size)``).
+    """
+
+    all_gather: Any = None
+    reduce_scatter: Any = None
     replica: Any = None
+    mesh: Optional[tuple[int, int]] = None
+
+    def sharding(self) -> list[Any]:
+        """The groups FSDP shards over (all-gather, then reduce-scatter), none before they are made."""
+        return [group for group in (self.all_gather, self.reduce_scatter) if group is not None]
+
+    def all(self) -> tuple[Any, Any, Any]:
+        """``(all_gather, reduce_scatter, replica)``."""
+        return self.all_gather, self.reduce_scatter, self.replica
 
 
 #: Each layout's groups while they live, by (world size, mesh, timeout): weak references (torch's own registry of
@@ -159,7 +175,7 @@ class ShardingGroups(NamedTuple):
 _layouts: dict[tuple[Any, ...], tuple[Optional[weakref.ref], ...]] = {}
 
 
-def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, timeout: Any) -> ShardingGroups:
+def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, timeout: Any) -> ProcessGroups:
     """This rank's groups for ``mesh`` (``None``: every rank in one group): the groups made for the same layout
     before, while they live, else new ones (:func:`hybrid_groups`, or two groups of every rank).
 
@@ -167,13 +183,13 @@ def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, timeout: Any) ->
     find the layout's groups alive or none does, since they are made and destroyed at the same points.
     """
     key = (dist.get_world_size(), mesh, timeout)
-    groups = _alive(_layouts.get(key, ()))
+    groups = _alive(_layouts.get(key, ()), mesh)
     if groups is None:
         if mesh is None:  # two, so that all-gathers and reduce-scatters can overlap on GPUs
-            groups = ShardingGroups(*(dist.new_group(timeout=timeout) for _ in range(2)))
+            groups = ProcessGroups(*(dist.new_group(timeout=timeout) for _ in range(2)))
         else:
-            groups = ShardingGroups(*hybrid_groups(mesh, rank, timeout))
-        _layouts[key] = tuple(None if group is None else weakref.ref(group) for group in groups)
+            groups = ProcessGroups(*hybrid_groups(mesh, rank, timeout), mesh=mesh)
+        _layouts[key] = tuple(None if group is None else weakref.ref(group) for group in groups.all())
     return groups
 
 
@@ -198,11 +214,11 @@ def drop_groups_of(root: Any) -> None:
 def _destroy(all_gather: Any) -> bool:
     """Destroy the groups of the layout whose all-gather group is ``all_gather``; whether this module made it."""
     for key, refs in list(_layouts.items()):
-        groups = _alive(refs)
+        groups = _alive(refs, key[1])
         if groups is None or groups.all_gather is not all_gather:
             continue
         del _layouts[key]
-        for group in groups:
+        for group in groups.all():
             if group is not None:
                 collectives.forget_group(group)
                 dist.destroy_process_group(group)
@@ -210,7 +226,7 @@ def _destroy(all_gather: Any) -> bool:
     return False
 
 
-def _alive(refs: tuple[Optional[weakref.ref], ...]) -> Optional[ShardingGroups]:
+def _alive(refs: tuple[Optional[weakref.ref], ...], mesh: Optional[tuple[int, int]]) -> Optional[ProcessGroups]:
     """The groups behind ``refs`` when they all still exist and none was destroyed, else ``None``."""
     groups = [None if ref is None else ref() for ref in refs]
     if not groups or any(ref is not None and group is None for ref, group in zip(refs, groups)):
@@ -221,4 +237,5 @@ def _alive(refs: tuple[Optional[weakref.ref], ...]) -> Optional[ShardingGroups]:
                 dist.get_backend(group)  # raises for a group torch no longer knows (destroyed, or its world)
     except (ValueError, RuntimeError):
         return None
-    return ShardingGroups(*groups)
+    all_gather, reduce_scatter, replica = groups
+    return ProcessGroups(all_gather, reduce_scatter, replica, mesh)

@@ -305,7 +305,7 @@ class SavedShards:
         Args:
             index: which of the saved optimizers.
             current: ``(unit, parameter)`` of each managed parameter the optimizer's original parameters live in,
-                numbered as in checkpoints (:func:`lightning_fairscale.fsdp.optim.managed_positions`).
+                numbered as in checkpoints (:func:`lightning_fairscale.fsdp.optim_state.managed_positions`).
 
         Returns:
             The param groups (hyperparameters), and a function that, given a view's managed parameter's position

@@ -27,7 +27,8 @@ from lightning_fairscale.checkpoint.checks import (
 )
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed.collectives import all_agree
-from lightning_fairscale.fsdp.optim import load_view_states, managed_params, managed_positions
+from lightning_fairscale.fsdp.optim import managed_params
+from lightning_fairscale.fsdp.optim_state import load_view_states, managed_positions
 from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
 from lightning_fairscale.fsdp.sharded_checkpoint import (
     FORMAT_KEY,

@@ -5,7 +5,8 @@ or the dict ``fabric.save`` writes (see :mod:`lightning_fairscale.checkpoint.fab
 
 * each rank's **shard** (:func:`split_checkpoint`): its parameter shards (FairScale's ``local_state_dict``), its
   optimizer states over those shards, FairScale's ``local_metadata_dict`` (names, shapes and padding of every
-  flattened parameter) and where each optimizer entry lives (:func:`lightning_fairscale.fsdp.optim.describe_layout`);
+  flattened parameter) and where each optimizer entry lives
+  (:func:`~lightning_fairscale.fsdp.optim_state.describe_layout`);
 * the **meta** dict: everything else under its own key (the Trainer's loops, callbacks, hparams, LR schedulers and
   versions; Fabric's other entries), and the checkpoint's own record under :data:`FORMAT_KEY`: the world size, the
   extra keys of layers reachable under several names and, for Fabric, the keys of the model and of the optimizers.
@@ -31,7 +32,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY, load_meta, load_shard
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece, describe_layout, plain_state_dict
+from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece
+from lightning_fairscale.fsdp.optim_state import describe_layout, plain_state_dict
 from lightning_fairscale.fsdp.state_names import apply_aliases, fairscale_ties, state_aliases
 
 

@@ -148,7 +148,7 @@ from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp import deprecations, original_params, param_views, prefetch, ties
+from lightning_fairscale.fsdp import deprecations, frozen_params, original_params, param_views, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -255,13 +255,13 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
         ties.check_not_split(module)
         own = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if not hasattr(p, "_is_sharded")]
-        frozen = _unfreeze_own_parameters(module)
+        frozen = frozen_params.unfreeze_own_parameters(module)
         try:
             self._build_in_dtype(module, *args, **kwargs)
         finally:
             for param in frozen.values():
                 param.requires_grad_(False)
-        _record_frozen(self, frozen)
+        frozen_params.record_frozen(self, frozen)
         ties.record_flattened(self, own)
 
     def _build_in_dtype(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -472,39 +472,6 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     def _init_param_attributes(self, p: torch.nn.Parameter) -> None:
         super()._init_param_attributes(p)
         param_views.repoint_data(p)  # FairScale may have replaced the shard (a pinned copy): views follow it
-
-
-def _unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
-    """Make the frozen parameters that this unit will own (not those of units inside it) trainable; returns them,
-    by ``(id(owner module), name)``, so that they can be frozen again."""
-    frozen: dict[tuple[int, str], torch.nn.Parameter] = {}
-    inner = {id(p) for unit in fsdp_instances(module) for p in unit.params}
-    for owner in module.modules():
-        for name, param in owner._parameters.items():
-            if param is not None and not param.requires_grad and id(param) not in inner:
-                frozen[(id(owner), name)] = param
-    own = {id(p) for p in module.parameters()} - inner
-    if {id(p) for p in frozen.values()} == own:
-        return {}  # all frozen: FairScale handles a frozen unit as it is
-    for param in frozen.values():
-        param.requires_grad_(True)
-    return frozen
-
-
-def _record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.Parameter]) -> None:
-    """Note which pieces of each flat parameter of ``unit`` were frozen (``_lightning_fairscale_frozen``), and
-    freeze a parameter whose pieces all were (a unit's unflattened parameters keep their own flag)."""
-    if not frozen:
-        return
-    flat_count = unit._num_flatten_params
-    for flat in unit.params[:flat_count]:
-        pieces = [(id(owner), name) in frozen for _, owner, name in flat._param_infos]
-        flat.__dict__["_lightning_fairscale_frozen"] = pieces
-        if all(pieces):
-            flat.requires_grad_(False)
-    for param in unit.params[flat_count:]:
-        if any(param is p for p in frozen.values()):
-            param.requires_grad_(False)
 
 
 def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:

@@ -45,7 +45,8 @@ from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.compile import Compiler
-from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.hybrid import ProcessGroups
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
@@ -127,8 +128,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._groups = ProcessGroups()
         #: The sharded model (the engine's object), while the module is wrapped.
         self._sharded: Optional[fsdp_engine.WrappedModel] = None
-        #: Whether the stage failed (teardown must then start no collective).
-        self._failed = False
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration (an option's property comes with `strategy_options`)
@@ -267,9 +266,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         Log them from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``.
         """
         assert self.model is not None
-        if self._sharded is None:
-            return memory_figures(self.model, self._plain_optimizers())
-        return self._sharded.memory_figures(self._plain_optimizers())
+        return memory_figures(self.model, self._plain_optimizers())
 
     @contextlib.contextmanager
     @override
@@ -362,10 +359,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
                     return []
                 return list(enumerate(optimizers))
 
-            ranks = Ranks(self.global_rank)
-            meta, _ = sharded.load_sharded(
-                ranks, storage, checkpoint_path, restored, weights_only, strict, RELAX_TRAINER
-            )
+            ranks, path = Ranks(self.global_rank), checkpoint_path
+            meta, _ = sharded.load_sharded(ranks, storage, path, restored, weights_only, strict, RELAX_TRAINER)
             return meta if is_trainer_layout(meta) else to_trainer_layout(meta, pl.__version__, model_keys=None)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if not is_trainer_layout(checkpoint):
@@ -392,8 +387,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Another rank may be gone: teardown must not start collectives that would wait for it.
-        self._failed = True
+        # Another rank may be gone: name it, rather than leave the user with gloo's "connection closed".
         report_collective_failure(exception, collective_timeout(self), self.launcher)
         super().on_exception(exception)
 
@@ -420,7 +414,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-        self._failed = False
 
     def unshard_module(self, rank_zero_only: bool = True) -> Module:
         """Give the LightningModule its full parameters back, as a plain module: an explicit, collective call.

@@ -35,7 +35,8 @@ from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.compile import compiler_from_options, unwrap_compiled
-from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.hybrid import ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
 from lightning_fairscale.lightning.fabric._common import (

@@ -1,0 +1,48 @@
+"""Workaround 11 of :mod:`lightning_fairscale.fsdp.units`: frozen and trainable parameters in one unit.
+
+FairScale flattens a unit's parameters into one flat parameter, with one ``requires_grad``, and asserts that they
+all agree. A unit that owns frozen and trainable parameters is built with all of them trainable
+(:func:`unfreeze_own_parameters`), and which pieces were frozen is noted on each flat parameter
+(:func:`record_frozen`): the optimizer's views of those pieces keep ``requires_grad=False``
+(:mod:`lightning_fairscale.fsdp.param_views`), so nothing updates them.
+"""
+
+from __future__ import annotations
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+
+__all__ = ["record_frozen", "unfreeze_own_parameters"]
+
+
+def unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
+    """Make the frozen parameters that this unit will own (not those of units inside it) trainable; returns them,
+    by ``(id(owner module), name)``, so that they can be frozen again."""
+    frozen: dict[tuple[int, str], torch.nn.Parameter] = {}
+    inner = {id(p) for unit in module.modules() if isinstance(unit, _FairScaleFSDP) for p in unit.params}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and not param.requires_grad and id(param) not in inner:
+                frozen[(id(owner), name)] = param
+    own = {id(p) for p in module.parameters()} - inner
+    if {id(p) for p in frozen.values()} == own:
+        return {}  # all frozen: FairScale handles a frozen unit as it is
+    for param in frozen.values():
+        param.requires_grad_(True)
+    return frozen
+
+
+def record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.Parameter]) -> None:
+    """Note which pieces of each flat parameter of ``unit`` were frozen (``_lightning_fairscale_frozen``), and
+    freeze a parameter whose pieces all were (a unit's unflattened parameters keep their own flag)."""
+    if not frozen:
+        return
+    flat_count = unit._num_flatten_params
+    for flat in unit.params[:flat_count]:
+        pieces = [(id(owner), name) in frozen for _, owner, name in flat._param_infos]
+        flat.__dict__["_lightning_fairscale_frozen"] = pieces
+        if all(pieces):
+            flat.requires_grad_(False)
+    for param in unit.params[flat_count:]:
+        if any(param is p for p in frozen.values()):
+            param.requires_grad_(False)
