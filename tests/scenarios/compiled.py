@@ -174,8 +174,16 @@ def full_weights(trainer: Any, path: Path) -> tuple[dict[str, torch.Tensor], lis
     return {k: v.float().clone() for k, v in state.items()}, sorted(state)
 
 
+def compiled_layers(module: nn.Module) -> list[str]:
+    """The layers of ``module`` whose ``forward`` the strategy compiled (its regions)."""
+    from lightning_fairscale.fsdp.compile import is_compiled
+
+    return sorted(name for name, layer in module.named_modules() if is_compiled(layer))
+
+
 def trainer_job(config: CompileJob, work: Path, result: dict[str, Any]) -> None:
     trainer = fit(config, config.steps)
+    result["compiled"] = compiled_layers(trainer.lightning_module)
     result["trained"], result["keys"] = full_weights(trainer, work / "trained.ckpt")
     if rank() == 0:
         plain = Regression(config.replace(form="none"))  # a full checkpoint loads into the uncompiled module
@@ -205,6 +213,8 @@ def fabric_run(fabric: Any, fields: dict[str, Any], work_dir: str, result: dict[
     net = Net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
     model, optimizer = fabric.setup(torch.compile(net, backend=config.backend), optimizer)
+    # Fabric hands the compile's options to no strategy: the strategy reads them (`_compat.fabric_compile_options`).
+    result["compiled"] = compiled_layers(net)
     x, y = (t[fabric.global_rank :: fabric.world_size] for t in data(config).tensors)
     for _ in range(config.steps):  # every micro-batch of the global batch in one (no accumulation)
         loss = nn.functional.mse_loss(model(x), y)
