@@ -36,7 +36,12 @@ from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
+from lightning_fairscale.plugins.checkpoint_io import (
+    background_writer,
+    default_checkpoint_io,
+    finish_background,
+    sharded_storage,
+)
 from lightning_fairscale.fabric._common import (
     FabricCheckpoints,
     NoBackwardSync,
@@ -52,7 +57,8 @@ from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
-from lightning_fairscale.fsdp.saving import Ranks
+from lightning_fairscale.checkpoint.background import settle
+from lightning_fairscale.fsdp.saving import InBackground, Ranks
 from lightning_fairscale.fsdp.summary import memory_figures
 
 if TYPE_CHECKING:
@@ -181,6 +187,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         if release_groups(self._groups.sharding(), list(self._set_up.models)):
             self._groups = ProcessGroups()
         super().teardown()
+        finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place
 
     # ------------------------------------------------------------------------------------------------------------
     # Models and optimizers
@@ -303,7 +310,14 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
         state's keys, each module and optimizer replaced by its full state dict, in one file written by rank 0; or,
         for a model sharded with ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing,
-        and a meta file with the state's other entries."""
+        and a meta file with the state's other entries.
+
+        With a plugin that saves in the background (``ShardedCheckpointIO(async_save=True)``), the files are written
+        on its thread: every rank first checks that no earlier background write failed (a sharded save waits until
+        the previous one is complete), then copies what it writes and returns."""
+        writer = background_writer(self.checkpoint_io)
+        if writer is not None and not self.config.state_dict_type == "sharded":
+            settle(writer, Ranks(self.global_rank).agree, wait=False)
         self._checkpoints().save(path, state, storage_options, filter)
 
     @override
@@ -320,7 +334,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         ``fabric.load_raw(path, model)`` reads a plain state dict file, the model's entry of a full checkpoint, or
         the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
         keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
-        left as they are."""
+        left as they are. Checkpoints still being written in the background are written first, on every rank."""
+        writer = background_writer(self.checkpoint_io)
+        if writer is not None:
+            settle(writer, Ranks(self.global_rank).agree)
         return self._checkpoints().load(path, state, strict, weights_only)
 
     def _checkpoints(self) -> FabricCheckpoints:
@@ -392,7 +409,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         model = self._fsdp_model(module)
         assert model is not None
         storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
-        model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record())
+        writer = background_writer(self.checkpoint_io)
+        timeout = collective_timeout(self) or default_pg_timeout
+        background = None if writer is None else InBackground(writer, timeout.total_seconds())
+        model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record(), background)
 
     def _load_sharded(
         self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]

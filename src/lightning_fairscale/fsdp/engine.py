@@ -238,9 +238,11 @@ class WrappedModel:
     def save_sharded(
         self, ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any,
         optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
+        background: Optional[saving.InBackground] = None,
     ) -> None:
-        """Write a sharded checkpoint directory (see :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
-        saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric)
+        """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
+        :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
+        saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
 
     def load_sharded(
         self, ranks: Ranks, storage: ShardedStorage, path: Any,

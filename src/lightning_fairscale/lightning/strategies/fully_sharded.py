@@ -50,10 +50,17 @@ from lightning_fairscale.fsdp.config import FullyShardedConfig, ProcessGroups
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.fsdp.saving import Ranks, is_sharded_checkpoint
+from lightning_fairscale.checkpoint.background import settle
+from lightning_fairscale.fsdp.saving import InBackground, Ranks, is_sharded_checkpoint
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.unwrapping import wrapped_root
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
+from lightning_fairscale.lightning.plugins.checkpoint_io import (
+    background_writer,
+    default_checkpoint_io,
+    finish_background,
+    save_full,
+    sharded_storage,
+)
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
@@ -311,18 +318,35 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
-        checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`)."""
+        checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`).
+
+        With a plugin that saves in the background (``ShardedCheckpointIO(async_save=True)`` or Lightning's
+        ``AsyncCheckpointIO``), the files are written on its thread: every rank first checks that no earlier
+        background write failed (a sharded save waits until the previous one is complete), then copies what it
+        writes and goes on training."""
+        writer = background_writer(self.checkpoint_io)
+        ranks = Ranks(self.global_rank)
         if not self._saves_sharded():
             if self.config.state_dict_type == "sharded" and self.lightning_module is not None:
                 rank_zero_warn(
                     f"The model is not sharded (`unshard_module()` gave it its full parameters back), so {filepath} is"
                     " written as a full checkpoint file.",
                 )
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if writer is not None:
+                settle(writer, ranks.agree, wait=False)
+            if self.is_global_zero:
+                save_full(self.checkpoint_io, checkpoint, filepath, storage_options)
+            return None
         assert self._sharded is not None
-        storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
-        self._sharded.save_sharded(ranks, storage, checkpoint, filepath, self._plain_optimizers())
+        storage = sharded_storage(self.checkpoint_io)
+        background = None if writer is None else InBackground(writer, self._timeout_seconds())
+        self._sharded.save_sharded(ranks, storage, checkpoint, filepath, self._plain_optimizers(),
+                                   background=background)
         return None
+
+    def _timeout_seconds(self) -> float:
+        timeout = collective_timeout(self)
+        return default_pg_timeout.total_seconds() if timeout is None else timeout.total_seconds()
 
     @property
     @override
@@ -344,7 +368,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
         A Fabric checkpoint (``fabric.save``, full or sharded) is read in the Trainer's layout (see
         :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`): its model, optimizers and LR schedulers
         resume; the file is not changed.
+
+        Checkpoints still being written in the background are written first, on every rank.
         """
+        writer = background_writer(self.checkpoint_io)
+        if writer is not None:
+            settle(writer, Ranks(self.global_rank).agree)
         if not self._is_wrapped():
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             if is_trainer_layout(checkpoint):
@@ -395,6 +424,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may be gone: teardown must not start collectives that would wait for it.
         self._failed = True
+        writer = background_writer(self.checkpoint_io)
+        if writer is not None:
+            writer.cancel()  # rank 0 stops waiting for the shards of a background save: a rank may be gone
         report_collective_failure(exception, collective_timeout(self), self.launcher)
         super().on_exception(exception)
 
@@ -409,19 +441,22 @@ class DDPFullyShardedStrategy(DDPStrategy):
         parameter shards that moving them would break. A module still on the meta device (the stage failed before
         wrapping it) is not moved either: it has no data to move. The process groups go with the sharded module
         (see :mod:`lightning_fairscale.fsdp.hybrid`): destroyed here when no module is kept sharded over them.
+        Checkpoints written in the background are in place when it returns (after a failed stage, those that can
+        still complete).
         """
         if release_groups(self._groups.sharding(), [self.model]):
             self._groups = ProcessGroups()
         restore_model_summaries(attached_trainer(self.lightning_module) if self.lightning_module else None)
+        failed, self._failed = self._failed, False
         if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
-            return
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
-        self._failed = False
+        else:
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+        finish_background(self.checkpoint_io, failed)  # the checkpoints written in the background are in place
 
     def unshard_module(self, rank_zero_only: bool = True) -> Module:
         """Give the LightningModule its full parameters back, as a plain module: an explicit, collective call.
