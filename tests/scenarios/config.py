@@ -157,6 +157,12 @@ class Scenario(Config):
     save_top_k: int = -1  # the ModelCheckpoint keeps this many (by step)
     save_last: bool = False  # the ModelCheckpoint overwrites last.ckpt
     record_loaded: bool = False  # the full state dict as training starts
+    #: checkpoints written in the background: "option" (ShardedCheckpointIO(async_save=True)) or "lightning"
+    #: (Lightning's AsyncCheckpointIO(ShardedCheckpointIO()))
+    async_save: str = ""
+    #: ThroughputMonitor (FLOPs measured on a meta copy, as Lightning's docs do) and DeviceStatsMonitor, logged to
+    #: an in-memory logger whose metrics rank 0 records
+    throughput: bool = False
 
     # --- faults
     kill: Optional[Kill] = None
