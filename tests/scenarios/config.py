@@ -210,6 +210,7 @@ class FabricScenario(Config):
     save_at: Optional[int] = None  # checkpoints of this step, then resumed in this process
     save_dir: Optional[str] = None
     save_last: bool = False  # instead: one checkpoint, last.ckpt in save_dir, overwritten after every step
+    async_save: bool = False  # the "fsdp"/"sharded" instance saves with ShardedCheckpointIO(async_save=True)
     kill: Optional[Kill] = None  # a rank dies halfway through writing its n-th checkpoint file
     resume_setup: Optional[tuple[str, str]] = None  # `setup` of the full and of the sharded resume
     load: Optional[str] = None  # start from this checkpoint (Fabric's or the Trainer's)
