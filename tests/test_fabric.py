@@ -122,6 +122,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
            for kind in ("full", "sharded", "raw")},
         "partial-ddp_sharded": FabricScenario(strategy="sharded", **partial, partial_kinds=("full", "raw")),
         **TRUE_HALF,
+        # Checkpoints written in the background (both formats), loaded while training goes on.
+        "fsdp-async": FabricScenario(**LOOP, **BLOCKS, steps=4, save_at=2, save_dir=str(folder / "ck-async"),
+                                     async_save=True),
+        "sharded-async": FabricScenario(**LOOP, strategy="sharded", steps=4, save_at=2, async_save=True,
+                                        save_dir=str(folder / "ck-async-sharded")),
     }  # fmt: skip
     jobs["true-bf16"] = jobs["true-bf16"].replace(save_dir=str(folder / "ck-bf16"), resume_setup=("after", "separate"))
     # Last, as it ends the launch: rank 0 dies halfway through writing the second last.ckpt.
@@ -155,6 +160,14 @@ def test_the_recipe_equals_unsharded_training_and_resumes_exactly(runs: Jobs) ->
     assert all(torch.equal(result["final"][name], initial[name]) for name in FROZEN)
     assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
     assert max_difference(result["resumed"]["sharded"], result["final"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["fsdp-async", "sharded-async"])
+def test_checkpoints_written_in_the_background_resume_exactly(runs: Jobs, name: str) -> None:
+    result = runs[name]
+    assert max_difference(result["final"], reference(4)) < ATOL
+    assert all(max_difference(resumed, result["final"]) == 0.0 for resumed in result["resumed"].values())
+    assert sorted(result["resumed"]) == (["full", "sharded"] if name == "fsdp-async" else ["full"])
 
 
 @pytest.mark.parametrize("name", EMPTY_INIT)

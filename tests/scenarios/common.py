@@ -7,6 +7,7 @@ import errno
 import io
 import os
 import signal
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -373,6 +374,7 @@ def die_while_saving(nth: int, how: str = "kill") -> None:
         f.flush()
         if how == "enospc":  # what a full disk does to the writer
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        print(f"killed while writing {getattr(f, 'name', f)} on thread {threading.current_thread().name}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save

@@ -157,6 +157,12 @@ class Scenario(Config):
     save_top_k: int = -1  # the ModelCheckpoint keeps this many (by step)
     save_last: bool = False  # the ModelCheckpoint overwrites last.ckpt
     record_loaded: bool = False  # the full state dict as training starts
+    #: checkpoints written in the background: "option" (ShardedCheckpointIO(async_save=True)) or "lightning"
+    #: (Lightning's AsyncCheckpointIO(ShardedCheckpointIO()))
+    async_save: str = ""
+    #: ThroughputMonitor (FLOPs measured on a meta copy, as Lightning's docs do) and DeviceStatsMonitor, logged to
+    #: an in-memory logger whose metrics rank 0 records
+    throughput: bool = False
 
     # --- faults
     kill: Optional[Kill] = None
@@ -204,6 +210,7 @@ class FabricScenario(Config):
     save_at: Optional[int] = None  # checkpoints of this step, then resumed in this process
     save_dir: Optional[str] = None
     save_last: bool = False  # instead: one checkpoint, last.ckpt in save_dir, overwritten after every step
+    async_save: bool = False  # the "fsdp"/"sharded" instance saves with ShardedCheckpointIO(async_save=True)
     kill: Optional[Kill] = None  # a rank dies halfway through writing its n-th checkpoint file
     resume_setup: Optional[tuple[str, str]] = None  # `setup` of the full and of the sharded resume
     load: Optional[str] = None  # start from this checkpoint (Fabric's or the Trainer's)

@@ -55,6 +55,9 @@ register_strategy_names()  # `--strategy fsdp_fairscale`: a name in the registry
 
 
 def make_strategy(config: FabricScenario) -> Any:
+    from scenarios.flavor import ShardedCheckpointIO
+
+    io = {"checkpoint_io": ShardedCheckpointIO(async_save=True)} if config.async_save else {}
     if config.strategy == "fsdp":
         from scenarios.flavor import FabricDDPFullyShardedStrategy
 
@@ -63,11 +66,12 @@ def make_strategy(config: FabricScenario) -> Any:
             min_num_params=1000,
             activation_checkpointing=Block if config.checkpointing else None,
             **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
+            **io,
         )
     if config.strategy == "sharded":
         from scenarios.flavor import FabricDDPShardedStrategy
 
-        return FabricDDPShardedStrategy()
+        return FabricDDPShardedStrategy(**io)
     return config.strategy  # a registry name
 
 
@@ -142,6 +146,8 @@ def full_state_dict(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tens
     fabric.save(path, {"model": model})
     if kind is not None:
         strategy.state_dict_type = kind
+    if hasattr(strategy.checkpoint_io, "wait"):  # a file written in the background is read once it is in place
+        strategy.checkpoint_io.wait()
     if not fabric.is_global_zero:
         return {}
     return {k: v.clone() for k, v in torch.load(path, weights_only=True)["model"].items()}

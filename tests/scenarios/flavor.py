@@ -26,6 +26,10 @@ ModelCheckpoint = pl.callbacks.ModelCheckpoint
 ModelSummary = pl.callbacks.ModelSummary
 ModelPruning = pl.callbacks.ModelPruning
 StochasticWeightAveraging = pl.callbacks.StochasticWeightAveraging
+ThroughputMonitor = pl.callbacks.ThroughputMonitor
+DeviceStatsMonitor = pl.callbacks.DeviceStatsMonitor
+AsyncCheckpointIO = pl.plugins.AsyncCheckpointIO
+Logger = pl.loggers.Logger
 
 #: Where our classes for ``PACKAGE`` are (the Trainer's; Fabric's are in its ``fabric`` submodule).
 OURS = "lightning_fairscale.lightning" if PACKAGE == "lightning" else "lightning_fairscale"

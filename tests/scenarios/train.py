@@ -48,7 +48,12 @@ from scenarios.common import (  # noqa: E402
 )
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
     PACKAGE,
+    AsyncCheckpointIO,
     Callback,
+    DeviceStatsMonitor,
+    Logger,
+    ShardedCheckpointIO,
+    ThroughputMonitor,
     DDPFullyShardedStrategy,
     LightningModule,
     FullyShardedMixedPrecisionPlugin,
@@ -267,6 +272,49 @@ class RecordTraining(Callback):
         }
 
 
+class RecordMetrics(Logger):
+    """A logger that keeps what it is given (the ThroughputMonitor's and DeviceStatsMonitor's metrics), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "record"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self.metrics.append(dict(metrics))
+
+
+def measure_flops_on_meta(config: Scenario, model: Any) -> None:
+    """Lightning's recipe (ThroughputMonitor's docs): the FLOPs of a training step (forward and backward) of the
+    same model built on the meta device, whatever the strategy does to ``model`` later."""
+    from lightning_fabric.utilities.throughput import measure_flops
+
+    from scenarios.common import GLOBAL_BATCH
+
+    with torch.device("meta"):
+        meta = build_model(config)
+        x = torch.randn(GLOBAL_BATCH // config.devices, IN_FEATURES)
+    model.flops_per_batch = measure_flops(meta, lambda: meta(x), loss_fn=torch.Tensor.sum)
+
+
+def checkpoint_io(config: Scenario) -> Any:
+    if config.async_save == "option":
+        return ShardedCheckpointIO(async_save=True)
+    if config.async_save == "lightning":
+        return AsyncCheckpointIO(ShardedCheckpointIO())
+    return None
+
+
 class OldHookModel(ManualWrapModel):
     """Wraps its blocks in Lightning 1.x's ``configure_sharded_model`` instead of ``configure_model``."""
 
@@ -335,6 +383,7 @@ def main(config: Scenario, out: str) -> None:
         activation_checkpointing=Block if config.checkpointing else None,
         activation_checkpointing_offload=config.checkpointing_offload,
         state_dict_type=config.state_dict_type,
+        checkpoint_io=checkpoint_io(config),
         lightning_1x_optimizer_state=config.lightning_1x_optimizer_state,
         compute_dtype=getattr(torch, config.compute_dtype) if config.compute_dtype else None,
         move_grads_to_cpu=config.move_grads_to_cpu,
@@ -364,6 +413,10 @@ def main(config: Scenario, out: str) -> None:
         callbacks.append(
             StochasticWeightAveraging(swa_lrs=0.01) if config.callback == "swa" else ModelPruning("l1_unstructured")
         )
+    metrics = RecordMetrics()
+    if config.throughput:
+        callbacks += [ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2),
+                      DeviceStatsMonitor()]
     if config.kill is not None:
         callbacks.append(KillDuringSave(config.kill.nth, config.kill.rank, config.kill.how))
     if config.checkpoint_dir:
@@ -393,7 +446,8 @@ def main(config: Scenario, out: str) -> None:
         gradient_clip_val=config.clip[0] if config.clip else None,
         gradient_clip_algorithm=config.clip[1] if config.clip else None,
         callbacks=callbacks,
-        logger=False,
+        logger=metrics if config.throughput else False,
+        log_every_n_steps=1,
         enable_checkpointing=bool(config.checkpoint_dir),
         enable_progress_bar=False,
         enable_model_summary=config.model_summary,
@@ -408,6 +462,8 @@ def main(config: Scenario, out: str) -> None:
     elif config.init == "meta":
         with torch.device("meta"):
             model = build_model(config)
+    if config.throughput:
+        measure_flops_on_meta(config, model)
     try:
         if config.validate_only:
             trainer.validate(model, verbose=False)
@@ -440,6 +496,8 @@ def main(config: Scenario, out: str) -> None:
         "created": getattr(model, "created", None),
         "summaries": summaries.summaries,
         "loaded": loaded.state,
+        "metrics": metrics.metrics,
+        "flops_per_batch": getattr(model, "flops_per_batch", None),
     }
     if config.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)

@@ -17,6 +17,7 @@ LIGHTNING = ("pytorch_lightning", "lightning_fabric", "lightning")
 #: Trainer's and Fabric's strategies. Testable without Lightning.
 ENGINE = (
     "checkpoint",
+    "checkpoint.background",
     "checkpoint.checks",
     "checkpoint.fabric",
     "checkpoint.files",

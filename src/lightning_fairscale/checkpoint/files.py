@@ -27,8 +27,11 @@ A directory that is not a sharded checkpoint (no ``meta.pt``) and not empty is n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -52,7 +55,9 @@ __all__ = [
     "read_file",
     "save_shard",
     "shard_file_name",
+    "save_shard_or_mark",
     "staging_directory",
+    "wait_for_shards",
     "write_atomically",
 ]
 
@@ -235,6 +240,49 @@ def commit_sharded(meta: dict[str, Any], path: Path, world_size: int) -> None:
     move_into_place(staging, path)
 
 
+def failure_marker(path: Path, rank: int, world_size: int) -> Path:
+    """The file a rank leaves in the staging directory of ``path`` when writing its shard in the background failed."""
+    return staging_directory(path) / f".{shard_file_name(rank, world_size)}.failed"
+
+
+def save_shard_or_mark(shard: dict[str, Any], path: Path, rank: int, world_size: int) -> None:
+    """Phase 2 in the background (no agreement follows it): :func:`save_shard`, and on failure a marker that rank 0's
+    :func:`wait_for_shards` sees, so that it gives up at once instead of waiting for the shard."""
+    try:
+        save_shard(shard, path, rank, world_size)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            failure_marker(path, rank, world_size).touch()
+        raise
+
+
+def wait_for_shards(path: Path, world_size: int, timeout: float, cancelled: Optional[threading.Event] = None) -> None:
+    """Rank 0, in the background: wait until every rank's shard of ``path`` is in its staging directory (each is
+    renamed there once complete), instead of an agreement of the ranks, which a background thread cannot make.
+
+    Raises:
+        CheckpointFileError: a rank failed to write its shard, the wait was cancelled (the run failed), or
+            ``timeout`` seconds passed.
+    """
+    staging = staging_directory(path)
+    names = [shard_file_name(r, world_size) for r in range(world_size)]
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        failed = [r for r in range(world_size) if failure_marker(path, r, world_size).exists()]
+        if failed:
+            raise CheckpointFileError(f"Rank(s) {failed} failed to write their shard of {path} (see their log).")
+        missing = [name for name in names if not (staging / name).is_file()]
+        if not missing:
+            return
+        if cancelled is not None and cancelled.is_set():
+            raise CheckpointFileError(f"The save of {path} was cancelled: the run failed before {missing} were in.")
+        if time.monotonic() > deadline:
+            raise CheckpointFileError(f"Shards {missing} of {path} were not written within {timeout:.0f} s.")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 def abort_sharded(path: Path) -> None:
     """Rank 0, after a failed phase: remove the staging directory; the previous checkpoint stays as it was.
 
@@ -305,6 +353,18 @@ class ShardedStorage:
     def commit_sharded(self, meta: dict[str, Any], path: Any, world_size: int) -> None:
         """Phase 3, rank 0: ``meta.pt`` once every shard is there, then the directory into place."""
         commit_sharded(meta, Path(path), world_size)
+
+    def save_shard_in_background(self, shard: dict[str, Any], path: Any, rank: int, world_size: int) -> None:
+        """Phase 2 on a background thread: as :meth:`save_shard`, and a failure is left where
+        :meth:`wait_for_shards` sees it (no agreement of the ranks follows)."""
+        save_shard_or_mark(shard, Path(path), rank, world_size)
+
+    def wait_for_shards(
+        self, path: Any, world_size: int, timeout: float, cancelled: Optional[threading.Event] = None
+    ) -> None:
+        """Rank 0 on a background thread, before :meth:`commit_sharded`: wait until every shard is written (see
+        :func:`wait_for_shards`)."""
+        wait_for_shards(Path(path), world_size, timeout, cancelled)
 
     def abort_sharded(self, path: Any) -> None:
         """After a failed phase, rank 0: the staging directory goes; the previous checkpoint stays as it was."""

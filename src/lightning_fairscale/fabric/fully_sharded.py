@@ -37,7 +37,13 @@ from lightning_fairscale.fsdp.compile import compiler_from_options, unwrap_compi
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.hybrid import ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
+from lightning_fairscale.plugins.checkpoint_io import (
+    in_background,
+    settle_background,
+    default_checkpoint_io,
+    finish_background,
+    sharded_storage,
+)
 from lightning_fairscale.fabric._common import (
     FabricCheckpoints,
     NoBackwardSync,
@@ -182,6 +188,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         if release_groups(self._groups.sharding(), list(self._set_up.models)):
             self._groups = ProcessGroups()
         super().teardown()
+        finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place
 
     # ------------------------------------------------------------------------------------------------------------
     # Models and optimizers
@@ -304,7 +311,13 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
         state's keys, each module and optimizer replaced by its full state dict, in one file written by rank 0; or,
         for a model sharded with ``state_dict_type="sharded"``, a directory of one shard per rank, gathering nothing,
-        and a meta file with the state's other entries."""
+        and a meta file with the state's other entries.
+
+        With a plugin that saves in the background (``ShardedCheckpointIO(async_save=True)``), the files are written
+        on its thread: every rank first checks that no earlier background write failed (a sharded save waits until
+        the previous one is complete), then copies what it writes and returns."""
+        if self.config.state_dict_type != "sharded":
+            settle_background(self.checkpoint_io, Ranks(self.global_rank).agree, wait=False)
         self._checkpoints().save(path, state, storage_options, filter)
 
     @override
@@ -321,7 +334,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         ``fabric.load_raw(path, model)`` reads a plain state dict file, the model's entry of a full checkpoint, or
         the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
         keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
-        left as they are."""
+        left as they are. Checkpoints still being written in the background are written first, on every rank."""
+        settle_background(self.checkpoint_io, Ranks(self.global_rank).agree)
         return self._checkpoints().load(path, state, strict, weights_only)
 
     def _checkpoints(self) -> FabricCheckpoints:
@@ -393,7 +407,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         model = self._fsdp_model(module)
         assert model is not None
         storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
-        model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record())
+        background = in_background(self.checkpoint_io, collective_timeout(self))
+        model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record(), background)
 
     def _load_sharded(
         self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]

@@ -233,9 +233,11 @@ class WrappedModel:
     def save_sharded(
         self, ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any,
         optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
+        background: Optional[saving.InBackground] = None,
     ) -> None:
-        """Write a sharded checkpoint directory (see :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
-        saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric)
+        """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
+        :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
+        saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
 
     def load_sharded(
         self, ranks: Ranks, storage: ShardedStorage, path: Any,
@@ -245,6 +247,17 @@ class WrappedModel:
         """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
         :func:`~lightning_fairscale.fsdp.saving.load_sharded`)."""
         return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
+
+    def load_trainer_checkpoint(
+        self, ranks: Ranks, storage: ShardedStorage, path: Any, read_file: Callable[[], dict[str, Any]],
+        optimizers: Sequence[Optimizer], weights_only: Optional[bool], strict: bool, policy: OptimizerStatePolicy,
+        owner: str, version: str,
+    ) -> dict[str, Any]:
+        """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
+        :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`)."""
+        return saving.load_trainer_checkpoint(
+            self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # The end of sharding

@@ -17,15 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_fairscale.checkpoint.checks import (
+    RELAX_TRAINER,
+    restores_optimizer_states,
     RELAX_FABRIC,
     IncompatibleKeys,
     check_state_dict_fits,
     report_partial_load,
 )
+from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, snapshot
+from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.files import ShardedStorage
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed.collectives import all_agree
 from lightning_fairscale.fsdp.optim import managed_params
 from lightning_fairscale.fsdp.optim_state import load_view_states, managed_positions
@@ -44,11 +50,13 @@ if TYPE_CHECKING:
     from lightning_fairscale.fsdp.engine import WrappedModel
 
 __all__ = [
+    "InBackground",
     "Ranks",
     "buffer_name",
     "is_sharded_checkpoint",
     "load_full",
     "load_sharded",
+    "load_trainer_checkpoint",
     "module_state_dict",
     "save_sharded",
     "shard_writer",
@@ -111,9 +119,19 @@ def together(ranks: Ranks, storage: ShardedStorage, action: Callable[[], Any], p
     )
 
 
+@dataclass(frozen=True)
+class InBackground:
+    """How a save runs in the background: on ``writer``'s thread (the CheckpointIO plugin's), rank 0 waiting at most
+    ``timeout`` seconds for the other ranks' shards (the strategy's collective timeout)."""
+
+    writer: BackgroundWriter
+    timeout: float = 1800.0
+
+
 def save_sharded(
     ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
     optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
+    background: Optional[InBackground] = None,
 ) -> None:
     """The ranks of one replica write their shards of ``checkpoint`` (made with :func:`module_state_dict` and
     :func:`optimizer_state` with ``sharded``) into the checkpoint directory ``path``; rank 0 its meta file last.
@@ -123,7 +141,17 @@ def save_sharded(
     nothing but take part in every agreement, so that a failure anywhere fails everywhere.
 
     ``checkpoint`` is the Trainer's, or with ``fabric`` (the keys of the model and of the optimizers) what
-    ``fabric.save`` writes (see :func:`~lightning_fairscale.fsdp.sharded_checkpoint.split_checkpoint`)."""
+    ``fabric.save`` writes (see :func:`~lightning_fairscale.fsdp.sharded_checkpoint.split_checkpoint`).
+
+    With ``background``, only the staging directory is made before this returns: the previous background save has
+    ended first, everywhere (:func:`~lightning_fairscale.checkpoint.background.settle`), then each rank's shard and
+    the meta dict are copied (the next step changes the shards in place) and written on the writer's thread; rank
+    0's thread waits for every shard file, then writes ``meta.pt`` and renames the directory into place. No
+    collective runs on those threads. A failure there leaves the previous checkpoint as it was and is raised on
+    every rank at the next save or load (at teardown, on the rank that failed).
+    """
+    if background is not None:
+        settle(background.writer, ranks.agree)  # the previous save is in place (or failed) everywhere
     shard_rank, shards, writes = shard_writer(ranks, model.root)
     orders = [model.order(optimizer) for optimizer in optimizers]
     meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric)
@@ -131,9 +159,36 @@ def save_sharded(
     # previous checkpoint untouched, instead of leaving the others waiting for it.
     zero = ranks.is_global_zero
     together(ranks, storage, lambda: storage.begin_sharded(path) if zero else None, path, "prepare")
+    if background is not None:
+        _save_in_background(background, storage, meta if zero else None, shard if writes else None, path, shard_rank,
+                            shards)
+        return
     together(ranks, storage, lambda: storage.save_shard(shard, path, shard_rank, shards) if writes else None, path,
              "write")
     together(ranks, storage, lambda: storage.commit_sharded(meta, path, shards) if zero else None, path, "complete")
+
+
+def _save_in_background(
+    background: InBackground, storage: ShardedStorage, meta: Optional[dict[str, Any]],
+    shard: Optional[dict[str, Any]], path: Any, shard_rank: int, shards: int,
+) -> None:
+    """Phases 2 and 3 on the writer's thread, from copies taken here (see :func:`save_sharded`)."""
+    writer = background.writer
+    if shard is not None:
+        shard = snapshot(shard)
+        writer.submit(lambda: storage.save_shard_in_background(shard, path, shard_rank, shards))
+    if meta is not None:
+        meta = snapshot(meta)
+
+        def commit() -> None:
+            try:
+                storage.wait_for_shards(path, shards, background.timeout, writer.cancelled)
+                storage.commit_sharded(meta, path, shards)
+            except BaseException:
+                storage.abort_sharded(path)
+                raise
+
+        writer.submit(commit)
 
 
 def shard_writer(ranks: Ranks, root: FullyShardedDataParallel) -> tuple[int, int, bool]:
@@ -240,6 +295,38 @@ def load_sharded(
     meta.pop(FORMAT_KEY)
     report_partial_load(found[0])
     return meta, found[0]
+
+
+def load_trainer_checkpoint(
+    model: WrappedModel, ranks: Ranks, storage: ShardedStorage, path: Any, read_file: Callable[[], dict[str, Any]],
+    optimizers: Sequence[Optimizer], weights_only: Optional[bool], strict: bool, policy: OptimizerStatePolicy,
+    owner: str, version: str,
+) -> dict[str, Any]:
+    """The Trainer's ``load_checkpoint`` of a sharded model: a checkpoint (a sharded directory, or a full file that
+    ``read_file`` reads with the strategy's CheckpointIO plugin) loaded into ``model``'s shards and ``optimizers``
+    (those to restore: none outside ``fit``), gathering nothing; returns the rest of it (loops, callbacks, LR
+    schedulers) for Lightning to restore.
+
+    A Fabric checkpoint is read in the Trainer's layout (``version``: Lightning's, recorded in it; see
+    :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`), a Lightning 1.x one's optimizer states as
+    ``policy`` says (``owner`` names the strategy in the messages). ``strict`` is ``LightningModule.strict_loading``.
+    """
+    if is_sharded_checkpoint(storage, path):
+
+        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
+            if not optimizers or not restores_optimizer_states(saved, len(optimizers), rank_zero_warn):
+                return []
+            return list(enumerate(optimizers))
+
+        meta, _ = load_sharded(ranks, storage, path, model, restored, weights_only, strict, RELAX_TRAINER)
+        return meta if is_trainer_layout(meta) else to_trainer_layout(meta, version, model_keys=None)
+    checkpoint = read_file()
+    if not is_trainer_layout(checkpoint):
+        checkpoint = to_trainer_layout(checkpoint, version, model.state_dict_keys())
+    states = model.resumable_states(checkpoint, optimizers, policy, owner)
+    load_full(model, checkpoint.pop("state_dict"), strict, list(zip(optimizers, states)), RELAX_TRAINER)
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint
 
 
 def _check_no_optimizer_state(saved: dict[str, Any], path: Any) -> None:

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
 from lightning_fairscale.fsdp.saving import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision.settings import unsupported
-from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
+from lightning_fairscale.lightning.plugins.checkpoint_io import save_full, sharded_storage
 
 __all__ = [
     "FabricCheckpoints",
@@ -119,7 +119,7 @@ class FabricCheckpoints:
             assert model is not None
             sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
         elif self.is_global_zero:
-            self.io.save_checkpoint(converted, path, storage_options=storage_options)
+            save_full(self.io, converted, path, storage_options)  # in the background where the plugin saves there
 
     def load(
         self,

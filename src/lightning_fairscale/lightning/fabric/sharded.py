@@ -38,7 +38,8 @@ from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.lightning.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io
+from lightning_fairscale.distributed.collectives import all_agree
+from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, settle_background
 
 if TYPE_CHECKING:
     from lightning_fairscale.distributed.torch_private import TorchLRScheduler
@@ -225,7 +226,9 @@ class DDPShardedStrategy(DDPStrategy):
         OSS optimizer keeping its shard of the state; returns what the state did not ask for.
 
         ``fabric.load_raw(path, model)`` reads a plain state dict file or the model's entry of a checkpoint. With
-        ``strict=False`` the entries of ``state`` that the checkpoint lacks are left as they are."""
+        ``strict=False`` the entries of ``state`` that the checkpoint lacks are left as they are. A checkpoint still
+        being written in the background is written first."""
+        settle_background(self.checkpoint_io, all_agree)
         return self._checkpoints().load(path, state, strict, weights_only)
 
     def _checkpoints(self) -> FabricCheckpoints:

@@ -22,20 +22,31 @@ replaces whichever kind:
   or it is missing and ``.<name>.replaced`` is the last complete one: :meth:`ShardedStorage.recover` (and so
   loading) finds it there. :mod:`lightning_fairscale.checkpoint.files` has the protocol step by step.
 
+**In the background** (``ShardedCheckpointIO(async_save=True)``, or Lightning's ``AsyncCheckpointIO`` around a
+``ShardedCheckpointIO``): the state is copied on the training thread and the files are written on a thread of the
+plugin's (:mod:`lightning_fairscale.checkpoint.background`), with the same protocol, so a process that dies during a
+background write keeps the previous checkpoint; removals (``ModelCheckpoint``'s top-k) wait for the writes queued
+before them, and loading waits for every pending write.
+
 Remote paths (``s3://`` ...) go through fsspec as in Lightning's ``TorchCheckpointIO``, without these guarantees.
 """
 
 from __future__ import annotations
 
+import warnings
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning_fairscale.lightning._compat import _PATH, checkpoint_io_slot, set_checkpoint_io_slot
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, snapshot
 from lightning_fairscale.checkpoint.files import (
     META_FILE,
     CheckpointFileError,
@@ -47,6 +58,7 @@ from lightning_fairscale.checkpoint.files import (
     shard_file_name,
     write_atomically,
 )
+from lightning_fairscale.fsdp.saving import InBackground
 
 # The file-level names are re-exported here, where they were first defined.
 __all__ = [
@@ -54,7 +66,13 @@ __all__ = [
     "CheckpointFileError",
     "ShardedCheckpointIO",
     "ShardedStorage",
+    "background_io",
+    "background_writer",
     "default_checkpoint_io",
+    "finish_background",
+    "in_background",
+    "save_full",
+    "settle_background",
     "shard_file_name",
     "sharded_storage",
 ]
@@ -71,6 +89,14 @@ class ShardedCheckpointIO(TorchCheckpointIO):
     sharded-checkpoint methods are called by the strategy on every rank, between the strategy's collectives; the
     ``save_checkpoint``/``load_checkpoint``/``remove_checkpoint`` methods are Lightning's CheckpointIO interface.
 
+    Args:
+        async_save: write checkpoints in the background: a save copies the state and returns, a thread of the
+            plugin writes the files (atomically, as always), removals and loads wait for the writes before them,
+            and ``teardown`` (the end of a Trainer's stage, of Fabric's strategy) waits for all of them. Lightning's
+            ``AsyncCheckpointIO(ShardedCheckpointIO())`` does the same under the package's strategies. A
+            background failure is raised by the next save, load or teardown (on every rank, under
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`).
+
     Example:
         >>> import tempfile, torch
         >>> io = ShardedCheckpointIO()
@@ -80,22 +106,39 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         tensor([1., 1.])
     """
 
+    def __init__(self, async_save: bool = False) -> None:
+        super().__init__()
+        #: Whether ``save_checkpoint`` writes in the background.
+        self.async_save = async_save
+        self._writer: Optional[BackgroundWriter] = None
+
     # --------------------------------------------------------------------------------------------------------------
     # Lightning's CheckpointIO interface
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write a full checkpoint to the file ``path`` atomically (rank 0 calls this)."""
+        """Write a full checkpoint to the file ``path`` atomically (rank 0 calls this); with ``async_save``, in the
+        background (:meth:`save_in_background`)."""
         if storage_options is not None or not _is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if self.async_save:
+            return self.save_in_background(checkpoint, path)
         write_atomically(checkpoint, Path(path))
         return None
+
+    def save_in_background(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Copy ``checkpoint``'s tensors now and write the copy to the local file ``path`` on the plugin's thread,
+        atomically, after the writes queued before it. Raises the error of an earlier background write, if any."""
+        self._raise_background_error()
+        copy = snapshot(checkpoint)
+        self.writer.submit(lambda: write_atomically(copy, Path(path)))
 
     @override
     def load_checkpoint(
         self, path: _PATH, map_location: MapLocation = lambda storage, loc: storage, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
         """Read a full checkpoint file, or the metadata of a sharded checkpoint directory (no shards)."""
+        self.wait()  # a checkpoint being written in the background is read once it is in place
         if not _is_local(path):
             # Lightning annotates `map_location` as a callable only; it hands it to `torch.load`, which takes them all.
             return super().load_checkpoint(
@@ -117,9 +160,50 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         """
         if not _is_local(path):
             return super().remove_checkpoint(path)
-        remove_path(Path(path))
-        remove_path(hidden_path(Path(path), "replaced"))
+        if self._writer is not None:  # after the writes queued before it (a newer checkpoint is in place first)
+            self._writer.submit(lambda: self._remove(Path(path)))
+            return None
+        self._remove(Path(path))
         return None
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        remove_path(path)
+        remove_path(hidden_path(path, "replaced"))
+
+    @override
+    def teardown(self) -> None:
+        """Wait for the background writes, then end the plugin's thread; raises a background write's error."""
+        if self._writer is not None:
+            cancelled = self._writer.cancelled.is_set()
+            error = self._writer.close()
+            if error is not None and cancelled:  # the run failed: its own error is the one to see
+                warnings.warn(f"A checkpoint being written in the background was not completed: {error}", stacklevel=2)
+            elif error is not None:
+                raise error
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Background writes
+
+    @property
+    def writer(self) -> BackgroundWriter:
+        """The plugin's background thread, on which it writes and removes checkpoints in order (made when first
+        used; the strategies use it for the shards of sharded checkpoints too)."""
+        if self._writer is None:
+            self._writer = BackgroundWriter()
+        return self._writer
+
+    def wait(self) -> None:
+        """Wait until every background write and removal is done; raises the error of one that failed."""
+        if self._writer is not None:
+            error = self._writer.wait()
+            if error is not None:
+                raise error
+
+    def _raise_background_error(self) -> None:
+        error = None if self._writer is None else self._writer.take_error()
+        if error is not None:
+            raise error
 
     # --------------------------------------------------------------------------------------------------------------
     # Sharded checkpoints
@@ -137,9 +221,7 @@ def sharded_storage(io: Any, saving: bool = True) -> ShardedStorage:
     Only a ``ShardedCheckpointIO`` writes sharded checkpoint directories: for another plugin, a save
     (``DDPFullyShardedStrategy(state_dict_type="sharded")``) raises; loading reads them from the local file system.
     """
-    plugin = io
-    while not isinstance(plugin, ShardedCheckpointIO) and getattr(plugin, "checkpoint_io", None) not in (None, plugin):
-        plugin = plugin.checkpoint_io  # a wrapping plugin (Lightning's `_WrappingCheckpointIO`): the one it wraps
+    plugin = _unwrapped(io)  # a wrapping plugin (Lightning's `_WrappingCheckpointIO`): the one it wraps
     if isinstance(plugin, ShardedCheckpointIO):
         return plugin.sharded_storage()
     if not saving:
@@ -152,9 +234,86 @@ def sharded_storage(io: Any, saving: bool = True) -> ShardedStorage:
     )
 
 
+def _unwrapped(io: Any) -> Any:
+    """The plugin that ``io`` wraps (through Lightning's wrapping plugins), or ``io``."""
+    plugin = io
+    while not isinstance(plugin, ShardedCheckpointIO) and getattr(plugin, "checkpoint_io", None) not in (None, plugin):
+        plugin = plugin.checkpoint_io
+    return plugin
+
+
+def background_io(io: Any) -> Optional[ShardedCheckpointIO]:
+    """The :class:`ShardedCheckpointIO` that writes a strategy's checkpoints in the background, if any: the plugin
+    ``io`` itself with ``async_save=True``, or the one inside Lightning's ``AsyncCheckpointIO``.
+
+    The strategies then write through it (full checkpoints with :func:`save_full`, the shards of sharded ones on its
+    :attr:`~ShardedCheckpointIO.writer`), so that writes and removals share one thread and one order; Lightning's
+    ``AsyncCheckpointIO``'s own thread is not used.
+    """
+    plugin = _unwrapped(io)
+    if not isinstance(plugin, ShardedCheckpointIO):
+        return None
+    wrapped_async = False
+    wrapper = io
+    while wrapper is not plugin:
+        wrapped_async = wrapped_async or isinstance(wrapper, AsyncCheckpointIO)
+        wrapper = wrapper.checkpoint_io
+    return plugin if plugin.async_save or wrapped_async else None
+
+
+def save_full(io: Any, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    """Rank 0: write a full checkpoint with the strategy's plugin ``io``; in the background when it saves there
+    (see :func:`background_io`)."""
+    background = background_io(io)
+    if background is not None and storage_options is None and _is_local(path):
+        background.save_in_background(checkpoint, path)
+    else:
+        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+
+def background_writer(io: Any) -> Optional[BackgroundWriter]:
+    """The thread on which the plugin ``io`` writes in the background (see :func:`background_io`), if it does."""
+    background = background_io(io)
+    return None if background is None else background.writer
+
+
+def settle_background(io: Any, agree: Callable[[bool], bool], wait: bool = True) -> None:
+    """Before a save (``wait=False``: the writes that failed so far) or a load (``wait=True``: every write done), with
+    a plugin ``io`` that writes in the background: every rank together, its background writes succeeded everywhere
+    (see :func:`~lightning_fairscale.checkpoint.background.settle`; ``agree`` is the strategy's agreement of all
+    ranks, a collective). Nothing, and no collective, for a plugin that writes as it is called."""
+    writer = background_writer(io)
+    if writer is not None:
+        settle(writer, agree, wait=wait)
+
+
+def in_background(io: Any, timeout: Optional[timedelta]) -> Optional[InBackground]:
+    """How a sharded save runs in the background with the plugin ``io`` (``None``: as it is called): on its thread,
+    rank 0 waiting for the other ranks' shards at most ``timeout`` (the strategy's collective timeout)."""
+    writer = background_writer(io)
+    if writer is None:
+        return None
+    return InBackground(writer, (timeout or default_pg_timeout).total_seconds())
+
+
+def finish_background(io: Any, failed: bool = False) -> None:
+    """At a strategy's teardown: wait for the background writes of a :class:`ShardedCheckpointIO` inside Lightning's
+    ``AsyncCheckpointIO`` (whose ``teardown`` does not reach it; the plugin's own ``teardown`` waits otherwise).
+    After a ``failed`` run, rank 0 stops waiting for the shards of other processes, which may be gone."""
+    background = background_io(io)
+    if background is None:
+        return
+    if failed:
+        background.writer.cancel()
+    if background is not io:
+        background.teardown()
+
+
 def default_checkpoint_io(base: Any) -> Any:
     """The ``checkpoint_io`` property of a strategy whose Lightning class is ``base``: the CheckpointIO plugin the
     strategy was given, else a :class:`ShardedCheckpointIO` where Lightning would make its ``TorchCheckpointIO``.
+
+    Lightning's ``AsyncCheckpointIO()`` given without a plugin inside gets a :class:`ShardedCheckpointIO` there.
 
     In a strategy's class body: ``checkpoint_io = default_checkpoint_io(DDPStrategy)``. Lightning's own property
     (``base.checkpoint_io``) still returns the plugin, so that what it does besides (the Trainer's completes a
@@ -163,8 +322,11 @@ def default_checkpoint_io(base: Any) -> Any:
     inherited = base.checkpoint_io  # Lightning's property
 
     def get(strategy: Any) -> Any:
-        if checkpoint_io_slot(strategy) is None:
+        plugin = checkpoint_io_slot(strategy)
+        if plugin is None:
             set_checkpoint_io_slot(strategy, ShardedCheckpointIO())
+        elif isinstance(plugin, AsyncCheckpointIO) and plugin.checkpoint_io is None:
+            plugin.checkpoint_io = ShardedCheckpointIO()  # `AsyncCheckpointIO()` alone: around ours, not Torch's
         return inherited.fget(strategy)
 
     def set_(strategy: Any, io: Optional[Any]) -> None:

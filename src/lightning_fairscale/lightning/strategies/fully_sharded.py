@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -36,10 +37,6 @@ from lightning_fairscale.lightning._compat import (
     take_trainer_compile,
 )
 from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
-from lightning_fairscale.checkpoint.checks import (
-    RELAX_TRAINER,
-    restores_optimizer_states,
-)
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -51,10 +48,17 @@ from lightning_fairscale.fsdp.hybrid import ProcessGroups
 from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.fsdp.saving import Ranks, is_sharded_checkpoint
+from lightning_fairscale.fsdp.saving import Ranks
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.unwrapping import wrapped_root
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, sharded_storage
+from lightning_fairscale.lightning.plugins.checkpoint_io import (
+    in_background,
+    settle_background,
+    default_checkpoint_io,
+    finish_background,
+    save_full,
+    sharded_storage,
+)
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
@@ -129,6 +133,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._groups = ProcessGroups()
         #: The sharded model (the engine's object), while the module is wrapped.
         self._sharded: Optional[fsdp_engine.WrappedModel] = None
+        #: Whether the stage failed: teardown then waits for no other rank's background writes.
+        self._failed = False
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration (an option's property comes with `strategy_options`)
@@ -285,7 +291,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         return True
 
     def _saves_sharded(self) -> bool:
-        return self.config.state_dict_type == "sharded" and self._is_wrapped()
+        return self.config.state_dict_type == "sharded" and self._sharded is not None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -308,24 +314,29 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
-        checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`)."""
+        checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`); with a
+        plugin that saves in the background, on its thread, from a copy (earlier background writes agreed first)."""
+        ranks, io = Ranks(self.global_rank), self.checkpoint_io
         if not self._saves_sharded():
             if self.config.state_dict_type == "sharded" and self.lightning_module is not None:
                 rank_zero_warn(
                     f"The model is not sharded (`unshard_module()` gave it its full parameters back), so {filepath} is"
                     " written as a full checkpoint file.",
                 )
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            settle_background(io, ranks.agree, wait=False)
+            if self.is_global_zero:
+                save_full(io, checkpoint, filepath, storage_options)
+            return None
         assert self._sharded is not None
-        storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
-        self._sharded.save_sharded(ranks, storage, checkpoint, filepath, self._plain_optimizers())
+        background, optimizers = in_background(io, collective_timeout(self)), self._plain_optimizers()
+        self._sharded.save_sharded(ranks, sharded_storage(io), checkpoint, filepath, optimizers, background=background)
         return None
 
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
         # `load_checkpoint` loads the optimizer states itself, into this rank's shards.
-        return not self._is_wrapped()
+        return self._sharded is None
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -340,37 +351,23 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
         A Fabric checkpoint (``fabric.save``, full or sharded) is read in the Trainer's layout (see
         :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`): its model, optimizers and LR schedulers
-        resume; the file is not changed.
+        resume; the file is not changed. Checkpoints still being written in the background are written first.
         """
-        if not self._is_wrapped():
+        settle_background(self.checkpoint_io, Ranks(self.global_rank).agree)
+        if self._sharded is None:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             if is_trainer_layout(checkpoint):
                 return checkpoint
             assert self.lightning_module is not None
             return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
-        sharded = self._sharded
-        assert sharded is not None and self.lightning_module is not None
+        assert self._sharded is not None and self.lightning_module is not None
         optimizers = self._plain_optimizers() if self._restores_optimizers() else []
-        strict = self.lightning_module.strict_loading
-        storage = sharded_storage(self.checkpoint_io, saving=False)
-        if is_sharded_checkpoint(storage, checkpoint_path):
-
-            def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
-                if not optimizers or not restores_optimizer_states(saved, len(optimizers), rank_zero_warn):
-                    return []
-                return list(enumerate(optimizers))
-
-            ranks, path = Ranks(self.global_rank), checkpoint_path
-            meta, _ = sharded.load_sharded(ranks, storage, path, restored, weights_only, strict, RELAX_TRAINER)
-            return meta if is_trainer_layout(meta) else to_trainer_layout(meta, pl.__version__, model_keys=None)
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if not is_trainer_layout(checkpoint):
-            checkpoint = to_trainer_layout(checkpoint, pl.__version__, sharded.state_dict_keys())
-        policy = self.config.lightning_1x_optimizer_state
-        states = sharded.resumable_states(checkpoint, optimizers, policy, type(self).__name__)
-        sharded.load_full(checkpoint.pop("state_dict"), strict, list(zip(optimizers, states)), RELAX_TRAINER)
-        checkpoint.pop("optimizer_states", None)
-        return checkpoint
+        read_file = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        storage, policy = sharded_storage(self.checkpoint_io, saving=False), self.config.lightning_1x_optimizer_state
+        return self._sharded.load_trainer_checkpoint(
+            Ranks(self.global_rank), storage, checkpoint_path, read_file, optimizers, weights_only,
+            self.lightning_module.strict_loading, policy, type(self).__name__, pl.__version__,
+        )
 
     def _restores_optimizers(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -378,17 +375,18 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._is_wrapped():  # `load_checkpoint` has loaded the sharded model
+        if self._sharded is None:  # `load_checkpoint` has loaded the sharded model
             super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._is_wrapped():  # `load_checkpoint` has loaded the optimizers' shards
+        if self._sharded is None:  # `load_checkpoint` has loaded the optimizers' shards
             super().load_optimizer_state_dict(checkpoint)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Another rank may be gone: name it, rather than leave the user with gloo's "connection closed".
+        # Another rank may be gone: teardown must not wait for its shards, and its loss is named.
+        self._failed = True
         report_collective_failure(exception, collective_timeout(self), self.launcher)
         super().on_exception(exception)
 
@@ -403,11 +401,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
         parameter shards that moving them would break. A module still on the meta device (the stage failed before
         wrapping it) is not moved either: it has no data to move. The process groups go with the sharded module
         (see :mod:`lightning_fairscale.fsdp.hybrid`): destroyed here when no module is kept sharded over them.
+        Checkpoints written in the background are in place when it returns (after a failed stage, those that can
+        still complete).
         """
+        finish_background(self.checkpoint_io, self._failed)
+        self._failed = False
         if release_groups(self._groups.sharding(), [self.model]):
             self._groups = ProcessGroups()
         restore_model_summaries(attached_trainer(self.lightning_module) if self.lightning_module else None)
-        if not self._is_wrapped() and not (self.model is not None and has_meta_tensors(self.model)):
+        if self._sharded is None and not (self.model is not None and has_meta_tensors(self.model)):
             super().teardown()
             return
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -442,8 +444,3 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.optimizers = []
         self.lr_scheduler_configs = []
         return module
-
-    def _is_wrapped(self) -> bool:
-        return self._sharded is not None
-
-

@@ -64,7 +64,13 @@ from lightning_fairscale.sharded_ddp.engine import (
     wrap_model,
 )
 from lightning_fairscale.lightning.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io
+from lightning_fairscale.distributed.collectives import all_agree
+from lightning_fairscale.lightning.plugins.checkpoint_io import (
+    settle_background,
+    default_checkpoint_io,
+    finish_background,
+    save_full,
+)
 from lightning_fairscale.lightning.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
@@ -272,7 +278,8 @@ class DDPShardedStrategy(DDPStrategy):
         end_of_fit = self.launcher.end_of_fit if isinstance(self.launcher, _SpawnLauncher) else None
         if end_of_fit is not None:
             checkpoint = end_of_fit.complete(checkpoint, type(self).__name__)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:  # in the background where the plugin saves there
+            save_full(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     @override
     def setup_environment(self) -> None:
@@ -284,7 +291,9 @@ class DDPShardedStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The checkpoint, a Fabric checkpoint (``fabric.save``) read in the Trainer's layout (see
-        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`); the file is not changed."""
+        :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`); the file is not changed. A checkpoint
+        still being written in the background is written first."""
+        settle_background(self.checkpoint_io, all_agree)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if is_trainer_layout(checkpoint):
             return checkpoint
@@ -321,6 +330,7 @@ class DDPShardedStrategy(DDPStrategy):
         if isinstance(self.model, ShardedDataParallel):
             self.model = self.lightning_module
         super().teardown()
+        finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place
         _optimizers_to_device(self._local_optimizers(), torch.device("cpu"))
 
 
