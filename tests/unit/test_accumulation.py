@@ -10,6 +10,7 @@ must hold the full gradient in the first mode and only its shard in the second.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.config import FullyShardedConfig, check_settings
 from lightning_fairscale.fsdp.units import fsdp_instances
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 from lightning_fairscale.sharded_ddp import engine as sharded_engine
@@ -179,3 +181,15 @@ def test_sharded_ddp_holds_every_gradient_under_no_sync_and_its_own_when_syncing
         assert rank["sharded", "each"]["held"] == [owned] * (STEPS * (MICRO_BATCHES - 1))
     # With buckets, a bucketed gradient's slot stays allocated (FairScale reduces the bucket whole) on every rank.
     assert all(held == NUMEL for rank in ranks for held in rank["sharded-buckets", "each"]["held"])
+
+
+def test_sync_each_batch_is_a_bool_and_refused_with_gradients_offloaded_on_cuda() -> None:
+    with pytest.raises(TypeError, match="`sync_each_batch` must be True"):
+        FullyShardedConfig(sync_each_batch="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`sync_each_batch` must be True"):
+        ShardedDDPConfig(sync_each_batch=1)  # type: ignore[arg-type]
+    for offload in ({"cpu_offload": True}, {"move_grads_to_cpu": True}):
+        config = FullyShardedConfig(sync_each_batch=True, **offload)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="cannot be combined with `cpu_offload` or `move_grads_to_cpu`"):
+            check_settings(config, torch.device("cuda"), "32-true")
+        check_settings(dataclasses.replace(config, sync_each_batch=False), torch.device("cuda"), "32-true")
