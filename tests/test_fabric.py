@@ -127,6 +127,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
                                      async_save=True),
         "sharded-async": FabricScenario(**LOOP, strategy="sharded", steps=4, save_at=2, async_save=True,
                                         save_dir=str(folder / "ck-async-sharded")),
+        **{f"accumulate-{strategy}-{mode}": FabricScenario(
+            strategy=strategy, policy="blocks", optimizer="sgd", accumulate=4, samples=32, steps=2,
+            sync_each_batch=mode == "each") for strategy in ("fsdp", "sharded") for mode in ("no_sync", "each")},
     }  # fmt: skip
     jobs["true-bf16"] = jobs["true-bf16"].replace(save_dir=str(folder / "ck-bf16"), resume_setup=("after", "separate"))
     # Last, as it ends the launch: rank 0 dies halfway through writing the second last.ckpt.
@@ -134,6 +137,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
                                   save_dir=str(folder / "ck-killed"), kill=Kill(2, rank=0))
     failing = [name for name in jobs if name.startswith("partial-strict")]
     return run_jobs(folder, jobs, failing=failing, script=FABRIC_SCRIPT, killed=KILLED)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
+def test_accumulation_in_both_modes_equals_unsharded_and_each_batch_holds_the_shard(runs: Jobs, strategy: str) -> None:
+    expected = reference_training(2, "sgd", accumulate=4, num_samples=32)
+    no_sync, each = runs[f"accumulate-{strategy}-no_sync"], runs[f"accumulate-{strategy}-each"]
+    for result in (no_sync, each):
+        assert max_difference(result["final"], expected) < ATOL
+    # Between micro-batches (3 per step, 2 steps): the full gradient under no_backward_sync; with
+    # `sync_each_batch=True` it skips nothing and a rank holds its shard (FSDP's, padded) or its owned gradients.
+    full = no_sync["held_gradients"][0]
+    assert no_sync["held_gradients"] == [full] * 6
+    assert len(set(each["held_gradients"])) == 1
+    held = each["held_gradients"][0]
+    assert full / 2 <= held <= full / 2 + 8 if strategy == "fsdp" else 0 < held < full
 
 
 @pytest.fixture(scope="module")

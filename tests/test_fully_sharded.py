@@ -55,6 +55,10 @@ CLIP_AND_ACCUMULATE = {  # name -> (the scenario's fields, reference_training's)
     "clip-value": ({"clip": (0.002, "value")}, {"clip": (0.002, "value")}),
     "accumulate-2": ({"accumulate": 2, "samples": 32}, {"accumulate": 2, "num_samples": 32}),
     "accumulate-4": ({"accumulate": 4, "samples": 32}, {"accumulate": 4, "num_samples": 32}),
+    # Every micro-batch reduce-scatters, FairScale adds each shard to the one held (`sync_each_batch=True`).
+    "accumulate-4-each": (
+        {"accumulate": 4, "samples": 32, "sync_each_batch": True}, {"accumulate": 4, "num_samples": 32}
+    ),
     # The CPU overlap's other backward modes and SHARD_GRAD_OP's units (which keep their full parameters), with
     # accumulation (no reduce-scatter in `no_sync`) and clipping
     **{
@@ -221,11 +225,26 @@ def test_param_groups_work_without_flattening(runs: Jobs) -> None:
 def test_clipping_and_accumulation_equal_unsharded_training(runs: Jobs, name: str) -> None:
     result, reference = runs[f"clip-accumulate-{name}"], CLIP_AND_ACCUMULATE[name][1]
     accumulate = reference.get("accumulate", 1)
-    # Only the micro-batch that steps reduce-scatters gradients; the others run inside FSDP's `no_sync`.
-    assert result["grad_sync"] == ([False] * (accumulate - 1) + [True]) * 3
+    # Only the micro-batch that steps reduce-scatters gradients; the others run inside FSDP's `no_sync`, unless
+    # `sync_each_batch=True`.
+    each = CLIP_AND_ACCUMULATE[name][0].get("sync_each_batch", False)
+    assert result["grad_sync"] == ([each] * (accumulate - 1) + [True]) * 3
     expected = reference_training(3, "sgd", **reference)
     assert max_difference(result["state_dict"], expected) < ATOL
     assert max_difference(expected, reference_training(3, "sgd")) > 100 * ATOL  # the feature changed the result
+
+
+def test_between_micro_batches_a_rank_holds_its_full_gradient_under_no_sync_and_its_shard_with_sync_each_batch(
+    runs: Jobs,
+) -> None:
+    no_sync, each = runs["clip-accumulate-accumulate-4"], runs["clip-accumulate-accumulate-4-each"]
+    full = no_sync["held_gradients"][0]
+    # After the 1st to 3rd micro-batch of each step: the whole flat gradient of every unit under no_sync; about
+    # half of it (this rank's shards, padded) when each micro-batch reduce-scatters. After the 4th: the shards.
+    assert no_sync["held_gradients"][:3] == [full] * 3 and full > 0
+    assert len(set(each["held_gradients"])) == 1
+    assert full / 2 <= each["held_gradients"][0] <= full / 2 + 8
+    assert no_sync["held_gradients"][3] == each["held_gradients"][3]
 
 
 @pytest.mark.parametrize("name", MIXED)

@@ -123,7 +123,7 @@ def test_lr_scheduler_follows_the_sharded_optimizer(two_processes: Any) -> None:
     assert two_processes[0]["adam-groups-scheduler"]["scheduler_warnings"] == []
 
 
-@pytest.mark.parametrize("name", ["clip-norm", "clip-value", "accumulate"])
+@pytest.mark.parametrize("name", ["clip-norm", "clip-value", "accumulate", "accumulate-4-each"])
 def test_clipping_and_accumulation_equal_unsharded_training(two_processes: Any, name: str) -> None:
     result = two_processes[0][name]
     assert max_difference(result["state_dict"], reference(name)) < ATOL

@@ -146,6 +146,7 @@ class Scenario(Config):
     backward_prefetch: str = ""  # "" (the strategy's default), "BACKWARD_PRE", "BACKWARD_POST" or "none" (None)
     compute_dtype: Optional[str] = None  # "float16" or "bfloat16"
     move_grads_to_cpu: Optional[bool] = None
+    sync_each_batch: bool = False  # reduce-scatter after every micro-batch instead of no_sync
 
     # --- stages, checkpoints and records
     ckpt_path: Optional[str] = None  # fit(ckpt_path=...)
@@ -203,6 +204,7 @@ class FabricScenario(Config):
     optimizer: str = "adam"
     params: str = "self"  # or "split": split_param_groups
     accumulate: int = 1
+    sync_each_batch: bool = False  # the "fsdp"/"sharded" instance's: no_backward_sync then skips nothing
     clip_norm: Optional[float] = None
     clip_val: Optional[float] = None
 

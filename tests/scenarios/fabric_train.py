@@ -36,6 +36,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_fairscale.distributed import collectives  # noqa: E402
+from lightning_fairscale.fsdp.units import fsdp_instances  # noqa: E402
 from scenarios.common import (  # noqa: E402
     GLOBAL_BATCH,
     Block,
@@ -67,11 +68,12 @@ def make_strategy(config: FabricScenario) -> Any:
             activation_checkpointing=Block if config.checkpointing else None,
             **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
             **io,
+            sync_each_batch=config.sync_each_batch,
         )
     if config.strategy == "sharded":
         from scenarios.flavor import FabricDDPShardedStrategy
 
-        return FabricDDPShardedStrategy(**io)
+        return FabricDDPShardedStrategy(**io, sync_each_batch=config.sync_each_batch)
     return config.strategy  # a registry name
 
 
@@ -108,6 +110,15 @@ def set_up(fabric: Any, how: str, config: FabricScenario, partial: bool = False)
     return model, fabric.setup_optimizers(make_optimizer(optimizer_name, model.parameters()))
 
 
+def held_gradients(model: Any) -> int:
+    """Elements of gradient the model holds between micro-batches: FSDP's flat parameters' (full under
+    ``no_sync``, shards otherwise), else the parameters' own (sharded DDP: its owners' only, once reduced)."""
+    units = list(fsdp_instances(model))
+    if units:
+        return sum(p.grad.numel() for unit in units for p in unit.params if p.grad is not None)
+    return sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+
+
 def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first: int, last: int,
           save: Optional[Any] = None, record: Optional[dict[str, Any]] = None) -> list[float]:
     """Optimizer steps ``first`` (0-based) to ``last`` (excluded) on the global batches ``reference_training`` uses;
@@ -123,6 +134,8 @@ def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first
             with fabric.no_backward_sync(model, enabled=micro < config.accumulate - 1):
                 loss = nn.functional.mse_loss(model(x), y) / config.accumulate
                 fabric.backward(loss)
+            if record is not None and micro < config.accumulate - 1:
+                record.setdefault("held_gradients", []).append(held_gradients(model))
         if record is not None:
             record.setdefault("losses", []).append(float(loss) * config.accumulate)  # the last micro-batch's
             record["gradients"] = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}

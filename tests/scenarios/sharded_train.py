@@ -49,6 +49,8 @@ CASES: dict[str, dict[str, Any]] = {
     "clip-norm": {"optimizer": "sgd", "clip": (0.05, "norm")},  # the clip value bites
     "clip-value": {"optimizer": "sgd", "clip": (0.002, "value")},
     "accumulate": {"optimizer": "sgd", "accumulate": 2, "samples": 32},
+    # Every micro-batch reduces to the owners, who set their reduced gradients aside during each backward.
+    "accumulate-4-each": {"optimizer": "sgd", "accumulate": 4, "samples": 32, "strategy": {"sync_each_batch": True}},
     "buckets": {"optimizer": "adam", "strategy": {"reduce_buffer_size": 1000}},  # small gradients share buckets
     "bf16": {"optimizer": "sgd", "precision": "bf16-mixed"},
     "fp16": {"optimizer": "sgd", "plugin": "16-mixed"},  # the sharded grad scaler, on CPU

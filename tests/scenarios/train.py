@@ -34,6 +34,7 @@ from torch.distributed.fsdp.wrap import (  # noqa: E402
 )
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from lightning_fairscale.fsdp.units import fsdp_instances  # noqa: E402
 import scenarios.jobs  # noqa: E402
 from scenarios.config import Scenario  # noqa: E402
 from scenarios.common import (  # noqa: E402
@@ -237,6 +238,7 @@ class RecordTraining(Callback):
         self.compute: set[tuple[str, str]] = set()
         self.block_linear_calls = 0
         self.grad_sync: list[bool] = []
+        self.held_gradients: list[int] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         def probe(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
@@ -257,6 +259,9 @@ class RecordTraining(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
+        # After every micro-batch: the elements of gradient FSDP holds (full under no_sync, shards otherwise).
+        units = list(fsdp_instances(trainer.strategy.model))
+        self.held_gradients.append(sum(p.grad.numel() for u in units for p in u.params if p.grad is not None))
         # After the optimizer step: what the shards, their gradients and the optimizer state are held in.
         params = list(trainer.strategy.model.parameters())
         self.dtypes = {
@@ -387,6 +392,7 @@ def main(config: Scenario, out: str) -> None:
         lightning_1x_optimizer_state=config.lightning_1x_optimizer_state,
         compute_dtype=getattr(torch, config.compute_dtype) if config.compute_dtype else None,
         move_grads_to_cpu=config.move_grads_to_cpu,
+        sync_each_batch=config.sync_each_batch,
         **({"timeout": timedelta(seconds=config.timeout)} if config.timeout else {}),
         **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
         **({"device_mesh": tuple(config.device_mesh)} if config.device_mesh else {}),
@@ -492,6 +498,7 @@ def main(config: Scenario, out: str) -> None:
         "compute": sorted(training.compute),
         "block_linear_calls": training.block_linear_calls,
         "grad_sync": training.grad_sync,
+        "held_gradients": training.held_gradients,
         "dtypes": getattr(training, "dtypes", {}),
         "created": getattr(model, "created", None),
         "summaries": summaries.summaries,

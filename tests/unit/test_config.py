@@ -305,7 +305,7 @@ def test_sharded_ddp_wraps_with_the_configs_arguments(process_group: dist.Proces
 
 
 def test_sharded_ddp_config_and_what_follows_from_it() -> None:
-    assert ShardedDDPConfig() == ShardedDDPConfig(False, "error", {}, "DDPShardedStrategy")
+    assert ShardedDDPConfig() == ShardedDDPConfig(False, "error", False, {}, "DDPShardedStrategy")
     assert [reduce_buffer_size(ShardedDDPConfig(), nodes) for nodes in (1, 2)] == [0, 2**23]  # Lightning 1.x's
     explicit = ShardedDDPConfig(fairscale_kwargs={"reduce_buffer_size": 0, "broadcast_buffers": False})
     assert sharded_ddp_kwargs(explicit, num_nodes=2) == {"reduce_buffer_size": 0, "broadcast_buffers": False}

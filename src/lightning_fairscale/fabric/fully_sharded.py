@@ -85,7 +85,9 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
       ``meta`` device, and each unit materialises its part when it is sharded (``reset_parameters()`` or
       ``param_init_fn``), so that no rank ever holds the whole model.
     * ``fabric.clip_gradients``: by norm, the global norm of all shards (after unscaling fp16 gradients); by value.
-    * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters.
+    * ``fabric.no_backward_sync(model)``: gradient accumulation without reduce-scatters (each rank holds its full
+      gradient until the last micro-batch); with ``sync_each_batch=True`` it skips nothing: every micro-batch
+      reduce-scatters and a rank holds only its gradient shard.
     * ``fabric.save``/``fabric.load``: Fabric's checkpoints (``torch.load(path)["model"]`` is the model's full state
       dict; see :mod:`lightning_fairscale.checkpoint.fabric`), which the Trainer resumes from too, and the Trainer's:
       ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
@@ -133,6 +135,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         sharding_strategy: Any = "FULL_SHARD",
         device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
+        sync_each_batch: bool = False,
         **kwargs: Any,
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
@@ -143,7 +146,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         self._groups = ProcessGroups()
         #: The root units of the models set up, and the sharded model each optimizer was re-pointed to.
         self._set_up: SetUp[fsdp_engine.WrappedModel] = SetUp()
-        self._backward_sync_control = NoBackwardSync()
+        self._backward_sync_control = NoBackwardSync(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

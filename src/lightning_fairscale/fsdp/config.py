@@ -41,6 +41,7 @@ __all__ = [
     "FullyShardedConfig",
     "backward_prefetch_name",
     "check_settings",
+    "check_sync_each_batch",
     "fsdp_kwargs",
     "offload_params",
     "offloads_to_cpu",
@@ -156,6 +157,14 @@ class FullyShardedConfig:
             current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
             ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
             FairScale's streams overlap the collectives and this is not used.
+        sync_each_batch: how gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``,
+            Fabric's ``no_backward_sync``). ``False`` (default): FairScale's ``no_sync``, each rank keeps the full,
+            unsharded gradient of every unit until the last micro-batch, which reduce-scatters it once (least
+            traffic, but the memory of a full gradient per rank). ``True``: every micro-batch reduce-scatters, and
+            between micro-batches a rank holds only its gradient shard (what Lightning's own ``FSDPStrategy`` does
+            in the Trainer; Accelerate's ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's
+            ``no_backward_sync`` then skips nothing. Same result either way. On CUDA not with ``cpu_offload`` or
+            ``move_grads_to_cpu`` (FairScale cannot accumulate into gradient shards in CPU memory).
         fairscale_kwargs: keyword arguments passed to FairScale's ``FullyShardedDataParallel`` as they are (the
             strategies' ``**kwargs``).
         owner: the strategy's class name, which the error messages name.
@@ -188,6 +197,8 @@ class FullyShardedConfig:
     device_mesh: Optional[tuple[int, int]] = None
     #: When the backward on CPU gathers the next unit: ``"BACKWARD_POST"``, ``"BACKWARD_PRE"`` or ``None``.
     backward_prefetch: Optional[str] = "BACKWARD_POST"
+    #: Reduce-scatter after every micro-batch when accumulating, instead of FairScale's ``no_sync``.
+    sync_each_batch: bool = False
     #: Keyword arguments passed to FairScale's ``FullyShardedDataParallel`` as they are.
     fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The strategy's class name, which the error messages name.
@@ -224,6 +235,7 @@ class FullyShardedConfig:
         self._set("exclude_wrap_modules", _optional_classes(self.exclude_wrap_modules, "exclude_wrap_modules"))
         self._set("force_leaf_modules", _optional_classes(self.force_leaf_modules, "force_leaf_modules"))
         self._set("min_num_params", int(self.min_num_params))
+        self._set("sync_each_batch", check_sync_each_batch(self.sync_each_batch))
         self._set("fairscale_kwargs", dict(self.fairscale_kwargs))
 
     def _set(self, name: str, value: Any) -> None:
@@ -293,6 +305,21 @@ def backward_prefetch_name(value: Any) -> Optional[str]:
     )
 
 
+def check_sync_each_batch(value: Any) -> bool:
+    """``sync_each_batch`` as a bool; anything else is an error (a string such as ``"false"`` would be true).
+
+    Example:
+        >>> check_sync_each_batch(True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise TypeError(
+            "`sync_each_batch` must be True (reduce the gradients after every micro-batch: each rank holds only its"
+            f" gradient shard while accumulating) or False (accumulate unreduced, the default), got {value!r}."
+        )
+    return value
+
+
 def offloads_to_cpu(config: FullyShardedConfig, device: torch.device) -> bool:
     """Whether FairScale keeps the parameter shards in CPU memory: ``cpu_offload`` on a CUDA device (on the CPU they
     are there anyway)."""
@@ -327,6 +354,13 @@ def check_settings(config: FullyShardedConfig, device: torch.device, precision: 
             " unset."
         )
     if device.type == "cuda":
+        if config.sync_each_batch and (config.cpu_offload or config.move_grads_to_cpu):
+            raise ValueError(
+                "`DDPFullyShardedStrategy(sync_each_batch=True)` cannot be combined with `cpu_offload` or"
+                " `move_grads_to_cpu` on CUDA: FairScale 0.4.13 accumulates a micro-batch's reduced gradient shard"
+                " into the previous one on the GPU, and the shards kept in CPU memory would be lost or fail. Use the"
+                " default `sync_each_batch=False` (no_sync accumulation) with offloading."
+            )
         if config.backward_prefetch != FullyShardedConfig.backward_prefetch:
             rank_zero_warn(
                 f"`DDPFullyShardedStrategy(backward_prefetch={config.backward_prefetch})` has no effect on CUDA:"

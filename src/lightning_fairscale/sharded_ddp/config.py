@@ -56,6 +56,13 @@ class ShardedDDPConfig:
         lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
             ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
             :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
+        sync_each_batch: how gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``,
+            Fabric's ``no_backward_sync``). ``False`` (default): ``ShardedDataParallel.no_sync``, each rank keeps the
+            gradients of every parameter until the last micro-batch, which reduces them once. ``True``: every
+            micro-batch reduces each gradient to the rank that owns its parameter, and between micro-batches a rank
+            holds only the gradients of the parameters it owns (Accelerate's
+            ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's ``no_backward_sync`` then skips nothing.
+            Same result either way.
         fairscale_kwargs: keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are (the
             strategies' ``**kwargs``).
         owner: the strategy's class name, which the error messages name.
@@ -67,6 +74,8 @@ class ShardedDDPConfig:
     #: Only ``False``: ``ShardedDataParallel`` has no search for unused parameters.
     find_unused_parameters: bool = False
     lightning_1x_optimizer_state: OptimizerStatePolicy = "error"
+    #: Reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``.
+    sync_each_batch: bool = False
     #: Keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are.
     fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The strategy's class name, which the error messages name.
@@ -77,6 +86,12 @@ class ShardedDDPConfig:
             self, "lightning_1x_optimizer_state", validate_policy(self.lightning_1x_optimizer_state, self.owner)
         )
         validate_arguments(self.owner, self.find_unused_parameters, self.fairscale_kwargs)
+        if not isinstance(self.sync_each_batch, bool):  # a string such as "false" would be true
+            raise TypeError(
+                "`sync_each_batch` must be True (reduce the gradients after every micro-batch: each rank holds only"
+                " those of the parameters it owns while accumulating) or False (accumulate unreduced, the default),"
+                f" got {self.sync_each_batch!r}."
+            )
         object.__setattr__(self, "fairscale_kwargs", dict(self.fairscale_kwargs))
 
 

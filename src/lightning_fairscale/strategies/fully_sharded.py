@@ -122,6 +122,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         sharding_strategy: Any = "FULL_SHARD",
         device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
+        sync_each_batch: bool = False,
         **kwargs: Any,
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
@@ -277,8 +278,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduce-scatter on accumulation steps (FSDP's ``no_sync``)."""
-        if isinstance(self.model, _FairScaleFSDP):
+        """Skip the gradient reduce-scatter on accumulation steps (FSDP's ``no_sync``); with ``sync_each_batch``
+        skip nothing: every micro-batch reduce-scatters, and FairScale adds each reduced shard to the one held."""
+        if isinstance(self.model, _FairScaleFSDP) and not self.config.sync_each_batch:
             with self.model.no_sync():
                 yield
         else:

@@ -56,7 +56,8 @@ from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.engine import (
     full_state,
     load_full_state,
-    reattach_bucketed_gradients,
+    begin_backward,
+    end_backward,
     repoint_schedulers,
     shard_optimizer,
     sync_module_states,
@@ -117,6 +118,7 @@ class DDPShardedStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         precision: Optional[Precision] = None,
         lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        sync_each_batch: bool = False,
         **kwargs: Any,
     ) -> None:
         config = ShardedDDPConfig(**config_arguments(ShardedDDPConfig, locals()), owner=type(self).__name__)
@@ -204,17 +206,38 @@ class DDPShardedStrategy(DDPStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Before each backward pass: the gradient buckets must hold the gradients (see ``reduce_buffer_size``)."""
+        """Before each backward pass: the gradient buckets must hold the gradients (see ``reduce_buffer_size``), and
+        reduced gradients of earlier micro-batches are set aside (see ``sharded_ddp.engine.begin_backward``)."""
         super().pre_backward(closure_loss)
         if isinstance(self.model, ShardedDataParallel):
-            reattach_bucketed_gradients(self.model)
+            begin_backward(self.model)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's ``Strategy.backward``, with the reduced gradients that ``pre_backward`` set aside added back
+        right after the backward pass, before ``on_after_backward`` sees the gradients."""
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        try:
+            self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        finally:
+            if isinstance(self.model, ShardedDataParallel):
+                end_backward(self.model)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduction on accumulation steps (``ShardedDataParallel.no_sync``)."""
+        """Skip the gradient reduction on accumulation steps (``ShardedDataParallel.no_sync``); with
+        ``sync_each_batch`` skip nothing: every micro-batch reduces (see ``sharded_ddp.engine.begin_backward``)."""
         model = self.model
-        with model.no_sync() if isinstance(model, ShardedDataParallel) else contextlib.nullcontext():
+        if isinstance(model, ShardedDataParallel) and not self.config.sync_each_batch:
+            with model.no_sync():
+                yield
+        else:
             yield
 
     @override

@@ -186,11 +186,21 @@ class NoBackwardSync(_BackwardSyncControl):
 
     Inside it, backward keeps this rank's gradients (whole, for FSDP) and reduces nothing; the first backward outside
     it reduces what was accumulated, so the result equals one backward over all the micro-batches.
+
+    Under ``sync_each_batch=True`` (the strategy's ``config``, read at each call) it skips nothing, as for
+    ``enabled=False``: every micro-batch reduces, and a rank holds only its gradient shard between them. The loop is
+    the same in both modes (``enabled=`` on the accumulating micro-batches), as the Trainer's is.
+
+    Args:
+        strategy: the strategy whose ``config.sync_each_batch`` decides.
     """
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
+        if not enabled or self._strategy.config.sync_each_batch:
             return nullcontext()
         if not isinstance(module, (FullyShardedDataParallel, ShardedDataParallel)):
             raise TypeError(

@@ -58,7 +58,8 @@ class DDPShardedStrategy(DDPStrategy):
       each optimizer is rebuilt as ``fairscale.optim.OSS`` and returned in its place, and the LR scheduler given is
       re-pointed to it. ``fabric.setup(model)`` alone gives the plain model, with rank 0's weights, for evaluation.
     * ``fabric.clip_gradients``: by norm, the norm of all ranks' gradients (``OSS.clip_grad_norm``); by value.
-    * ``fabric.no_backward_sync(model)``: gradient accumulation without reductions.
+    * ``fabric.no_backward_sync(model)``: gradient accumulation without reductions; with ``sync_each_batch=True``
+      it skips nothing: every micro-batch reduces, and a rank holds only the gradients of the parameters it owns.
     * ``fabric.save``/``fabric.load``: one file written by rank 0, Fabric's layout (``torch.load(path)["model"]`` is
       the model's state dict; each optimizer's the state of a plain optimizer, consolidated from the shards): it
       resumes on any number of processes, with the Trainer too; the Trainer's files load as well. The file is
@@ -92,6 +93,7 @@ class DDPShardedStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         precision: Optional[Precision] = None,
         lightning_1x_optimizer_state: OptimizerStatePolicy = "error",
+        sync_each_batch: bool = False,
         **kwargs: Any,
     ) -> None:
         config = ShardedDDPConfig(**config_arguments(ShardedDDPConfig, locals()), owner=type(self).__name__)
@@ -100,7 +102,7 @@ class DDPShardedStrategy(DDPStrategy):
         self.config = config
         #: The models set up, wrapped (``ShardedDataParallel``) or plain (set up without optimizers).
         self._set_up: SetUp[None] = SetUp()
-        self._backward_sync_control = NoBackwardSync()
+        self._backward_sync_control = NoBackwardSync(self)
 
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 
@@ -173,11 +175,16 @@ class DDPShardedStrategy(DDPStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        # Before each backward pass the gradient buckets must hold the gradients (see `reduce_buffer_size`).
-        for model in list(self._set_up.models):
-            if isinstance(model, ShardedDataParallel):
-                oss.reattach_bucketed_gradients(model)
-        super().backward(tensor, module, *args, **kwargs)
+        # Before each backward pass the gradient buckets must hold the gradients (see `reduce_buffer_size`), and the
+        # reduced gradients of earlier micro-batches are set aside, then added back (`sync_each_batch`).
+        models = [model for model in self._set_up.models if isinstance(model, ShardedDataParallel)]
+        for model in models:
+            oss.begin_backward(model)
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        finally:
+            for model in models:
+                oss.end_backward(model)
 
     @override
     def clip_gradients_norm(
