@@ -37,10 +37,9 @@ __all__ = [
     "collective_timeout",
     "layer_sync_plugin",
     "plain_optimizer",
-    "precision_plugin_slot",
+    "precision_plugin_property",
     "set_checkpoint_io_slot",
-    "set_fabric_precision_slot",
-    "set_precision_plugin_slot",
+    "fabric_precision_property",
     "use_multiprocessing_launcher",
     "_PATH",
     "_BackwardSyncControl",
@@ -82,13 +81,18 @@ def layer_sync_plugin(strategy: Any) -> Optional[Any]:
     return strategy._layer_sync
 
 
-def precision_plugin_slot(strategy: Any) -> Optional[Any]:
-    """The Trainer's ``Strategy._precision_plugin``: the precision plugin given, ``None`` when none was."""
-    return strategy._precision_plugin
+def precision_plugin_property(default: Callable[[], Any], convert: Callable[[Any], Any]) -> Any:
+    """The ``precision_plugin`` property of the Trainer's strategies (``Strategy._precision_plugin``): the plugin
+    the strategy was given, as ``convert`` makes it (its own plugin class for Lightning's), else ``default()``."""
 
+    def get(strategy: Any) -> Any:
+        plugin = strategy._precision_plugin
+        return plugin if plugin is not None else default()
 
-def set_precision_plugin_slot(strategy: Any, plugin: Optional[Any]) -> None:
-    strategy._precision_plugin = plugin
+    def set_(strategy: Any, plugin: Optional[Any]) -> None:
+        strategy._precision_plugin = None if plugin is None else convert(plugin)
+
+    return property(get, set_, doc="The precision plugin (the Trainer's ``precision`` flag chooses it).")
 
 
 def use_multiprocessing_launcher(strategy: Any, launcher_class: type) -> None:
@@ -99,9 +103,16 @@ def use_multiprocessing_launcher(strategy: Any, launcher_class: type) -> None:
         strategy._launcher = launcher_class(strategy, start_method=strategy._start_method)
 
 
-def set_fabric_precision_slot(strategy: Any, precision: Optional[Any]) -> None:
-    """Fabric's ``Strategy._precision``: the precision plugin given, ``None`` for Fabric's default."""
-    strategy._precision = precision
+def fabric_precision_property(base: Any, convert: Callable[[Optional[Any], str], Optional[Any]]) -> Any:
+    """The ``precision`` property of Fabric's strategies whose Lightning class is ``base``: Lightning's getter, and
+    ``Strategy._precision`` set to the plugin given as ``convert(plugin, strategy class name)`` makes it (``None``:
+    Fabric's default)."""
+    inherited = base.precision  # Lightning's property
+
+    def set_(strategy: Any, precision: Optional[Any]) -> None:
+        strategy._precision = convert(precision, type(strategy).__name__)
+
+    return property(inherited.fget, set_, doc="The precision plugin (Fabric's ``precision`` flag chooses it).")
 
 
 def plain_optimizer(optimizer: Any) -> Any:

@@ -8,6 +8,8 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -17,7 +19,7 @@ import torch
 from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fairscale._compat import collective_timeout
-from lightning_fairscale._compat import set_fabric_precision_slot
+from lightning_fairscale._compat import fabric_precision_property
 from lightning_fairscale._compat import _Sharded
 from lightning_fabric.utilities.rank_zero import rank_zero_info
 from lightning_fairscale._compat import _PATH, fabric_compile_options
@@ -155,16 +157,9 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         names = ("fsdp_fairscale", "ddp_fully_sharded")
         register_strategies(strategy_registry, cls, names, "FairScale's Fully Sharded Data Parallel")
 
-    @property
-    @override
-    def precision(self) -> Precision:
-        """The precision plugin: Fabric's, with a sharded grad scaler for fp16 mixed precision (see
-        :func:`~lightning_fairscale.fabric._common.fabric_precision`)."""
-        return super().precision
-
-    @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
-        set_fabric_precision_slot(self, fabric_precision(precision, type(self).__name__, fsdp_grad_scaler))
+    #: Fabric's precision plugin, with a sharded grad scaler for fp16 mixed precision (see
+    #: :func:`~lightning_fairscale.fabric._common.fabric_precision`).
+    precision = fabric_precision_property(DDPStrategy, functools.partial(fabric_precision, scaler=fsdp_grad_scaler))
 
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 

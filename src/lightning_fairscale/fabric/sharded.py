@@ -8,6 +8,8 @@ consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpo
 
 from __future__ import annotations
 
+import functools
+
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
@@ -16,7 +18,7 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fairscale._compat import _PATH, _optimizers_to_device, set_fabric_precision_slot
+from lightning_fairscale._compat import _PATH, _optimizers_to_device, fabric_precision_property
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -111,16 +113,9 @@ class DDPShardedStrategy(DDPStrategy):
         description = f"FairScale's sharded optimizer and gradients ({cls.__name__})"
         register_strategies(strategy_registry, cls, cls._registry_names, description, find_unused_parameters=False)
 
-    @property
-    @override
-    def precision(self) -> Precision:
-        """The precision plugin: Fabric's, with a sharded grad scaler for fp16 mixed precision (see
-        :func:`~lightning_fairscale.fabric._common.fabric_precision`)."""
-        return super().precision
-
-    @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
-        set_fabric_precision_slot(self, fabric_precision(precision, type(self).__name__, sharded_grad_scaler))
+    #: Fabric's precision plugin, with a sharded grad scaler for fp16 mixed precision (see
+    #: :func:`~lightning_fairscale.fabric._common.fabric_precision`).
+    precision = fabric_precision_property(DDPStrategy, functools.partial(fabric_precision, scaler=sharded_grad_scaler))
 
     @property
     def reduce_buffer_size(self) -> int:

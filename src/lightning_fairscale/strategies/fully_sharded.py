@@ -31,8 +31,7 @@ from lightning_fairscale._compat import (
     collective_timeout,
     layer_sync_plugin,
     plain_optimizer,
-    precision_plugin_slot,
-    set_precision_plugin_slot,
+    precision_plugin_property,
     take_trainer_compile,
 )
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
@@ -146,16 +145,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         names = ("fsdp_fairscale", "ddp_fully_sharded")
         register_strategies(strategy_registry, cls, names, "FairScale's Fully Sharded Data Parallel")
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        plugin = precision_plugin_slot(self)
-        return plugin if plugin is not None else FullyShardedPrecisionPlugin()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        set_precision_plugin_slot(self, None if plugin is None else fully_sharded_precision_plugin(plugin))
+    precision_plugin = precision_plugin_property(FullyShardedPrecisionPlugin, fully_sharded_precision_plugin)
 
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 

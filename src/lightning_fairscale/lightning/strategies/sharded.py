@@ -27,8 +27,7 @@ from lightning_fairscale.lightning._compat import (
     collective_timeout,
     layer_sync_plugin,
     plain_optimizer,
-    precision_plugin_slot,
-    set_precision_plugin_slot,
+    precision_plugin_property,
     use_multiprocessing_launcher,
 )
 from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device
@@ -150,16 +149,7 @@ class DDPShardedStrategy(DDPStrategy):
         """The keyword arguments ``ShardedDataParallel`` is built with (besides the module and optimizers)."""
         return sharded_config.sharded_ddp_kwargs(self.config, self.num_nodes)
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        plugin = precision_plugin_slot(self)
-        return plugin if plugin is not None else ShardedPrecisionPlugin()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        set_precision_plugin_slot(self, None if plugin is None else sharded_precision_plugin(plugin))
+    precision_plugin = precision_plugin_property(ShardedPrecisionPlugin, sharded_precision_plugin)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
