@@ -570,9 +570,10 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> N
 
 #: Gatherings a prefetch serves in three steps and a no-grad forward of the deep model, by backward mode: in the
 #: forward every block's but in the first forward (no order recorded yet): 3 x 5; in the backward every block's but
-#: the first block's, 4 a step (BACKWARD_POST: the synchronous backward holds no unit while the root's last layers
-#: compute), and that one too with BACKWARD_PRE, gathered when the backward starts: 5 a step.
-SERVED = {"BACKWARD_POST": 3 * 5 + 3 * 4, "BACKWARD_PRE": 3 * 5 + 3 * 5, None: 3 * 5}
+#: the backward's first block's, 4 a step (BACKWARD_POST: the synchronous backward holds no unit while the root's last
+#: layers compute), and with BACKWARD_PRE that one too in the first step, gathered when the backward starts: from the
+#: second step on the forward's last block keeps its full parameters for the backward (nothing to gather).
+SERVED = {"BACKWARD_POST": 3 * 5 + 3 * 4, "BACKWARD_PRE": 3 * 5 + 5 + 2 * 4, None: 3 * 5}
 
 
 @pytest.mark.parametrize("mode", prefetch.BACKWARD_MODES)

@@ -150,6 +150,7 @@ import torch
 import torch.distributed as dist
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
@@ -370,6 +371,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         if self._prefetcher is not None:
+            if params is None and self.training_state == TrainingState.FORWARD and self._prefetcher.keeps(self):
+                return  # workaround 16: the forward's last unit keeps them for its backward
             self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
         super()._free_full_params(params)
 
@@ -406,8 +409,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 else:
                     param_views.share_local_gradients(param, unit.rank)
         self._reshard_frozen_params()
-        if self._prefetcher is not None:
-            self._prefetcher.pass_ended()  # workaround 16: nothing gathered ahead outlives the backward
+        if self._prefetcher is not None:  # workaround 16: nothing gathered ahead or kept outlives the backward
+            self._prefetcher.pass_ended()
+            self._prefetcher.release_kept()
 
     def _reshard_frozen_params(self) -> None:
         """Free this (root) unit's gathered frozen parameters after a backward, as FairScale's post-backward hook
@@ -444,6 +448,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Iterator[None]:
+        if self._prefetcher is not None:
+            self._prefetcher.release_kept()  # workaround 16: gathered again, from the shards as they are now
         with original_params.fairscale_layout(self), super().summon_full_params(recurse, volatile):
             yield
 
