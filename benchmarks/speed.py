@@ -11,6 +11,7 @@ unit, then the root):
 * ``fairscale-loop``: a hand-written loop over ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` (after
   ``cpu_streams.install()``) with the strategy's CPU defaults, Adam over the flat shards;
 * ``torch-fsdp-loop``: a hand-written loop over PyTorch's FSDP (``ModuleWrapPolicy``, ``device_id=cpu``);
+* ``ours-sgo``: ``ours`` with ``sharding_strategy="SHARD_GRAD_OP"`` (no all-gather in the backward);
 * ``ddp``: ``Trainer(strategy="ddp")``; ``ddp_sharded``: ``Trainer(strategy="ddp_sharded")``.
 
 Every configuration runs in a fresh launch (the ranks' peak memory must not mix), and the launches are interleaved
@@ -25,18 +26,22 @@ Adam, stepped in turn: our FairScale units with overlapped collectives in the ba
 (``fairscale-sync``), and PyTorch's FSDP. On a machine whose load changes from launch to launch this ratio is the
 steadier one.
 
-``--breakdown`` adds one more launch per FSDP implementation (ours, FairScale's loop, PyTorch's loop) with timers
-around the parts of a step: the forward and backward (their own time: compute, hooks, copies), the all-gathers,
-reduce-scatters and all-reduces (the calls, plus the waits of asynchronous ones), the storage allocations and frees of
-the full parameters, and the optimizer step; "other" is the rest of the step (zero_grad, the loop, the Trainer).
+The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
+FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
+forward and backward (their own time: the computation), the engines' hooks (FairScale's and ours, torch FSDP's, DDP's
+Python around the computation), the all-gathers, reduce-scatters and all-reduces (the calls, plus the waits of
+asynchronous ones), the storage allocations and frees of the full parameters, ``zero_grad``, the optimizer step, and
+"loop": the rest of the step (the Trainer's loop and hooks, or the hand-written loop; data). DDP's own all-reduces
+run inside its C++ reducer: their waits are in its backward.
 
 Run it from the project's root (about 30 minutes on 2 busy cores; ``--quick``: one round, the small model, ~3.5 min)::
 
     .venv/bin/python benchmarks/speed.py                # or: make bench BENCHMARKS=speed
     .venv/bin/python benchmarks/speed.py --quick
 
-It writes ``benchmarks/results/speed.md``. Targets (issue 27), reported and never failed: ours at most 1.0x PyTorch's
-FSDP loop and at most 1.25x ``"ddp"``.
+It writes ``benchmarks/results/speed.md``. Targets (issue 35, :data:`TARGETS`), reported in one table with each
+round's ratio and never failed: ours at most 1.05x ``"ddp"`` and 1.0x PyTorch's FSDP loop, ``SHARD_GRAD_OP`` at most
+1.0x ``"ddp"``.
 """
 
 from __future__ import annotations
