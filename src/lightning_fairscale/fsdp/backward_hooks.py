@@ -8,9 +8,9 @@ it), so the next forward adds one more hook to the same accumulator. After ``k``
 backward called the hook ``k`` times (measured: 276 calls per unit over 23 steps, 1 + 2 + ... + 23): a cost that grows
 with the run, on every device. All but the first call of a backward find no gradient (the first sets
 ``param.grad = None`` once it starts the reduction) or repeat idempotent work (freeing, switching to the shard), so
-the extra calls change no result; but on CPU each one also let workaround 16's prefetcher wait for the reduction just
-started, so that from the second step on the backward's reduce-scatters no longer overlapped the next unit's
-all-gather.
+the extra calls change no result; but on CPU each one also made workaround 16's prefetcher wait for the reductions in
+flight beyond its bucket budget, which the first call leaves in flight beside the next unit's all-gather (gradients
+larger than half the bucket: the 18.9 M model's layers in ``benchmarks/speed.py``).
 
 :func:`register_post_backward_hooks` registers FairScale's hook as FairScale does, unless the same unit's hook is on
 that accumulator already (all hooks of one accumulator run together, once all of its gradients are summed: one
