@@ -11,6 +11,7 @@ unit, then the root):
 * ``fairscale-loop``: a hand-written loop over ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` (after
   ``cpu_streams.install()``) with the strategy's CPU defaults, Adam over the flat shards;
 * ``torch-fsdp-loop``: a hand-written loop over PyTorch's FSDP (``ModuleWrapPolicy``, ``device_id=cpu``);
+* ``ours-sgo``: ``ours`` with ``sharding_strategy="SHARD_GRAD_OP"`` (no all-gather in the backward);
 * ``ddp``: ``Trainer(strategy="ddp")``; ``ddp_sharded``: ``Trainer(strategy="ddp_sharded")``.
 
 Every configuration runs in a fresh launch (the ranks' peak memory must not mix), and the launches are interleaved
@@ -25,18 +26,22 @@ Adam, stepped in turn: our FairScale units with overlapped collectives in the ba
 (``fairscale-sync``), and PyTorch's FSDP. On a machine whose load changes from launch to launch this ratio is the
 steadier one.
 
-``--breakdown`` adds one more launch per FSDP implementation (ours, FairScale's loop, PyTorch's loop) with timers
-around the parts of a step: the forward and backward (their own time: compute, hooks, copies), the all-gathers,
-reduce-scatters and all-reduces (the calls, plus the waits of asynchronous ones), the storage allocations and frees of
-the full parameters, and the optimizer step; "other" is the rest of the step (zero_grad, the loop, the Trainer).
+The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
+FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
+forward and backward (their own time: the computation), the engines' hooks (FairScale's and ours, torch FSDP's, DDP's
+Python around the computation), the all-gathers, reduce-scatters and all-reduces (the calls, plus the waits of
+asynchronous ones), the storage allocations and frees of the full parameters, ``zero_grad``, the optimizer step, and
+"loop": the rest of the step (the Trainer's loop and hooks, or the hand-written loop; data). DDP's own all-reduces
+run inside its C++ reducer: their waits are in its backward.
 
 Run it from the project's root (about 30 minutes on 2 busy cores; ``--quick``: one round, the small model, ~3.5 min)::
 
     .venv/bin/python benchmarks/speed.py                # or: make bench BENCHMARKS=speed
     .venv/bin/python benchmarks/speed.py --quick
 
-It writes ``benchmarks/results/speed.md``. Targets (issue 27), reported and never failed: ours at most 1.0x PyTorch's
-FSDP loop and at most 1.25x ``"ddp"``.
+It writes ``benchmarks/results/speed.md``. Targets (issue 35, :data:`TARGETS`), reported in one table with each
+round's ratio and never failed: ours at most 1.05x ``"ddp"`` and 1.0x PyTorch's FSDP loop, ``SHARD_GRAD_OP`` at most
+1.0x ``"ddp"``.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ SEQUENCES, TOKENS = 8, 64  # per rank and step
 IMPLEMENTATIONS: dict[str, str] = {
     "ours": "`DDPFullyShardedStrategy` (Trainer)",
     "ours-sync": "`DDPFullyShardedStrategy` (Trainer), synchronous collectives",
+    "ours-sgo": '`DDPFullyShardedStrategy(sharding_strategy="SHARD_GRAD_OP")` (Trainer)',
     "fairscale-loop": "FairScale FSDP, hand-written loop",
     "torch-fsdp-loop": "PyTorch FSDP, hand-written loop",
     "ddp": 'Lightning `strategy="ddp"` (Trainer)',
@@ -92,10 +98,11 @@ IMPLEMENTATIONS: dict[str, str] = {
 COMPILE_BACKEND = os.environ.get("BENCH_COMPILE_BACKEND", "inductor")
 #: Each compiled implementation and the eager one it is compared with.
 COMPILED = {"ours-compiled": "ours", "ddp-compiled": "ddp"}
-LIGHTNING = ("ours", "ours-sync", "ddp", "ddp_sharded", "ours-compiled", "ddp-compiled")
-FSDP_IMPLEMENTATIONS = ("ours", "ours-sync", "fairscale-loop", "torch-fsdp-loop")
-TARGET_VS_TORCH_FSDP = 1.0
-TARGET_VS_DDP = 1.25
+LIGHTNING = ("ours", "ours-sync", "ours-sgo", "ddp", "ddp_sharded", "ours-compiled", "ddp-compiled")
+#: The implementations of the breakdown (one timed launch each).
+BREAKDOWN_IMPLEMENTATIONS = ("ours", "ours-sync", "ours-sgo", "fairscale-loop", "torch-fsdp-loop", "ddp")
+#: Issue 35's targets: each (implementation, the one it is compared with, the largest ratio of step times).
+TARGETS = (("ours", "ddp", 1.05), ("ours", "torch-fsdp-loop", 1.0), ("ours-sgo", "ddp", 1.0))
 
 warnings.filterwarnings(
     "ignore",
@@ -218,7 +225,55 @@ _TIMED: list[tuple[str, str, str]] = [
     ("lightning_fairscale.fsdp.prefetch", "_alloc_storage", "alloc/free"),
     ("lightning_fairscale.fsdp.prefetch", "_free_storage", "alloc/free"),
 ]
-PARTS = ("forward", "backward", "all-gather", "reduce-scatter", "all-reduce", "alloc/free", "optimizer", "other")
+#: The engines' hooks (their Python work around the computation: FairScale's and ours, torch FSDP's, DDP's), timed as
+#: one part: (module, class or ``None`` for a module function, attribute).
+_HOOKS: list[tuple[str, Optional[str], str]] = [
+    *(
+        ("fairscale.nn.data_parallel.fully_sharded_data_parallel", "FullyShardedDataParallel", name)
+        for name in ("_lazy_init", "_rebuild_full_params", "_use_full_params", "_free_full_params",
+                     "_use_fp32_param_shard", "_free_fp16_param_shard", "_register_pre_backward_hooks",
+                     "_register_post_backward_hooks", "_post_backward_hook", "_post_reduction_hook",
+                     "_queue_wait_for_post_backward", "_wait_for_post_backward", "_prep_grads_for_backward",
+                     "_wait_for_previous_optim_step", "_cast_buffers")
+    ),
+    *(
+        ("lightning_fairscale.fsdp.units", "FullyShardedDataParallel", name)
+        for name in ("_rebuild_full_params", "_use_full_params", "_free_full_params", "_post_backward_hook",
+                     "_prep_grads_for_backward", "_finish_backward", "_queue_wait_for_post_backward",
+                     "_post_reduction_hook")
+    ),
+    *(("lightning_fairscale.fsdp.original_params", None, name) for name in ("before_forward", "show", "_hide")),
+    *(("lightning_fairscale.fsdp.prefetch", "Prefetcher", name)
+      for name in ("forward_started", "forward_ended", "rebuild", "after_post_backward", "settle")),
+    *(("lightning_fairscale.fsdp.prefetch", "AsyncReduceScatter", name)
+      for name in ("reduce_scatter_async", "settle", "flush")),
+    *(
+        ("torch.distributed.fsdp._runtime_utils", None, name)
+        for name in ("_pre_forward", "_post_forward", "_root_pre_forward", "_pre_backward_hook",
+                     "_post_backward_hook", "_post_backward_final_callback")
+    ),
+    *(("torch.distributed.fsdp.fully_sharded_data_parallel", None, name)
+      for name in ("_pre_forward", "_post_forward", "_root_pre_forward")),
+    *(("torch.nn.parallel.distributed", "DistributedDataParallel", name)
+      for name in ("_pre_forward", "_post_forward")),
+]
+PARTS = ("forward", "backward", "hooks", "all-gather", "reduce-scatter", "all-reduce", "alloc/free", "zero_grad",
+         "optimizer", "loop")
+#: What each part holds, for the report.
+PART_NOTES = {
+    "forward": "the forward's own time: the layers' computation (the loss included)",
+    "backward": "the backward's own time: the layers' gradients, and under DDP the waits for its all-reduces (gloo,"
+                " inside DDP's C++ reducer: not timed apart)",
+    "hooks": "the engine's Python work around the computation: FairScale's and ours (workarounds 16 and 17),"
+             " torch FSDP's pre/post forward and backward hooks, DDP's pre/post forward",
+    "all-gather": "all-gather calls, and the waits of asynchronous ones",
+    "reduce-scatter": "reduce-scatter calls, and the waits of asynchronous ones",
+    "all-reduce": "all-reduce calls from Python (DDP's own are in the backward)",
+    "alloc/free": "allocating and freeing the full parameters' storage",
+    "zero_grad": "`optimizer.zero_grad`",
+    "optimizer": "`Adam.step`",
+    "loop": "the rest of the step: the Trainer's loop and hooks (or the hand-written loop), data, timers",
+}
 
 
 def install_timers() -> None:
@@ -232,9 +287,22 @@ def install_timers() -> None:
             continue
         if hasattr(module, attribute):
             setattr(module, attribute, TIMERS.wrap(part, getattr(module, attribute)))
+    for module_name, class_name, attribute in _HOOKS:
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        owner = getattr(owner, class_name, None) if class_name else owner
+        if owner is not None and attribute in vars(owner):
+            setattr(owner, attribute, TIMERS.wrap("hooks", getattr(owner, attribute)))
     original_backward = torch.Tensor.backward
     torch.Tensor.backward = TIMERS.wrap("backward", original_backward)  # type: ignore[method-assign]
     torch.optim.Adam.step = TIMERS.wrap("optimizer", torch.optim.Adam.step)  # type: ignore[method-assign]
+    torch.optim.Optimizer.zero_grad = TIMERS.wrap("zero_grad", torch.optim.Optimizer.zero_grad)  # type: ignore
+    # The Trainer's forward: the strategy calls the wrapped model (the engine's hooks, then `training_step`).
+    from pytorch_lightning.strategies import Strategy
+
+    Strategy.training_step = TIMERS.wrap("forward", Strategy.training_step)  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,8 +355,11 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
     if impl == "ours-sync":  # as before the collectives overlapped on CPU
         prefetch.OVERLAP_ON_CPU = False
     fsdp = impl.startswith("ours")
+    sharding = "SHARD_GRAD_OP" if impl == "ours-sgo" else "FULL_SHARD"
     strategy: Any = (
-        DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}) if fsdp else COMPILED.get(impl, impl)
+        DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}, sharding_strategy=sharding)
+        if fsdp
+        else COMPILED.get(impl, impl)
     )
     marks = StepMarks(total_steps, warmup)
     trainer = Trainer(
@@ -420,7 +491,7 @@ def launch(impl: str, size: str, args: argparse.Namespace, work: Path, tag: str,
     slowest = max(range(len(ranks)), key=lambda i: statistics.median(periods[i]))
     timers = {k: v / args.steps for k, v in ranks[slowest]["timers"].items()}
     if breakdown:
-        timers["other"] = max(0.0, sum(periods[slowest]) / args.steps - sum(timers.values()))
+        timers["loop"] = max(0.0, sum(periods[slowest]) / args.steps - sum(timers.values()))
         timers["step"] = sum(periods[slowest]) / args.steps
         faults = ranks[slowest]["faults"]
         timers["faults"] = statistics.median(faults[i + 1] - faults[i] for i in measured)
@@ -449,6 +520,7 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
         f"- Load average (1, 5, 15 min) seen while measuring: {'; '.join(loads)}; wall time {seconds:.0f} s",
         "",
     ]
+    lines += _ratio_lines(results)
     for size, by_impl in results.items():
         width, layers = SIZES[size]
         by_impl = {impl: runs for impl, runs in by_impl.items() if runs}  # none with --rounds 0
@@ -473,15 +545,12 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
             lines.append(f"| {IMPLEMENTATIONS[impl]} | {medians[impl]:.3f} | {rounds} | {ratio} | {ranks_peak}"
                          f" (max {peak / _common.MIB:,.0f}) |")
         lines.append("")
-        targets = []
-        if "torch-fsdp-loop" in medians:
-            r = ours / medians["torch-fsdp-loop"]
-            targets.append(f"ours / PyTorch FSDP loop = {r:.3f}x (target <= {TARGET_VS_TORCH_FSDP:.2f}x:"
-                           f" {'PASS' if r <= TARGET_VS_TORCH_FSDP else 'MISS'})")
-        if "ddp" in medians:
-            r = ours / medians["ddp"]
-            targets.append(f"ours / ddp = {r:.3f}x (target <= {TARGET_VS_DDP:.2f}x:"
-                           f" {'PASS' if r <= TARGET_VS_DDP else 'MISS'})")
+        targets = [
+            f"{impl} / {other} = {medians[impl] / medians[other]:.3f}x (target <= {limit:.2f}x:"
+            f" {'PASS' if medians[impl] / medians[other] <= limit else 'MISS'})"
+            for impl, other, limit in TARGETS
+            if impl in medians and other in medians
+        ]
         if "ours-sync" in medians:
             targets.append(f"ours / ours with synchronous collectives = {ours / medians['ours-sync']:.3f}x")
         for compiled, eager in COMPILED.items():
@@ -511,14 +580,42 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
             lines.append("| minor page faults per step (count) | " + " | ".join(cells) + " |")
             lines.append("")
     lines += [
-        "forward/backward: their own time (compute, hooks, copies), without the timed collectives and storage calls"
-        " inside them; the collectives include the waits of asynchronous ones; other: the rest of the step"
-        " (zero_grad, data, the loop or the Trainer). Timers cost a little time of their own. Minor page faults:"
-        " first touches of memory fresh from the kernel (freed full parameters and gradients, allocated again).",
+        "The parts of the breakdown (exclusive times: a timed part inside another counts in the inner one only):",
+        "",
+        *(f"- {part}: {note}" for part, note in PART_NOTES.items()),
+        "",
+        "Timers cost a little time of their own (in the parts they wrap). Minor page faults: first touches of memory"
+        " fresh from the kernel (freed full parameters and gradients, allocated again).",
         "",
         "Regenerate with `.venv/bin/python benchmarks/speed.py` (`--quick` to check that it runs).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _ratio_lines(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    """One table of the targets' ratios (issue 35), each with its rounds' ratios (round i over round i)."""
+    rows = []
+    for size, by_impl in results.items():
+        for impl, other, limit in TARGETS:
+            mine, theirs = by_impl.get(impl), by_impl.get(other)
+            if not mine or not theirs:
+                continue
+            median = statistics.median(r["step"] for r in mine) / statistics.median(r["step"] for r in theirs)
+            rounds = ", ".join(f"{a['step'] / b['step']:.3f}" for a, b in zip(mine, theirs))
+            verdict = "PASS" if median <= limit else "MISS"
+            rows.append(f"| {size} | {impl} / {other} | {median:.3f}x | {rounds} | <= {limit:.2f}x | {verdict} |")
+    if not rows:
+        return []
+    return [
+        "## Ratios (issue 35's targets)",
+        "",
+        "Step time over step time: medians over the rounds (the rounds' own ratios, round by round, beside them).",
+        "",
+        "| Size | Ratio | Median | Rounds | Target | |",
+        "| --- | --- | ---: | --- | ---: | --- |",
+        *rows,
+        "",
+    ]
 
 
 def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse.Namespace) -> list[str]:
@@ -592,7 +689,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 loads.append(f"{size} round {round_index + 1}: {loadavg()}")
             if args.breakdown:
                 breakdowns[size] = {}
-                for impl in (i for i in FSDP_IMPLEMENTATIONS if i in args.impls):
+                for impl in (i for i in BREAKDOWN_IMPLEMENTATIONS if i in args.impls):
                     breakdowns[size][impl] = launch(impl, size, args, work, "timed", breakdown=True)["timers"]
                     print(f"  {size} breakdown {impl}: done", flush=True)
     text = report(results, breakdowns, paired, args, loads, time.perf_counter() - started)

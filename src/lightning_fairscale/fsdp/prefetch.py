@@ -129,9 +129,12 @@ class Prefetcher:
         self._recording: Optional[list[Any]] = None
         #: The unit gathered ahead, its all-gathers' handles, and the shards they read (in the compute dtype).
         self._pending: Optional[tuple[Any, list[Any], list[Tensor]]] = None
+        #: The forward's last unit, whose full parameters its forward kept for its backward (:meth:`keeps`).
+        self._kept: Optional[Any] = None
 
     def forward_started(self) -> None:
         """The root's forward begins (not a recomputation inside a backward): record the order of the units."""
+        self.release_kept()
         self.pass_ended()
         self._recording = [] if not in_backward() else None
 
@@ -151,6 +154,32 @@ class Prefetcher:
         mode: the synchronous backward holds no unit's full parameters there.)"""
         if self.backward == "BACKWARD_PRE" and self.order:
             self._start(self.order[-1])
+
+    def keeps(self, unit: Any) -> bool:
+        """Whether ``unit``'s forward, ending, keeps its full parameters for its backward instead of freeing them: the
+        last unit of the recorded order, in a root forward with gradients (a backward follows, whose first unit it is:
+        the backward would gather the same shards again, synchronously, at its start). Its backward holds them as it
+        would have (no more memory at the backward's peak); its post-backward hook frees them as always, and
+        :meth:`release_kept` does if no backward came (at the next root forward, or before a state dict)."""
+        keep = (
+            self._recording is not None
+            and bool(self.order)
+            and self.order[-1] is unit
+            and torch.is_grad_enabled()
+            and not in_backward()
+            and self._pending is None
+            and can_prefetch(unit)
+        )
+        if keep:
+            self._kept = unit
+        return keep
+
+    def release_kept(self) -> None:
+        """Free the full parameters :meth:`keeps` kept, if its backward has not freed them."""
+        unit, self._kept = self._kept, None
+        if unit is not None and unit.has_full_params:
+            unit._free_full_params()
+            unit._use_fp32_param_shard()
 
     def pass_ended(self) -> None:
         """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""

@@ -130,6 +130,10 @@ The workarounds, and why each is needed:
     the user can do nothing about. :mod:`~lightning_fairscale.fsdp.deprecations` gives FairScale's modules a view of
     ``torch.distributed`` with the current names of those collectives (no warning is raised) and ignores the
     ``TypedStorage`` warning where FairScale's code is its location only; installed by the first unit built.
+20. **Post-backward hooks that pile up (all devices).** FairScale adds its post-backward hook to each flat
+    parameter's gradient accumulator in every forward and keeps the accumulator alive, so after ``k`` steps the hook
+    ran ``k`` times per backward (idempotent, but a cost that grew with the run, and on CPU it undid workaround 16's
+    overlap from the second step on). One hook per accumulator (:mod:`~lightning_fairscale.fsdp.backward_hooks`).
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -146,9 +150,11 @@ import torch
 import torch.distributed as dist
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp import deprecations, frozen_params, original_params, param_views, prefetch, ties
+from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
+from lightning_fairscale.fsdp import prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -365,6 +371,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         if self._prefetcher is not None:
+            if params is None and self.training_state == TrainingState.FORWARD and self._prefetcher.keeps(self):
+                return  # workaround 16: the forward's last unit keeps them for its backward
             self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
         super()._free_full_params(params)
 
@@ -372,6 +380,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         super()._queue_wait_for_post_backward()  # the root's backward begins
         if self._prefetcher is not None:
             self._prefetcher.backward_started()  # workaround 16
+
+    def _register_post_backward_hooks(self) -> None:
+        backward_hooks.register_post_backward_hooks(self)  # workaround 20
 
     def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
         super()._post_backward_hook(param, *unused)
@@ -398,8 +409,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 else:
                     param_views.share_local_gradients(param, unit.rank)
         self._reshard_frozen_params()
-        if self._prefetcher is not None:
-            self._prefetcher.pass_ended()  # workaround 16: nothing gathered ahead outlives the backward
+        if self._prefetcher is not None:  # workaround 16: nothing gathered ahead or kept outlives the backward
+            self._prefetcher.pass_ended()
+            self._prefetcher.release_kept()
 
     def _reshard_frozen_params(self) -> None:
         """Free this (root) unit's gathered frozen parameters after a backward, as FairScale's post-backward hook
@@ -436,6 +448,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Iterator[None]:
+        if self._prefetcher is not None:
+            self._prefetcher.release_kept()  # workaround 16: gathered again, from the shards as they are now
         with original_params.fairscale_layout(self), super().summon_full_params(recurse, volatile):
             yield
 
