@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["register_post_backward_hooks"]
+__all__ = ["HOOKED", "register_post_backward_hooks"]
 
 #: The attribute of a flat parameter holding its gradient accumulator and the units whose hooks are on it.
-_HOOKED = "_lightning_fairscale_hooked"
+HOOKED = "_lightning_fairscale_hooked"
 
 
 def register_post_backward_hooks(unit: Any) -> None:
@@ -39,10 +39,10 @@ def register_post_backward_hooks(unit: Any) -> None:
         if not param.requires_grad:
             continue
         grad_acc = param.expand_as(param).grad_fn.next_functions[0][0]  # its accumulator, as FairScale finds it
-        hooked = getattr(param, _HOOKED, None)
+        hooked = getattr(param, HOOKED, None)
         if hooked is None or hooked[0] is not grad_acc:
             hooked = (grad_acc, set[int]())
-            setattr(param, _HOOKED, hooked)
+            setattr(param, HOOKED, hooked)
         if id(unit) in hooked[1]:
             continue
         handle = grad_acc.register_hook(functools.partial(unit._post_backward_hook, param))

@@ -11,6 +11,7 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
 
+from lightning_fairscale.fsdp.backward_hooks import HOOKED
 from lightning_fairscale.fsdp import original_params
 from lightning_fairscale.fsdp.units import fsdp_instances
 
@@ -128,6 +129,7 @@ _FSDP_PARAM_ATTRIBUTES = (
     "_cpu_grad",
     "_shard_bwd_hook",
     "_saved_grad_shard",
+    HOOKED,  # workaround 20's record of the accumulator: it holds the unit's hook, a cycle through autograd
 )
 
 
