@@ -28,6 +28,11 @@ JOBS: dict[str, CompileJob] = {
     # True half precision: compiled against the same sharded training uncompiled.
     "bf16-true": CompileJob(form="init", precision="bf16-true", more_steps=0, clip=None),
     "bf16-true-eager": CompileJob(form="none", precision="bf16-true", more_steps=0, clip=None),
+    # Mixed precision: compiled against the same sharded training uncompiled.
+    "bf16-mixed": CompileJob(form="whole", precision="bf16-mixed", more_steps=0),
+    "bf16-mixed-eager": CompileJob(form="none", precision="bf16-mixed", more_steps=0),
+    # Hybrid sharding (2 replicas of one shard: the replicas' all-reduce of the gradient shards), against unsharded.
+    "hybrid": CompileJob(form="whole", sharding="HYBRID_SHARD", more_steps=0),
     "ddp_sharded": CompileJob(form="whole", strategy="ddp_sharded", more_steps=0),
     "fabric": CompileJob(front="fabric", form="whole", accumulate=1),
 }
@@ -53,7 +58,7 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 
 @pytest.mark.parametrize(
-    "name", ["whole-aot_eager", "whole-inductor", "init", "configure_model", "ddp_sharded", "fabric"]
+    "name", ["whole-aot_eager", "whole-inductor", "init", "configure_model", "hybrid", "ddp_sharded", "fabric"]
 )
 def test_a_compiled_model_trains_as_eager_unsharded_training_with_its_own_keys(runs: Jobs, name: str) -> None:
     result = job(runs, name)
@@ -70,6 +75,8 @@ def test_a_compiled_model_resumes_exactly_and_its_checkpoint_loads_uncompiled(ru
     assert_same(result[f"resumed_{kind}"], result["reference_more"])
 
 
-def test_true_half_precision_compiled_equals_it_uncompiled(runs: Jobs) -> None:
-    compiled, eager = job(runs, "bf16-true"), job(runs, "bf16-true-eager")
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_half_precision_compiled_equals_it_uncompiled(runs: Jobs, precision: str) -> None:
+    compiled, eager = job(runs, precision), job(runs, f"{precision}-eager")
     assert_same(compiled["trained"], eager["trained"], atol=1e-2)  # bf16: inductor-free aot_eager, same ops
+    assert compiled["compiled"] and not eager["compiled"]

@@ -61,6 +61,7 @@ class CompileJob(Config):
     clip: Optional[float] = 1.0
     precision: str = "32-true"
     activation_checkpointing: bool = True
+    sharding: str = "FULL_SHARD"  # or "HYBRID_SHARD": 2 replicas of one shard (device_mesh=(2, 1))
 
 
 class Net(nn.Module):
@@ -145,8 +146,10 @@ def make_strategy(config: CompileJob, state_dict_type: str = "full") -> Any:
 
     if config.strategy == "ddp_sharded":
         return DDPShardedStrategy()
-    checkpointing = {"activation_checkpointing": Block} if config.activation_checkpointing else {}
-    return DDPFullyShardedStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type, **checkpointing)
+    options: dict[str, Any] = {"activation_checkpointing": Block} if config.activation_checkpointing else {}
+    if config.sharding == "HYBRID_SHARD":
+        options.update(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1))
+    return DDPFullyShardedStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type, **options)
 
 
 def fit(config: CompileJob, steps: int, ckpt_path: Optional[str] = None, state_dict_type: str = "full") -> Any:
