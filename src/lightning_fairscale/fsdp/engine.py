@@ -156,10 +156,6 @@ class WrappedModel:
             orders = repoint_optimizer(optimizer, layout)
             self._record.orders[optimizer] = [layout.in_module_order(o) for o in orders] if over_managed else orders
 
-    def holds(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer`` was re-pointed to this model's shards."""
-        return optimizer in self._record.orders
-
     def order(self, optimizer: Optimizer) -> GroupOrder:
         """The order of ``optimizer``'s state in checkpoints (see :meth:`repoint`)."""
         if optimizer not in self._record.orders:
