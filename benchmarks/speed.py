@@ -295,6 +295,18 @@ def install_timers() -> None:
         owner = getattr(owner, class_name, None) if class_name else owner
         if owner is not None and attribute in vars(owner):
             setattr(owner, attribute, TIMERS.wrap("hooks", getattr(owner, attribute)))
+    # The exchanges that replace gloo's all-gathers and reduce-scatters on CPU: their start and their wait.
+    from lightning_fairscale.distributed import exchanges
+
+    for kind, part in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter")):
+        setattr(exchanges, kind, TIMERS.wrap(part, getattr(exchanges, kind)))
+    exchange_wait = exchanges.Exchange.wait
+
+    def timed_wait(self: Any) -> bool:
+        with TIMERS.section("all-gather" if self.kind == "all_gather" else "reduce-scatter"):
+            return exchange_wait(self)
+
+    exchanges.Exchange.wait = timed_wait  # type: ignore[method-assign]
     original_backward = torch.Tensor.backward
     torch.Tensor.backward = TIMERS.wrap("backward", original_backward)  # type: ignore[method-assign]
     torch.optim.Adam.step = TIMERS.wrap("optimizer", torch.optim.Adam.step)  # type: ignore[method-assign]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from unit.fake_nccl import FAKE_GPU, FakeNccl, OnFakeGpu
 
-from lightning_fairscale.distributed import collectives
+from lightning_fairscale.distributed import collectives, exchanges
 
 from .helpers import run_ranks
 
@@ -96,7 +96,7 @@ def test_recording_traffic_counts_each_collective_once_with_its_group_and_payloa
     import warnings
 
     group = dist.new_group()
-    real = dist.all_gather_into_tensor
+    real, real_exchange = dist.all_gather_into_tensor, exchanges.all_gather
     with collectives.recording_traffic() as transfers:
         collectives.all_reduce(torch.ones(3), group=group)  # through this package
         with warnings.catch_warnings():
@@ -104,11 +104,17 @@ def test_recording_traffic_counts_each_collective_once_with_its_group_and_payloa
             dist._all_gather_base(torch.empty(4), torch.ones(4))  # calls `all_gather_into_tensor`: counted once
         collectives.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
         collectives.all_gather_tensor(torch.empty(2, dtype=torch.float16), torch.ones(2, dtype=torch.float16))
+        # the exchanges FSDP's units use on CPU, as the collectives they replace
+        exchanges.all_gather(torch.empty(3), torch.ones(3), group=group).wait()
+        exchanges.reduce_scatter(torch.empty(2), [torch.ones(2)]).wait()
     dist.all_reduce(torch.ones(1))  # after the block: not recorded
     assert transfers == [
         collectives.Transfer("all_reduce", (0,), 12),
         collectives.Transfer("all_gather", (0,), 16),
         collectives.Transfer("reduce_scatter", (0,), 16),
         collectives.Transfer("all_gather", (0,), 4),
+        collectives.Transfer("all_gather", (0,), 12),
+        collectives.Transfer("reduce_scatter", (0,), 8),
     ]
     assert dist.all_gather_into_tensor is real  # torch's functions are given back
+    assert exchanges.all_gather is real_exchange

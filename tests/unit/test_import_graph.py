@@ -27,6 +27,7 @@ ENGINE = (
     "convert_1x",
     "distributed",
     "distributed.collectives",
+    "distributed.exchanges",
     "distributed.process_exit",
     "distributed.torch_private",
     "fsdp",

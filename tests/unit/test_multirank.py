@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fairscale.distributed import collectives, exchanges
 from lightning_fairscale.fsdp import cpu_streams, param_views, prefetch
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -186,13 +187,17 @@ class _Overlap:
     pending_after_no_grad_forward: bool = False
     #: Calls of the units' post-backward hooks in each step (workaround 20: as many in every step).
     hook_calls: list[int] = dataclasses.field(default_factory=list)
+    #: All-gathers and reduce-scatters over the three steps, by kind: every one (``collectives.recording_traffic``),
+    #: and those made by exchanges (:mod:`lightning_fairscale.distributed.exchanges`).
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    exchanges: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _train_deep(
     rank: int, world_size: int, overlap: bool, backward_prefetch: Optional[str] = "BACKWARD_POST", **kwargs: Any
 ) -> tuple[nn.Module, _Overlap]:
     """Three Adam steps of a root and five Block units (FSDP arguments ``kwargs``), then a forward without
-    gradients; what the overlap did (:class:`_Overlap`)."""
+    gradients; what the overlap did (:class:`_Overlap`), and the collectives of it all."""
     model = _deep_model()
     root = wrap(model, policy={Block}, backward_prefetch=backward_prefetch, **kwargs)
     units = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel) and m is not root]
@@ -226,14 +231,30 @@ def _train_deep(
     FullyShardedDataParallel._rebuild_full_params = rebuild  # type: ignore[method-assign]
     FullyShardedDataParallel._post_backward_hook = hook  # type: ignore[method-assign]
     prefetch.OVERLAP_ON_CPU = overlap  # read when the root sets up, in its first forward
+    real_exchanges = {kind: getattr(exchanges, kind) for kind in ("all_gather", "reduce_scatter")}
+
+    def counted(kind: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.exchanges[kind] = seen.exchanges.get(kind, 0) + 1
+            return real_exchanges[kind](*args, **kwargs)
+
+        return call
+
+    for kind in real_exchanges:
+        setattr(exchanges, kind, counted(kind))
     try:
-        for batch in batches(3):
-            seen.hook_calls.append(0)
-            step(root, optimizer, rank_batch(batch, rank, world_size))
-        with torch.no_grad():
-            root(rank_batch(batches(1)[0], rank, world_size)[0])
+        with collectives.recording_traffic() as transfers:
+            for batch in batches(3):
+                seen.hook_calls.append(0)
+                step(root, optimizer, rank_batch(batch, rank, world_size))
+            with torch.no_grad():
+                root(rank_batch(batches(1)[0], rank, world_size)[0])
+        for transfer in transfers:
+            seen.collectives[transfer.kind] = seen.collectives.get(transfer.kind, 0) + 1
         seen.pending_after_no_grad_forward = root._prefetcher is not None and root._prefetcher._pending is not None
     finally:
+        for kind, function in real_exchanges.items():
+            setattr(exchanges, kind, function)
         FullyShardedDataParallel._rebuild_full_params = real_rebuild  # type: ignore[method-assign]
         FullyShardedDataParallel._post_backward_hook = real_hook  # type: ignore[method-assign]
         prefetch.OVERLAP_ON_CPU = True
@@ -248,7 +269,8 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     the async reducer."""
     synchronous, seen_sync = _train_deep(rank, world_size, overlap=False)
     out: dict[str, Any] = {
-        "reducer_sync": type(synchronous._reducer).__name__, "modes": {}, "served_sync": seen_sync.served
+        "reducer_sync": type(synchronous._reducer).__name__, "modes": {}, "served_sync": seen_sync.served,
+        "exchanges_sync": seen_sync.exchanges,
     }
     reference = parameters_of(unwrap_module(synchronous))
     for mode in prefetch.BACKWARD_MODES:
@@ -290,7 +312,34 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         prefetch.PIECE_BYTES = piece_bytes
     out["async_reduce_scatter"] = (reduced, plain, done_before_flush)
+    out["exchanges"] = exchange_checks(rank, world_size)
     return out
+
+
+def exchange_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """An exchange all-gather and an exchange reduce-scatter in flight together (the reduction waited for first),
+    against the concatenation and the rank-order sum of every rank's tensors, rebuilt here from their seeds."""
+
+    def tensors_of(r: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        g = torch.Generator().manual_seed(300 + r)
+        return torch.randn(5, generator=g), [torch.randn(3, generator=g) for _ in range(world_size)]
+
+    shard, chunks = tensors_of(rank)
+    gathered, reduced = torch.full((5 * world_size,), float("nan")), torch.empty(3)
+    gathering = exchanges.all_gather(gathered, shard)
+    reducing = exchanges.reduce_scatter(reduced, chunks)
+    reducing.wait()
+    gathering.wait()
+    everyone = [tensors_of(r) for r in range(world_size)]
+    in_rank_order = everyone[0][1][rank].clone()
+    for r in range(1, world_size):
+        in_rank_order += everyone[r][1][rank]
+    plain = torch.empty(3)
+    dist.reduce_scatter(plain, chunks)
+    return {
+        "gathered": (gathered, torch.cat([s for s, _ in everyone])),
+        "reduced": (reduced, in_rank_order, plain),
+    }
 
 
 def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
@@ -586,6 +635,13 @@ def test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones(ranks
         served = (checks["seen"]["served"], result["prefetch"]["served_sync"])
         assert served == (SERVED[mode], 0), f"rank {rank}: {served}"
         assert not checks["seen"]["pending_after_no_grad_forward"], "a forward without gradients left a unit gathered"
+        # Every all-gather of the units is an exchange; so is every reduce-scatter between 2 ranks (beyond, gloo's
+        # reduce-scatter in pieces). The synchronous path is FairScale's own, by gloo's collectives.
+        counts, exchanged = checks["seen"]["collectives"], checks["seen"]["exchanges"]
+        assert counts["all_gather"] == exchanged["all_gather"] > 0, f"rank {rank}: {counts} {exchanged}"
+        exchanged_reductions = counts["reduce_scatter"] if len(ranks) == 2 else 0
+        assert exchanged.get("reduce_scatter", 0) == exchanged_reductions > 0 or len(ranks) > 2, exchanged
+        assert result["prefetch"]["exchanges_sync"] == {}, "the synchronous path exchanged"
         overlapped, synchronous = checks["parameters"]
         assert overlapped.keys() == synchronous.keys()
         for name in overlapped:
@@ -657,3 +713,13 @@ def test_async_reducer_reduces_like_plain_reduce_scatters_one_at_a_time(ranks: l
         rtol = 0.0 if len(ranks) == 2 else 2**-22
         for got, want in zip(reduced, plain):
             torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+
+
+def test_exchanges_gather_and_reduce_as_gloos_collectives_with_both_in_flight(ranks: list[Any]) -> None:
+    for result in ranks:
+        gathered, expected = result["prefetch"]["exchanges"]["gathered"]
+        assert torch.equal(gathered, expected)
+        reduced, in_rank_order, plain = result["prefetch"]["exchanges"]["reduced"]
+        assert torch.equal(reduced, in_rank_order)  # the ranks' terms added in rank order
+        # gloo adds them in an order of its own: the same bits on 2 ranks (a sum of two terms), a last bit apart on 3
+        torch.testing.assert_close(reduced, plain, rtol=0, atol=0 if len(ranks) == 2 else 2**-21)

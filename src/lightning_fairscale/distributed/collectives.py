@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fairscale.distributed import exchanges
+
 __all__ = [
     "all_agree",
     "all_gather_object",
@@ -235,7 +237,9 @@ _RECORDED: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
 def recording_traffic() -> Iterator[list[Transfer]]:
     """Record the all-gathers, reduce-scatters and all-reduces that this process runs through ``torch.distributed``
     while inside: this package's, FairScale's (FSDP's parameter all-gathers and gradient reduce-scatters) and DDP's
-    when its communication hook calls ``torch.distributed.all_reduce``. Yields the list the calls are appended to.
+    when its communication hook calls ``torch.distributed.all_reduce``; and the exchanges of
+    :mod:`~lightning_fairscale.distributed.exchanges` (FSDP's units on CPU), each as the collective it replaces.
+    Yields the list the calls are appended to.
 
     A measurement tool (``benchmarks/hybrid_traffic.py`` models the bytes each rank sends with it): while it is
     active, those functions of ``torch.distributed`` are wrapped; a collective that calls another (``_all_gather_base``
@@ -263,10 +267,27 @@ def recording_traffic() -> Iterator[list[Transfer]]:
 
         return call
 
+    exchanged: dict[str, Callable[..., Any]] = {
+        "all_gather": exchanges.all_gather, "reduce_scatter": exchanges.reduce_scatter
+    }
+
+    def exchange(kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def call(output: Tensor, inputs: Any, group: Any = None) -> Any:
+            payload = _nbytes(output) if kind == "all_gather" else sum(_nbytes(t) for t in inputs)
+            transfers.append(Transfer(kind, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), payload))
+            return function(output, inputs, group=group)
+
+        return call
+
     for name, function in originals.items():
         setattr(dist, name, recorded(name, function))
+    for kind, function in exchanged.items():
+        setattr(exchanges, kind, exchange(kind, function))
     try:
         yield transfers
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)
+        for kind, function in exchanged.items():
+            setattr(exchanges, kind, function)

@@ -4,7 +4,9 @@
 FairScale overlaps its all-gathers and reduce-scatters with the computation on CUDA streams. On a CPU there are no
 streams (:mod:`~lightning_fairscale.fsdp.cpu_streams` makes them no-ops), so every collective ran synchronously: a
 unit's forward or backward waited for its own all-gather, and each reduce-scatter bucket for its flush. gloo runs
-asynchronous collectives on threads of its own; two objects use them here, for the units of a root on CPU:
+asynchronous work on threads of its own; two objects use it here, for the units of a root on CPU, through the
+exchanges of :mod:`~lightning_fairscale.distributed.exchanges` (point-to-point messages straight from and into the
+tensors, which take a fraction of the time of gloo's own collectives):
 
 * :class:`Prefetcher` starts the all-gather of the unit that comes next as asynchronous gloo work, so that the next
   unit waits for it instead of gathering. In the forward, while the current unit computes. In the backward, as
@@ -16,17 +18,20 @@ asynchronous collectives on threads of its own; two objects use them here, for t
   ``"BACKWARD_PRE"`` before the current unit's backward, overlapping it with the computation, and the reduce-scatter
   in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
   ``None``: the backward's collectives are synchronous. At most one unit is prefetched at a time: a rank holds at
-  most two units' full parameters (the one computing, the one arriving), plus the root's. Units that keep their
-  shards elsewhere or share parameters are gathered by FairScale, synchronously (:func:`can_prefetch`).
+  most two units' full parameters (the one computing, the one arriving), plus the root's. A unit that nothing
+  gathered ahead (the root, the forward's first unit) is gathered by an exchange when FairScale would gather it.
+  Units that keep their shards elsewhere or share parameters are gathered by FairScale, synchronously
+  (:func:`can_prefetch`).
 * :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
-  asynchronously, straight from the gradient (no bucket to copy it into), in pieces of :data:`PIECE_BYTES` (gloo
-  copies a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small); at
-  most one reduction is in flight, and all are done when the backward ends.
+  asynchronously, straight from the gradient (no bucket to copy it into): between 2 ranks by an exchange, which
+  receives the peer's chunk into the result itself; beyond, by gloo in pieces of :data:`PIECE_BYTES` (gloo copies
+  a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small). At most one
+  reduction is in flight, and all are done when the backward ends.
 
 The results are the same bits as the synchronous collectives' on two ranks (each element of a sum of two terms is the
-same in any order): the same operations on the same tensors, only started earlier and waited for later. The order of
-collectives on each process group is the same on every rank (it follows the model's forward order, recorded in the
-previous forward), as gloo requires. The CUDA path does not use them.
+same in any order): the same values on the same tensors, only started earlier and waited for later. The order of
+collectives and exchanges on each process group is the same on every rank (it follows the model's forward order,
+recorded in the previous forward), as gloo requires. The CUDA path does not use them.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fairscale.distributed import collectives
+from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.distributed.torch_private import in_backward
 
 __all__ = [
@@ -62,9 +67,9 @@ OVERLAP_ON_CPU = True
 #: unit's gradient is done, ``"BACKWARD_PRE"`` before its backward computes, ``None`` never.
 BACKWARD_MODES = ("BACKWARD_POST", "BACKWARD_PRE", None)
 
-#: The bytes of each rank's piece of a reduce-scatter (gloo's own buffer holds one piece per thread at a time).
+#: The bytes of each rank's piece of a reduce-scatter by gloo (beyond 2 ranks; gloo's own buffer holds one piece per
+#: thread at a time).
 PIECE_BYTES = 4 * 2**20
-
 
 def _holds_storage(tensor: Tensor) -> bool:
     return tensor.untyped_storage().size() > 0
@@ -211,7 +216,8 @@ class Prefetcher:
             # The gradient reduced while this unit was gathered is freed before the unit computes (but what fits the
             # synchronous path's bucket).
             self.reducer.settle()
-        self.settle(unit)
+        if not self.settle(unit):
+            self._gather_now(unit)
         result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
         if not backward or self.backward == "BACKWARD_PRE":
             self._start_next(unit, backward)
@@ -244,15 +250,31 @@ class Prefetcher:
             # One unit in flight at most; nothing to gather for a unit that holds (some of) its full parameters:
             # FairScale's own rebuild completes a partly freed one.
             return False
-        works, sources = [], []
-        for param in unit.params:
-            full = param._full_param_padded
-            _alloc_storage(full)
-            # Under mixed precision the full parameters are in the compute dtype: FairScale gathers the cast shard.
-            sources.append(param._fp32_shard.to(full.dtype))
-            works.append(collectives.all_gather_tensor(full, sources[-1], group=unit.process_group, async_op=True))
-        self._pending = (unit, works, sources)
+        self._pending = (unit, *_gather(unit))
         return True
+
+    def _gather_now(self, unit: Any) -> None:
+        """Gather ``unit``'s full parameters now, by exchanges, when FairScale would (synchronously, by gloo's slower
+        all-gather): a unit nobody gathered ahead (the root, the forward's first unit)."""
+        if unit.has_full_params or not can_prefetch(unit) or _still_gathered(unit):
+            return
+        works, _ = _gather(unit)
+        for work in works:
+            work.wait()
+        unit.has_full_params = True
+
+
+def _gather(unit: Any) -> tuple[list[Any], list[Tensor]]:
+    """Start gathering ``unit``'s full parameters (:func:`can_prefetch`) into their ``_full_param_padded``: the
+    exchanges' handles, and the shards they read (kept alive until waited for)."""
+    works, sources = [], []
+    for param in unit.params:
+        full = param._full_param_padded
+        _alloc_storage(full)
+        # Under mixed precision the full parameters are in the compute dtype: FairScale gathers the cast shard.
+        sources.append(param._fp32_shard.to(full.dtype))
+        works.append(exchanges.all_gather(full, sources[-1], group=unit.process_group))
+    return works, sources
 
 
 def _still_gathered(unit: Any) -> bool:
@@ -293,10 +315,15 @@ class AsyncReduceScatter:
         while self._in_flight and len(self._in_flight) >= self.max_in_flight:
             self._complete_oldest()
         output = torch.empty_like(input_list[0])
-        works = [
-            dist.reduce_scatter(output[piece], [chunk[piece] for chunk in input_list], group=group, async_op=True)
-            for piece in pieces(output.numel(), output.element_size())
-        ]
+        if len(input_list) == 2 and exchanges.usable(group, output, *input_list):
+            # Between 2 ranks an exchange receives the peer's chunk into `output` itself: no buffer at all. Beyond,
+            # it would hold N - 2 received chunks at once, where gloo's pieces hold a few pieces.
+            works: list[Any] = [exchanges.reduce_scatter(output, input_list, group=group)]
+        else:
+            works = [
+                dist.reduce_scatter(output[piece], [chunk[piece] for chunk in input_list], group=group, async_op=True)
+                for piece in pieces(output.numel(), output.element_size())
+            ]
         # The inputs stay referenced until their reduction is waited for: gloo reads them on its own threads.
         size = sum(chunk.numel() * chunk.element_size() for chunk in input_list)
         self._in_flight.append((works, output, input_list, size, callback_fn))

@@ -102,13 +102,13 @@ The workarounds, and why each is needed:
     (``AssertionError: 0 vs. 1``): no full ``state_dict()``, full checkpoint or ``unshard_module()`` after
     training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
-16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously.
-    On CPU with gloo, a root's units gather the next unit's parameters while the current one computes its forward;
-    in the backward, by default, the next unit's all-gather runs alongside the current unit's reduce-scatter (in
-    pieces, asynchronously), both finished before the next unit computes, so the backward's peak is the synchronous
+16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously,
+    by gloo's slow collectives. On CPU with gloo, a root's units gather the next unit's parameters while the current
+    one computes its forward; in the backward, by default, the next unit's all-gather runs alongside the current
+    unit's reduce-scatter, both finished before the next unit computes, so the backward's peak is the synchronous
     one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too
-    (:mod:`~lightning_fairscale.fsdp.prefetch`: at most one unit gathered ahead and one reduction in flight). Same
-    results; the CUDA path is unchanged.
+    (:mod:`~lightning_fairscale.fsdp.prefetch`: one unit gathered ahead, one reduction in flight at most), by
+    point-to-point exchanges (:mod:`~lightning_fairscale.distributed.exchanges`). Same results; CUDA unchanged.
 17. **The model's own parameters (all devices).** FairScale deletes a unit's parameters from their modules and
     leaves stale views of the full flat parameter in their place (freed memory between steps), and
     ``model.parameters()`` gives its flat parameters. As torch FSDP's ``use_orig_params=True``, each original
