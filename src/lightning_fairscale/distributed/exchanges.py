@@ -1,19 +1,19 @@
 """All-gathers and reduce-scatters of CPU tensors over gloo, as direct exchanges between the ranks.
 
-Why: gloo's own ``all_gather_into_tensor`` and ``reduce_scatter`` stage their tensors through buffers of their own
-(the reduce-scatter copies its whole input) and run algorithms meant for many ranks. Between a few ranks of one
-machine that is most of their cost. Measured on 2 cores, 2 ranks, 1 thread each (torch 2.13, one collective at a
-time, ms per call): for a 1.58 MB shard (one layer of ``benchmarks/speed.py``'s small model) gloo's all-gather takes
-2.8-3.2 ms and its reduce-scatter 4.8-5.6 ms, the exchanges here 1.7 and 1.1-2.5 ms; for a 9.4 MB shard (the whole
-small model) 11.0 and 17.1 ms against 7.1 and 8.3 ms. ``dist.all_reduce`` of the same gradient (DDP's collective)
-takes 2.8-4.2 and 12.8 ms.
+Why: gloo's own ``all_gather_single`` and ``reduce_scatter`` stage their tensors through buffers of their own (the
+reduce-scatter copies its whole input) and run algorithms meant for many ranks. Between a few ranks of one machine
+that is most of their cost. ``benchmarks/collectives.py`` measures one collective alone on 2 cores, 2 ranks, 1 thread
+each (torch 2.13): for a 1.58 MB shard (one layer of ``benchmarks/speed.py``'s small model) gloo's all-gather took
+2.43 ms and its reduce-scatter 3.70 ms, the exchanges here 1.31 and 1.70 ms; for a 9.5 MB shard (the whole small
+model) 10.3 and 18.0 ms against 6.2 and 6.3 ms, where ``dist.all_reduce`` of the same gradient (DDP's collective)
+took 12.3 ms.
 
 An exchange is ``dist.isend``/``dist.irecv`` between every pair of ranks, straight from and into the tensors' memory
 (gloo sends and receives unbound buffers over it: no staging copy). Each rank sends ``N - 1`` chunks and receives
 ``N - 1``, the bytes of gloo's ring algorithms. A reduce-scatter sums what it received on the caller's thread when it
-is waited for: into ``output``, the first peer's chunk plus the others in rank order (its own included); on 2 ranks
-that is ``a + b``, the same bits as gloo's sum (addition of two terms commutes). Beyond 2 ranks the order of the
-sum may differ from gloo's in the last bit.
+is waited for, in rank order (rank 0's chunk plus rank 1's, and so on; the first peer's arrives in ``output``
+itself). On 2 ranks that is ``a + b``, the same bits as gloo's sum (addition of two terms commutes); beyond, gloo
+adds in an order of its own, and a result may differ from its in the last bit.
 
 Both return a handle whose ``wait()`` completes the collective, so they start asynchronous work as gloo's collectives
 with ``async_op=True`` do. Each kind has its own tag: a gather and a reduction in flight together between the same
