@@ -39,6 +39,10 @@ Run it from the project's root (about 30 minutes on 2 busy cores; ``--quick``: o
     .venv/bin/python benchmarks/speed.py                # or: make bench BENCHMARKS=speed
     .venv/bin/python benchmarks/speed.py --quick
 
+``--before SRC`` (the ``src`` folder of an earlier commit, e.g. ``git archive <commit> src | tar -x -C /tmp/before``)
+adds ours and ``SHARD_GRAD_OP`` with that engine (``PYTHONPATH=SRC``) to the rounds and the breakdown, right after
+the current ones, and their ratios to the table: the before and after of a change, in one run.
+
 It writes ``benchmarks/results/speed.md``. Targets (issue 35, :data:`TARGETS`), reported in one table with each
 round's ratio and never failed: ours at most 1.05x ``"ddp"`` and 1.0x PyTorch's FSDP loop, ``SHARD_GRAD_OP`` at most
 1.0x ``"ddp"``.
@@ -93,14 +97,18 @@ IMPLEMENTATIONS: dict[str, str] = {
     "ddp_sharded": '`strategy="ddp_sharded"` (Trainer)',
     "ours-compiled": "`DDPFullyShardedStrategy` (Trainer), `trainer.fit(torch.compile(model))`",
     "ddp-compiled": 'Lightning `strategy="ddp"` (Trainer), `trainer.fit(torch.compile(model))`',
+    "ours-before": "`DDPFullyShardedStrategy` (Trainer), the engine of `--before`",
+    "ours-sgo-before": '`DDPFullyShardedStrategy(sharding_strategy="SHARD_GRAD_OP")` (Trainer), engine of `--before`',
 }
+#: The implementations run with another engine (``--before SRC``: ``PYTHONPATH=SRC``), and the ones they stand for.
+BEFORE = {"ours-before": "ours", "ours-sgo-before": "ours-sgo"}
 #: The ``torch.compile`` backend of the compiled implementations (``--compile-backend``; inductor: torch's default).
 COMPILE_BACKEND = os.environ.get("BENCH_COMPILE_BACKEND", "inductor")
 #: Each compiled implementation and the eager one it is compared with.
 COMPILED = {"ours-compiled": "ours", "ddp-compiled": "ddp"}
-LIGHTNING = ("ours", "ours-sync", "ours-sgo", "ddp", "ddp_sharded", "ours-compiled", "ddp-compiled")
+LIGHTNING = ("ours", "ours-sync", "ours-sgo", "ddp", "ddp_sharded", "ours-compiled", "ddp-compiled", *BEFORE)
 #: The implementations of the breakdown (one timed launch each).
-BREAKDOWN_IMPLEMENTATIONS = ("ours", "ours-sync", "ours-sgo", "fairscale-loop", "torch-fsdp-loop", "ddp")
+BREAKDOWN_IMPLEMENTATIONS = ("ours", "ours-sync", "ours-sgo", "fairscale-loop", "torch-fsdp-loop", "ddp", *BEFORE)
 #: Issue 35's targets: each (implementation, the one it is compared with, the largest ratio of step times).
 TARGETS = (("ours", "ddp", 1.05), ("ours", "torch-fsdp-loop", 1.0), ("ours-sgo", "ddp", 1.0))
 
@@ -295,18 +303,22 @@ def install_timers() -> None:
         owner = getattr(owner, class_name, None) if class_name else owner
         if owner is not None and attribute in vars(owner):
             setattr(owner, attribute, TIMERS.wrap("hooks", getattr(owner, attribute)))
-    # The exchanges that replace gloo's all-gathers and reduce-scatters on CPU: their start and their wait.
-    from lightning_fairscale.distributed import exchanges
+    # The exchanges that replace gloo's all-gathers and reduce-scatters on CPU: their start and their wait (an engine
+    # of `--before` may have none).
+    try:
+        from lightning_fairscale.distributed import exchanges
+    except ImportError:
+        exchanges = None
+    if exchanges is not None:
+        for kind, part in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter")):
+            setattr(exchanges, kind, TIMERS.wrap(part, getattr(exchanges, kind)))
+        exchange_wait = exchanges.Exchange.wait
 
-    for kind, part in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter")):
-        setattr(exchanges, kind, TIMERS.wrap(part, getattr(exchanges, kind)))
-    exchange_wait = exchanges.Exchange.wait
+        def timed_wait(self: Any) -> bool:
+            with TIMERS.section("all-gather" if self.kind == "all_gather" else "reduce-scatter"):
+                return exchange_wait(self)
 
-    def timed_wait(self: Any) -> bool:
-        with TIMERS.section("all-gather" if self.kind == "all_gather" else "reduce-scatter"):
-            return exchange_wait(self)
-
-    exchanges.Exchange.wait = timed_wait  # type: ignore[method-assign]
+        exchanges.Exchange.wait = timed_wait  # type: ignore[method-assign]
     original_backward = torch.Tensor.backward
     torch.Tensor.backward = TIMERS.wrap("backward", original_backward)  # type: ignore[method-assign]
     torch.optim.Adam.step = TIMERS.wrap("optimizer", torch.optim.Adam.step)  # type: ignore[method-assign]
@@ -359,6 +371,7 @@ class _TimedEncoder(Encoder):
 
 
 def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: int, out: Path) -> None:
+    impl = BEFORE.get(impl, impl)  # the engine is the one on PYTHONPATH
     torch.manual_seed(0)
     compiled = impl in COMPILED
     # A compiled model has no timers in its step (dynamo would break its graph at them under "ddp").
@@ -492,6 +505,8 @@ def launch(impl: str, size: str, args: argparse.Namespace, work: Path, tag: str,
     """One fresh launch of ``impl`` on ``size``: its step time (median, slowest rank), peaks, timers per step."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    if impl in BEFORE:
+        env["PYTHONPATH"] = str(args.before)
     worker = [f"--worker={impl}", f"--size={size}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
     if breakdown:
         worker.append("--breakdown")
@@ -616,6 +631,12 @@ def _ratio_lines(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[st
             rounds = ", ".join(f"{a['step'] / b['step']:.3f}" for a, b in zip(mine, theirs))
             verdict = "PASS" if median <= limit else "MISS"
             rows.append(f"| {size} | {impl} / {other} | {median:.3f}x | {rounds} | <= {limit:.2f}x | {verdict} |")
+        for before, current in BEFORE.items():  # what changed since --before (no target)
+            mine, theirs = by_impl.get(current), by_impl.get(before)
+            if mine and theirs:
+                median = statistics.median(r["step"] for r in mine) / statistics.median(r["step"] for r in theirs)
+                rounds = ", ".join(f"{a['step'] / b['step']:.3f}" for a, b in zip(mine, theirs))
+                rows.append(f"| {size} | {current} / {before} | {median:.3f}x | {rounds} | -- | |")
     if not rows:
         return []
     return [
@@ -647,7 +668,10 @@ def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
-    parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), default=list(IMPLEMENTATIONS))
+    current = [impl for impl in IMPLEMENTATIONS if impl not in BEFORE]
+    parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), default=current)
+    parser.add_argument("--before", type=Path, help="the src folder of an earlier engine (git archive): adds ours"
+                        " and ours-sgo with it (ours-before, ours-sgo-before) to the rounds and the breakdown")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -666,6 +690,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.rounds, args.sizes, args.warmup, args.steps, args.paired_steps = 1, ["small"], 2, 4, 4
         if args.output == OUTPUT:
             args.output = Path(tempfile.gettempdir()) / "speed-quick.md"
+    if args.before and not args.worker:
+        args.before = args.before.resolve()
+        for before, current in BEFORE.items():  # each right after the one it stands for
+            if before not in args.impls and current in args.impls:
+                args.impls.insert(args.impls.index(current) + 1, before)
+    args.impls = [i for i in args.impls if i not in BEFORE or args.before]
     total_steps = args.warmup + args.steps + 1
     os.environ["BENCH_COMPILE_BACKEND"] = args.compile_backend  # the workers read it (they inherit the environment)
 
