@@ -105,10 +105,10 @@ The workarounds, and why each is needed:
 16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously,
     by gloo's slow collectives. On CPU with gloo, a root's units gather the next unit's parameters while the current
     one computes its forward; in the backward, by default, the next unit's all-gather runs alongside the current
-    unit's reduce-scatter, both finished before the next unit computes, so the backward's peak is the synchronous
-    one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too
-    (:mod:`~lightning_fairscale.fsdp.prefetch`: one unit gathered ahead, one reduction in flight at most), by
-    point-to-point exchanges (:mod:`~lightning_fairscale.distributed.exchanges`). Same results; CUDA unchanged.
+    unit's reduce-scatter, both finished before the next unit computes (but gradients within the bucket's budget),
+    so the backward's peak is the synchronous one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the
+    computation too (:mod:`~lightning_fairscale.fsdp.prefetch`; one unit gathered ahead at most), by point-to-point
+    exchanges (:mod:`~lightning_fairscale.distributed.exchanges`). Same results; CUDA unchanged.
 17. **The model's own parameters (all devices).** FairScale deletes a unit's parameters from their modules and
     leaves stale views of the full flat parameter in their place (freed memory between steps), and
     ``model.parameters()`` gives its flat parameters. As torch FSDP's ``use_orig_params=True``, each original
