@@ -51,7 +51,7 @@ def _calls(numel: int) -> dict[str, Callable[[], Any]]:
     full, reduced = torch.randn(WORLD_SIZE * numel), torch.empty(numel)
     chunks = list(full.chunk(WORLD_SIZE))
     return {
-        "gloo all-gather": lambda: collectives.all_gather_tensor(gathered, shard),
+        "gloo all-gather": lambda: collectives.current_name("all_gather_into_tensor")(gathered, shard),
         "exchange all-gather": lambda: exchanges.all_gather(gathered, shard).wait(),
         "gloo reduce-scatter": lambda: collectives.reduce_scatter_tensor(reduced, full),
         "exchange reduce-scatter": lambda: exchanges.reduce_scatter(reduced, chunks).wait(),

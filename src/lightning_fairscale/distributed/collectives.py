@@ -13,7 +13,8 @@ collective of this package goes through the functions here, which
 Object collectives (``all_gather_object``) need nothing of this: PyTorch serialises the object into a tensor on the
 group's device itself. They are here too, so that this module is the one list of our collectives. Collectives of
 FairScale (FSDP's all-gathers and reduce-scatters, OSS's consolidation) and of Lightning (``barrier``,
-``reduce_boolean_decision``) choose their devices themselves.
+``reduce_boolean_decision``) choose their devices themselves. FSDP's units on CPU move their parameters and gradients
+by the point-to-point exchanges of :mod:`~lightning_fairscale.distributed.exchanges` (gloo only: nothing to move).
 
 This module does not import Lightning: both Lightning packages share it.
 """
@@ -36,7 +37,6 @@ from lightning_fairscale.distributed import exchanges
 __all__ = [
     "all_agree",
     "all_gather_object",
-    "all_gather_tensor",
     "all_reduce",
     "all_reduced_bytes",
     "forget_group",
@@ -172,13 +172,6 @@ def current_name(name: str) -> Callable[..., Any]:
         if function is not None:
             return function
     raise AttributeError(f"torch.distributed has no {name} (nor any newer name of it)")
-
-
-def all_gather_tensor(output: Tensor, input: Tensor, group: Any = None, async_op: bool = False) -> Any:
-    """Every rank's ``input`` (all of one size) into ``output``, their concatenation: torch's
-    ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13). Tensors where they are (gloo); returns the
-    work handle with ``async_op``."""
-    return current_name("all_gather_into_tensor")(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:

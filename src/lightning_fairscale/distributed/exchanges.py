@@ -96,8 +96,9 @@ def reduce_scatter(output: Tensor, chunks: list[Tensor], group: Any = None) -> E
     def finish() -> None:
         if not peers:  # a group of one
             output.copy_(chunks[me])
+            return
         for rank in range(world):
-            if peers and rank != peers[0]:
+            if rank != peers[0]:
                 output.add_(chunks[me] if rank == me else received[rank])
 
     return Exchange("reduce_scatter", works, finish)

@@ -71,6 +71,7 @@ BACKWARD_MODES = ("BACKWARD_POST", "BACKWARD_PRE", None)
 #: thread at a time).
 PIECE_BYTES = 4 * 2**20
 
+
 def _holds_storage(tensor: Tensor) -> bool:
     return tensor.untyped_storage().size() > 0
 
@@ -246,9 +247,7 @@ class Prefetcher:
         return 0 <= index < len(self.order) and self._start(self.order[index])
 
     def _start(self, unit: Any) -> bool:
-        if self._pending is not None or unit.has_full_params or not can_prefetch(unit) or _still_gathered(unit):
-            # One unit in flight at most; nothing to gather for a unit that holds (some of) its full parameters:
-            # FairScale's own rebuild completes a partly freed one.
+        if self._pending is not None or not _to_gather(unit):  # one unit in flight at most
             return False
         self._pending = (unit, *_gather(unit))
         return True
@@ -256,12 +255,18 @@ class Prefetcher:
     def _gather_now(self, unit: Any) -> None:
         """Gather ``unit``'s full parameters now, by exchanges, when FairScale would (synchronously, by gloo's slower
         all-gather): a unit nobody gathered ahead (the root, the forward's first unit)."""
-        if unit.has_full_params or not can_prefetch(unit) or _still_gathered(unit):
+        if not _to_gather(unit):
             return
         works, _ = _gather(unit)
         for work in works:
             work.wait()
         unit.has_full_params = True
+
+
+def _to_gather(unit: Any) -> bool:
+    """Whether this module gathers ``unit``'s full parameters: it can (:func:`can_prefetch`) and the unit holds none
+    of them (FairScale's own rebuild completes a partly freed one)."""
+    return not unit.has_full_params and can_prefetch(unit) and not _still_gathered(unit)
 
 
 def _gather(unit: Any) -> tuple[list[Any], list[Tensor]]:
