@@ -83,7 +83,7 @@ def test_fsdp_refuses_the_arguments_it_sets_itself_saying_what_to_use(name: str,
     ("name", "hint"),
     [
         ("limit_all_gathers", "no all-gather rate limiter"),
-        ("forward_prefetch", "the forward gathers the next unit ahead"),
+        ("forward_prefetch", "the forward gathers the next units ahead"),
         ("sync_module_states", "seed every rank alike"),
     ],
 )

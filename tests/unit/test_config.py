@@ -120,8 +120,8 @@ def test_the_config_is_frozen_and_a_changed_copy_is_checked_again() -> None:
          " sets it."),
         ({"fairscale_kwargs": {"limit_all_gathers": True}}, TypeError,
          "`DDPFullyShardedStrategy` does not take `limit_all_gathers`, an argument of torch's FSDP (Lightning's"
-         " FSDPStrategy): FairScale has no all-gather rate limiter (on CPU our units gather at most one unit ahead):"
-         " remove it."),
+         " FSDPStrategy): FairScale has no all-gather rate limiter (on CPU our forward gathers ahead what fits in"
+         " `bucket_cap_mb`, and at least the next unit): remove it."),
         ({"backward_prefetch": "AFTER"}, ValueError, "`backward_prefetch` must be torch's BackwardPrefetch"),
         ({"sharding_strategy": "NO_SHARD"}, ValueError, 'that is plain data parallel, use `strategy="ddp"`'),
         ({"device_mesh": (2, 2)}, ValueError, 'pass `sharding_strategy="HYBRID_SHARD"` with it'),

@@ -180,6 +180,8 @@ class _Overlap:
     layer's backward was about to compute; and whether anything was still gathered ahead after a no-grad forward."""
 
     holding: list[int] = dataclasses.field(default_factory=list)
+    #: In each forward, how many blocks held full parameters (gathered or arriving) once the root's were gathered.
+    at_forward_start: list[int] = dataclasses.field(default_factory=list)
     holding_backward: list[int] = dataclasses.field(default_factory=list)
     served: int = 0
     #: (reductions, bytes of gradients) in flight.
@@ -210,14 +212,16 @@ def _train_deep(
         real_hook(self, *args)
 
     def rebuild(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._prefetcher is not None and self._prefetcher._pending is not None:
-            seen.served += self._prefetcher._pending[0] is self
+        if self._prefetcher is not None:
+            seen.served += any(unit is self for unit, *_ in self._prefetcher._pending)
         result = real_rebuild(self, *args, **kwargs)
         full = [getattr(u.params[0], "_full_param_padded", None) for u in units]  # made at a unit's first forward
         holding = sum(f is not None and f.untyped_storage().size() > 0 for f in full)
         seen.holding.append(holding)
         if prefetch.in_backward():
             seen.holding_backward.append(holding)
+        elif self is root:
+            seen.at_forward_start.append(holding)
         return result
 
     def count_reductions(*unused: Any) -> None:
@@ -251,7 +255,7 @@ def _train_deep(
                 root(rank_batch(batches(1)[0], rank, world_size)[0])
         for transfer in transfers:
             seen.collectives[transfer.kind] = seen.collectives.get(transfer.kind, 0) + 1
-        seen.pending_after_no_grad_forward = root._prefetcher is not None and root._prefetcher._pending is not None
+        seen.pending_after_no_grad_forward = root._prefetcher is not None and bool(root._prefetcher._pending)
     finally:
         for kind, function in real_exchanges.items():
             setattr(exchanges, kind, function)
@@ -288,11 +292,16 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
         "served": seen.served,
         "parameters": (parameters_of(unwrap_module(overlapped)), parameters_of(unwrap_module(synchronous))),
     }
-    # Without a bucket's worth of budget, and under SHARD_GRAD_OP (units keep their full parameters).
-    out["no_budget_reducing"] = _train_deep(rank, world_size, overlap=True, bucket_cap_mb=0)[1].reducing
-    out["zero2_reducing"] = _train_deep(rank, world_size, overlap=True, reshard_after_forward=False, bucket_cap_mb=0)[
-        1
-    ].reducing
+    # Without a bucket's worth of budget, with two and a half blocks' worth, and under SHARD_GRAD_OP (units keep their
+    # full parameters).
+    no_budget = _train_deep(rank, world_size, overlap=True, bucket_cap_mb=0)[1]
+    zero2 = _train_deep(rank, world_size, overlap=True, reshard_after_forward=False, bucket_cap_mb=0)[1]
+    out["no_budget_reducing"], out["zero2_reducing"] = no_budget.reducing, zero2.reducing
+    block_bytes = 4 * math.ceil(sum(p.numel() for p in small_block().parameters()) / world_size) * world_size
+    middle = _train_deep(rank, world_size, overlap=True, bucket_cap_mb=2.5 * block_bytes / 2**20)[1]
+    out["ahead"] = {"none": no_budget.at_forward_start, "2.5 blocks": middle.at_forward_start,
+                    "zero2": zero2.at_forward_start}  # fmt: skip
+    out["most_holding_without_budget"] = max(no_budget.holding)
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
     g = torch.Generator().manual_seed(200 + rank)
     inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
@@ -656,14 +665,28 @@ def test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones(ranks
 
 
 @pytest.mark.parametrize(("mode", "in_backward"), [("BACKWARD_POST", 1), ("BACKWARD_PRE", 2), (None, 1)])
-def test_at_most_two_units_hold_full_parameters_while_prefetching(
+def test_the_backward_holds_at_most_two_units_full_parameters_while_prefetching(
     ranks: list[Any], mode: Any, in_backward: int
 ) -> None:
-    """Two in a forward (the one computing, the one arriving); in the backward, two only with BACKWARD_PRE."""
+    """In the backward, two units hold full parameters only with BACKWARD_PRE (the one computing, the one
+    arriving)."""
     for rank, result in enumerate(ranks):
         seen = result["prefetch"]["modes"][mode]["seen"]
-        assert max(seen["holding"]) == 2, f"rank {rank}: units holding full parameters: {seen['holding']}"
         assert max(seen["holding_backward"]) == in_backward, f"rank {rank}: {seen['holding_backward']}"
+
+
+def test_the_forward_gathers_ahead_the_units_that_fit_the_bucket_at_its_start(ranks: list[Any]) -> None:
+    """Once the root's parameters are gathered, the blocks ahead are on their way while their full parameters fit in
+    ``bucket_cap_mb`` (all five in the tests' 1 MiB, two in two and a half blocks' worth), and at least the next one
+    (without a budget: the one computing and the one arriving, two at most); under SHARD_GRAD_OP all five (they hold
+    them until the backward either way). The first forward has no recorded order: nothing ahead."""
+    expected = {"none": [0, 1, 1, 1], "2.5 blocks": [0, 2, 2, 2], "zero2": [0, 5, 5, 5]}
+    for rank, result in enumerate(ranks):
+        ahead = result["prefetch"]["ahead"]
+        assert ahead == expected, f"rank {rank}: {ahead}"
+        assert result["prefetch"]["most_holding_without_budget"] == 2, f"rank {rank}"
+        default = result["prefetch"]["modes"]["BACKWARD_POST"]["seen"]["at_forward_start"]
+        assert default == [0, 5, 5, 5], f"rank {rank}: {default}"
 
 
 @pytest.mark.parametrize("mode", prefetch.BACKWARD_MODES)

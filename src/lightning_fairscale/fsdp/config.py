@@ -66,10 +66,11 @@ _FSDP_ARGUMENTS = set(inspect.signature(_FairScaleFSDP.__init__).parameters) - {
 #: Arguments of Lightning's ``FSDPStrategy`` (for torch's FSDP) that FairScale has no equivalent of, and what to do.
 _TORCH_FSDP_ARGUMENTS = {
     "limit_all_gathers": (
-        "FairScale has no all-gather rate limiter (on CPU our units gather at most one unit ahead): remove it"
+        "FairScale has no all-gather rate limiter (on CPU our forward gathers ahead what fits in `bucket_cap_mb`,"
+        " and at least the next unit): remove it"
     ),
     "forward_prefetch": (
-        "on CPU the forward gathers the next unit ahead, and on CUDA FairScale's streams overlap the all-gathers:"
+        "on CPU the forward gathers the next units ahead, and on CUDA FairScale's streams overlap the all-gathers:"
         " remove it (`backward_prefetch` chooses the backward's)"
     ),
     "sync_module_states": (
@@ -111,7 +112,8 @@ class FullyShardedConfig:
             precision, whose gradients are fp16 or bf16).
         compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
             half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
-        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing. On CPU (gloo) also
+            what the forward may hold of the units it gathers ahead beyond the next one.
         min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
         state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
         auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes
@@ -155,8 +157,9 @@ class FullyShardedConfig:
             ``BackwardPrefetch`` or its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done,
             alongside its reduce-scatter (the peak memory of the synchronous backward); ``BACKWARD_PRE`` before the
             current unit's backward, which it overlaps (faster, about a unit's parameters and gradient more);
-            ``None``: no prefetch in the backward. The forward on CPU always gathers the next unit ahead. On CUDA,
-            FairScale's streams overlap the collectives and this is not used.
+            ``None``: no prefetch in the backward. The forward on CPU always gathers ahead (the next units that fit
+            in ``bucket_cap_mb``, at least one). On CUDA, FairScale's streams overlap the collectives and this is not
+            used.
         sync_each_batch: how gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``,
             Fabric's ``no_backward_sync``). ``False`` (default): FairScale's ``no_sync``, each rank keeps the full,
             unsharded gradient of every unit until the last micro-batch, which reduce-scatters it once (least

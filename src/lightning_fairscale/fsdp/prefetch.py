@@ -8,8 +8,11 @@ asynchronous work on threads of its own; two objects use it here, for the units 
 exchanges of :mod:`~lightning_fairscale.distributed.exchanges` (point-to-point messages straight from and into the
 tensors, which take a fraction of the time of gloo's own collectives):
 
-* :class:`Prefetcher` starts the all-gather of the unit that comes next as asynchronous gloo work, so that the next
-  unit waits for it instead of gathering. In the forward, while the current unit computes. In the backward, as
+* :class:`Prefetcher` starts the all-gather of the units that come next as asynchronous gloo work, so that they wait
+  for it instead of gathering. In the forward, while the current unit computes: the units after it, as many as fit
+  in the reduce-scatter bucket's ``bucket_cap_mb`` (and at least the next one), started before the current one is
+  waited for, so that the ranks meet once for all of them (with the default 25 MB, a model of small units is
+  gathered at the forward's start; a large unit is gathered one ahead, as before). In the backward, as
   the ``backward_prefetch`` mode says (:data:`BACKWARD_MODES`, torch's names): ``"BACKWARD_POST"`` (the default)
   when the current unit's gradient is done, alongside its reduce-scatter, both finished before the next unit
   computes (but gradients that fit the synchronous path's reduce-scatter bucket, ``bucket_cap_mb``, which go on),
@@ -17,9 +20,10 @@ tensors, which take a fraction of the time of gloo's own collectives):
   reduce-scatter overlaps the next unit's computation);
   ``"BACKWARD_PRE"`` before the current unit's backward, overlapping it with the computation, and the reduce-scatter
   in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
-  ``None``: the backward's collectives are synchronous. At most one unit is prefetched at a time: a rank holds at
-  most two units' full parameters (the one computing, the one arriving), plus the root's. A unit that nothing
-  gathered ahead (the root, the forward's first unit) is gathered by an exchange when FairScale would gather it.
+  ``None``: the backward's collectives are synchronous. The backward gathers one unit ahead at most: a rank holds
+  at most two units' full parameters there (the one computing, the one arriving), plus the root's; the forward,
+  beyond the next unit, no more than the bucket holds in the backward. A unit that nothing gathered ahead (the root,
+  the forward's first unit) is gathered by an exchange when FairScale would gather it.
   Units that keep their shards elsewhere or share parameters are gathered by FairScale, synchronously
   (:func:`can_prefetch`).
 * :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
@@ -110,7 +114,7 @@ def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple["As
 
 
 class Prefetcher:
-    """Gathers the next unit's full parameters ahead (one per root, shared by its units).
+    """Gathers the next units' full parameters ahead (one per root, shared by its units).
 
     The units call :meth:`rebuild` instead of FairScale's ``_rebuild_full_params`` (forward and backward),
     :meth:`after_post_backward` after their post-backward hook, :meth:`settle` before they free their full
@@ -133,8 +137,9 @@ class Prefetcher:
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
         self._recording: Optional[list[Any]] = None
-        #: The unit gathered ahead, its all-gathers' handles, and the shards they read (in the compute dtype).
-        self._pending: Optional[tuple[Any, list[Any], list[Tensor]]] = None
+        #: The units gathered ahead, in the order they started: each with its exchanges' handles and the shards they
+        #: read (in the compute dtype).
+        self._pending: list[tuple[Any, list[Any], list[Tensor]]] = []
         #: The forward's last unit, whose full parameters its forward kept for its backward (:meth:`keeps`).
         self._kept: Optional[Any] = None
 
@@ -158,7 +163,7 @@ class Prefetcher:
         """The root's backward begins: in the ``"BACKWARD_PRE"`` mode the backward's first unit (the forward's last)
         starts gathering while the root's last layers compute their gradients. (Not in the ``"BACKWARD_POST"``
         mode: the synchronous backward holds no unit's full parameters there.)"""
-        if self.backward == "BACKWARD_PRE" and self.order:
+        if self.backward == "BACKWARD_PRE" and self.order and not self._pending:
             self._start(self.order[-1])
 
     def keeps(self, unit: Any) -> bool:
@@ -173,7 +178,7 @@ class Prefetcher:
             and self.order[-1] is unit
             and torch.is_grad_enabled()
             and not in_backward()
-            and self._pending is None
+            and not self._pending
             and can_prefetch(unit)
         )
         if keep:
@@ -189,18 +194,18 @@ class Prefetcher:
 
     def pass_ended(self) -> None:
         """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""
-        if self._pending is not None:
-            unit = self._pending[0]
+        while self._pending:
+            unit = self._pending[0][0]
             self.settle(unit)
             unit._free_full_params()
 
     def settle(self, unit: Any) -> bool:
         """Wait for ``unit``'s prefetched all-gathers, if any; then its full parameters are complete. Returns
         whether there were any."""
-        if self._pending is None or self._pending[0] is not unit:
+        index = next((i for i, (pending, *_) in enumerate(self._pending) if pending is unit), None)
+        if index is None:
             return False
-        works = self._pending[1]
-        self._pending = None
+        works = self._pending.pop(index)[1]
         for work in works:
             work.wait()
         unit.has_full_params = True
@@ -208,8 +213,8 @@ class Prefetcher:
 
     def rebuild(self, unit: Any, rebuild: Callable[[], Any]) -> Any:
         """FairScale's ``rebuild()`` of ``unit``'s full parameters, from its prefetched all-gathers if there are
-        any; then, in the forward (and in the backward's ``"BACKWARD_PRE"`` mode), the next unit's all-gathers
-        start."""
+        any. In the forward, the units ahead start gathering first (:meth:`_start_next`); in the backward's
+        ``"BACKWARD_PRE"`` mode the unit before it once its parameters are there."""
         backward = in_backward()
         if self._recording is not None and not backward:
             self._recording.append(unit)
@@ -217,10 +222,15 @@ class Prefetcher:
             # The gradient reduced while this unit was gathered is freed before the unit computes (but what fits the
             # synchronous path's bucket).
             self.reducer.settle()
+        if not backward:
+            # The units ahead start gathering before this one is waited for (and this one with them, if nobody
+            # gathered it ahead): the ranks meet once for all of them.
+            self._start(unit)
+            self._start_next(unit, backward)
         if not self.settle(unit):
             self._gather_now(unit)
         result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
-        if not backward or self.backward == "BACKWARD_PRE":
+        if backward and self.backward == "BACKWARD_PRE":
             self._start_next(unit, backward)
         return result
 
@@ -239,17 +249,39 @@ class Prefetcher:
             self.reducer.settle()
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
-        """Start gathering the unit after ``unit`` in the last forward's order (before it, in a backward); whether
-        it started."""
+        """Start gathering ahead of ``unit`` in the last forward's order; whether anything started. In a backward, the
+        unit before it, if no other is in flight. In a forward, the units after it, in order, as long as the full
+        parameters gathered ahead fit in the reducer's ``budget_bytes`` (the synchronous backward's reduce-scatter
+        bucket, FairScale's ``bucket_cap_mb``), and at least the next one. Units that keep their full parameters
+        from their forward to their backward (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing
+        against it: they hold them at the backward's start either way."""
         if unit not in self.order:
             return False
-        index = self.order.index(unit) + (-1 if backward else 1)
-        return 0 <= index < len(self.order) and self._start(self.order[index])
+        index = self.order.index(unit)
+        if backward:
+            return index > 0 and not self._pending and self._start(self.order[index - 1])
+        ahead = [pending for pending, *_ in self._pending if pending is not unit]
+        spent = sum(_ahead_bytes(pending) for pending in ahead)
+        started = False
+        for following in self.order[index + 1 :]:
+            if self._is_pending(following):
+                continue
+            cost = _ahead_bytes(following)
+            if (ahead or started) and spent + cost > self.reducer.budget_bytes:
+                break
+            if not self._start(following):
+                break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
+            spent, started = spent + cost, True
+        return started
+
+    def _is_pending(self, unit: Any) -> bool:
+        return any(pending is unit for pending, *_ in self._pending)
 
     def _start(self, unit: Any) -> bool:
-        if self._pending is not None or not _to_gather(unit):  # one unit in flight at most
+        """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""
+        if self._is_pending(unit) or not _to_gather(unit):
             return False
-        self._pending = (unit, *_gather(unit))
+        self._pending.append((unit, *_gather(unit)))
         return True
 
     def _gather_now(self, unit: Any) -> None:
@@ -280,6 +312,15 @@ def _gather(unit: Any) -> tuple[list[Any], list[Tensor]]:
         sources.append(param._fp32_shard.to(full.dtype))
         works.append(exchanges.all_gather(full, sources[-1], group=unit.process_group))
     return works, sources
+
+
+def _ahead_bytes(unit: Any) -> int:
+    """The bytes that gathering ``unit`` ahead of its forward holds beyond the synchronous path: its full parameters',
+    none for a unit that keeps them from its forward to its backward."""
+    if not unit.reshard_after_forward:
+        return 0
+    full = [p._full_param_padded for p in unit.params if hasattr(p, "_full_param_padded")]
+    return sum(f.numel() * f.element_size() for f in full)
 
 
 def _still_gathered(unit: Any) -> bool:

@@ -103,8 +103,9 @@ The workarounds, and why each is needed:
     training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
 16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously,
-    by gloo's slow collectives. On CPU with gloo, a root's units gather the next unit's parameters while the current
-    one computes its forward; in the backward, by default, the next unit's all-gather runs alongside the current
+    by gloo's slow collectives. On CPU with gloo, a root's units gather the next units' parameters (as many as fit in
+    ``bucket_cap_mb``, at least one) while the current one computes its forward; in the backward, by default, the
+    next unit's all-gather runs alongside the current
     unit's reduce-scatter, both finished before the next unit computes (but gradients within the bucket's budget),
     so the backward's peak is the synchronous one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the
     computation too (:mod:`~lightning_fairscale.fsdp.prefetch`; one unit gathered ahead at most), by point-to-point
