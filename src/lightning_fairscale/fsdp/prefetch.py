@@ -93,14 +93,22 @@ def can_prefetch(unit: Any) -> bool:
     module does asynchronously)."""
     if unit.compute_device.type != "cpu" or unit.move_params_to_cpu:
         return False
-    if unit._has_shared_params or not unit.params:
-        return False
-    try:
-        if dist.get_backend(unit.process_group) != "gloo":
-            return False
-    except (RuntimeError, ValueError, AttributeError):
+    if unit._has_shared_params or not unit.params or not _over_gloo(unit):
         return False
     return all(getattr(p, "_is_sharded", False) and hasattr(p, "_full_param_padded") for p in unit.params)
+
+
+def _over_gloo(unit: Any) -> bool:
+    """Whether ``unit`` gathers over a gloo group; asked of torch once per unit (every gather asks, and a unit's group
+    is set for its life)."""
+    over_gloo = unit.__dict__.get("_gathers_over_gloo")
+    if over_gloo is None:
+        try:
+            over_gloo = dist.get_backend(unit.process_group) == "gloo"
+        except (RuntimeError, ValueError, AttributeError):
+            return False  # asked again next time: a group torch does not know (yet)
+        unit.__dict__["_gathers_over_gloo"] = over_gloo
+    return bool(over_gloo)
 
 
 def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple["AsyncReduceScatter", "Prefetcher"]:
