@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -26,6 +27,7 @@ from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 from lightning_fairscale.fsdp.optim_state import describe_layout
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.strategies._lost_ranks import is_collective_failure
 
 from .helpers import (
     IN_FEATURES,
@@ -348,7 +350,26 @@ def exchange_checks(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "gathered": (gathered, torch.cat([s for s, _ in everyone])),
         "reduced": (reduced, in_rank_order, plain),
+        "stuck_peer": stuck_peer_errors(rank, world_size),
     }
+
+
+def stuck_peer_errors(rank: int, world_size: int) -> list[tuple[str, bool]]:
+    """Rank 0 waits for two exchanges in flight, the second first, while the other ranks never answer (a group with
+    a timeout of 1 s): gloo's error of each wait, and whether the strategies take it for a lost rank (which they then
+    name) rather than an error of the model."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))  # every rank makes the group
+    errors = []
+    if rank == 0:
+        full = torch.empty(2 * world_size)
+        first, second = (exchanges.all_gather(full, torch.ones(2), group=group) for _ in range(2))
+        for exchange in (second, first):
+            try:
+                exchange.wait()
+            except RuntimeError as error:
+                errors.append((str(error), is_collective_failure(error)))
+    dist.barrier()  # the others wait here for rank 0's timeouts
+    return errors
 
 
 def rank_checks(rank: int, world_size: int, expected: dict[Any, Any]) -> dict[str, Any]:
@@ -746,3 +767,13 @@ def test_exchanges_gather_and_reduce_as_gloos_collectives_with_both_in_flight(ra
         assert torch.equal(reduced, in_rank_order)  # the ranks' terms added in rank order
         # gloo adds them in an order of its own: the same bits on 2 ranks (a sum of two terms), a last bit apart on 3
         torch.testing.assert_close(reduced, plain, rtol=0, atol=0 if len(ranks) == 2 else 2**-21)
+
+
+def test_every_exchange_that_a_stuck_peer_fails_is_taken_for_a_lost_rank(ranks: list[Any]) -> None:
+    """The first wait times out; the other exchange in flight then fails with "pair closure", which must also be
+    taken for a lost rank, or the run fails without naming it and leaves the stuck rank behind."""
+    errors = ranks[0]["prefetch"]["exchanges"]["stuck_peer"]
+    assert len(errors) == 2, errors
+    assert "Timed out" in errors[0][0] and "pair closure" in errors[1][0], errors
+    assert all(taken for _, taken in errors), errors
+    assert all(result["prefetch"]["exchanges"]["stuck_peer"] == [] for result in ranks[1:])

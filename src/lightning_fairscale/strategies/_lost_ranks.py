@@ -34,6 +34,9 @@ _SIGNS = (
     "Timed out",
     "timed out",
     "Timeout",
+    # gloo, for every other operation in flight on a connection that an operation's timeout closed (several
+    # exchanges of workaround 16 are in flight at once): the first to be waited for may not be the one that timed out.
+    "timeout caused pair closure",
     "NCCL communicator was aborted",
     "ProcessGroupNCCL",
     "gloo",
