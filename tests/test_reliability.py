@@ -6,6 +6,7 @@ both on localhost, with two "nodes" of one process each.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -84,29 +85,35 @@ def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) 
 AFTER_TIMEOUT_S = 30
 
 
-@pytest.mark.parametrize(
-    ("rank", "how", "expected"),
-    [
-        # Rank 0 names the exited child at once; Lightning's launcher watchdog (a 5 s poll) may still win the race
-        # and SIGKILL the node first, with its own message naming the same rank. Either ends the run, naming rank 1.
-        (1, "KILL", r"rank 1 did not answer|\[rank: 1\] Child process with PID \d+ terminated with code -9"),
-        (1, "STOP", "rank 1 did not answer"),  # stuck, not dead: the strategy's `timeout` ends the wait
-        (0, "KILL", "rank 0, which hosts the rendezvous store, is gone"),
-    ],
-    ids=["rank1-killed", "rank1-stuck", "rank0-killed"],
-)
-def test_a_lost_rank_ends_the_run_quickly_and_is_named(tmp_path: Path, rank: int, how: str, expected: str) -> None:
-    log = tmp_path / "run.log"
+#: The ranks lost, how, and what the run must say: rank 0 names the exited child at once; Lightning's launcher watchdog
+#: (a 5 s poll) may still win the race and SIGKILL the node first, with its own message naming the same rank. Either
+#: ends the run, naming rank 1. A stuck rank is not dead: the strategy's `timeout` ends the wait.
+LOSSES = {
+    "rank1-killed": (
+        1, "KILL", r"rank 1 did not answer|\[rank: 1\] Child process with PID \d+ terminated with code -9"
+    ),
+    "rank1-stuck": (1, "STOP", "rank 1 did not answer"),
+    "rank0-killed": (0, "KILL", "rank 0, which hosts the rendezvous store, is gone"),
+}
+#: The collective timeout of those runs (``Scenario.timeout``).
+LOSS_TIMEOUT = 10
+
+
+def _lose_a_rank(folder: Path, rank: int, how: str) -> tuple[int, str, float, bool]:
+    """One run that loses ``rank`` at step 3: its return code, its output, when every one of its processes was gone
+    (``time.time()``), and whether any was left behind after 240 s."""
+    folder.mkdir()
+    log = folder / "run.log"
     # The ranks enter the rendezvous together (scenarios/train.py, start_together): the short timeout bounds it too.
-    config = Scenario(steps=50, samples=64, lose=Lose(rank, step=3, how=how), timeout=10)
-    arguments = [sys.executable, *command(config, tmp_path / "unused.pt")]
+    config = Scenario(steps=50, samples=64, lose=Lose(rank, step=3, how=how), timeout=LOSS_TIMEOUT)
+    arguments = [sys.executable, *command(config, folder / "unused.pt")]
     started = time.monotonic()
     with open(log, "w") as out:
         process = subprocess.Popen(
-            arguments, cwd=tmp_path, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            arguments, cwd=folder, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        process.wait(timeout=240)  # only a guard against a hang: how quickly the run ends is measured below
+        process.wait(timeout=240)  # only a guard against a hang: how quickly the run ends is measured by the test
         # Every process of the run must be gone by itself, not only the one we started.
         while time.monotonic() - started < 240 and _group_alive(process.pid):
             time.sleep(0.2)
@@ -115,15 +122,33 @@ def test_a_lost_rank_ends_the_run_quickly_and_is_named(tmp_path: Path, rank: int
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-    output = log.read_text()
-    assert process.returncode != 0, output[-4000:]
+    return process.returncode, log.read_text(), ended, survivors
+
+
+@pytest.fixture(scope="module")
+def lost_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, float, bool]]:
+    """The runs of :data:`LOSSES`, all at once: each spends most of its time waiting (for its start, for a lost
+    rank), and each is measured from its own loss."""
+    folder = tmp_path_factory.mktemp("lost-ranks")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(LOSSES)) as pool:
+        futures = {name: pool.submit(_lose_a_rank, folder / name, rank, how) for name, (rank, how, _) in LOSSES.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_a_lost_rank_ends_the_run_quickly_and_is_named(
+    lost_ranks: dict[str, tuple[int, str, float, bool]], name: str
+) -> None:
+    rank, _, expected = LOSSES[name]
+    returncode, output, ended, survivors = lost_ranks[name]
+    assert returncode != 0, output[-4000:]
     # The rank was lost in training, so the failure named is the loss's (not, say, a rank that was slow to start).
     lost = re.search(rf"lost rank {rank} at ([0-9]+\.[0-9]+)", output)
     assert lost, output[-4000:]
     assert re.search(expected, output[lost.end() :]), output[-4000:]
     assert not survivors, f"processes of the run were left behind:\n{output[-4000:]}"
     after = ended - float(lost.group(1))
-    assert after < config.timeout + AFTER_TIMEOUT_S, f"the run took {after:.1f} s to end after losing rank {rank}"
+    assert after < LOSS_TIMEOUT + AFTER_TIMEOUT_S, f"the run took {after:.1f} s to end after losing rank {rank}"
 
 
 def _group_alive(pgid: int) -> bool:

@@ -10,10 +10,11 @@ whose rank 0 is what notices a lost child.
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +36,6 @@ from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale import consolidate as consolidate_tool
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 
-TrainFailing = Callable[..., Any]
 STEPS = Scenario(steps=4, samples=8, scheduler=True)  # one step per epoch: every epoch end is a clean resume point
 SOURCE = "epoch=1-step=2.ckpt"  # the checkpoint of the straight runs that the other runs load
 # Resumes at step 2 and stops there: the hop only loads and saves again.
@@ -130,20 +130,34 @@ def _killed_save(folder: Path, state_dict_type: str, kill: Kill, timeout: float)
                          timeout=timeout)
 
 
+#: A disk that fills up while a rank writes the second last.ckpt: the checkpoint type, the rank, the error expected.
+FULL_DISKS = {
+    "full-rank0": ("full", 0, "No space left on device"),
+    "sharded-rank1": ("sharded", 1, "Another process failed to write the sharded checkpoint"),
+}
+
+
 @pytest.fixture(scope="module")
-def killed(folder: Path) -> dict[str, subprocess.CompletedProcess]:
-    """A rank is SIGKILLed halfway through a file of the second last.ckpt: one launch each (Lightning's launcher)."""
-    procs = {}
-    for name, (state_dict_type, rank, nth) in KILLS.items():
+def interrupted(folder: Path) -> dict[str, subprocess.CompletedProcess]:
+    """The saves of the second last.ckpt that fail: a rank SIGKILLed halfway through a file (:data:`KILLS`), a full
+    disk (:data:`FULL_DISKS`, ``full-...``). One launch each (Lightning's launcher), two at a time (a launch waits for
+    its second rank's start-up)."""
+    saves = {name: (kind, Kill(nth, rank)) for name, (kind, rank, nth) in KILLS.items()}
+    saves.update({f"full-{name}": (kind, Kill(2, rank, how="enospc")) for name, (kind, rank, _) in FULL_DISKS.items()})
+
+    def launch(name: str) -> subprocess.CompletedProcess:
+        state_dict_type, kill = saves[name]
         workdir = folder / f"killed-{name}"
         workdir.mkdir()
-        config = _killed_save(workdir / "ck", state_dict_type, Kill(nth, rank), timeout=60)
-        procs[name] = run_script(command(config, workdir / "unused.pt"), cwd=workdir, expect_ok=False)
-    return procs
+        config = _killed_save(workdir / "ck", state_dict_type, kill, timeout=60)
+        return run_script(command(config, workdir / "unused.pt"), cwd=workdir, expect_ok=False)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(saves, pool.map(launch, saves)))
 
 
 @pytest.fixture(scope="module")
-def last(one_process: Jobs, killed: dict[str, subprocess.CompletedProcess], folder: Path) -> Jobs:
+def last(one_process: Jobs, interrupted: dict[str, subprocess.CompletedProcess], folder: Path) -> Jobs:
     """2 processes: the hop back from one process, the straight run, and the resumes of the killed saves."""
     jobs = {
         "back-1": NO_MORE_STEPS.replace(ckpt_path=str(folder / "hop-1.ckpt"), devices=2,
@@ -292,10 +306,10 @@ def test_save_top_k_removes_old_checkpoint_directories(first: Jobs, folder: Path
 
 @pytest.mark.parametrize("name", KILLS)
 def test_killed_save_keeps_the_previous_checkpoint(
-    killed: dict[str, subprocess.CompletedProcess], last: Jobs, folder: Path, name: str
+    interrupted: dict[str, subprocess.CompletedProcess], last: Jobs, folder: Path, name: str
 ) -> None:
     """A rank is SIGKILLed halfway through a file of the second last.ckpt: the first stays whole and resumes exactly."""
-    proc = killed[name]
+    proc = interrupted[name]
     assert proc.returncode != 0, proc.stdout[-2000:]
     checkpoints = folder / f"killed-{name}" / "ck"
     checkpoint = checkpoints / "last.ckpt"
@@ -306,19 +320,15 @@ def test_killed_save_keeps_the_previous_checkpoint(
     assert max_difference(resumed["state_dict"], last["straight"]["state_dict"]) == 0.0
 
 
-@pytest.mark.parametrize(
-    ("state_dict_type", "rank", "expected"),
-    [("full", 0, "No space left on device"), ("sharded", 1, "Another process failed to write the sharded checkpoint")],
-    ids=["full-rank0", "sharded-rank1"],
-)
+@pytest.mark.parametrize("name", FULL_DISKS)
 def test_a_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(
-    train_failing: TrainFailing, tmp_path: Path, state_dict_type: str, rank: int, expected: str
+    interrupted: dict[str, subprocess.CompletedProcess], folder: Path, name: str
 ) -> None:
     """The disk fills up while a rank writes the second last.ckpt."""
-    folder = tmp_path / "ck"
-    proc = train_failing(_killed_save(folder, state_dict_type, Kill(2, rank, how="enospc"), timeout=30))
-    assert expected in proc.stderr, proc.stderr[-4000:]
-    last = folder / "last.ckpt"
+    proc = interrupted[f"full-{name}"]
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert FULL_DISKS[name][2] in proc.stderr, proc.stderr[-4000:]
+    last = folder / f"killed-full-{name}" / "ck" / "last.ckpt"
     meta = torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)
     assert meta["global_step"] == 1
 
