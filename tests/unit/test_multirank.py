@@ -215,7 +215,7 @@ def _train_deep(
 
     def rebuild(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._prefetcher is not None:
-            seen.served += any(unit is self for unit, *_ in self._prefetcher._pending)
+            seen.served += self in self._prefetcher._pending
         result = real_rebuild(self, *args, **kwargs)
         full = [getattr(u.params[0], "_full_param_padded", None) for u in units]  # made at a unit's first forward
         holding = sum(f is not None and f.untyped_storage().size() > 0 for f in full)

@@ -145,9 +145,9 @@ class Prefetcher:
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
         self._recording: Optional[list[Any]] = None
-        #: The units gathered ahead, in the order they started: each with its exchanges' handles and the shards they
-        #: read (in the compute dtype).
-        self._pending: list[tuple[Any, list[Any], list[Tensor]]] = []
+        #: The units gathered ahead, in the order they started (a module is its own key: identity), each with its
+        #: exchanges' handles, the shards they read (in the compute dtype) and what it costs (:func:`_ahead_bytes`).
+        self._pending: dict[Any, tuple[list[Any], list[Tensor], int]] = {}
         #: The forward's last unit, whose full parameters its forward kept for its backward (:meth:`keeps`).
         self._kept: Optional[Any] = None
 
@@ -203,17 +203,16 @@ class Prefetcher:
     def pass_ended(self) -> None:
         """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""
         while self._pending:
-            unit = self._pending[0][0]
+            unit = next(iter(self._pending))
             self.settle(unit)
             unit._free_full_params()
 
     def settle(self, unit: Any) -> bool:
         """Wait for ``unit``'s prefetched all-gathers, if any; then its full parameters are complete. Returns
         whether there were any."""
-        index = next((i for i, (pending, *_) in enumerate(self._pending) if pending is unit), None)
-        if index is None:
+        if unit not in self._pending:
             return False
-        works = self._pending.pop(index)[1]
+        works = self._pending.pop(unit)[0]
         for work in works:
             work.wait()
         unit.has_full_params = True
@@ -268,11 +267,11 @@ class Prefetcher:
         index = self.order.index(unit)
         if backward:
             return index > 0 and not self._pending and self._start(self.order[index - 1])
-        ahead = [pending for pending, *_ in self._pending if pending is not unit]
-        spent = sum(_ahead_bytes(pending) for pending in ahead)
+        ahead = [pending for pending in self._pending if pending is not unit]
+        spent = sum(self._pending[pending][2] for pending in ahead)
         started = False
         for following in self.order[index + 1 :]:
-            if self._is_pending(following):
+            if following in self._pending:
                 continue
             cost = _ahead_bytes(following)
             if (ahead or started) and spent + cost > self.reducer.budget_bytes:
@@ -282,14 +281,11 @@ class Prefetcher:
             spent, started = spent + cost, True
         return started
 
-    def _is_pending(self, unit: Any) -> bool:
-        return any(pending is unit for pending, *_ in self._pending)
-
     def _start(self, unit: Any) -> bool:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""
-        if self._is_pending(unit) or not _to_gather(unit):
+        if unit in self._pending or not _to_gather(unit):
             return False
-        self._pending.append((unit, *_gather(unit)))
+        self._pending[unit] = (*_gather(unit), _ahead_bytes(unit))
         return True
 
     def _gather_now(self, unit: Any) -> None:
