@@ -103,13 +103,12 @@ The workarounds, and why each is needed:
     training. :meth:`FullyShardedDataParallel._wait_for_post_backward` frees them at the end of the backward,
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
 16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously,
-    by gloo's slow collectives. On CPU with gloo, a root's units gather the next units' parameters (as many as fit in
+    by gloo's slow collectives. On CPU with gloo, a root's units gather the next units' parameters (what fits in
     ``bucket_cap_mb``, at least one) while the current one computes its forward; in the backward, by default, the
-    next unit's all-gather runs alongside the current
-    unit's reduce-scatter, both finished before the next unit computes (but gradients within the bucket's budget),
-    so the backward's peak is the synchronous one's; ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the
-    computation too (:mod:`~lightning_fairscale.fsdp.prefetch`; one unit gathered ahead at most), by point-to-point
-    exchanges (:mod:`~lightning_fairscale.distributed.exchanges`). Same results; CUDA unchanged.
+    next unit's all-gather runs alongside the current unit's reduce-scatter, both finished before the next unit
+    computes (but gradients within the bucket's budget), so the backward's peak is the synchronous one's;
+    ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too (:mod:`~.fsdp.prefetch`; one unit
+    gathered ahead at most), by exchanges (:mod:`~.distributed.exchanges`). Same results; CUDA unchanged.
 17. **The model's own parameters (all devices).** FairScale deletes a unit's parameters from their modules and
     leaves stale views of the full flat parameter in their place (freed memory between steps), and
     ``model.parameters()`` gives its flat parameters. As torch FSDP's ``use_orig_params=True``, each original
