@@ -25,8 +25,10 @@ median over its rounds. Peak memory is each rank's ``VmHWM`` at the last step.
 A paired launch per size (``--no-paired`` to skip) runs the FSDP engines in ONE launch, each its own model and
 Adam, stepped in turn: our FairScale units with overlapped collectives in the backward's two prefetch modes
 (``fairscale-post``, the default, and ``fairscale-pre``: ``backward_prefetch="BACKWARD_PRE"``) and without
-(``fairscale-sync``), and PyTorch's FSDP. On a machine whose load changes from launch to launch this ratio is the
-steadier one.
+(``fairscale-sync``), and PyTorch's FSDP; and, for the forward's look-ahead (what fits in ``bucket_cap_mb``),
+the default, ``SHARD_GRAD_OP`` (``-sgo``) and smaller units (``-split``: ``min_num_params=100_000``'s 18) each
+beside the same engine gathering the next unit only (``-one-ahead``). On a machine whose load changes from launch
+to launch these ratios are the steadier ones.
 
 The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
 FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
@@ -412,12 +414,18 @@ def run_lightning(impl: str, width: int, layers: int, total_steps: int, warmup: 
     dist.barrier()
 
 
-def wrap_fairscale(model: Encoder, backward_prefetch: Optional[str] = "BACKWARD_POST") -> nn.Module:
-    """Our FairScale unit class with the strategy's CPU defaults: each encoder layer a unit, then the root (whose
-    ``backward_prefetch`` applies)."""
+def wrap_fairscale(
+    model: Encoder, backward_prefetch: Optional[str] = "BACKWARD_POST", split: bool = False, **overrides: Any
+) -> nn.Module:
+    """Our FairScale unit class with the strategy's CPU defaults (``overrides`` replace them): each encoder layer a
+    unit, then the root (whose ``backward_prefetch`` applies). With ``split``, also each layer's attention and its two
+    feed-forward linears, as ``min_num_params=100_000`` wraps them (``ours-mnp``)."""
     cpu_streams.install()
-    kwargs = _common.STRATEGY_CPU_UNIT_KWARGS
+    kwargs = {**_common.STRATEGY_CPU_UNIT_KWARGS, **overrides}
     for index, layer in enumerate(model.layers):
+        if split:
+            for name in ("self_attn", "linear1", "linear2"):
+                setattr(layer, name, units.FullyShardedDataParallel(getattr(layer, name), **kwargs))
         model.layers[index] = units.FullyShardedDataParallel(layer, **kwargs)
     return units.FullyShardedDataParallel(model, **kwargs, backward_prefetch=backward_prefetch)
 
@@ -453,14 +461,20 @@ def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, 
     _common.join_ranks(children)
 
 
-#: The engines of the paired launch, by name: how each is built.
-ENGINES = ("fairscale-post", "fairscale-pre", "fairscale-sync", "torch-fsdp")
+#: The engines of the paired launch, by name: how each is built. ``-one-ahead``: the forward gathers the next unit
+#: only, as before issue 35's second round (``Prefetcher.ahead_budget = 0``), against what fits in ``bucket_cap_mb``;
+#: ``sgo``: ``SHARD_GRAD_OP``; ``split``: the 18 units of ``min_num_params=100_000``.
+ENGINES = (
+    "fairscale-post", "fairscale-post-one-ahead", "fairscale-sgo", "fairscale-sgo-one-ahead", "fairscale-split",
+    "fairscale-split-one-ahead", "fairscale-pre", "fairscale-sync", "torch-fsdp",
+)  # fmt: skip
 
 
 def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
-    """One launch, four engines (our FairScale units in both prefetch modes and without overlap, PyTorch's FSDP),
-    each its own model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits
-    them alike, which separate launches on a busy machine cannot ensure."""
+    """One launch, the engines of :data:`ENGINES` (our FairScale units in both prefetch modes, with the forward's
+    look-ahead and without, under SHARD_GRAD_OP, in smaller units, and without overlap; PyTorch's FSDP), each its own
+    model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits them alike,
+    which separate launches on a busy machine cannot ensure."""
     rank, children = _common.start_ranks(WORLD_SIZE)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     engines = {}
@@ -470,7 +484,10 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
         if name == "torch-fsdp":
             wrapped = wrap_torch_fsdp(model)
         else:  # the backward's prefetch mode: post (the default), pre, or none for the synchronous one
-            wrapped = wrap_fairscale(model, "BACKWARD_PRE" if name == "fairscale-pre" else "BACKWARD_POST")
+            wrapped = wrap_fairscale(
+                model, "BACKWARD_PRE" if name == "fairscale-pre" else "BACKWARD_POST", split="-split" in name,
+                reshard_after_forward="-sgo" not in name,
+            )
         optimizer = torch.optim.Adam(wrapped.parameters(), lr=LEARNING_RATE)
         # Read at the root's first forward: one step now, with this engine's setting.
         prefetch.OVERLAP_ON_CPU = name != "fairscale-sync"
@@ -478,6 +495,8 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss(wrapped, batches[0]).backward()
         optimizer.step()
+        if name.endswith("-one-ahead"):
+            wrapped._prefetcher.ahead_budget = 0
         engines[name] = (wrapped, optimizer)
     prefetch.OVERLAP_ON_CPU = True
     times: dict[str, list[float]] = {name: [] for name in ENGINES}
@@ -673,6 +692,10 @@ def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse
         "| --- | ---: | ---: |",
     ]
     lines += [f"| {name} | {t:.3f} | {t / times['torch-fsdp']:.3f}x |" for name, t in times.items()]
+    pairs = [(name, f"{name}-one-ahead") for name in times if f"{name}-one-ahead" in times]
+    if pairs:
+        lines += ["", "The forward's look-ahead (what fits in `bucket_cap_mb`) against the next unit only:", ""]
+        lines += [f"- {name} / {other} = {times[name] / times[other]:.3f}x" for name, other in pairs]
     return lines + [""]
 
 

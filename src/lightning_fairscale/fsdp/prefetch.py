@@ -142,6 +142,9 @@ class Prefetcher:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, not {backward!r}")
         self.reducer = reducer
         self.backward = backward
+        #: How many bytes of full parameters the forward may gather ahead beyond the next unit: the reducer's budget
+        #: (``bucket_cap_mb``). ``0`` gathers the next unit only (``benchmarks/speed.py`` compares the two).
+        self.ahead_budget = reducer.budget_bytes
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
         self._recording: Optional[list[Any]] = None
@@ -258,8 +261,8 @@ class Prefetcher:
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering ahead of ``unit`` in the last forward's order; whether anything started. In a backward, the
         unit before it, if no other is in flight. In a forward, the units after it, in order, as long as the full
-        parameters gathered ahead fit in the reducer's ``budget_bytes`` (the synchronous backward's reduce-scatter
-        bucket, FairScale's ``bucket_cap_mb``), and at least the next one. Units that keep their full parameters
+        parameters gathered ahead fit in :attr:`ahead_budget` (the synchronous backward's reduce-scatter bucket,
+        FairScale's ``bucket_cap_mb``), and at least the next one. Units that keep their full parameters
         from their forward to their backward (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing
         against it: they hold them at the backward's start either way."""
         if unit not in self.order:
@@ -274,7 +277,7 @@ class Prefetcher:
             if following in self._pending:
                 continue
             cost = _ahead_bytes(following)
-            if (ahead or started) and spent + cost > self.reducer.budget_bytes:
+            if (ahead or started) and spent + cost > self.ahead_budget:
                 break
             if not self._start(following):
                 break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
