@@ -26,9 +26,9 @@ A paired launch per size (``--no-paired`` to skip) runs the FSDP engines in ONE 
 Adam, stepped in turn: our FairScale units with overlapped collectives in the backward's two prefetch modes
 (``fairscale-post``, the default, and ``fairscale-pre``: ``backward_prefetch="BACKWARD_PRE"``) and without
 (``fairscale-sync``), and PyTorch's FSDP; and, for the forward's look-ahead (what fits in ``bucket_cap_mb``),
-the default, ``SHARD_GRAD_OP`` (``-sgo``) and smaller units (``-split``: ``min_num_params=100_000``'s 18) each
-beside the same engine gathering the next unit only (``-one-ahead``). On a machine whose load changes from launch
-to launch these ratios are the steadier ones.
+the default, ``SHARD_GRAD_OP`` (``-sgo``) and smaller units (``-split``: ``min_num_params=100_000``'s 18 in the
+layers) each beside the same engine gathering the next unit only (``-one-ahead``). On a machine whose load changes
+from launch to launch these ratios are the steadier ones.
 
 The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
 FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
@@ -419,7 +419,7 @@ def wrap_fairscale(
 ) -> nn.Module:
     """Our FairScale unit class with the strategy's CPU defaults (``overrides`` replace them): each encoder layer a
     unit, then the root (whose ``backward_prefetch`` applies). With ``split``, also each layer's attention and its two
-    feed-forward linears, as ``min_num_params=100_000`` wraps them (``ours-mnp``)."""
+    feed-forward linears inside it: the 18 units of ``min_num_params=100_000`` (``ours-mnp``), and the layers."""
     cpu_streams.install()
     kwargs = {**_common.STRATEGY_CPU_UNIT_KWARGS, **overrides}
     for index, layer in enumerate(model.layers):
@@ -463,7 +463,7 @@ def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, 
 
 #: The engines of the paired launch, by name: how each is built. ``-one-ahead``: the forward gathers the next unit
 #: only, as before issue 35's second round (``Prefetcher.ahead_budget = 0``), against what fits in ``bucket_cap_mb``;
-#: ``sgo``: ``SHARD_GRAD_OP``; ``split``: the 18 units of ``min_num_params=100_000``.
+#: ``sgo``: ``SHARD_GRAD_OP``; ``split``: the 18 units of ``min_num_params=100_000`` inside the 6 layers' units.
 ENGINES = (
     "fairscale-post", "fairscale-post-one-ahead", "fairscale-sgo", "fairscale-sgo-one-ahead", "fairscale-split",
     "fairscale-split-one-ahead", "fairscale-pre", "fairscale-sync", "torch-fsdp",
