@@ -301,8 +301,13 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     out["no_budget_reducing"], out["zero2_reducing"] = no_budget.reducing, zero2.reducing
     block_bytes = 4 * math.ceil(sum(p.numel() for p in small_block().parameters()) / world_size) * world_size
     middle = _train_deep(rank, world_size, overlap=True, bucket_cap_mb=2.5 * block_bytes / 2**20)[1]
-    out["ahead"] = {"none": no_budget.at_forward_start, "2.5 blocks": middle.at_forward_start,
-                    "zero2": zero2.at_forward_start}  # fmt: skip
+    zero2_middle = _train_deep(
+        rank, world_size, overlap=True, reshard_after_forward=False, bucket_cap_mb=2.5 * block_bytes / 2**20
+    )[1]
+    out["ahead"] = {
+        "none": no_budget.at_forward_start, "2.5 blocks": middle.at_forward_start,
+        "zero2 none": zero2.at_forward_start, "zero2 2.5 blocks": zero2_middle.at_forward_start,
+    }  # fmt: skip
     out["most_holding_without_budget"] = max(no_budget.holding)
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
     g = torch.Generator().manual_seed(200 + rank)
@@ -355,17 +360,19 @@ def exchange_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def stuck_peer_errors(rank: int, world_size: int) -> list[tuple[str, bool]]:
-    """Rank 0 waits for two exchanges in flight, the second first, while the other ranks never answer (a group with
-    a timeout of 1 s): gloo's error of each wait, and whether the strategies take it for a lost rank (which they then
-    name) rather than an error of the model."""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=1))  # every rank makes the group
+    """Rank 0 waits for two exchanges in flight, the second first, while the other ranks never answer, each message
+    for at most 1 s (what a group's timeout does; a group made with a timeout of 1 s could time out while it
+    connects, on a busy machine): gloo's error of each exchange, and whether the strategies take it for a lost rank
+    (which they then name) rather than an error of the model."""
+    group = dist.new_group()  # every rank makes the group
     errors = []
     if rank == 0:
         full = torch.empty(2 * world_size)
         first, second = (exchanges.all_gather(full, torch.ones(2), group=group) for _ in range(2))
         for exchange in (second, first):
             try:
-                exchange.wait()
+                for work in exchange._works:
+                    work.wait(datetime.timedelta(seconds=1))
             except RuntimeError as error:
                 errors.append((str(error), is_collective_failure(error)))
     dist.barrier()  # the others wait here for rank 0's timeouts
@@ -698,10 +705,12 @@ def test_the_backward_holds_at_most_two_units_full_parameters_while_prefetching(
 
 def test_the_forward_gathers_ahead_the_units_that_fit_the_bucket_at_its_start(ranks: list[Any]) -> None:
     """Once the root's parameters are gathered, the blocks ahead are on their way while their full parameters fit in
-    ``bucket_cap_mb`` (all five in the tests' 1 MiB, two in two and a half blocks' worth), and at least the next one
-    (without a budget: the one computing and the one arriving, two at most); under SHARD_GRAD_OP all five (they hold
-    them until the backward either way). The first forward has no recorded order: nothing ahead."""
-    expected = {"none": [0, 1, 1, 1], "2.5 blocks": [0, 2, 2, 2], "zero2": [0, 5, 5, 5]}
+    ``bucket_cap_mb`` together (all five in the tests' 1 MiB, two in two and a half blocks' worth), and at least the
+    next one (without a budget the next one only: the one computing and the one arriving, two at most); under
+    SHARD_GRAD_OP all five within any budget (they hold them until the backward either way), the next one without.
+    The first forward has no recorded order: nothing ahead."""
+    expected = {"none": [0, 1, 1, 1], "2.5 blocks": [0, 2, 2, 2], "zero2 none": [0, 1, 1, 1],
+                "zero2 2.5 blocks": [0, 5, 5, 5]}  # fmt: skip
     for rank, result in enumerate(ranks):
         ahead = result["prefetch"]["ahead"]
         assert ahead == expected, f"rank {rank}: {ahead}"

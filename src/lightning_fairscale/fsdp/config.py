@@ -113,7 +113,7 @@ class FullyShardedConfig:
         compute_dtype: dtype of the full parameters used in computation (defaults from ``precision``); under true
             half precision (``"bf16-true"``, ``"16-true"``) only that dtype is accepted.
         bucket_cap_mb: size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing. On CPU (gloo) also
-            what the forward may hold of the units it gathers ahead beyond the next one.
+            what the units the forward gathers ahead may hold together (at least the next unit is gathered).
         min_num_params: a module with at least this many unwrapped parameters becomes its own unit (auto wrap).
         state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
         auto_wrap_policy: which submodules become units when the model wraps nothing itself: a set of layer classes

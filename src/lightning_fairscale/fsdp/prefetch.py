@@ -22,7 +22,8 @@ tensors, which take a fraction of the time of gloo's own collectives):
   in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
   ``None``: the backward's collectives are synchronous. The backward gathers one unit ahead at most: a rank holds
   at most two units' full parameters there (the one computing, the one arriving), plus the root's; the forward,
-  beyond the next unit, no more than the bucket holds in the backward. A unit that nothing gathered ahead (the root,
+  the units on their way together, no more than the bucket holds in the backward (or the next unit alone, if it is
+  larger). A unit that nothing gathered ahead (the root,
   the forward's first unit) is gathered by an exchange when FairScale would gather it.
   Units that keep their shards elsewhere or share parameters are gathered by FairScale, synchronously
   (:func:`can_prefetch`).
@@ -142,8 +143,9 @@ class Prefetcher:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, not {backward!r}")
         self.reducer = reducer
         self.backward = backward
-        #: How many bytes of full parameters the forward may gather ahead beyond the next unit: the reducer's budget
-        #: (``bucket_cap_mb``). ``0`` gathers the next unit only (``benchmarks/speed.py`` compares the two).
+        #: How many bytes of full parameters the forward's units on their way may hold together (the next unit is
+        #: gathered ahead even if larger): the reducer's budget (``bucket_cap_mb``). ``0`` (or less): the next unit
+        #: only, whatever its cost (``benchmarks/speed.py`` compares the two).
         self.ahead_budget = reducer.budget_bytes
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
@@ -261,10 +263,11 @@ class Prefetcher:
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering ahead of ``unit`` in the last forward's order; whether anything started. In a backward, the
         unit before it, if no other is in flight. In a forward, the units after it, in order, as long as the full
-        parameters gathered ahead fit in :attr:`ahead_budget` (the synchronous backward's reduce-scatter bucket,
-        FairScale's ``bucket_cap_mb``), and at least the next one. Units that keep their full parameters
-        from their forward to their backward (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing
-        against it: they hold them at the backward's start either way."""
+        parameters of the units on their way fit in :attr:`ahead_budget` together (the synchronous backward's
+        reduce-scatter bucket, FairScale's ``bucket_cap_mb``), and at least the next one (only the next one with a
+        budget of 0). Units that keep their full parameters from their forward to their backward
+        (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing against it: they hold them at the
+        backward's start either way."""
         if unit not in self.order:
             return False
         index = self.order.index(unit)
@@ -277,7 +280,7 @@ class Prefetcher:
             if following in self._pending:
                 continue
             cost = _ahead_bytes(following)
-            if (ahead or started) and spent + cost > self.ahead_budget:
+            if (ahead or started) and (self.ahead_budget <= 0 or spent + cost > self.ahead_budget):
                 break
             if not self._start(following):
                 break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
