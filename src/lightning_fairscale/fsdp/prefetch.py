@@ -10,9 +10,10 @@ tensors, which take a fraction of the time of gloo's own collectives):
 
 * :class:`Prefetcher` starts the all-gather of the units that come next as asynchronous gloo work, so that they wait
   for it instead of gathering. In the forward, while the current unit computes: the units after it, as many as fit
-  in the reduce-scatter bucket's ``bucket_cap_mb`` (and at least the next one), started before the current one is
-  waited for, so that the ranks meet once for all of them (with the default 25 MB, a model of small units is
-  gathered at the forward's start; a large unit is gathered one ahead, as before). In the backward, as
+  in the reduce-scatter bucket's ``bucket_cap_mb`` together (and at least the next one), started before the current
+  one is waited for, so that the ranks meet once for all of them (a window that moves along the forward: with the
+  default 25 MB a small model's units all fit, and are gathered at the forward's start; a unit larger than the
+  budget is gathered one ahead, as before). In the backward, as
   the ``backward_prefetch`` mode says (:data:`BACKWARD_MODES`, torch's names): ``"BACKWARD_POST"`` (the default)
   when the current unit's gradient is done, alongside its reduce-scatter, both finished before the next unit
   computes (but gradients that fit the synchronous path's reduce-scatter bucket, ``bucket_cap_mb``, which go on),
