@@ -235,13 +235,13 @@ class Prefetcher:
             # The gradient reduced while this unit was gathered is freed before the unit computes (but what fits the
             # synchronous path's bucket).
             self.reducer.settle()
+        # A unit nobody gathered ahead (the root, the forward's first unit) is gathered now, by exchanges, where
+        # FairScale would gather it by gloo's slower all-gather. In the forward the units ahead start gathering before
+        # it is waited for: the ranks meet once for all of them.
+        self._start(unit)
         if not backward:
-            # The units ahead start gathering before this one is waited for (and this one with them, if nobody
-            # gathered it ahead): the ranks meet once for all of them.
-            self._start(unit)
             self._start_next(unit, backward)
-        if not self.settle(unit):
-            self._gather_now(unit)
+        self.settle(unit)
         result = rebuild()  # with the parameters gathered, FairScale only points them at the full ones
         if backward and self.backward == "BACKWARD_PRE":
             self._start_next(unit, backward)
@@ -294,16 +294,6 @@ class Prefetcher:
             return False
         self._pending[unit] = (*_gather(unit), _ahead_bytes(unit))
         return True
-
-    def _gather_now(self, unit: Any) -> None:
-        """Gather ``unit``'s full parameters now, by exchanges, when FairScale would (synchronously, by gloo's slower
-        all-gather): a unit nobody gathered ahead (the root, the forward's first unit)."""
-        if not _to_gather(unit):
-            return
-        works, _ = _gather(unit)
-        for work in works:
-            work.wait()
-        unit.has_full_params = True
 
 
 def _to_gather(unit: Any) -> bool:
