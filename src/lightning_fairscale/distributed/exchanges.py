@@ -28,19 +28,24 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Exchange", "all_gather", "reduce_scatter", "usable"]
+__all__ = ["Exchange", "all_gather", "is_gloo", "reduce_scatter", "usable"]
 
 #: The message tags of the two kinds of exchange.
 GATHER_TAG, REDUCE_TAG = 17, 18
 
 
+def is_gloo(group: Any) -> bool:
+    """Whether ``group`` is a gloo group that torch knows (``False`` for another backend, or a destroyed group)."""
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+
+
 def usable(group: Any, *tensors: Tensor) -> bool:
     """Whether the exchanges here can replace gloo's collectives for ``tensors`` on ``group``: a gloo group of
     more than one rank, dense contiguous CPU tensors."""
-    try:
-        if dist.get_backend(group) != "gloo" or dist.get_world_size(group) < 2:
-            return False
-    except (RuntimeError, ValueError, AttributeError):
+    if not is_gloo(group) or dist.get_world_size(group) < 2:
         return False
     return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_sparse for t in tensors)
 

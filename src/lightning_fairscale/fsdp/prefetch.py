@@ -101,16 +101,14 @@ def can_prefetch(unit: Any) -> bool:
 
 
 def _over_gloo(unit: Any) -> bool:
-    """Whether ``unit`` gathers over a gloo group; asked of torch once per unit (every gather asks, and a unit's group
-    is set for its life)."""
-    over_gloo = unit.__dict__.get("_gathers_over_gloo")
-    if over_gloo is None:
-        try:
-            over_gloo = dist.get_backend(unit.process_group) == "gloo"
-        except (RuntimeError, ValueError, AttributeError):
-            return False  # asked again next time: a group torch does not know (yet)
-        unit.__dict__["_gathers_over_gloo"] = over_gloo
-    return bool(over_gloo)
+    """Whether ``unit`` gathers over a gloo group; once torch says so, not asked again (every gather asks, and a
+    unit's group is set for its life)."""
+    if unit.__dict__.get("_gathers_over_gloo"):
+        return True
+    over_gloo = exchanges.is_gloo(unit.process_group)
+    if over_gloo:
+        unit.__dict__["_gathers_over_gloo"] = True
+    return over_gloo
 
 
 def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple["AsyncReduceScatter", "Prefetcher"]:

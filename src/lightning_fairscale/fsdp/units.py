@@ -147,12 +147,12 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import Tensor, nn
 
+from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
 from lightning_fairscale.fsdp import prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
@@ -194,13 +194,6 @@ def _unit_device(arguments: dict[str, Any]) -> torch.device:
     if device is None:  # FairScale's default: the current CUDA device
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(device)
-
-
-def _is_gloo(group: Any) -> bool:
-    try:
-        return dist.get_backend(group) == "gloo"
-    except (RuntimeError, ValueError, AttributeError):
-        return False
 
 
 def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
@@ -340,7 +333,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             for name in ("fp32_to_fp16", "all_gather", "post_backward"):
                 self._streams[name] = _CPU_STREAM
         # Replaces FairScale's bucketer (unused so far) everywhere it was shared (workarounds 3, 9 and 16).
-        gloo = _is_gloo(self.process_group_reduce_scatter)
+        gloo = exchanges.is_gloo(self.process_group_reduce_scatter)
         overlaps = gloo and self.compute_device.type == "cpu" and prefetch.OVERLAP_ON_CPU
         bucketer = GlooReduceScatterBucketer if gloo else ReduceScatterBucketer
         reducer: Any = bucketer(self.bucket_cap_mb)
