@@ -186,8 +186,9 @@ class _Overlap:
     at_forward_start: list[int] = dataclasses.field(default_factory=list)
     holding_backward: list[int] = dataclasses.field(default_factory=list)
     served: int = 0
-    #: (reductions, bytes of gradients) in flight.
-    reducing: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    #: (reductions, bytes of gradients) in flight, and the bytes of the full parameters other blocks than the one about
+    #: to compute hold (gathered ahead).
+    reducing: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     pending_after_no_grad_forward: bool = False
     #: Calls of the units' post-backward hooks in each step (workaround 20: as many in every step).
     hook_calls: list[int] = dataclasses.field(default_factory=list)
@@ -226,9 +227,13 @@ def _train_deep(
             seen.at_forward_start.append(holding)
         return result
 
-    def count_reductions(*unused: Any) -> None:
+    owner = {id(module): unit for unit in units for module in unit.modules()}
+
+    def count_reductions(module: nn.Module, *unused: Any) -> None:
         if isinstance(root._reducer, prefetch.AsyncReduceScatter):
-            seen.reducing.append((len(root._reducer._in_flight), root._reducer.bytes_in_flight))
+            full = [u.params[0]._full_param_padded for u in units if u is not owner.get(id(module))]
+            ahead = sum(f.numel() * f.element_size() for f in full if f.untyped_storage().size() > 0)
+            seen.reducing.append((len(root._reducer._in_flight), root._reducer.bytes_in_flight, ahead))
 
     # Every block, and the root's first layer (which computes last, after the root's own reduce-scatter started).
     hooks = [m.register_full_backward_pre_hook(count_reductions) for m in model.modules() if isinstance(m, Block)]
@@ -309,6 +314,11 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
         "zero2 none": zero2.at_forward_start, "zero2 2.5 blocks": zero2_middle.at_forward_start,
     }  # fmt: skip
     out["most_holding_without_budget"] = max(no_budget.holding)
+    out["backward"] = {
+        "none": (no_budget.holding_backward, no_budget.reducing),
+        "2.5 blocks": (middle.holding_backward, middle.reducing),
+        "budget": 2.5 * block_bytes,
+    }
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
     g = torch.Generator().manual_seed(200 + rank)
     inputs = [[torch.randn(4, generator=g) for _ in range(world_size)] for _ in range(3)]
@@ -692,15 +702,33 @@ def test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones(ranks
                 assert difference <= 1e-7, f"rank {rank}: {name} differs by {difference}"
 
 
-@pytest.mark.parametrize(("mode", "in_backward"), [("BACKWARD_POST", 1), ("BACKWARD_PRE", 2), (None, 1)])
-def test_the_backward_holds_at_most_two_units_full_parameters_while_prefetching(
+@pytest.mark.parametrize(("mode", "in_backward"), [("BACKWARD_POST", 5), ("BACKWARD_PRE", 2), (None, 1)])
+def test_the_backward_holds_other_units_full_parameters_only_as_its_prefetch_mode_says(
     ranks: list[Any], mode: Any, in_backward: int
 ) -> None:
-    """In the backward, two units hold full parameters only with BACKWARD_PRE (the one computing, the one
-    arriving)."""
+    """The most blocks holding full parameters in the backward: with BACKWARD_PRE two (the one computing, the one
+    arriving); with BACKWARD_POST the forward's last block (kept for the backward) and the four before it, all of
+    which fit in the tests' 1 MiB; without prefetch one."""
     for rank, result in enumerate(ranks):
         seen = result["prefetch"]["modes"][mode]["seen"]
         assert max(seen["holding_backward"]) == in_backward, f"rank {rank}: {seen['holding_backward']}"
+
+
+def test_the_post_mode_gathers_ahead_in_the_backward_what_fits_the_bucket_beside_the_gradients(
+    ranks: list[Any],
+) -> None:
+    """BACKWARD_POST's look-ahead in the backward: at each layer's backward the blocks gathered ahead of it and the
+    gradients in flight fit in ``bucket_cap_mb`` together (two and a half blocks' worth: at most two blocks ahead,
+    one when a gradient is in flight), and some were gathered ahead; without a budget nothing beyond what the
+    synchronous backward holds (one block at a time, its own)."""
+    for rank, result in enumerate(ranks):
+        backward = result["prefetch"]["backward"]
+        holding, reducing = backward["none"]
+        assert max(holding) == 1 and max(ahead for _, _, ahead in reducing) == 0, f"rank {rank}: {backward['none']}"
+        holding, reducing = backward["2.5 blocks"]
+        assert max(holding) == 3, f"rank {rank}: {holding}"
+        assert max(grads + ahead for _, grads, ahead in reducing) <= backward["budget"], f"rank {rank}: {reducing}"
+        assert max(ahead for _, _, ahead in reducing) > 0, f"rank {rank}: nothing gathered ahead: {reducing}"
 
 
 def test_the_forward_gathers_ahead_the_units_that_fit_the_bucket_at_its_start(ranks: list[Any]) -> None:
@@ -742,17 +770,18 @@ def test_the_post_mode_computes_a_backward_beside_no_more_gradients_than_the_buc
     """The memory of BACKWARD_POST (the default) is the synchronous backward's: while a layer's backward computes,
     be it a block's or the root's first layer (whose unit keeps its full parameters), also under SHARD_GRAD_OP (every
     unit keeps them), the gradients in flight fit in the reduce-scatter bucket the synchronous path would hold
-    (``bucket_cap_mb``: 1 MiB in these tests, none at 0); BACKWARD_PRE overlaps one reduction whatever its size;
+    (``bucket_cap_mb``: 1 MiB in these tests, none at 0), together with the blocks gathered ahead of it;
+    BACKWARD_PRE overlaps one reduction whatever its size;
     without prefetch each is waited for at once."""
     for rank, result in enumerate(ranks):
         checks = result["prefetch"]
         reducing = {mode: checks["modes"][mode]["seen"]["reducing"] for mode in prefetch.BACKWARD_MODES}
         post, pre, none = reducing["BACKWARD_POST"], reducing["BACKWARD_PRE"], reducing[None]
         assert len(post) == 3 * 6, "every block's and the first layer's backward, each step"
-        assert max(b for _, b in post) <= 2**20 and max(n for n, _ in post) >= 1, f"rank {rank}: {post}"
-        assert max(n for n, _ in none) == 0 and max(n for n, _ in pre) == 1, f"rank {rank}: {reducing}"
+        assert max(b + a for _, b, a in post) <= 2**20 and max(n for n, _, _ in post) >= 1, f"rank {rank}: {post}"
+        assert max(n for n, _, _ in none) == 0 and max(n for n, _, _ in pre) == 1, f"rank {rank}: {reducing}"
         for name in ("no_budget_reducing", "zero2_reducing"):
-            counts = [n for n, _ in checks[name]]
+            counts = [n for n, _, _ in checks[name]]
             assert len(counts) == 3 * 6 and max(counts) == 0, f"rank {rank}: {name}: {checks[name]}"
 
 

@@ -15,24 +15,26 @@ tensors, which take a fraction of the time of gloo's own collectives):
   default 25 MB a small model's units all fit, and are gathered at the forward's start; a unit larger than the
   budget is gathered one ahead, as before). In the backward, as
   the ``backward_prefetch`` mode says (:data:`BACKWARD_MODES`, torch's names): ``"BACKWARD_POST"`` (the default)
-  when the current unit's gradient is done, alongside its reduce-scatter, both finished before the next unit
-  computes (but gradients that fit the synchronous path's reduce-scatter bucket, ``bucket_cap_mb``, which go on),
-  so that the backward's peak is the synchronous one's (unlike torch's ``BACKWARD_POST`` on GPUs, whose
-  reduce-scatter overlaps the next unit's computation);
-  ``"BACKWARD_PRE"`` before the current unit's backward, overlapping it with the computation, and the reduce-scatter
-  in flight while the next unit computes, at the cost of about a unit's full parameters and a gradient more;
-  ``None``: the backward's collectives are synchronous. The backward gathers one unit ahead at most: a rank holds
-  at most two units' full parameters there (the one computing, the one arriving), plus the root's; the forward,
-  the units on their way together, no more than the bucket holds in the backward (or the next unit alone, if it is
-  larger). A unit that nothing gathered ahead (the root,
+  when the current unit's gradient is done, alongside its reduce-scatter, and with it the units before it whose full
+  parameters fit, beside the gradients still reducing, in ``bucket_cap_mb`` (the memory of the synchronous
+  backward's reduce-scatter bucket): the same window as the forward's, but never a unit beyond the one the
+  synchronous backward gathers then, unless it fits; whatever reduces or arrives beyond that unit's full
+  parameters fits in the bucket while a layer computes, so that the backward's peak is the synchronous one's
+  (unlike torch's ``BACKWARD_POST`` on GPUs, whose reduce-scatter overlaps the next unit's computation whatever
+  its size);
+  ``"BACKWARD_PRE"`` the unit before the current one, before the current unit's backward, overlapping it with the
+  computation, and the reduce-scatter in flight while the next unit computes, at the cost of about a unit's full
+  parameters and a gradient more (two units' full parameters at most: the one computing, the one arriving, plus
+  the root's);
+  ``None``: the backward's collectives are synchronous. A unit that nothing gathered ahead (the root,
   the forward's first unit) is gathered by an exchange when FairScale would gather it.
   Units that keep their shards elsewhere or share parameters are gathered by FairScale, synchronously
   (:func:`can_prefetch`).
 * :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
   asynchronously, straight from the gradient (no bucket to copy it into): between 2 ranks by an exchange, which
   receives the peer's chunk into the result itself; beyond, by gloo in pieces of :data:`PIECE_BYTES` (gloo copies
-  a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small). At most one
-  reduction is in flight, and all are done when the backward ends.
+  a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small). How many
+  reductions are in flight the backward mode says (:func:`overlap`); all are done when the backward ends.
 
 The results are the same bits as the synchronous collectives' on two ranks (each element of a sum of two terms is the
 same in any order): the same values on the same tensors, only started earlier and waited for later. The order of
@@ -142,9 +144,10 @@ class Prefetcher:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, not {backward!r}")
         self.reducer = reducer
         self.backward = backward
-        #: How many bytes of full parameters the forward's units on their way may hold together (the next unit is
-        #: gathered ahead even if larger): the reducer's budget (``bucket_cap_mb``). ``0`` (or less): the next unit
-        #: only, whatever its cost (``benchmarks/speed.py`` compares the two).
+        #: How many bytes of full parameters the units on their way may hold together, beside the gradients in
+        #: flight (in the forward the next unit is gathered ahead even if larger; in the backward the one the
+        #: synchronous backward gathers then): the reducer's budget (``bucket_cap_mb``). ``0`` (or less): only
+        #: those, whatever their cost (``benchmarks/speed.py`` compares the two).
         self.ahead_budget = reducer.budget_bytes
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
@@ -173,10 +176,14 @@ class Prefetcher:
 
     def backward_started(self) -> None:
         """The root's backward begins: in the ``"BACKWARD_PRE"`` mode the backward's first unit (the forward's last)
-        starts gathering while the root's last layers compute their gradients. (Not in the ``"BACKWARD_POST"``
-        mode: the synchronous backward holds no unit's full parameters there.)"""
+        starts gathering while the root's last layers compute their gradients. In the ``"BACKWARD_POST"`` mode, if
+        the forward's last unit kept its full parameters (:meth:`keeps`), the units before it that fit in
+        :attr:`ahead_budget` together start gathering (none if the next one alone does not fit: the synchronous
+        backward holds no other unit's full parameters while the first computes)."""
         if self.backward == "BACKWARD_PRE" and self.order and not self._pending:
             self._start(self.order[-1])
+        elif self.backward == "BACKWARD_POST" and self.order and self._kept is self.order[-1]:
+            self._start_window(self.order[-2::-1], at_least_first=False)
 
     def keeps(self, unit: Any) -> bool:
         """Whether ``unit``'s forward, ending, keeps its full parameters for its backward instead of freeing them: the
@@ -230,9 +237,9 @@ class Prefetcher:
         if self._recording is not None and not backward:
             self._recording.append(unit)
         if backward and self.backward == "BACKWARD_POST":
-            # The gradient reduced while this unit was gathered is freed before the unit computes (but what fits the
-            # synchronous path's bucket).
-            self.reducer.settle()
+            # The gradients reduced while this unit was gathered are freed before the unit computes, but what fits the
+            # synchronous path's bucket beside the units gathered ahead of it.
+            self.reducer.settle(self.reducer.budget_bytes - self._cost_ahead_of(unit))
         # A unit nobody gathered ahead (the root, the forward's first unit) is gathered now, by exchanges, where
         # FairScale would gather it by gloo's slower all-gather. In the forward the units ahead start gathering before
         # it is waited for: the ranks meet once for all of them.
@@ -247,12 +254,14 @@ class Prefetcher:
 
     def after_post_backward(self, unit: Any) -> None:
         """``unit``'s post-backward hook has run for one of its parameters (and started its reduce-scatter). In the
-        ``"BACKWARD_POST"`` mode, once the unit holds no full parameters, the unit before it starts gathering,
-        alongside the reduce-scatter; both are waited for before that unit computes (:meth:`rebuild`). When nothing
-        starts (that unit keeps its full parameters, as the root and the units of ``SHARD_GRAD_OP`` do; or it
-        cannot be gathered ahead; or a parameter of this unit still computes), the reduction is waited for now.
-        Either way, while a layer computes no more gradients are in flight than the reducer's ``budget_bytes``,
-        which the synchronous backward's bucket holds. (A unit whose parameters are
+        ``"BACKWARD_POST"`` mode, once the unit holds no full parameters, the unit before it starts gathering (if it
+        is not on its way already), alongside the reduce-scatter, and the ones before that which fit the budget
+        (:meth:`_start_next`); the reductions are waited for before that unit computes (:meth:`rebuild`), but what
+        fits the reducer's ``budget_bytes`` beside the units gathered ahead of it. When the unit before it is not on
+        its way (it keeps its full parameters, as the root and the units of ``SHARD_GRAD_OP`` do; or it cannot be
+        gathered ahead; or a parameter of this unit still computes), the reduction is waited for now, down to
+        ``budget_bytes``. Either way, while a layer computes the gradients in flight and the full parameters
+        gathered ahead of it hold no more than the synchronous backward's bucket. (A unit whose parameters are
         all frozen has no post-backward hook: the unit before it is gathered by FairScale, synchronously.)"""
         if self.backward != "BACKWARD_POST":
             return
@@ -260,31 +269,47 @@ class Prefetcher:
             self.reducer.settle()
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
-        """Start gathering ahead of ``unit`` in the last forward's order; whether anything started. In a backward, the
-        unit before it, if no other is in flight. In a forward, the units after it, in order, as long as the full
-        parameters of the units on their way fit in :attr:`ahead_budget` together (the synchronous backward's
-        reduce-scatter bucket, FairScale's ``bucket_cap_mb``), and at least the next one (only the next one with a
-        budget of 0). Units that keep their full parameters from their forward to their backward
-        (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing against it: they hold them at the
-        backward's start either way."""
+        """Start gathering the units the pass meets after ``unit`` (the last forward's order; reversed in a
+        backward); whether the first of them is on its way. In the forward, the units after it; in the backward's
+        ``"BACKWARD_POST"`` mode (``unit``'s gradient is done, its full parameters freed), the units before it:
+        each time as many as fit in :attr:`ahead_budget` (:meth:`_start_window`). In the ``"BACKWARD_PRE"`` mode,
+        the unit before it, if no other is on its way."""
         if unit not in self.order:
             return False
         index = self.order.index(unit)
-        if backward:
-            return index > 0 and not self._pending and self._start(self.order[index - 1])
-        ahead = [pending for pending in self._pending if pending is not unit]
-        spent = sum(self._pending[pending][2] for pending in ahead)
-        started = False
-        for following in self.order[index + 1 :]:
-            if following in self._pending:
+        if not backward:
+            return self._start_window(self.order[index + 1 :], computing=unit)
+        if index == 0:
+            return False
+        if self.backward == "BACKWARD_POST":
+            # The unit before it is the one the synchronous backward gathers now: it costs nothing against the budget.
+            return self._start_window(self.order[index - 1 :: -1], computing=self.order[index - 1])
+        return not self._pending and self._start(self.order[index - 1])
+
+    def _start_window(self, coming: list[Any], computing: Any = None, at_least_first: bool = True) -> bool:
+        """Start gathering the units of ``coming`` (in the order the pass meets them) that fit, with those already on
+        their way (but ``computing``'s, which the synchronous path holds now) and the gradients in flight (the
+        reducer's: none in a forward), in :attr:`ahead_budget` together (the synchronous backward's reduce-scatter
+        bucket, FairScale's ``bucket_cap_mb``); with ``at_least_first`` the first one whatever its cost (only it, with
+        a budget of 0 or less). Units that keep their full parameters from their forward to their backward
+        (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing against it: they hold them at the
+        backward's start either way. Returns whether the first one is on its way."""
+        spent = self.reducer.bytes_in_flight + self._cost_ahead_of(computing)
+        for position, unit in enumerate(coming):
+            if unit in self._pending:
                 continue
-            cost = _ahead_bytes(following)
-            if (ahead or started) and (self.ahead_budget <= 0 or spent + cost > self.ahead_budget):
+            cost = 0 if unit is computing else _ahead_bytes(unit)
+            first = position == 0 and at_least_first
+            if not first and (self.ahead_budget <= 0 or spent + cost > self.ahead_budget):
                 break
-            if not self._start(following):
+            if not self._start(unit):
                 break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
-            spent, started = spent + cost, True
-        return started
+            spent += cost
+        return bool(coming) and coming[0] in self._pending
+
+    def _cost_ahead_of(self, computing: Any) -> int:
+        """What the units on their way but ``computing`` hold beyond the synchronous path (:func:`_ahead_bytes`)."""
+        return sum(cost for pending, (_, _, cost) in self._pending.items() if pending is not computing)
 
     def _start(self, unit: Any) -> bool:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""
@@ -384,9 +409,11 @@ class AsyncReduceScatter:
         if callback_fn is not None:
             callback_fn(output)
 
-    def settle(self) -> None:
-        """Wait for the oldest reductions until at most ``budget_bytes`` of gradients are in flight."""
-        while self._in_flight and self.bytes_in_flight > self.budget_bytes:
+    def settle(self, budget_bytes: Optional[int] = None) -> None:
+        """Wait for the oldest reductions until at most ``budget_bytes`` (default :attr:`budget_bytes`) of gradients
+        are in flight."""
+        limit = self.budget_bytes if budget_bytes is None else budget_bytes
+        while self._in_flight and self.bytes_in_flight > limit:
             self._complete_oldest()
 
     def flush(self) -> None:
