@@ -25,10 +25,11 @@ median over its rounds. Peak memory is each rank's ``VmHWM`` at the last step.
 A paired launch per size (``--no-paired`` to skip) runs the FSDP engines in ONE launch, each its own model and
 Adam, stepped in turn: our FairScale units with overlapped collectives in the backward's two prefetch modes
 (``fairscale-post``, the default, and ``fairscale-pre``: ``backward_prefetch="BACKWARD_PRE"``) and without
-(``fairscale-sync``), and PyTorch's FSDP; and, for the forward's look-ahead (what fits in ``bucket_cap_mb``),
-the default, ``SHARD_GRAD_OP`` (``-sgo``) and smaller units (``-split``: ``min_num_params=100_000``'s 18 in the
-layers) each beside the same engine gathering the next unit only (``-one-ahead``). On a machine whose load changes
-from launch to launch these ratios are the steadier ones.
+(``fairscale-sync``), PyTorch's FSDP and PyTorch's ``DistributedDataParallel`` (``ddp``, what ``"ddp"`` wraps,
+without the Trainer); and, for the look-ahead (the units that fit in ``bucket_cap_mb`` gathered ahead, in the
+forward and in the backward), the default, ``SHARD_GRAD_OP`` (``-sgo``) and smaller units (``-split``:
+``min_num_params=100_000``'s 18 in the layers) each beside the same engine gathering the next unit only
+(``-one-ahead``). On a machine whose load changes from launch to launch these ratios are the steadier ones.
 
 The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
 FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
@@ -461,18 +462,21 @@ def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, 
     _common.join_ranks(children)
 
 
-#: The engines of the paired launch, by name: how each is built. ``-one-ahead``: the forward gathers the next unit
-#: only, as before issue 35's second round (``Prefetcher.ahead_budget = 0``), against what fits in ``bucket_cap_mb``;
-#: ``sgo``: ``SHARD_GRAD_OP``; ``split``: the 18 units of ``min_num_params=100_000`` inside the 6 layers' units.
+#: The engines of the paired launch, by name: how each is built. ``-one-ahead``: the forward and the backward gather
+#: the next unit only, as before issue 35's second round (``Prefetcher.ahead_budget = 0``), against what fits in
+#: ``bucket_cap_mb``; ``sgo``: ``SHARD_GRAD_OP``; ``split``: the 18 units of ``min_num_params=100_000`` inside the 6
+#: layers' units; ``ddp``: ``DistributedDataParallel`` (no sharding).
 ENGINES = (
     "fairscale-post", "fairscale-post-one-ahead", "fairscale-sgo", "fairscale-sgo-one-ahead", "fairscale-split",
-    "fairscale-split-one-ahead", "fairscale-pre", "fairscale-sync", "torch-fsdp",
+    "fairscale-split-one-ahead", "fairscale-pre", "fairscale-sync", "torch-fsdp", "ddp",
 )  # fmt: skip
+#: The paired launch's engines compared with ``ddp``'s step time.
+AGAINST_DDP = ("fairscale-post", "fairscale-sgo", "fairscale-split", "torch-fsdp")
 
 
 def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
-    """One launch, the engines of :data:`ENGINES` (our FairScale units in both prefetch modes, with the forward's
-    look-ahead and without, under SHARD_GRAD_OP, in smaller units, and without overlap; PyTorch's FSDP), each its own
+    """One launch, the engines of :data:`ENGINES` (our FairScale units in both prefetch modes, with the look-ahead
+    and without, under SHARD_GRAD_OP, in smaller units, and without overlap; PyTorch's FSDP; DDP), each its own
     model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits them alike,
     which separate launches on a busy machine cannot ensure."""
     rank, children = _common.start_ranks(WORLD_SIZE)
@@ -483,6 +487,8 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
         model = Encoder(width, layers)
         if name == "torch-fsdp":
             wrapped = wrap_torch_fsdp(model)
+        elif name == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
         else:  # the backward's prefetch mode: post (the default), pre, or none for the synchronous one
             wrapped = wrap_fairscale(
                 model, "BACKWARD_PRE" if name == "fairscale-pre" else "BACKWARD_POST", split="-split" in name,
@@ -694,8 +700,12 @@ def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse
     lines += [f"| {name} | {t:.3f} | {t / times['torch-fsdp']:.3f}x |" for name, t in times.items()]
     pairs = [(name, f"{name}-one-ahead") for name in times if f"{name}-one-ahead" in times]
     if pairs:
-        lines += ["", "The forward's look-ahead (what fits in `bucket_cap_mb`) against the next unit only:", ""]
+        title = "The look-ahead (what fits in `bucket_cap_mb`, forward and backward) against the next unit only:"
+        lines += ["", title, ""]
         lines += [f"- {name} / {other} = {times[name] / times[other]:.3f}x" for name, other in pairs]
+    if "ddp" in times:
+        lines += ["", "Against `DistributedDataParallel` in the same launch (no Trainer):", ""]
+        lines += [f"- {name} / ddp = {times[name] / times['ddp']:.3f}x" for name in AGAINST_DDP if name in times]
     return lines + [""]
 
 
