@@ -317,6 +317,7 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
     out["backward"] = {
         "none": (no_budget.holding_backward, no_budget.reducing),
         "2.5 blocks": (middle.holding_backward, middle.reducing),
+        "served": {"none": no_budget.served, "2.5 blocks": middle.served},
         "budget": 2.5 * block_bytes,
     }
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
@@ -665,11 +666,13 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank(ranks: list[Any]) -> N
 
 
 #: Gatherings a prefetch serves in three steps and a no-grad forward of the deep model, by backward mode: in the
-#: forward every block's but in the first forward (no order recorded yet): 3 x 5; in the backward every block's but
-#: the backward's first block's, 4 a step (BACKWARD_POST: the synchronous backward holds no unit while the root's last
-#: layers compute), and with BACKWARD_PRE that one too in the first step, gathered when the backward starts: from the
-#: second step on the forward's last block keeps its full parameters for the backward (nothing to gather).
-SERVED = {"BACKWARD_POST": 3 * 5 + 3 * 4, "BACKWARD_PRE": 3 * 5 + 5 + 2 * 4, None: 3 * 5}
+#: forward every block's but in the first forward (no order recorded yet): 3 x 5; in the backward of the first step
+#: (no order recorded in its forward: nothing kept) every block's but the backward's first block's, 4 (BACKWARD_POST:
+#: the synchronous backward holds no unit while the root's last layers compute), and with BACKWARD_PRE that one too,
+#: gathered when the backward starts. From the second step on the forward's last block keeps its full parameters for
+#: the backward (nothing to gather), and with BACKWARD_POST every other block too (all fit the tests' 1 MiB: nothing
+#: at all to gather in the backward); BACKWARD_PRE gathers the 4 others.
+SERVED = {"BACKWARD_POST": 3 * 5 + 4, "BACKWARD_PRE": 3 * 5 + 5 + 2 * 4, None: 3 * 5}
 
 
 @pytest.mark.parametrize("mode", prefetch.BACKWARD_MODES)
@@ -707,8 +710,8 @@ def test_the_backward_holds_other_units_full_parameters_only_as_its_prefetch_mod
     ranks: list[Any], mode: Any, in_backward: int
 ) -> None:
     """The most blocks holding full parameters in the backward: with BACKWARD_PRE two (the one computing, the one
-    arriving); with BACKWARD_POST the forward's last block (kept for the backward) and the four before it, all of
-    which fit in the tests' 1 MiB; without prefetch one."""
+    arriving); with BACKWARD_POST all five, which the forward kept for the backward (its last block, and the four
+    before it, which fit in the tests' 1 MiB); without prefetch one."""
     for rank, result in enumerate(ranks):
         seen = result["prefetch"]["modes"][mode]["seen"]
         assert max(seen["holding_backward"]) == in_backward, f"rank {rank}: {seen['holding_backward']}"
@@ -717,16 +720,21 @@ def test_the_backward_holds_other_units_full_parameters_only_as_its_prefetch_mod
 def test_the_post_mode_gathers_ahead_in_the_backward_what_fits_the_bucket_beside_the_gradients(
     ranks: list[Any],
 ) -> None:
-    """BACKWARD_POST's look-ahead in the backward: at each layer's backward the blocks gathered ahead of it and the
-    gradients in flight fit in ``bucket_cap_mb`` together (two and a half blocks' worth: at most two blocks ahead,
-    one when a gradient is in flight), and some were gathered ahead; without a budget nothing beyond what the
-    synchronous backward holds (one block at a time, its own)."""
+    """BACKWARD_POST's look-ahead in the backward: at each layer's backward the blocks held ahead of it (kept by the
+    forward or gathered ahead) and the gradients in flight fit in ``bucket_cap_mb`` together (two and a half blocks'
+    worth: two blocks beside the one computing, or one and a gradient), and some were held ahead; without a budget
+    nothing beyond what the synchronous backward holds (one block at a time, its own). The forward keeps, beside its
+    last block, the blocks that fit the budget: with two and a half blocks' worth one more (from the second step on
+    the backward gathers 3 blocks a step instead of 4), with the tests' 1 MiB all (none; :data:`SERVED`), without a
+    budget none more (4 a step, each served by a prefetch)."""
     for rank, result in enumerate(ranks):
         backward = result["prefetch"]["backward"]
         holding, reducing = backward["none"]
         assert max(holding) == 1 and max(ahead for _, _, ahead in reducing) == 0, f"rank {rank}: {backward['none']}"
+        forward = 3 * 5
+        assert backward["served"] == {"none": forward + 3 * 4, "2.5 blocks": forward + 4 + 2 * 3}, f"rank {rank}"
         holding, reducing = backward["2.5 blocks"]
-        assert max(holding) == 3, f"rank {rank}: {holding}"
+        assert holding[-5:] == [3, 2, 1, 1, 1], f"rank {rank}: {holding}"
         assert max(grads + ahead for _, grads, ahead in reducing) <= backward["budget"], f"rank {rank}: {reducing}"
         assert max(ahead for _, _, ahead in reducing) > 0, f"rank {rank}: nothing gathered ahead: {reducing}"
 

@@ -18,7 +18,11 @@ tensors, which take a fraction of the time of gloo's own collectives):
   when the current unit's gradient is done, alongside its reduce-scatter, and with it the units before it whose full
   parameters fit, beside the gradients still reducing, in ``bucket_cap_mb`` (the memory of the synchronous
   backward's reduce-scatter bucket): the same window as the forward's, but never a unit beyond the one the
-  synchronous backward gathers then, unless it fits; whatever reduces or arrives beyond that unit's full
+  synchronous backward gathers then, unless it fits. The units it would gather at the backward's start are not
+  freed at all: the forward's last units keep their full parameters for their backward, the last one always (the
+  backward's first) and the others as long as they fit in the same budget beside the units gathered ahead
+  (:meth:`Prefetcher.keeps`; a small model's units all fit: its backward gathers nothing, as under
+  ``SHARD_GRAD_OP``). Whatever reduces, arrives or is kept beyond the computing unit's full
   parameters fits in the bucket while a layer computes, so that the backward's peak is the synchronous one's
   (unlike torch's ``BACKWARD_POST`` on GPUs, whose reduce-scatter overlaps the next unit's computation whatever
   its size);
@@ -155,8 +159,9 @@ class Prefetcher:
         #: The units gathered ahead, in the order they started (a module is its own key: identity), each with its
         #: exchanges' handles, the shards they read (in the compute dtype) and what it costs (:func:`_ahead_bytes`).
         self._pending: dict[Any, tuple[list[Any], list[Tensor], int]] = {}
-        #: The forward's last unit, whose full parameters its forward kept for its backward (:meth:`keeps`).
-        self._kept: Optional[Any] = None
+        #: The units whose forward kept their full parameters for their backward (:meth:`keeps`), with what each
+        #: costs against :attr:`ahead_budget` (the forward's last unit nothing).
+        self._kept: dict[Any, int] = {}
 
     def forward_started(self) -> None:
         """The root's forward begins (not a recomputation inside a backward): record the order of the units."""
@@ -178,38 +183,49 @@ class Prefetcher:
         """The root's backward begins: in the ``"BACKWARD_PRE"`` mode the backward's first unit (the forward's last)
         starts gathering while the root's last layers compute their gradients. In the ``"BACKWARD_POST"`` mode, if
         the forward's last unit kept its full parameters (:meth:`keeps`), the units before it that fit in
-        :attr:`ahead_budget` together start gathering (none if the next one alone does not fit: the synchronous
-        backward holds no other unit's full parameters while the first computes)."""
+        :attr:`ahead_budget` beside the others kept start gathering (none if the next one alone does not fit: the
+        synchronous backward holds no other unit's full parameters while the first computes)."""
         if self.backward == "BACKWARD_PRE" and self.order and not self._pending:
             self._start(self.order[-1])
-        elif self.backward == "BACKWARD_POST" and self.order and self._kept is self.order[-1]:
+        elif self.backward == "BACKWARD_POST" and self.order and self.order[-1] in self._kept:
             self._start_window(self.order[-2::-1], at_least_first=False)
 
     def keeps(self, unit: Any) -> bool:
-        """Whether ``unit``'s forward, ending, keeps its full parameters for its backward instead of freeing them: the
-        last unit of the recorded order, in a root forward with gradients (a backward follows, whose first unit it is:
-        the backward would gather the same shards again, synchronously, at its start). Its backward holds them as it
-        would have (no more memory at the backward's peak); its post-backward hook frees them as always, and
-        :meth:`release_kept` does if no backward came (at the next root forward, or before a state dict)."""
+        """Whether ``unit``'s forward, ending, keeps its full parameters for its backward instead of freeing them, in
+        a root forward with gradients (a backward follows, which would gather the same shards again): the last unit
+        of the recorded order (the backward's first: the backward would gather it at once, synchronously), and any
+        other whose full parameters fit in :attr:`ahead_budget` beside those of the units kept and gathered ahead
+        (in the ``"BACKWARD_POST"`` mode, whose backward gathers ahead what fits the same budget as it starts: the
+        units it would gather again at once). Their backward holds them as it would have (no more memory at the
+        backward's peak); their post-backward hook frees them as always, and :meth:`release_kept` does if no
+        backward came (at the next root forward, or before a state dict)."""
         keep = (
             self._recording is not None
-            and bool(self.order)
-            and self.order[-1] is unit
+            and unit in self.order
             and torch.is_grad_enabled()
             and not in_backward()
-            and not self._pending
             and can_prefetch(unit)
         )
+        if not keep:
+            return False
+        if self.order[-1] is unit:
+            cost = 0
+            keep = not self._pending
+        else:
+            cost = _ahead_bytes(unit)
+            held = self._cost_ahead_of(unit) + sum(self._kept.values())
+            keep = self.backward == "BACKWARD_POST" and self.ahead_budget > 0 and held + cost <= self.ahead_budget
         if keep:
-            self._kept = unit
+            self._kept[unit] = cost
         return keep
 
     def release_kept(self) -> None:
-        """Free the full parameters :meth:`keeps` kept, if its backward has not freed them."""
-        unit, self._kept = self._kept, None
-        if unit is not None and unit.has_full_params:
-            unit._free_full_params()
-            unit._use_fp32_param_shard()
+        """Free the full parameters :meth:`keeps` kept, if their backward has not freed them."""
+        kept, self._kept = self._kept, {}
+        for unit in kept:
+            if unit.has_full_params:
+                unit._free_full_params()
+                unit._use_fp32_param_shard()
 
     def pass_ended(self) -> None:
         """Drop what was gathered ahead and not used (wait for it first: gloo may still be writing into it)."""
@@ -239,7 +255,7 @@ class Prefetcher:
         if backward and self.backward == "BACKWARD_POST":
             # The gradients reduced while this unit was gathered are freed before the unit computes, but what fits the
             # synchronous path's bucket beside the units gathered ahead of it.
-            self.reducer.settle(self.reducer.budget_bytes - self._cost_ahead_of(unit))
+            self.reducer.settle(self.reducer.budget_bytes - self._cost_ahead_of(unit) - self._cost_kept(unit))
         # A unit nobody gathered ahead (the root, the forward's first unit) is gathered now, by exchanges, where
         # FairScale would gather it by gloo's slower all-gather. In the forward the units ahead start gathering before
         # it is waited for: the ranks meet once for all of them.
@@ -294,9 +310,9 @@ class Prefetcher:
         a budget of 0 or less). Units that keep their full parameters from their forward to their backward
         (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing against it: they hold them at the
         backward's start either way. Returns whether the first one is on its way."""
-        spent = self.reducer.bytes_in_flight + self._cost_ahead_of(computing)
+        spent = self.reducer.bytes_in_flight + self._cost_ahead_of(computing) + self._cost_kept(computing)
         for position, unit in enumerate(coming):
-            if unit in self._pending:
+            if unit in self._pending or unit in self._kept:
                 continue
             cost = 0 if unit is computing else _ahead_bytes(unit)
             first = position == 0 and at_least_first
@@ -305,11 +321,18 @@ class Prefetcher:
             if not self._start(unit):
                 break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
             spent += cost
-        return bool(coming) and coming[0] in self._pending
+        return bool(coming) and (coming[0] in self._pending or coming[0] in self._kept)
 
     def _cost_ahead_of(self, computing: Any) -> int:
         """What the units on their way but ``computing`` hold beyond the synchronous path (:func:`_ahead_bytes`)."""
         return sum(cost for pending, (_, _, cost) in self._pending.items() if pending is not computing)
+
+    def _cost_kept(self, computing: Any) -> int:
+        """What the units :meth:`keeps` kept hold against the budget, but ``computing``'s and those their backward
+        freed."""
+        for unit in [unit for unit in self._kept if not unit.has_full_params]:
+            del self._kept[unit]
+        return sum(cost for unit, cost in self._kept.items() if unit is not computing)
 
     def _start(self, unit: Any) -> bool:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""

@@ -365,7 +365,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         if self._prefetcher is not None:
             if params is None and self.training_state == TrainingState.FORWARD and self._prefetcher.keeps(self):
-                return  # workaround 16: the forward's last unit keeps them for its backward
+                return  # workaround 16: the forward's last units keep them for their backward (what fits)
             self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
         super()._free_full_params(params)
 
