@@ -340,7 +340,38 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
         prefetch.PIECE_BYTES = piece_bytes
     out["async_reduce_scatter"] = (reduced, plain, done_before_flush)
     out["exchanges"] = exchange_checks(rank, world_size)
+    out["kept_then_stepped"] = {
+        (overlap, then): _kept_then_stepped(rank, world_size, overlap, then)
+        for overlap in (True, False) for then in ("forward", "summon")
+    }
     return out
+
+
+def _kept_then_stepped(rank: int, world_size: int, overlap: bool, then: str) -> dict[str, Any]:
+    """A forward with gradients and no backward (the forward keeps its units' full parameters for a backward that
+    does not come), then an optimizer step (of an earlier backward's gradients) changes the shards under them; then
+    (``then``) the full parameters read by ``summon_full_params``, or a forward and a step, which must see the new
+    shards."""
+    prefetch.OVERLAP_ON_CPU = overlap
+    try:
+        root = wrap(_deep_model(), policy={Block})
+        optimizer = torch.optim.Adam(root.parameters(), lr=0.01)
+        data = [rank_batch(batch, rank, world_size) for batch in batches(3)]
+        step(root, optimizer, data[0])  # records the order
+        nn.functional.mse_loss(root(data[1][0]), data[1][1]).backward()
+        root(data[2][0])  # no backward
+        kept = len(root._prefetcher._kept) if root._prefetcher is not None else 0
+        optimizer.step()
+        if then == "summon":
+            with root.summon_full_params():
+                return {"kept": kept, "parameters": parameters_of(root)}
+        optimizer.zero_grad()
+        output = root(data[1][0])
+        nn.functional.mse_loss(output, data[1][1]).backward()
+        optimizer.step()
+    finally:
+        prefetch.OVERLAP_ON_CPU = True
+    return {"kept": kept, "output": output.detach(), "parameters": parameters_of(unwrap_module(root))}
 
 
 def exchange_checks(rank: int, world_size: int) -> dict[str, Any]:
@@ -772,6 +803,30 @@ def test_mixed_precision_units_are_gathered_ahead_and_train_as_synchronous_ones(
         for name in overlapped:
             if len(ranks) == 2:  # three ranks: bf16 sums of three terms in a buffer-dependent order
                 assert torch.equal(overlapped[name], synchronous[name]), f"rank {rank}: {name} differs"
+
+
+def test_full_parameters_kept_for_a_backward_that_did_not_come_are_never_read_after_the_shards_change(
+    ranks: list[Any],
+) -> None:
+    """The forward keeps its units' full parameters for the backward (all five blocks in the tests' 1 MiB); without
+    a backward, an optimizer step changes the shards under them: ``summon_full_params``, or the next forward and the
+    step after it, see the new shards, as with synchronous collectives (which keep nothing)."""
+
+    def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        if len(ranks) == 2:
+            assert torch.equal(got, want), what
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=what)
+
+    for rank, result in enumerate(ranks):
+        for then in ("forward", "summon"):
+            overlapped, synchronous = (result["prefetch"]["kept_then_stepped"][o, then] for o in (True, False))
+            assert (overlapped["kept"], synchronous["kept"]) == (5, 0), f"rank {rank}"
+            assert overlapped["parameters"].keys() == synchronous["parameters"].keys()
+            for name, value in overlapped["parameters"].items():
+                assert_same(value, synchronous["parameters"][name], f"rank {rank}, then {then}: {name}")
+            if then == "forward":
+                assert_same(overlapped["output"], synchronous["output"], f"rank {rank}: the output")
 
 
 def test_the_post_mode_computes_a_backward_beside_no_more_gradients_than_the_bucket_holds(ranks: list[Any]) -> None:
