@@ -19,11 +19,13 @@ tensors, which take a fraction of the time of gloo's own collectives):
   parameters fit, beside the gradients still reducing, in ``bucket_cap_mb`` (the memory of the synchronous
   backward's reduce-scatter bucket): the same window as the forward's, but never a unit beyond the one the
   synchronous backward gathers then, unless it fits. The units it would gather at the backward's start are not
-  freed at all: the forward's last units keep their full parameters for their backward, the last one always (the
-  backward's first) and the others as long as they fit in the same budget beside the units gathered ahead
+  freed at all: the forward's last units keep their full parameters for their backward, the last one (the
+  backward's first, unless a unit is still on its way) and the ones before it that fit in the same budget
   (:meth:`Prefetcher.keeps`; a small model's units all fit: its backward gathers nothing, as under
-  ``SHARD_GRAD_OP``). Whatever reduces, arrives or is kept beyond the computing unit's full
-  parameters fits in the bucket while a layer computes, so that the backward's peak is the synchronous one's
+  ``SHARD_GRAD_OP``). While a layer computes, whatever reduces, arrives or is kept beyond its own unit's full
+  parameters and the forward's last unit's holds at most ``bucket_cap_mb``: the backward's peak is at most that
+  above the synchronous one's (whose reduce-scatter bucket holds up to as much, for gradients smaller than it),
+  and the same for units larger than the budget, which are neither gathered ahead nor kept but the last
   (unlike torch's ``BACKWARD_POST`` on GPUs, whose reduce-scatter overlaps the next unit's computation whatever
   its size);
   ``"BACKWARD_PRE"`` the unit before the current one, before the current unit's backward, overlapping it with the
@@ -134,8 +136,10 @@ class Prefetcher:
     :meth:`after_post_backward` after their post-backward hook, :meth:`settle` before they free their full
     parameters; the root calls :meth:`forward_started` / :meth:`forward_ended` around its forward,
     :meth:`backward_started` when its backward begins and :meth:`pass_ended` when it ends: whatever was gathered
-    ahead and not used by then (a forward that took another path) is dropped, so that no gathered copy outlives a
-    pass, in which the optimizer cannot have changed the shards.
+    ahead and not used by then (a forward that took another path) is dropped, so that no copy gathered ahead
+    outlives a pass, in which the optimizer cannot have changed the shards. What a forward kept for its backward
+    (:meth:`keeps`) is dropped when the backward ends, or at the next root forward or ``summon_full_params`` if no
+    backward came.
 
     Args:
         reducer: the root's reducer, whose reductions the ``"BACKWARD_POST"`` mode finishes before a layer computes.
@@ -162,12 +166,32 @@ class Prefetcher:
         #: The units whose forward kept their full parameters for their backward (:meth:`keeps`), with what each
         #: costs against :attr:`ahead_budget` (the forward's last unit nothing).
         self._kept: dict[Any, int] = {}
+        #: The units this forward may keep (:meth:`_tail_to_keep`), with their cost.
+        self._to_keep: dict[Any, int] = {}
 
     def forward_started(self) -> None:
-        """The root's forward begins (not a recomputation inside a backward): record the order of the units."""
+        """The root's forward begins (not a recomputation inside a backward): record the order of the units, and
+        plan which of them to keep for the backward."""
         self.release_kept()
         self.pass_ended()
         self._recording = [] if not in_backward() else None
+        self._to_keep = self._tail_to_keep() if self._recording is not None else {}
+
+    def _tail_to_keep(self) -> dict[Any, int]:
+        """The last units of the recorded order that a forward may keep for its backward, with their cost: the last one
+        (nothing: the backward gathers it first, at once) and, in the ``"BACKWARD_POST"`` mode, the ones before it as
+        long as they fit in :attr:`ahead_budget` together (the backward's look-ahead would gather them as it starts,
+        within the same budget)."""
+        if not self.order:
+            return {}
+        tail, spent = {self.order[-1]: 0}, 0
+        if self.backward == "BACKWARD_POST" and self.ahead_budget > 0:
+            for unit in reversed(self.order[:-1]):
+                cost = _ahead_bytes(unit)
+                if spent + cost > self.ahead_budget:
+                    break
+                tail[unit], spent = cost, spent + cost
+        return tail
 
     def forward_ended(self) -> None:
         """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice); what
@@ -192,29 +216,30 @@ class Prefetcher:
 
     def keeps(self, unit: Any) -> bool:
         """Whether ``unit``'s forward, ending, keeps its full parameters for its backward instead of freeing them, in
-        a root forward with gradients (a backward follows, which would gather the same shards again): the last unit
-        of the recorded order (the backward's first: the backward would gather it at once, synchronously), and any
-        other whose full parameters fit in :attr:`ahead_budget` beside those of the units kept and gathered ahead
-        (in the ``"BACKWARD_POST"`` mode, whose backward gathers ahead what fits the same budget as it starts: the
-        units it would gather again at once). Their backward holds them as it would have (no more memory at the
-        backward's peak); their post-backward hook frees them as always, and :meth:`release_kept` does if no
-        backward came (at the next root forward, or before a state dict)."""
+        a root forward with gradients (a backward is expected, which would gather the same shards again at once):
+        the units of the recorded order's tail (:meth:`_tail_to_keep`), the last one if no unit is on its way, the
+        others if they fit in :attr:`ahead_budget` beside the units kept and gathered ahead at that moment (but the
+        next one, which computes next). The
+        backward's look-ahead would hold them as it starts within the same budget; their post-backward hook frees
+        them as always, and :meth:`release_kept` does if no backward came (at the next root forward, or before a
+        state dict, or at the end of the backward for a unit it did not reach)."""
         keep = (
             self._recording is not None
-            and unit in self.order
+            and unit in self._to_keep
             and torch.is_grad_enabled()
             and not in_backward()
             and can_prefetch(unit)
         )
         if not keep:
             return False
+        cost = self._to_keep[unit]
         if self.order[-1] is unit:
-            cost = 0
             keep = not self._pending
         else:
-            cost = _ahead_bytes(unit)
-            held = self._cost_ahead_of(unit) + sum(self._kept.values())
-            keep = self.backward == "BACKWARD_POST" and self.ahead_budget > 0 and held + cost <= self.ahead_budget
+            # Beside what the next unit holds as it computes (the synchronous path holds it then too).
+            coming = self.order[self.order.index(unit) + 1]
+            held = self._cost_ahead_of(coming) + sum(self._kept.values())
+            keep = held + cost <= self.ahead_budget
         if keep:
             self._kept[unit] = cost
         return keep
@@ -273,16 +298,19 @@ class Prefetcher:
         ``"BACKWARD_POST"`` mode, once the unit holds no full parameters, the unit before it starts gathering (if it
         is not on its way already), alongside the reduce-scatter, and the ones before that which fit the budget
         (:meth:`_start_next`); the reductions are waited for before that unit computes (:meth:`rebuild`), but what
-        fits the reducer's ``budget_bytes`` beside the units gathered ahead of it. When the unit before it is not on
-        its way (it keeps its full parameters, as the root and the units of ``SHARD_GRAD_OP`` do; or it cannot be
-        gathered ahead; or a parameter of this unit still computes), the reduction is waited for now, down to
-        ``budget_bytes``. Either way, while a layer computes the gradients in flight and the full parameters
-        gathered ahead of it hold no more than the synchronous backward's bucket. (A unit whose parameters are
-        all frozen has no post-backward hook: the unit before it is gathered by FairScale, synchronously.)"""
-        if self.backward != "BACKWARD_POST":
+        fits the reducer's ``budget_bytes`` beside the units gathered ahead of it or kept. When the unit before it is
+        not on its way (it holds its full parameters: kept by the forward, or the root, or a unit of
+        ``SHARD_GRAD_OP``, or an outer unit whose own layers go on; or it cannot be gathered ahead), the reductions
+        are waited for now, down to what fits ``budget_bytes`` beside the units gathered ahead and kept. Either way,
+        while a layer computes, the gradients in flight and the full parameters of the units held ahead of it
+        (but the forward's last) hold no more than ``budget_bytes``. While a parameter of this unit still computes
+        (a unit of several parameters), nothing happens: its last parameter's hook decides. (A unit whose
+        parameters are all frozen has no post-backward hook: the unit before it is gathered by FairScale,
+        synchronously.)"""
+        if self.backward != "BACKWARD_POST" or _still_gathered(unit):
             return
-        if not (_still_gathered(unit) or self._start_next(unit, backward=True)):
-            self.reducer.settle()
+        if not self._start_next(unit, backward=True):
+            self.reducer.settle(self.reducer.budget_bytes - self._cost_ahead_of(None) - self._cost_kept(None))
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering the units the pass meets after ``unit`` (the last forward's order; reversed in a
@@ -321,7 +349,7 @@ class Prefetcher:
             if not self._start(unit):
                 break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
             spent += cost
-        return bool(coming) and (coming[0] in self._pending or coming[0] in self._kept)
+        return bool(coming) and coming[0] in self._pending
 
     def _cost_ahead_of(self, computing: Any) -> int:
         """What the units on their way but ``computing`` hold beyond the synchronous path (:func:`_ahead_bytes`)."""

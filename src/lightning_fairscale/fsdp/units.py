@@ -104,9 +104,12 @@ The workarounds, and why each is needed:
     under the hook's condition (a synchronising backward, or a unit that reshards after forward).
 16. **Collectives that wait on CPU.** Without CUDA streams every all-gather and reduce-scatter ran synchronously,
     by gloo's slow collectives. On CPU with gloo, a root's units gather the next units' parameters (what fits in
-    ``bucket_cap_mb``, at least one) while the current one computes its forward; in the backward, by default, the
-    next unit's all-gather runs alongside the current unit's reduce-scatter, both finished before the next unit
-    computes (but gradients within the bucket's budget), so the backward's peak is the synchronous one's;
+    ``bucket_cap_mb``, at least one) while the current one computes its forward; the forward's last units (the last
+    one, and those before it that fit the same budget) keep their full parameters for the backward, which would
+    gather them again at once; in the backward, by default, the next unit's all-gather runs alongside the current
+    unit's reduce-scatter, with the units before it that fit the budget beside the gradients still reducing, and
+    the reductions wait before the next unit computes down to what fits beside what is held ahead: while a layer
+    computes, at most ``bucket_cap_mb`` beyond its own unit and the forward's last one;
     ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too (:mod:`~.fsdp.prefetch`; one unit
     gathered ahead at most), by exchanges (:mod:`~.distributed.exchanges`). Same results; CUDA unchanged.
 17. **The model's own parameters (all devices).** FairScale deletes a unit's parameters from their modules and
@@ -370,9 +373,10 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         super()._free_full_params(params)
 
     def _queue_wait_for_post_backward(self) -> None:
-        super()._queue_wait_for_post_backward()  # the root's backward begins
-        if self._prefetcher is not None:
-            self._prefetcher.backward_started()  # workaround 16
+        begins = not self._post_backward_callback_queued  # FairScale calls it at every firing of the root's hook
+        super()._queue_wait_for_post_backward()
+        if begins and self._prefetcher is not None:
+            self._prefetcher.backward_started()  # workaround 16: the root's backward begins
 
     def _register_post_backward_hooks(self) -> None:
         backward_hooks.register_post_backward_hooks(self)  # workaround 20
