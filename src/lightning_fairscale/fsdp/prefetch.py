@@ -301,7 +301,8 @@ class Prefetcher:
         fits the reducer's ``budget_bytes`` beside the units gathered ahead of it or kept. When the unit before it is
         not on its way (it holds its full parameters: kept by the forward, or the root, or a unit of
         ``SHARD_GRAD_OP``, or an outer unit whose own layers go on; or it cannot be gathered ahead), the reductions
-        are waited for now, down to what fits ``budget_bytes`` beside the units gathered ahead and kept. Either way,
+        are waited for now, down to what fits ``budget_bytes`` beside the units gathered ahead and kept (but the
+        unit before it, which computes next). Either way,
         while a layer computes, the gradients in flight and the full parameters of the units held ahead of it
         (but the forward's last) hold no more than ``budget_bytes``. While a parameter of this unit still computes
         (a unit of several parameters), nothing happens: its last parameter's hook decides. (A unit whose
@@ -310,7 +311,11 @@ class Prefetcher:
         if self.backward != "BACKWARD_POST" or _still_gathered(unit):
             return
         if not self._start_next(unit, backward=True):
-            self.reducer.settle(self.reducer.budget_bytes - self._cost_ahead_of(None) - self._cost_kept(None))
+            index = self.order.index(unit) if unit in self.order else 0
+            computing = self.order[index - 1] if index > 0 else None  # the unit whose layers compute next
+            self.reducer.settle(
+                self.reducer.budget_bytes - self._cost_ahead_of(computing) - self._cost_kept(computing)
+            )
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering the units the pass meets after ``unit`` (the last forward's order; reversed in a
