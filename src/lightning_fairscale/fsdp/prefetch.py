@@ -238,8 +238,7 @@ class Prefetcher:
         else:
             # Beside what the next unit holds as it computes (the synchronous path holds it then too).
             coming = self.order[self.order.index(unit) + 1]
-            held = self._cost_ahead_of(coming) + sum(self._kept.values())
-            keep = held + cost <= self.ahead_budget
+            keep = self._held_beside(coming) + cost <= self.ahead_budget
         if keep:
             self._kept[unit] = cost
         return keep
@@ -280,7 +279,7 @@ class Prefetcher:
         if backward and self.backward == "BACKWARD_POST":
             # The gradients reduced while this unit was gathered are freed before the unit computes, but what fits the
             # synchronous path's bucket beside the units gathered ahead of it.
-            self.reducer.settle(self.reducer.budget_bytes - self._cost_ahead_of(unit) - self._cost_kept(unit))
+            self._settle_beside(unit)
         # A unit nobody gathered ahead (the root, the forward's first unit) is gathered now, by exchanges, where
         # FairScale would gather it by gloo's slower all-gather. In the forward the units ahead start gathering before
         # it is waited for: the ranks meet once for all of them.
@@ -312,10 +311,7 @@ class Prefetcher:
             return
         if not self._start_next(unit, backward=True):
             index = self.order.index(unit) if unit in self.order else 0
-            computing = self.order[index - 1] if index > 0 else None  # the unit whose layers compute next
-            self.reducer.settle(
-                self.reducer.budget_bytes - self._cost_ahead_of(computing) - self._cost_kept(computing)
-            )
+            self._settle_beside(self.order[index - 1] if index > 0 else None)  # the unit whose layers compute next
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering the units the pass meets after ``unit`` (the last forward's order; reversed in a
@@ -343,7 +339,7 @@ class Prefetcher:
         a budget of 0 or less). Units that keep their full parameters from their forward to their backward
         (``reshard_after_forward=False``: ``SHARD_GRAD_OP``) cost nothing against it: they hold them at the
         backward's start either way. Returns whether the first one is on its way."""
-        spent = self.reducer.bytes_in_flight + self._cost_ahead_of(computing) + self._cost_kept(computing)
+        spent = self.reducer.bytes_in_flight + self._held_beside(computing)
         for position, unit in enumerate(coming):
             if unit in self._pending or unit in self._kept:
                 continue
@@ -355,6 +351,15 @@ class Prefetcher:
                 break  # gathered by FairScale (or still holding its parameters): the ones after it wait for it
             spent += cost
         return bool(coming) and coming[0] in self._pending
+
+    def _held_beside(self, computing: Any) -> int:
+        """What the units gathered ahead and kept hold against the budget, but ``computing``'s."""
+        return self._cost_ahead_of(computing) + self._cost_kept(computing)
+
+    def _settle_beside(self, computing: Any) -> None:
+        """Wait for reductions until the gradients in flight fit the reducer's budget beside what the units gathered
+        ahead and kept hold (but ``computing``'s)."""
+        self.reducer.settle(self.reducer.budget_bytes - self._held_beside(computing))
 
     def _cost_ahead_of(self, computing: Any) -> int:
         """What the units on their way but ``computing`` hold beyond the synchronous path (:func:`_ahead_bytes`)."""
