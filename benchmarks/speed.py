@@ -29,7 +29,11 @@ Adam, stepped in turn: our FairScale units with overlapped collectives in the ba
 without the Trainer); and, for the look-ahead (the units that fit in ``bucket_cap_mb`` gathered ahead, in the
 forward and in the backward), the default, ``SHARD_GRAD_OP`` (``-sgo``) and smaller units (``-split``:
 ``min_num_params=100_000``'s 18 in the layers) each beside the same engine gathering the next unit only
-(``-one-ahead``). On a machine whose load changes from launch to launch these ratios are the steadier ones.
+(``-one-ahead``); and ``local``, the model alone (each rank trains its own copy, no collective): each engine's
+forward, backward and optimizer step against ``local``'s say what its communication and hooks add to the
+computation. On a machine whose load changes from launch to launch these ratios are the steadier ones, but not
+unbiased: an engine that holds more memory (DDP: full gradients and optimizer state) loses more of its cache to the
+engines stepped between its steps than in a launch of its own.
 
 The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
 FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
@@ -465,13 +469,16 @@ def run_loop(impl: str, width: int, layers: int, total_steps: int, warmup: int, 
 #: The engines of the paired launch, by name: how each is built. ``-one-ahead``: the forward and the backward gather
 #: the next unit only, as before issue 35's second round (``Prefetcher.ahead_budget = 0``), against what fits in
 #: ``bucket_cap_mb``; ``sgo``: ``SHARD_GRAD_OP``; ``split``: the 18 units of ``min_num_params=100_000`` inside the 6
-#: layers' units; ``ddp``: ``DistributedDataParallel`` (no sharding).
+#: layers' units; ``ddp``: ``DistributedDataParallel`` (no sharding); ``local``: the model alone, each rank training
+#: its own copy without a collective (the computation that every engine adds its communication and hooks to).
 ENGINES = (
     "fairscale-post", "fairscale-post-one-ahead", "fairscale-sgo", "fairscale-sgo-one-ahead", "fairscale-split",
-    "fairscale-split-one-ahead", "fairscale-pre", "fairscale-sync", "torch-fsdp", "ddp",
+    "fairscale-split-one-ahead", "fairscale-pre", "fairscale-sync", "torch-fsdp", "ddp", "local",
 )  # fmt: skip
-#: The paired launch's engines compared with ``ddp``'s step time.
+#: The paired launch's engines compared with ``ddp``'s step time, and with ``local``'s, phase by phase.
 AGAINST_DDP = ("fairscale-post", "fairscale-sgo", "fairscale-split", "torch-fsdp")
+#: The phases of a step that the paired launch times apart (``optimizer``: ``zero_grad`` and ``step``).
+PHASES = ("forward", "backward", "optimizer")
 
 
 def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
@@ -489,6 +496,8 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
             wrapped = wrap_torch_fsdp(model)
         elif name == "ddp":
             wrapped = nn.parallel.DistributedDataParallel(model)
+        elif name == "local":
+            wrapped = model
         else:  # the backward's prefetch mode: post (the default), pre, or none for the synchronous one
             wrapped = wrap_fairscale(
                 model, "BACKWARD_PRE" if name == "fairscale-pre" else "BACKWARD_POST", split="-split" in name,
@@ -506,6 +515,7 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
         engines[name] = (wrapped, optimizer)
     prefetch.OVERLAP_ON_CPU = True
     times: dict[str, list[float]] = {name: [] for name in ENGINES}
+    phases: dict[str, list[list[float]]] = {name: [] for name in ENGINES}
     for index, batch in enumerate(data_loader(width, total_steps)):
         for turn in range(len(ENGINES)):
             name = ENGINES[(index + turn) % len(ENGINES)]
@@ -513,24 +523,36 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
             dist.barrier()
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss(wrapped, batch).backward()
+            zeroed = time.perf_counter()
+            value = loss(wrapped, batch)
+            forward_ended = time.perf_counter()
+            value.backward()
+            backward_ended = time.perf_counter()
             optimizer.step()
-            times[name].append(time.perf_counter() - started)
-    _common.write_rank_result(out, rank, {"rank": rank, "times": times})
+            ended = time.perf_counter()
+            times[name].append(ended - started)
+            optimizer_time = zeroed - started + ended - backward_ended
+            phases[name].append([forward_ended - zeroed, backward_ended - forward_ended, optimizer_time])
+    _common.write_rank_result(out, rank, {"rank": rank, "times": times, "phases": phases})
     dist.barrier()
     dist.destroy_process_group()
     _common.join_ranks(children)
 
 
-def launch_engines(size: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
-    """The paired launch of :func:`run_engines`: each engine's median step time (slowest rank)."""
+def launch_engines(size: str, args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:
+    """The paired launch of :func:`run_engines`: each engine's median step time (``"step"``) and the medians of its
+    :data:`PHASES`, on its slowest rank."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     worker = ["--worker=engines", f"--size={size}", f"--warmup={args.warmup}", f"--steps={args.paired_steps}"]
     ranks = _common.launch(Path(__file__).resolve(), worker, work / f"engines-{size}", LAUNCH_TIMEOUT_S, env)
-    return {
-        name: max(statistics.median(r["times"][name][args.warmup :]) for r in ranks) for name in ENGINES
-    }
+    result = {}
+    for name in ENGINES:
+        slowest = max(ranks, key=lambda r: statistics.median(r["times"][name][args.warmup :]))
+        measured = slowest["phases"][name][args.warmup :]
+        result[name] = {"step": statistics.median(slowest["times"][name][args.warmup :])}
+        result[name].update((phase, statistics.median(p[i] for p in measured)) for i, phase in enumerate(PHASES))
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -570,7 +592,8 @@ def loadavg() -> str:
 
 
 def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict[str, dict[str, dict]],
-           paired: dict[str, dict[str, float]], args: argparse.Namespace, loads: list[str], seconds: float) -> str:
+           paired: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace, loads: list[str],
+           seconds: float) -> str:
     lines = [
         "# Speed: FairScale FSDP on CPU against PyTorch's FSDP and DDP",
         "",
@@ -687,10 +710,10 @@ def _ratio_lines(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[st
     ]
 
 
-def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse.Namespace) -> list[str]:
+def _paired_lines(size: str, paired: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> list[str]:
     if size not in paired:
         return []
-    times = paired[size]
+    times = {name: figures["step"] for name, figures in paired[size].items()}
     lines = [
         f"### The engines in one launch, stepped in turn ({size}; median of {args.paired_steps} steps each)",
         "",
@@ -706,7 +729,27 @@ def _paired_lines(size: str, paired: dict[str, dict[str, float]], args: argparse
     if "ddp" in times:
         lines += ["", "Against `DistributedDataParallel` in the same launch (no Trainer):", ""]
         lines += [f"- {name} / ddp = {times[name] / times['ddp']:.3f}x" for name in AGAINST_DDP if name in times]
+    if "local" in times:
+        lines += ["", *_added_lines(paired[size])]
     return lines + [""]
+
+
+def _added_lines(figures: dict[str, dict[str, float]]) -> list[str]:
+    """What each engine of the paired launch adds to ``local``'s computation (ms per step, phase by phase)."""
+    local = figures["local"]
+    lines = [
+        "What each engine adds to the computation alone (`local`: each rank trains its own copy, no collective), in"
+        " ms per step (median of each phase, slowest rank; `optimizer`: `step` and `zero_grad`):",
+        "",
+        "| Engine | " + " | ".join(PHASES) + " | step |",
+        "| --- | " + " | ".join("---:" for _ in PHASES) + " | ---: |",
+        "| local (its own time) | " + " | ".join(f"{local[p] * 1e3:.1f}" for p in (*PHASES, "step")) + " |",
+    ]
+    for name in (*AGAINST_DDP, "ddp"):
+        if name in figures:
+            added = [f"{(figures[name][p] - local[p]) * 1e3:+.1f}" for p in (*PHASES, "step")]
+            lines.append(f"| {name} | " + " | ".join(added) + " |")
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -759,13 +802,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     loads = [f"before {loadavg()}"]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {i: [] for i in args.impls} for s in args.sizes}
     breakdowns: dict[str, dict[str, dict]] = {}
-    paired: dict[str, dict[str, float]] = {}
+    paired: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as scratch:
         work = Path(scratch)
         for size in args.sizes:
             if args.paired:
                 paired[size] = launch_engines(size, args, work)
-                print(f"  {size} paired engines: {paired[size]} (load {loadavg()})", flush=True)
+                steps = {name: round(figures["step"], 4) for name, figures in paired[size].items()}
+                print(f"  {size} paired engines: {steps} (load {loadavg()})", flush=True)
             for round_index in range(args.rounds):
                 for impl in args.impls:
                     result = launch(impl, size, args, work, f"r{round_index}", breakdown=False)
