@@ -159,15 +159,17 @@ class Prefetcher:
         self.ahead_budget = reducer.budget_bytes
         #: The units in the order of their first gathering in the last complete root forward.
         self.order: list[Any] = []
+        #: Each unit's index in :attr:`order`.
+        self._positions: dict[Any, int] = {}
         self._recording: Optional[list[Any]] = None
         #: The units gathered ahead, in the order they started (a module is its own key: identity), each with its
         #: exchanges' handles, the shards they read (in the compute dtype) and what it costs (:func:`_ahead_bytes`).
         self._pending: dict[Any, tuple[list[Any], list[Tensor], int]] = {}
-        #: The units whose forward kept their full parameters for their backward (:meth:`keeps`), with what each
-        #: costs against :attr:`ahead_budget` (the forward's last unit nothing).
-        self._kept: dict[Any, int] = {}
-        #: The units this forward may keep (:meth:`_tail_to_keep`), with their cost.
+        #: The units this forward may keep (:meth:`_tail_to_keep`), each with its cost against :attr:`ahead_budget`.
         self._to_keep: dict[Any, int] = {}
+        #: The units of :attr:`_to_keep` whose forward kept their full parameters for their backward (:meth:`keeps`);
+        #: emptied (:meth:`release_kept`) before :attr:`_to_keep` is planned again.
+        self._kept: set[Any] = set()
 
     def forward_started(self) -> None:
         """The root's forward begins (not a recomputation inside a backward): record the order of the units, and
@@ -200,6 +202,7 @@ class Prefetcher:
             recorded = self._recording
             unique = len({id(u) for u in recorded}) == len(recorded)
             self.order = recorded if unique else []
+            self._positions = {unit: index for index, unit in enumerate(self.order)}
             self._recording = None
         self.pass_ended()
 
@@ -237,15 +240,15 @@ class Prefetcher:
             keep = not self._pending
         else:
             # Beside what the next unit holds as it computes (the synchronous path holds it then too).
-            coming = self.order[self.order.index(unit) + 1]
+            coming = self.order[self._positions[unit] + 1]
             keep = self._held_beside(coming) + cost <= self.ahead_budget
         if keep:
-            self._kept[unit] = cost
+            self._kept.add(unit)
         return keep
 
     def release_kept(self) -> None:
         """Free the full parameters :meth:`keeps` kept, if their backward has not freed them."""
-        kept, self._kept = self._kept, {}
+        kept, self._kept = self._kept, set()
         for unit in kept:
             if unit.has_full_params:
                 unit._free_full_params()
@@ -310,8 +313,8 @@ class Prefetcher:
         if self.backward != "BACKWARD_POST" or _still_gathered(unit):
             return
         if not self._start_next(unit, backward=True):
-            index = self.order.index(unit) if unit in self.order else 0
-            self._settle_beside(self.order[index - 1] if index > 0 else None)  # the unit whose layers compute next
+            index = self._positions.get(unit)
+            self._settle_beside(self.order[index - 1] if index else None)  # the unit whose layers compute next
 
     def _start_next(self, unit: Any, backward: bool) -> bool:
         """Start gathering the units the pass meets after ``unit`` (the last forward's order; reversed in a
@@ -319,9 +322,9 @@ class Prefetcher:
         ``"BACKWARD_POST"`` mode (``unit``'s gradient is done, its full parameters freed), the units before it:
         each time as many as fit in :attr:`ahead_budget` (:meth:`_start_window`). In the ``"BACKWARD_PRE"`` mode,
         the unit before it, if no other is on its way."""
-        if unit not in self.order:
+        index = self._positions.get(unit)
+        if index is None:
             return False
-        index = self.order.index(unit)
         if not backward:
             return self._start_window(self.order[index + 1 :], computing=unit)
         if index == 0:
@@ -341,7 +344,7 @@ class Prefetcher:
         backward's start either way. Returns whether the first one is on its way."""
         spent = self.reducer.bytes_in_flight + self._held_beside(computing)
         for position, unit in enumerate(coming):
-            if unit in self._pending or unit in self._kept:
+            if unit in self._pending or (unit in self._kept and unit.has_full_params):
                 continue
             cost = 0 if unit is computing else _ahead_bytes(unit)
             first = position == 0 and at_least_first
@@ -368,9 +371,7 @@ class Prefetcher:
     def _cost_kept(self, computing: Any) -> int:
         """What the units :meth:`keeps` kept hold against the budget, but ``computing``'s and those their backward
         freed."""
-        for unit in [unit for unit in self._kept if not unit.has_full_params]:
-            del self._kept[unit]
-        return sum(cost for unit, cost in self._kept.items() if unit is not computing)
+        return sum(self._to_keep[unit] for unit in self._kept if unit is not computing and unit.has_full_params)
 
     def _start(self, unit: Any) -> bool:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""
