@@ -22,7 +22,7 @@ shared machine hits every implementation alike. A launch's step time is the medi
 ``--warmup`` steps of the time between consecutive step starts (slowest rank); an implementation's figure is the
 median over its rounds. Peak memory is each rank's ``VmHWM`` at the last step.
 
-A paired launch per size (``--no-paired`` to skip) runs the FSDP engines in ONE launch, each its own model and
+A paired launch per size (``--no-paired`` to skip) runs the engines in ONE launch, each its own model and
 Adam, stepped in turn: our FairScale units with overlapped collectives in the backward's two prefetch modes
 (``fairscale-post``, the default, and ``fairscale-pre``: ``backward_prefetch="BACKWARD_PRE"``) and without
 (``fairscale-sync``), PyTorch's FSDP and PyTorch's ``DistributedDataParallel`` (``ddp``, what ``"ddp"`` wraps,
@@ -31,9 +31,9 @@ forward and in the backward), the default, ``SHARD_GRAD_OP`` (``-sgo``) and smal
 ``min_num_params=100_000``'s 18 in the layers) each beside the same engine gathering the next unit only
 (``-one-ahead``); and ``local``, the model alone (each rank trains its own copy, no collective): each engine's
 forward, backward and optimizer step against ``local``'s say what its communication and hooks add to the
-computation. On a machine whose load changes from launch to launch these ratios are the steadier ones, but not
-unbiased: an engine that holds more memory (DDP: full gradients and optimizer state) loses more of its cache to the
-engines stepped between its steps than in a launch of its own.
+computation (and what sharding saves: Adam steps a shard). On a machine whose load changes from launch to launch
+these ratios are the steadier ones, but not unbiased: an engine that holds more memory (DDP: full gradients and
+optimizer state) loses more of its cache to the engines stepped between its steps than in a launch of its own.
 
 The breakdown (``--no-breakdown`` to skip) adds one more launch per implementation (ours, ours-sync, ours-sgo,
 FairScale's loop, PyTorch's loop, ``"ddp"``) with timers around the parts of a step (:data:`PART_NOTES`): the
@@ -483,9 +483,9 @@ PHASES = ("forward", "backward", "optimizer")
 
 def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
     """One launch, the engines of :data:`ENGINES` (our FairScale units in both prefetch modes, with the look-ahead
-    and without, under SHARD_GRAD_OP, in smaller units, and without overlap; PyTorch's FSDP; DDP), each its own
-    model and Adam, stepped in turn (the order rotates every step): the same load on the machine hits them alike,
-    which separate launches on a busy machine cannot ensure."""
+    and without, under SHARD_GRAD_OP, in smaller units, and without overlap; PyTorch's FSDP; DDP; the model alone),
+    each its own model and Adam, timed by phase (:data:`PHASES`), stepped in turn (the order rotates every step):
+    the same load on the machine hits them alike, which separate launches on a busy machine cannot ensure."""
     rank, children = _common.start_ranks(WORLD_SIZE)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     engines = {}
@@ -739,7 +739,8 @@ def _added_lines(figures: dict[str, dict[str, float]]) -> list[str]:
     local = figures["local"]
     lines = [
         "What each engine adds to the computation alone (`local`: each rank trains its own copy, no collective), in"
-        " ms per step (median of each phase, slowest rank; `optimizer`: `step` and `zero_grad`):",
+        " ms per step (median of each phase on the engine's slowest rank, so the phases need not add up to the step;"
+        " `optimizer`: `step` and `zero_grad`, less for a sharded engine: Adam steps a shard):",
         "",
         "| Engine | " + " | ".join(PHASES) + " | step |",
         "| --- | " + " | ".join("---:" for _ in PHASES) + " | ---: |",

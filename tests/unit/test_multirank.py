@@ -189,6 +189,9 @@ class _Overlap:
     #: (reductions, bytes of gradients) in flight, and the bytes of the full parameters other blocks than the one about
     #: to compute hold (gathered ahead).
     reducing: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    #: At each layer's backward: what the prefetcher counts against its budget for the units held ahead of the unit
+    #: about to compute (gathered ahead or kept), and the bytes those units hold (but the forward's last: cost 0).
+    accounted: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     pending_after_no_grad_forward: bool = False
     #: Calls of the units' post-backward hooks in each step (workaround 20: as many in every step).
     hook_calls: list[int] = dataclasses.field(default_factory=list)
@@ -234,6 +237,12 @@ def _train_deep(
             full = [u.params[0]._full_param_padded for u in units if u is not owner.get(id(module))]
             ahead = sum(f.numel() * f.element_size() for f in full if f.untyped_storage().size() > 0)
             seen.reducing.append((len(root._reducer._in_flight), root._reducer.bytes_in_flight, ahead))
+        prefetcher = root._prefetcher
+        if prefetcher is not None and prefetcher.order:
+            computing = owner.get(id(module))
+            others = [u for u in units if u is not computing and u is not prefetcher.order[-1]]
+            held = sum(prefetch._ahead_bytes(u) for u in others if prefetch._still_gathered(u))
+            seen.accounted.append((prefetcher._held_beside(computing), held))
 
     # Every block, and the root's first layer (which computes last, after the root's own reduce-scatter started).
     hooks = [m.register_full_backward_pre_hook(count_reductions) for m in model.modules() if isinstance(m, Block)]
@@ -318,6 +327,7 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
         "none": (no_budget.holding_backward, no_budget.reducing),
         "2.5 blocks": (middle.holding_backward, middle.reducing),
         "served": {"none": no_budget.served, "2.5 blocks": middle.served},
+        "accounted": {"1 MiB": out["modes"]["BACKWARD_POST"]["seen"]["accounted"], "2.5 blocks": middle.accounted},
         "budget": 2.5 * block_bytes,
     }
     # The async reducer: the same results as plain reduce-scatters, callbacks in order, one reduction in flight.
@@ -798,6 +808,18 @@ def test_the_post_mode_gathers_ahead_in_the_backward_what_fits_the_bucket_beside
         assert holding[-5:] == [3, 2, 1, 1, 1], f"rank {rank}: {holding}"
         assert max(grads + ahead for _, grads, ahead in reducing) <= backward["budget"], f"rank {rank}: {reducing}"
         assert max(ahead for _, _, ahead in reducing) > 0, f"rank {rank}: nothing gathered ahead: {reducing}"
+
+
+def test_what_the_post_mode_counts_against_the_budget_is_what_the_units_held_ahead_hold(ranks: list[Any]) -> None:
+    """At every layer's backward, the bytes the prefetcher counts against ``bucket_cap_mb`` for the units held ahead
+    of the one about to compute (kept by the forward, or gathered ahead) are the bytes those units' full parameters
+    hold: a kept unit whose backward freed them counts no more (with the tests' 1 MiB every block is kept; with two
+    and a half blocks' worth, some are kept and some gathered ahead)."""
+    for rank, result in enumerate(ranks):
+        for budget, accounted in result["prefetch"]["backward"]["accounted"].items():
+            assert accounted, f"rank {rank}: no backward seen with {budget}"
+            assert any(held for _, held in accounted), f"rank {rank}: nothing held ahead with {budget}: {accounted}"
+            assert all(counted == held for counted, held in accounted), f"rank {rank}, {budget}: {accounted}"
 
 
 def test_the_forward_gathers_ahead_the_units_that_fit_the_bucket_at_its_start(ranks: list[Any]) -> None:

@@ -157,9 +157,8 @@ class Prefetcher:
         #: synchronous backward gathers then): the reducer's budget (``bucket_cap_mb``). ``0`` (or less): only
         #: those, whatever their cost (``benchmarks/speed.py`` compares the two).
         self.ahead_budget = reducer.budget_bytes
-        #: The units in the order of their first gathering in the last complete root forward.
+        #: The units in the order of their first gathering in the last complete root forward (``_positions``: where).
         self.order: list[Any] = []
-        #: Each unit's index in :attr:`order`.
         self._positions: dict[Any, int] = {}
         self._recording: Optional[list[Any]] = None
         #: The units gathered ahead, in the order they started (a module is its own key: identity), each with its
@@ -167,8 +166,8 @@ class Prefetcher:
         self._pending: dict[Any, tuple[list[Any], list[Tensor], int]] = {}
         #: The units this forward may keep (:meth:`_tail_to_keep`), each with its cost against :attr:`ahead_budget`.
         self._to_keep: dict[Any, int] = {}
-        #: The units of :attr:`_to_keep` whose forward kept their full parameters for their backward (:meth:`keeps`);
-        #: emptied (:meth:`release_kept`) before :attr:`_to_keep` is planned again.
+        #: The units of :attr:`_to_keep` whose forward kept their full parameters for their backward (:meth:`keeps`)
+        #: and hold them still (:meth:`freed`); emptied (:meth:`release_kept`) before :attr:`_to_keep` is planned again.
         self._kept: set[Any] = set()
 
     def forward_started(self) -> None:
@@ -199,9 +198,8 @@ class Prefetcher:
         """The root's forward ended: its recorded order is the one to prefetch in (unless a unit ran twice); what
         was gathered ahead and not used is dropped."""
         if self._recording is not None:
-            recorded = self._recording
-            unique = len({id(u) for u in recorded}) == len(recorded)
-            self.order = recorded if unique else []
+            unique = len({id(u) for u in self._recording}) == len(self._recording)
+            self.order = self._recording if unique else []
             self._positions = {unit: index for index, unit in enumerate(self.order)}
             self._recording = None
         self.pass_ended()
@@ -222,10 +220,9 @@ class Prefetcher:
         a root forward with gradients (a backward is expected, which would gather the same shards again at once):
         the units of the recorded order's tail (:meth:`_tail_to_keep`), the last one if no unit is on its way, the
         others if they fit in :attr:`ahead_budget` beside the units kept and gathered ahead at that moment (but the
-        next one, which computes next). The
-        backward's look-ahead would hold them as it starts within the same budget; their post-backward hook frees
-        them as always, and :meth:`release_kept` does if no backward came (at the next root forward, or before a
-        state dict, or at the end of the backward for a unit it did not reach)."""
+        next one, which computes next). The backward's look-ahead would hold them as it starts within the same
+        budget; their post-backward hook frees them as always, and :meth:`release_kept` does if no backward came (at
+        the next root forward, a state dict, or the end of the backward for a unit it did not reach)."""
         keep = (
             self._recording is not None
             and unit in self._to_keep
@@ -245,6 +242,10 @@ class Prefetcher:
         if keep:
             self._kept.add(unit)
         return keep
+
+    def freed(self, unit: Any) -> None:
+        """``unit`` freed its full parameters (some or all): what its forward kept is gone."""
+        self._kept.discard(unit)
 
     def release_kept(self) -> None:
         """Free the full parameters :meth:`keeps` kept, if their backward has not freed them."""
@@ -304,12 +305,11 @@ class Prefetcher:
         not on its way (it holds its full parameters: kept by the forward, or the root, or a unit of
         ``SHARD_GRAD_OP``, or an outer unit whose own layers go on; or it cannot be gathered ahead), the reductions
         are waited for now, down to what fits ``budget_bytes`` beside the units gathered ahead and kept (but the
-        unit before it, which computes next). Either way,
-        while a layer computes, the gradients in flight and the full parameters of the units held ahead of it
-        (but the forward's last) hold no more than ``budget_bytes``. While a parameter of this unit still computes
-        (a unit of several parameters), nothing happens: its last parameter's hook decides. (A unit whose
-        parameters are all frozen has no post-backward hook: the unit before it is gathered by FairScale,
-        synchronously.)"""
+        unit before it, which computes next). Either way, while a layer computes, the gradients in flight and the full
+        parameters of the units held ahead of it (but the forward's last) hold no more than ``budget_bytes``. While a
+        parameter of this unit still computes (a unit of several parameters), nothing happens: its last parameter's
+        hook decides. (A unit whose parameters are all frozen has no post-backward hook: the unit before it is
+        gathered by FairScale, synchronously.)"""
         if self.backward != "BACKWARD_POST" or _still_gathered(unit):
             return
         if not self._start_next(unit, backward=True):
@@ -344,7 +344,7 @@ class Prefetcher:
         backward's start either way. Returns whether the first one is on its way."""
         spent = self.reducer.bytes_in_flight + self._held_beside(computing)
         for position, unit in enumerate(coming):
-            if unit in self._pending or (unit in self._kept and unit.has_full_params):
+            if unit in self._pending or unit in self._kept:
                 continue
             cost = 0 if unit is computing else _ahead_bytes(unit)
             first = position == 0 and at_least_first
@@ -369,9 +369,9 @@ class Prefetcher:
         return sum(cost for pending, (_, _, cost) in self._pending.items() if pending is not computing)
 
     def _cost_kept(self, computing: Any) -> int:
-        """What the units :meth:`keeps` kept hold against the budget, but ``computing``'s and those their backward
-        freed."""
-        return sum(self._to_keep[unit] for unit in self._kept if unit is not computing and unit.has_full_params)
+        """What the units :meth:`keeps` kept, and that hold their full parameters still, hold against the budget, but
+        ``computing``'s."""
+        return sum(self._to_keep[unit] for unit in self._kept if unit is not computing)
 
     def _start(self, unit: Any) -> bool:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""

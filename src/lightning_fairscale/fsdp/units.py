@@ -371,6 +371,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 return  # workaround 16: the forward's last units keep them for their backward (what fits)
             self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
         super()._free_full_params(params)
+        if self._prefetcher is not None:
+            self._prefetcher.freed(self)  # workaround 16: no longer kept
 
     def _queue_wait_for_post_backward(self) -> None:
         begins = not self._post_backward_callback_queued  # FairScale calls it at every firing of the root's hook
