@@ -133,8 +133,8 @@ class Prefetcher:
     """Gathers the next units' full parameters ahead (one per root, shared by its units).
 
     The units call :meth:`rebuild` instead of FairScale's ``_rebuild_full_params`` (forward and backward),
-    :meth:`after_post_backward` after their post-backward hook, :meth:`settle` before they free their full
-    parameters; the root calls :meth:`forward_started` / :meth:`forward_ended` around its forward,
+    :meth:`after_post_backward` after their post-backward hook, :meth:`settle` and :meth:`freed` before and after
+    they free their full parameters; the root calls :meth:`forward_started` / :meth:`forward_ended` around its forward,
     :meth:`backward_started` when its backward begins and :meth:`pass_ended` when it ends: whatever was gathered
     ahead and not used by then (a forward that took another path) is dropped, so that no copy gathered ahead
     outlives a pass, in which the optimizer cannot have changed the shards. What a forward kept for its backward
