@@ -548,9 +548,10 @@ def launch_engines(size: str, args: argparse.Namespace, work: Path) -> dict[str,
     ranks = _common.launch(Path(__file__).resolve(), worker, work / f"engines-{size}", LAUNCH_TIMEOUT_S, env)
     result = {}
     for name in ENGINES:
-        slowest = max(ranks, key=lambda r: statistics.median(r["times"][name][args.warmup :]))
+        steps = [statistics.median(r["times"][name][args.warmup :]) for r in ranks]
+        slowest = ranks[steps.index(max(steps))]
         measured = slowest["phases"][name][args.warmup :]
-        result[name] = {"step": statistics.median(slowest["times"][name][args.warmup :])}
+        result[name] = {"step": max(steps)}
         result[name].update((phase, statistics.median(p[i] for p in measured)) for i, phase in enumerate(PHASES))
     return result
 
