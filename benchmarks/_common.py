@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Optional
 
@@ -139,7 +139,16 @@ def machine() -> str:
 def versions() -> str:
     """One line: the versions that matter for the figures."""
     names = ("torch", "pytorch-lightning", "fairscale", "lightning-fairscale")
-    return f"Python {platform.python_version()}, " + ", ".join(f"{name} {version(name)}" for name in names)
+    return f"Python {platform.python_version()}, " + ", ".join(f"{name} {_version(name)}" for name in names)
+
+
+def _version(name: str) -> str:
+    """``name``'s installed version, or "(not installed)" for a package importable from a path without its metadata
+    (``PYTHONPATH=src``): the figures a run measured are still reported."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def launch(

@@ -137,6 +137,12 @@ The workarounds, and why each is needed:
     parameter's gradient accumulator in every forward and keeps the accumulator alive, so after ``k`` steps the hook
     ran ``k`` times per backward (idempotent, but a cost that grew with the run, and on CPU it undid workaround 16's
     overlap from the second step on). One hook per accumulator (:mod:`~lightning_fairscale.fsdp.backward_hooks`).
+21. **Mixed precision on one rank (all devices).** With ``mixed_precision=True`` and nothing sharded (one rank),
+    FairScale casts the gradient to fp32 on a detached alias of it (``param.grad.data``), so the flat parameter kept
+    its gradient in the compute dtype: the optimizer's fp32 views refused it (``RuntimeError``: "the gradient must
+    match the tensor's grad_dtype") and ``Trainer(devices=1, precision="bf16-mixed")`` failed at its first backward
+    (seen first on a GPU, the same on CPU). :meth:`FullyShardedDataParallel._post_reduction_hook` gives the parameter
+    the gradient FairScale cast.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -163,12 +169,12 @@ from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import replicate_gradient
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
+from lightning_fairscale.mixed_precision.settings import true_half_dtype
 
 __all__ = [
     "FullyShardedDataParallel",
     "fsdp_instances",
     "named_fsdp_instances",
-    "true_half_dtype",
 ]
 
 
@@ -199,26 +205,12 @@ def _unit_device(arguments: dict[str, Any]) -> torch.device:
     return torch.device(device)
 
 
-def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
-    """The dtype a unit holds its parameters, gradients and computations in under true half precision (workaround
-    13): its ``compute_dtype`` when that is fp16 or bf16 without mixed precision; ``None`` for any other unit.
-
-    Example:
-        >>> true_half_dtype(False, torch.bfloat16), true_half_dtype(True, torch.bfloat16)
-        (torch.bfloat16, None)
-    """
-    return compute_dtype if not mixed_precision and compute_dtype in (torch.float16, torch.bfloat16) else None
-
-
 class FullyShardedDataParallel(_FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
-    On CUDA it behaves like FairScale's class but for the workarounds that apply on all devices (6 to 9, 11 to 15
-    17 and 18: bf16 compute, sharded loading, compact gradient shards, freed bucketers, frozen and trainable parameters
-    in one unit, the optimizer's views, true half precision, hybrid sharding, a frozen root, the model's own
-    parameters, no deprecation warnings from FairScale's calls). On CPU it uses no-op
-    streams (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible reduce-scatter bucketer
-    and a device-agnostic :meth:`clip_grad_norm_`.
+    On CUDA it differs from FairScale's class by the workarounds of this module's list marked "all devices". On CPU
+    it uses no-op streams too (while :mod:`~lightning_fairscale.fsdp.cpu_streams` holds them), a gloo-compatible
+    reduce-scatter bucketer, a device-agnostic :meth:`clip_grad_norm_` and collectives that overlap the computation.
 
     A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
     meta tensors become real ones on the unit's device, initialised by each module's ``reset_parameters()`` or by
@@ -454,12 +446,18 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _post_reduction_hook(self, param: torch.nn.Parameter, reduced_grad: Tensor) -> None:
         """FairScale's hook, given a compact copy of a shard that is a view into a bucket's buffer (workaround 8),
-        averaged over the replicas first under hybrid sharding (workaround 14)."""
+        averaged over the replicas first under hybrid sharding (workaround 14); on one rank, the parameter then holds
+        the gradient FairScale cast to its dtype (workaround 21)."""
         if reduced_grad.untyped_storage().nbytes() > reduced_grad.numel() * reduced_grad.element_size():
             reduced_grad = reduced_grad.clone()
         if self.replica_group is not None:
             replicate_gradient(reduced_grad, self.replica_group)
         super()._post_reduction_hook(param, reduced_grad)
+        # FairScale cast `param.grad.data`, an alias: the parameter kept the half gradient. (Offloading, it holds the
+        # fp32 copy in CPU memory from the end of the backward.)
+        if not (getattr(param, "_is_sharded", True) or self.move_grads_to_cpu) and param.grad is not None:
+            if param.grad.dtype != reduced_grad.dtype:
+                param.grad = reduced_grad
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> Tensor:

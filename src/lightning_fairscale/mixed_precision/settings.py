@@ -19,6 +19,7 @@ __all__ = [
     "compute_dtype",
     "half_dtype",
     "mixed_precision_name",
+    "true_half_dtype",
     "unsupported",
 ]
 
@@ -104,3 +105,15 @@ def unsupported(strategy: str, plugin: Any, how: str, own: Optional[str] = None)
         f" {', '.join(repr(p) for p in SUPPORTED_PRECISION)} ({how}): FP32, mixed precision (FP32 parameters,"
         " computing in fp16 or bf16) or true half precision (everything in fp16 or bf16)."
     )
+
+
+def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype an FSDP unit holds its parameters, gradients and computations in under true half precision
+    (workaround 13 of :mod:`lightning_fairscale.fsdp.units`): its ``compute_dtype`` when that is fp16 or bf16 without
+    mixed precision; ``None`` for any other unit.
+
+    Example:
+        >>> true_half_dtype(False, torch.bfloat16), true_half_dtype(True, torch.bfloat16)
+        (torch.bfloat16, None)
+    """
+    return compute_dtype if not mixed_precision and compute_dtype in (torch.float16, torch.bfloat16) else None
