@@ -152,6 +152,21 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor
     optimizer.zero_grad()
 
 
+def mixed_precision_reference(dtype: torch.dtype, steps: int, lr: float = 0.1) -> dict[str, Tensor]:
+    """``Net()`` after ``steps`` SGD steps of mixed precision without sharding: each step's gradients computed by a
+    copy of the model in ``dtype`` (on inputs in ``dtype``), applied in fp32."""
+    reference = Net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for x, y in batches(steps):
+        half = copy.deepcopy(reference).to(dtype)
+        nn.functional.mse_loss(half(x.to(dtype)).float(), y).backward()
+        for param, computed in zip(reference.parameters(), half.parameters()):
+            param.grad = computed.grad.float()
+        optimizer.step()
+        optimizer.zero_grad()
+    return reference.state_dict()
+
+
 def param_groups(module: Net, flatten: bool) -> list[dict[str, Any]]:
     """Two param groups with different hyperparameters, each listing its parameters in an unusual order.
 
