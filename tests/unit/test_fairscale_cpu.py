@@ -249,6 +249,20 @@ def test_mixed_precision_on_one_rank_trains_the_fp32_parameters_with_fp32_gradie
     assert_tensors_equal(sharded.root.state_dict(), mixed_precision_reference(dtype, 3), atol=0)
 
 
+def test_mixed_precision_on_one_rank_accumulates_over_synchronising_backwards() -> None:
+    """Workaround 21 with accumulation that reduces every micro-batch (``sync_each_batch=True``): the second
+    backward adds its half gradient to the fp32 one the first left, as unsharded mixed precision sums them."""
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded = shard(model, optimizer, {Block}, mixed_precision=True, compute_dtype=torch.bfloat16)
+    for index, (x, y) in enumerate(batches(4)):
+        nn.functional.mse_loss(sharded.root(x).float(), y).backward()
+        if index % 2:
+            sharded.optimizer.step()
+            sharded.optimizer.zero_grad()
+    assert_tensors_equal(sharded.root.state_dict(), mixed_precision_reference(torch.bfloat16, 2, accumulate=2), atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fairscale_alone_refuses_a_model_held_in_bf16(dtype: torch.dtype) -> None:
     """Why workaround 13 exists: FairScale's constructor accepts pure fp16 parameters only, and fp32 ones."""
