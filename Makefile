@@ -31,6 +31,9 @@ $(STAMP): pyproject.toml Makefile
 	rm -rf $(VENV)/hf
 	$(PY) -m pip install --quiet --target $(VENV)/hf "transformers>=4.45,<6"
 	$(PY) -m pip install --quiet --target $(VENV)/hf --no-deps "peft>=0.13,<1" accelerate psutil
+	# LitGPT's model (its own GPT and Block): without its dependencies, which the two lines above and the environment
+	# hold (it caps huggingface-hub below what transformers needs; its model does not use the hub).
+	$(PY) -m pip install --quiet --target $(VENV)/hf --no-deps "litgpt>=0.5,<0.6"
 	rm -f $(VENV)/.installed-*  # another set of versions installed before: switching back must reinstall
 	touch $(STAMP)
 

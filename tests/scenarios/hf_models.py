@@ -4,9 +4,11 @@ process with torch only.
 
 Two tiny models, built from their configurations (nothing is downloaded), each with its input embedding tied to its
 output layer (``lm_head.weight`` *is* the embedding's weight): GPT-2 (Conv1D layers, biases, LayerNorms, learned
-positions) and Llama (RMSNorm, rotary positions, no biases). The data are random token ids; the loss is the model's
-own causal LM loss (``labels=input_ids``). Each job is an :class:`HFJob`; ``tests/test_hf_models.py`` runs them all in
-one launch (``conftest.run_jobs``) and checks what rank 0 saved:
+positions) and Llama (RMSNorm, rotary positions, no biases); and, for the recipe, LitGPT's own ``GPT`` of a Llama
+configuration (untied, as LitGPT builds it). The data are random token ids; the loss is the model's own causal LM
+loss (``labels=input_ids``; LitGPT's: the same next-token cross-entropy of its logits). Each job is an
+:class:`HFJob`; ``tests/test_hf_models.py`` runs them all in one launch (``conftest.run_jobs``) and checks what
+rank 0 saved:
 
 * ``recipe``: a fine-tuning recipe (AdamW with two param groups, no decay on biases and norm weights, a warm-up
   schedule, clipping by norm, accumulation) with each transformer layer an FSDP unit; the trained weights
@@ -59,7 +61,7 @@ SAMPLES = 16  # 4 global batches: one epoch is 2 optimizer steps with 2 micro-ba
 SEED = 1234
 LR, WEIGHT_DECAY = 1e-3, 0.1
 #: Where each model's input embedding is, the weight ``lm_head.weight`` is tied to.
-EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight", "litgpt": "transformer.wte.weight"}
 #: A batch no training sees, for comparing logits.
 PROBE_BATCH_SEED = 5
 
@@ -71,7 +73,7 @@ class HFJob(Config):
     SCRIPT: ClassVar[str] = "hf_models"
 
     job: str = "recipe"
-    model: str = "gpt2"  # "gpt2" or "llama"
+    model: str = "gpt2"  # "gpt2", "llama" or "litgpt"
     devices: int = 2
     steps: int = 3  # optimizer steps (the resumes' first part: `steps`, then `more_steps`)
     more_steps: int = 2
@@ -107,6 +109,14 @@ def build_model(kind: str, lora: bool = False) -> nn.Module:
             vocab_size=VOCAB, max_position_embeddings=32, tie_word_embeddings=True,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(llama)
+    elif kind == "litgpt":  # LitGPT's own GPT (its Block, rotary cache buffers), untied as LitGPT builds it
+        from litgpt import GPT
+        from litgpt import Config as LitConfig
+
+        model = GPT(LitConfig.from_name(
+            "Llama-2-7b-hf", n_layer=2, n_embd=32, n_head=2, n_query_groups=2, intermediate_size=64, vocab_size=VOCAB,
+            padded_vocab_size=VOCAB, block_size=32,
+        ))  # fmt: skip
     else:
         raise ValueError(kind)
     if lora:
@@ -122,6 +132,10 @@ def layer_class(kind: str) -> type[nn.Module]:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         return GPT2Block
+    if kind == "litgpt":
+        from litgpt.model import Block
+
+        return Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     return LlamaDecoderLayer
@@ -140,7 +154,16 @@ def probe_batch() -> torch.Tensor:
     return tokens(GLOBAL_BATCH, seed=PROBE_BATCH_SEED).tensors[0]
 
 
+def is_litgpt(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("litgpt")
+
+
 def lm_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss: HF's own (``labels=input_ids``); for LitGPT, which returns logits, the same next-token
+    cross-entropy, as a LitGPT user computes it."""
+    if is_litgpt(model):
+        out = model(ids)
+        return nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)), ids[:, 1:].reshape(-1))
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -210,7 +233,7 @@ def state(module: nn.Module) -> dict[str, torch.Tensor]:
 def logits(model: nn.Module) -> torch.Tensor:
     was_training = model.training
     model.eval()
-    out = model(input_ids=probe_batch()).logits.detach().clone()
+    out = (model(probe_batch()) if is_litgpt(model) else model(input_ids=probe_batch()).logits).detach().clone()
     model.train(was_training)
     return out
 
