@@ -143,12 +143,13 @@ def versions() -> str:
 
 
 def _version(name: str) -> str:
-    """``name``'s installed version, or "(not installed)" for a package importable from a path without its metadata
-    (``PYTHONPATH=src``): the figures a run measured are still reported."""
+    """``name``'s installed version; for a package imported from a path without its metadata (``PYTHONPATH=src``),
+    its module's ``__version__`` (or "(not installed)"): the figures a run measured are still reported."""
     try:
         return version(name)
     except PackageNotFoundError:
-        return "(not installed)"
+        found = getattr(sys.modules.get(name.replace("-", "_")), "__version__", None)
+        return f"{found} (from source)" if found else "(not installed)"
 
 
 def launch(

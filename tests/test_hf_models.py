@@ -40,7 +40,10 @@ ATOL = 1e-5
 MODELS = ("gpt2", "llama")
 #: LitGPT's GPT, where its package is installed (the Makefile puts it beside transformers): the recipe only.
 LITGPT = ("litgpt",) if importlib.util.find_spec("litgpt") is not None else ()
-RECIPE_MODELS = (*MODELS, "litgpt")
+RECIPE_MODELS = (
+    *MODELS,
+    pytest.param("litgpt", marks=pytest.mark.skipif(not LITGPT, reason="litgpt is not installed (see the Makefile)")),
+)
 KINDS = ("full", "sharded")
 #: The resumes: 2 steps saved, then 2 more. Lightning resumes exactly from the end of an epoch only when an epoch is
 #: one batch (from a 2-batch epoch, plain Lightning 2.6 restarts the next epoch at batch_idx 2, ends it after one
@@ -136,16 +139,10 @@ def assert_same_losses(actual: list[float], expected: list[float]) -> None:
 # 1. The recipe against unsharded training
 
 
-def needs(model: str) -> None:
-    if model == "litgpt" and not LITGPT:
-        pytest.skip("litgpt is not installed (`make install` puts it in the environment's hf folder)")
-
-
 @pytest.mark.parametrize("model", RECIPE_MODELS)
 def test_recipe_equals_unsharded_training(runs: Jobs, model: str) -> None:
     """Each transformer layer an FSDP unit, AdamW with two param groups, a schedule, clipping and accumulation: the
     losses and the trained weights (``unshard_module``) are the unsharded training's."""
-    needs(model)
     result = job(runs, f"recipe-{model}", "unshard")
     assert_same_losses(result["losses"], result["reference_losses"])
     assert_same_weights(result["trained"], result["reference"])
@@ -162,7 +159,6 @@ def test_full_checkpoint_loads_into_a_fresh_hf_model(runs: Jobs, model: str) -> 
     ``load_state_dict(strict=True)`` into a fresh model of the same configuration: the trained model's logits. The
     state dict holds the output layer's key as well as the embedding's (as HF's own ``state_dict()`` does), with the
     same values where they are tied (not LitGPT's)."""
-    needs(model)
     name = f"recipe-{model}"
     result = job(runs, name, "save")
     keys = result.get("saved_keys")

@@ -152,21 +152,25 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor
     optimizer.zero_grad()
 
 
-def mixed_precision_reference(dtype: torch.dtype, steps: int, accumulate: int = 1) -> dict[str, Tensor]:
+def mixed_precision_reference(
+    dtype: torch.dtype, steps: int, accumulate: int = 1, sum_in_half: bool = False
+) -> dict[str, Tensor]:
     """``Net()`` after ``steps`` SGD steps (lr 0.1) of mixed precision without sharding, each over ``accumulate`` of
     :func:`batches`: each batch's gradients computed by a copy of the model in ``dtype`` (on inputs in ``dtype``),
-    summed and applied in fp32."""
+    summed in fp32 (as a reduction after every micro-batch does), or with ``sum_in_half`` in ``dtype`` (as
+    accumulating in ``no_sync`` does), and applied in fp32."""
     reference = Net()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     data = batches(steps * accumulate)
     for step in range(steps):
         half = copy.deepcopy(reference).to(dtype)
         for x, y in data[step * accumulate : (step + 1) * accumulate]:
-            half.zero_grad()
+            if not sum_in_half:
+                half.zero_grad()
             nn.functional.mse_loss(half(x.to(dtype)).float(), y).backward()
             for param, computed in zip(reference.parameters(), half.parameters()):
                 grad = computed.grad.float()
-                param.grad = grad if param.grad is None else param.grad + grad
+                param.grad = grad if param.grad is None or sum_in_half else param.grad + grad
         optimizer.step()
         optimizer.zero_grad()
     return reference.state_dict()

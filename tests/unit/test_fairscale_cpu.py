@@ -6,6 +6,7 @@ global-norm clipping and the sharded grad scaler.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any
@@ -249,18 +250,24 @@ def test_mixed_precision_on_one_rank_trains_the_fp32_parameters_with_fp32_gradie
     assert_tensors_equal(sharded.root.state_dict(), mixed_precision_reference(dtype, 3), atol=0)
 
 
-def test_mixed_precision_on_one_rank_accumulates_over_synchronising_backwards() -> None:
-    """Workaround 21 with accumulation that reduces every micro-batch (``sync_each_batch=True``): the second
-    backward adds its half gradient to the fp32 one the first left, as unsharded mixed precision sums them."""
+@pytest.mark.parametrize("no_sync", [False, True], ids=["sync-each-batch", "no-sync"])
+def test_mixed_precision_on_one_rank_accumulates(no_sync: bool) -> None:
+    """Workaround 21 with accumulation: reducing every micro-batch (``sync_each_batch=True``), the second backward
+    adds its half gradient to the fp32 one the first left; in ``no_sync`` (Lightning's default), the half gradients
+    add up in the compute dtype, and the next forward computes with the half parameters again (FairScale had freed
+    them). Either way, as unsharded mixed precision sums them."""
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sharded = shard(model, optimizer, {Block}, mixed_precision=True, compute_dtype=torch.bfloat16)
     for index, (x, y) in enumerate(batches(4)):
-        nn.functional.mse_loss(sharded.root(x).float(), y).backward()
+        accumulating = no_sync and not index % 2
+        with sharded.root.no_sync() if accumulating else contextlib.nullcontext():
+            nn.functional.mse_loss(sharded.root(x).float(), y).backward()
         if index % 2:
             sharded.optimizer.step()
             sharded.optimizer.zero_grad()
-    assert_tensors_equal(sharded.root.state_dict(), mixed_precision_reference(torch.bfloat16, 2, accumulate=2), atol=0)
+    expected = mixed_precision_reference(torch.bfloat16, 2, accumulate=2, sum_in_half=no_sync)
+    assert_tensors_equal(sharded.root.state_dict(), expected, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -40,6 +40,7 @@ ENGINE = (
     "fsdp.bucketing",
     "fsdp.compile",
     "fsdp.backward_hooks",
+    "fsdp.one_rank",
     "fsdp.config",
     "fsdp.cpu_streams",
     "fsdp.deprecations",

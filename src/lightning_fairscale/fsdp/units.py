@@ -138,11 +138,10 @@ The workarounds, and why each is needed:
     ran ``k`` times per backward (idempotent, but a cost that grew with the run, and on CPU it undid workaround 16's
     overlap from the second step on). One hook per accumulator (:mod:`~lightning_fairscale.fsdp.backward_hooks`).
 21. **Mixed precision on one rank (all devices).** With ``mixed_precision=True`` and nothing sharded (one rank),
-    FairScale casts the gradient to fp32 on a detached alias of it (``param.grad.data``), so the flat parameter kept
-    its gradient in the compute dtype: the optimizer's fp32 views refused it (``RuntimeError``: "the gradient must
-    match the tensor's grad_dtype") and ``Trainer(devices=1, precision="bf16-mixed")`` failed at its first backward
-    (seen first on a GPU, the same on CPU). :meth:`FullyShardedDataParallel._post_reduction_hook` gives the parameter
-    the gradient FairScale cast.
+    FairScale left the flat parameter's gradient in the compute dtype (the optimizer's fp32 views refused it at the
+    first backward), and freed the half parameter after a ``no_sync`` backward that the root then computed with
+    (:mod:`~lightning_fairscale.fsdp.one_rank`: ``Trainer(devices=1, precision="bf16-mixed")`` failed; found on a
+    GPU, the same on CPU).
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -163,7 +162,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import prefetch, ties
+from lightning_fairscale.fsdp import one_rank, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -342,6 +341,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             module._prefetcher = prefetcher
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
+        one_rank.forget_freed_half_params(self)  # workaround 21
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
@@ -453,11 +453,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         if self.replica_group is not None:
             replicate_gradient(reduced_grad, self.replica_group)
         super()._post_reduction_hook(param, reduced_grad)
-        # FairScale cast `param.grad.data`, an alias: the parameter kept the half gradient. (Offloading, it holds the
-        # fp32 copy in CPU memory from the end of the backward.)
-        if not (getattr(param, "_is_sharded", True) or self.move_grads_to_cpu) and param.grad is not None:
-            if param.grad.dtype != reduced_grad.dtype:
-                param.grad = reduced_grad
+        one_rank.keep_cast_gradient(self, param, reduced_grad)  # workaround 21
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> Tensor:
