@@ -60,7 +60,7 @@ GLOBAL_BATCH = 4  # 2 sequences per rank
 SAMPLES = 16  # 4 global batches: one epoch is 2 optimizer steps with 2 micro-batches a step
 SEED = 1234
 LR, WEIGHT_DECAY = 1e-3, 0.1
-#: Where each model's input embedding is, the weight ``lm_head.weight`` is tied to.
+#: Where each model's input embedding is: the weight ``lm_head.weight`` is tied to (but LitGPT's, untied).
 EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight", "litgpt": "transformer.wte.weight"}
 #: A batch no training sees, for comparing logits.
 PROBE_BATCH_SEED = 5

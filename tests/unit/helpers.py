@@ -7,11 +7,12 @@ Everything here runs in the test process: FSDP units are built on a single-proce
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -150,6 +151,23 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor
     nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
+
+
+@contextlib.contextmanager
+def fabric_on_one_process(strategy: Any, **fabric_kwargs: Any) -> Iterator[Any]:
+    """``Fabric(accelerator="cpu", devices=1, strategy=strategy, **fabric_kwargs)``, launched: one process of a gloo
+    group in this process; the group and the environment variables it set are gone after."""
+    from lightning_fabric import Fabric
+
+    environ = dict(os.environ)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, **fabric_kwargs)
+    fabric.launch()
+    try:
+        yield fabric
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def mixed_precision_reference(

@@ -8,14 +8,12 @@ compares with a plain ``Net`` trained by the same steps without Fabric (one rank
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning_fabric import Fabric
 from lightning_fabric.wrappers import _unwrap_objects
 from torch import nn
@@ -26,7 +24,7 @@ from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 from lightning_fairscale.fabric import DDPFullyShardedStrategy, DDPShardedStrategy
 
-from .helpers import Block, Net, assert_optimizer_states_equal, assert_tensors_equal, batches
+from .helpers import Block, Net, assert_optimizer_states_equal, assert_tensors_equal, batches, fabric_on_one_process
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "fabric_0x"
 STRATEGIES = {"fsdp": lambda: DDPFullyShardedStrategy(auto_wrap_policy={Block}), "ddp_sharded": DDPShardedStrategy}
@@ -44,16 +42,9 @@ def fsdp() -> Iterator[Fabric]:
 
 
 def _launched(name: str) -> Iterator[Fabric]:
-    """Fabric on one process of a gloo group in this process; the group and the variables it set are gone after."""
-    environ = dict(os.environ)
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=STRATEGIES[name]())
-    fabric.launch()
-    try:
+    """Fabric on one process of a gloo group in this process (:func:`~unit.helpers.fabric_on_one_process`)."""
+    with fabric_on_one_process(STRATEGIES[name]()) as fabric:
         yield fabric
-    finally:
-        dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
 
 
 def objects(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

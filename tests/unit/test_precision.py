@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from fairscale.optim import OSS
 from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
-from lightning_fabric import Fabric
 from lightning_fabric.wrappers import _unwrap_objects
 from pytorch_lightning import Trainer
 from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -30,7 +27,7 @@ from lightning_fairscale.precision import (
 from lightning_fairscale.precision.fully_sharded import fully_sharded_precision_plugin
 from lightning_fairscale.precision.sharded import sharded_precision_plugin
 
-from .helpers import Block, Net, assert_tensors_equal, batches, mixed_precision_reference, shard
+from .helpers import Block, Net, assert_tensors_equal, batches, fabric_on_one_process, mixed_precision_reference, shard
 
 SELECT: dict[str, Callable[[Precision], Precision]] = {
     "fsdp": fully_sharded_precision_plugin,
@@ -200,11 +197,8 @@ def test_sharded_plugins_clip_through_oss_and_plain_optimizers(plugin: Precision
 def test_fabric_on_one_process_trains_in_bf16_mixed_precision() -> None:
     """``Fabric(devices=1, precision="bf16-mixed")`` with the FSDP strategy (workaround 21: it failed at the first
     backward): the steps equal a bf16 copy's gradients applied to the fp32 parameters."""
-    environ = dict(os.environ)
     strategy = FabricFullyShardedStrategy(auto_wrap_policy={Block})
-    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=strategy)
-    fabric.launch()
-    try:
+    with fabric_on_one_process(strategy, precision="bf16-mixed") as fabric:
         model = Net()
         model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         for x, y in batches(3):
@@ -213,7 +207,3 @@ def test_fabric_on_one_process_trains_in_bf16_mixed_precision() -> None:
             optimizer.zero_grad()
         weights = fabric.strategy.get_module_state_dict(_unwrap_objects(model))  # the full state dict
         assert_tensors_equal(weights, mixed_precision_reference(torch.bfloat16, 3), atol=0)
-    finally:
-        dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
