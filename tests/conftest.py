@@ -164,7 +164,11 @@ class Jobs:
     proc: subprocess.CompletedProcess
 
     def __getitem__(self, name: str) -> dict[str, Any]:
-        return torch.load(self.folder / f"{name}.pt", weights_only=False)
+        result = self.folder / f"{name}.pt"
+        failed = error_file(str(result), 0)
+        if not result.exists() and failed.exists():  # a job allowed to fail, which did
+            raise AssertionError(f"job {name!r} failed:\n{json.loads(failed.read_text())['traceback']}")
+        return torch.load(result, weights_only=False)
 
     def errors(self, name: str, ranks: int = 2) -> list[dict[str, Any]]:
         """The error each of the ``ranks`` processes recorded for the failing job ``name`` (every one must have)."""
@@ -198,6 +202,7 @@ def run_jobs(
     nodes: int = 1,
     launcher: str = "env",
     killed: Optional[str] = None,
+    may_fail: Sequence[str] = (),
 ) -> Jobs:
     """Run ``scenarios/train.py`` (or ``script``) once for every job (name -> its ``Scenario``, or the
     ``FabricScenario`` of ``fabric_train.py``), one after another in one launch.
@@ -209,16 +214,24 @@ def run_jobs(
 
     ``killed``: the last job, in which a process is killed (its ``kill``), so that it needs no launch of its own:
     the launch may fail there, after every other job did what it should (the killed job's test checks how it ended).
+
+    ``may_fail``: jobs whose error is recorded and the launch goes on, in a launch of one process only (with more,
+    the others would wait in the collectives of a rank that left the job); reading such a job's result raises its
+    error (:class:`Jobs`).
     """
     folder.mkdir(parents=True, exist_ok=True)
     devices = {config.devices for config in jobs.values()}  # type: ignore[attr-defined]
     assert len(devices) == 1, f"one launch trains on one number of processes, not {devices}"
     assert set(failing) <= set(jobs), set(failing) - set(jobs)
     assert killed is None or killed == list(jobs)[-1], f"the killed job {killed!r} ends the launch: put it last"
-    spec = [job_spec(name, config, str(folder / f"{name}.pt"), name in failing) for name, config in jobs.items()]
+    (ranks,) = devices
+    assert not may_fail or ranks * nodes == 1, "only a launch of one process may go on after a job's error"
+    spec = [
+        job_spec(name, config, str(folder / f"{name}.pt"), name in failing, name in may_fail)
+        for name, config in jobs.items()
+    ]
     path = folder / "jobs.json"
     path.write_text(json.dumps(spec))
-    (ranks,) = devices
     proc = run_script(
         [str(script or TRAIN_SCRIPT), "--jobs", str(path)], cwd=folder, package=package, ranks=ranks * nodes,
         nodes=nodes, launcher=launcher, expect_ok=killed is None,

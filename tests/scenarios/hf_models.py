@@ -301,7 +301,8 @@ class CausalLM(LightningModule):
         self.losses: list[float] = []
 
     def forward(self, ids: torch.Tensor) -> Any:
-        return self.model(input_ids=ids)
+        # LitGPT's GPT takes the token ids as its first argument; HF's models take them by name.
+        return self.model(ids) if is_litgpt(self.model) else self.model(input_ids=ids)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
