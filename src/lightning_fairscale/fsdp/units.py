@@ -284,7 +284,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     __call__ = torch.compiler.disable(_FairScaleFSDP.__call__)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._lazy_init()  # FairScale's forward starts with it too: decides the root, sets up the prefetcher
+        if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
+            self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root is not False:  # the root (or not yet known): inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
