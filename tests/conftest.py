@@ -168,6 +168,11 @@ class Jobs:
         failed = error_file(str(result), 0)
         if not result.exists() and failed.exists():  # a job allowed to fail, which did
             raise AssertionError(f"job {name!r} failed:\n{json.loads(failed.read_text())['traceback']}")
+        if not result.exists():  # a launch that may end early (`may_fail`, `killed`) ended before or in this job
+            raise AssertionError(
+                f"job {name!r} left no result (the launch ended with exit code {self.proc.returncode}):\n"
+                f"{self.stderr(name)[-6000:] or self.proc.stderr[-6000:]}"
+            )
         return torch.load(result, weights_only=False)
 
     def errors(self, name: str, ranks: int = 2) -> list[dict[str, Any]]:
@@ -203,6 +208,7 @@ def run_jobs(
     launcher: str = "env",
     killed: Optional[str] = None,
     may_fail: Sequence[str] = (),
+    timeout: float = 300,
 ) -> Jobs:
     """Run ``scenarios/train.py`` (or ``script``) once for every job (name -> its ``Scenario``, or the
     ``FabricScenario`` of ``fabric_train.py``), one after another in one launch.
@@ -217,7 +223,8 @@ def run_jobs(
 
     ``may_fail``: jobs whose error is recorded and the launch goes on, in a launch of one process only (with more,
     the others would wait in the collectives of a rank that left the job); reading such a job's result raises its
-    error (:class:`Jobs`).
+    error (:class:`Jobs`). Such a launch may also end early (a crash): the jobs done by then keep their results, and
+    reading a job that left none raises with what it printed. ``timeout``: for the whole launch, in seconds.
     """
     folder.mkdir(parents=True, exist_ok=True)
     devices = {config.devices for config in jobs.values()}  # type: ignore[attr-defined]
@@ -226,6 +233,7 @@ def run_jobs(
     assert killed is None or killed == list(jobs)[-1], f"the killed job {killed!r} ends the launch: put it last"
     (ranks,) = devices
     assert not may_fail or ranks * nodes == 1, "only a launch of one process may go on after a job's error"
+    assert set(may_fail) <= set(jobs) and not set(may_fail) & set(failing), (may_fail, failing)
     spec = [
         job_spec(name, config, str(folder / f"{name}.pt"), name in failing, name in may_fail)
         for name, config in jobs.items()
@@ -234,7 +242,7 @@ def run_jobs(
     path.write_text(json.dumps(spec))
     proc = run_script(
         [str(script or TRAIN_SCRIPT), "--jobs", str(path)], cwd=folder, package=package, ranks=ranks * nodes,
-        nodes=nodes, launcher=launcher, expect_ok=killed is None,
+        nodes=nodes, launcher=launcher, expect_ok=killed is None and not may_fail, timeout=timeout,
     )
     if killed is not None:  # not ended earlier: every other job left its result
         unfinished = [name for name in jobs if name not in (*failing, killed) and not (folder / f"{name}.pt").exists()]

@@ -3,7 +3,8 @@
 Every training of this module runs in one launch of ``scenarios/train.py`` (``conftest.run_jobs``, a job each),
 sharded DDP's in one of ``scenarios/sharded_train.py``: a launch on a GPU machine costs ~25 s (importing, CUDA and
 NCCL set-up), a job seconds. With one GPU the launch is one process, and a job that fails lets the others run (its
-test reports its error); with two, an error ends the launch.
+test reports its error; an error that breaks the process's CUDA context, such as a device-side assert, fails the
+jobs after it too, each with its own traceback); with two, an error ends the launch.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def gpu_jobs(folder: Path) -> dict[str, Scenario]:
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     folder = tmp_path_factory.mktemp("cuda")
     trainings = gpu_jobs(folder)
-    return run_jobs(folder, trainings, may_fail=list(trainings) if devices() == 1 else ())
+    return run_jobs(folder, trainings, may_fail=list(trainings) if devices() == 1 else (), timeout=600)
 
 
 def test_auto_wrap_on_gpus_equals_unsharded_training(jobs: Jobs) -> None:

@@ -54,8 +54,8 @@ def job_spec(name: str, config: Config, out: str, fails: bool = False, may_fail:
 
 
 def run_jobs(path: str, config_class: type[Config], run_one: Callable[[Any, str], None]) -> None:
-    """Run the jobs of the JSON file ``path`` in order: ``[{"name", "config", "out", "fails"}, ...]``; ``run_one``
-    gets each job's configuration (a ``config_class``) and output file."""
+    """Run the jobs of the JSON file ``path`` in order: ``[{"name", "config", "out", "fails", "may_fail"}, ...]``;
+    ``run_one`` gets each job's configuration (a ``config_class``) and output file."""
     for job in json.loads(Path(path).read_text()):
         for stream in (sys.stdout, sys.stderr):
             print(f"{MARK}{job['name']}", file=stream, flush=True)

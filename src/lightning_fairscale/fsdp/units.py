@@ -287,7 +287,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
-        if computes_in_bf16 and self._is_root is not False:  # the root (or not yet known): inputs enter here
+        if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
         original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
         try:
