@@ -71,6 +71,27 @@ def test_fsdp_on_cpu_gloo_shares_one_async_reducer_and_one_prefetcher() -> None:
     assert root._prefetcher.order == units  # the forward order: the root, then the blocks
 
 
+def test_each_forward_runs_fairscales_lazy_initialisation_once_per_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our forward initialises lazily only while the root is undecided: FairScale's forward does it anyway, and each
+    of the root's runs walks the whole model (``_cast_buffers``)."""
+    root = wrap(Net(), policy={Block})
+    blocks = [m for m in root.modules() if isinstance(m, fsdp_units.FullyShardedDataParallel) and m is not root]
+    calls: list[Any] = []
+    lazy_init = fsdp_module.FullyShardedDataParallel._lazy_init
+
+    def counted(self: Any) -> None:
+        calls.append(self)
+        lazy_init(self)
+
+    monkeypatch.setattr(fsdp_module.FullyShardedDataParallel, "_lazy_init", counted)
+    x = batches(1)[0][0]
+    root(x)
+    assert calls == [root, root, *blocks]  # ours decides the root and its prefetcher, then FairScale's forwards
+    calls.clear()
+    root(x).sum().backward()
+    assert calls == [root, *blocks]  # FairScale's forwards only
+
+
 def test_fsdp_on_gloo_without_overlap_uses_one_shared_gloo_bucketer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefetch, "OVERLAP_ON_CPU", False)
     root = wrap(Net(), policy={Block})
