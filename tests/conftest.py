@@ -165,10 +165,11 @@ class Jobs:
 
     def __getitem__(self, name: str) -> dict[str, Any]:
         result = self.folder / f"{name}.pt"
-        failed = error_file(str(result), 0)
-        if not result.exists() and failed.exists():  # a job allowed to fail, which did
-            raise AssertionError(f"job {name!r} failed:\n{json.loads(failed.read_text())['traceback']}")
-        if not result.exists():  # a launch that may end early (`may_fail`, `killed`) ended before or in this job
+        if not result.exists():
+            failed = error_file(str(result), 0)
+            if failed.exists():  # a job allowed to fail, which did
+                raise AssertionError(f"job {name!r} failed:\n{json.loads(failed.read_text())['traceback']}")
+            # A launch that may end early (`may_fail`, `killed`) ended before or in this job.
             raise AssertionError(
                 f"job {name!r} left no result (the launch ended with exit code {self.proc.returncode}):\n"
                 f"{self.stderr(name)[-6000:] or self.proc.stderr[-6000:]}"

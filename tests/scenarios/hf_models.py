@@ -158,11 +158,17 @@ def is_litgpt(model: nn.Module) -> bool:
     return type(model).__module__.startswith("litgpt")
 
 
+def call(model: nn.Module, ids: torch.Tensor) -> Any:
+    """``model`` on the token ids: LitGPT's GPT takes them as its first argument (and returns the logits), HF's
+    models by name (and return an output whose ``logits`` they are)."""
+    return model(ids) if is_litgpt(model) else model(input_ids=ids)
+
+
 def lm_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
     """The causal LM loss: HF's own (``labels=input_ids``); for LitGPT, which returns logits, the same next-token
     cross-entropy, as a LitGPT user computes it."""
     if is_litgpt(model):
-        out = model(ids)
+        out = call(model, ids)
         return nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)), ids[:, 1:].reshape(-1))
     return model(input_ids=ids, labels=ids).loss
 
@@ -233,7 +239,8 @@ def state(module: nn.Module) -> dict[str, torch.Tensor]:
 def logits(model: nn.Module) -> torch.Tensor:
     was_training = model.training
     model.eval()
-    out = (model(probe_batch()) if is_litgpt(model) else model(input_ids=probe_batch()).logits).detach().clone()
+    out = call(model, probe_batch())
+    out = (out if is_litgpt(model) else out.logits).detach().clone()
     model.train(was_training)
     return out
 
@@ -301,8 +308,7 @@ class CausalLM(LightningModule):
         self.losses: list[float] = []
 
     def forward(self, ids: torch.Tensor) -> Any:
-        # LitGPT's GPT takes the token ids as its first argument; HF's models take them by name.
-        return self.model(ids) if is_litgpt(self.model) else self.model(input_ids=ids)
+        return call(self.model, ids)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
