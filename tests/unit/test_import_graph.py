@@ -37,6 +37,7 @@ ENGINE = (
     "fsdp.grad_norm",
     "fsdp.hybrid",
     "fsdp.activation_checkpointing",
+    "fsdp.bookkeeping",
     "fsdp.bucketing",
     "fsdp.compile",
     "fsdp.backward_hooks",

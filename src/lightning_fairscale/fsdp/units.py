@@ -162,7 +162,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import one_rank, prefetch, ties
+from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -282,6 +282,10 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     # the compiled regions inside run compiled (`torch.compiler.disable` gives each compiled function called from
     # it its own compiler back). A skipped call, not a graph break: a `fullgraph=True` compile around a unit works.
     __call__ = torch.compiler.disable(_FairScaleFSDP.__call__)
+
+    # FairScale's per-step bookkeeping, for less Python work (the same effect).
+    __setattr__ = bookkeeping.set_attribute
+    _cast_buffers = bookkeeping.cast_buffers
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
