@@ -483,8 +483,10 @@ AGAINST_DDP = ("fairscale-post", "fairscale-sgo", "fairscale-split", "torch-fsdp
 #: The phases of a step that the paired launch times apart (``optimizer``: ``zero_grad`` and ``step``).
 PHASES = ("forward", "backward", "optimizer")
 #: Where the paired launch's step time went, by thread: CPU time of the main thread (computation, hooks, posting
-#: messages, copies), of the other threads (gloo's, moving the messages), and the wall time no thread ran.
-CPU_PARTS = ("main thread CPU", "gloo threads CPU", "no thread running")
+#: messages, copies), of the other threads (gloo's: no other thread runs here; they move the messages), and the wall
+#: time less the CPU time of all threads (waiting, for the peer or for a core, net of threads running at once on the
+#: 2 cores: it can be negative).
+CPU_PARTS = ("main thread CPU", "other threads CPU", "wall less CPU")
 
 
 def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
@@ -540,8 +542,8 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
             ended = time.perf_counter()
             thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
             times[name].append(ended - started)
-            # The step's CPU time: this (the main) thread's, and the other threads' (gloo's own); the rest of the
-            # wall time no thread of this rank ran (waiting for the peer, or for a core the other rank held).
+            # The step's CPU time: this (the main) thread's, and the other threads' (gloo's own); and the wall time
+            # less both (waiting, net of threads that ran at once: :data:`CPU_PARTS`).
             cpu[name].append([thread_cpu, process_cpu - thread_cpu, ended - started - process_cpu])
             optimizer_time = zeroed - started + ended - backward_ended
             phases[name].append([forward_ended - zeroed, backward_ended - forward_ended, optimizer_time])
@@ -553,7 +555,7 @@ def run_engines(width: int, layers: int, total_steps: int, out: Path) -> None:
 
 def launch_engines(size: str, args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:
     """The paired launch of :func:`run_engines`: each engine's median step time (``"step"``) and the medians of its
-    :data:`PHASES`, on its slowest rank."""
+    :data:`PHASES` and :data:`CPU_PARTS`, on its slowest rank."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     worker = ["--worker=engines", f"--size={size}", f"--warmup={args.warmup}", f"--steps={args.paired_steps}"]
@@ -702,7 +704,7 @@ def paired_ratio(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> fl
         >>> paired_ratio([{"step": 1.1}, {"step": 2.0}, {"step": 1.0}], [{"step": 1.0}, {"step": 2.0}, {"step": 0.8}])
         1.1
     """
-    return statistics.median(a["step"] / b["step"] for a, b in zip(mine, theirs))
+    return statistics.median(a["step"] / b["step"] for a, b in zip(mine, theirs, strict=True))
 
 
 def _ratio_lines(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
@@ -770,9 +772,10 @@ def _added_lines(figures: dict[str, dict[str, float]]) -> list[str]:
         "What each engine adds to the computation alone (`local`: each rank trains its own copy, no collective), in"
         " ms per step (median of each part on the engine's slowest rank, so the parts need not add up to the step;"
         " `optimizer`: `step` and `zero_grad`, less for a sharded engine: Adam steps a shard). The step by thread:"
-        " its main thread's CPU time, its other threads' (gloo's, which move the messages), and the wall time no"
-        " thread of the rank ran (waiting for the peer, or for a core): with 2 ranks on 2 cores a step is CPU-bound,"
-        " so CPU time that any thread adds is step time.",
+        " its main thread's CPU time, its other threads' (gloo's, which move the messages), and the wall time less"
+        " the CPU time of all threads (the rank waiting, for the peer or for a core, net of its threads running at"
+        " once: it can be negative): with 2 ranks on 2 cores a step is CPU-bound, so CPU time that any thread adds"
+        " is step time.",
         "",
         "| Engine | " + " | ".join(parts) + " |",
         "| --- | " + " | ".join("---:" for _ in parts) + " |",

@@ -55,10 +55,15 @@ def test_set_attribute_still_registers_parameters_modules_and_buffers() -> None:
     bookkeeping.set_attribute(module, "scale", torch.zeros(1))
     bookkeeping.set_attribute(module, "flag", True)
     bookkeeping.set_attribute(module, "flag", False)  # now a plain attribute: written directly
+    assert module.flag is False
+    bookkeeping.set_attribute(module, "flag", nn.ReLU())  # a plain attribute given a module: registered
+    assert "flag" in module._modules and "flag" not in module.__dict__
+    bookkeeping.set_attribute(module, "plain", 1)
+    bookkeeping.set_attribute(module, "plain", nn.Parameter(torch.ones(1)))
+    assert "plain" in module._parameters and "plain" not in module.__dict__
     assert dict(module.named_parameters())["extra"] is module.extra
-    assert dict(module.named_children()) == {"child": module.child}
+    assert dict(module.named_children()) == {"child": module.child, "flag": module.flag}
     assert torch.equal(dict(module.named_buffers())["scale"], torch.zeros(1))
-    assert module.flag is False and "flag" not in module._parameters
     with pytest.raises(TypeError, match="cannot assign"):  # a parameter's name still takes only a parameter
         bookkeeping.set_attribute(module, "weight", 3)
 
@@ -76,31 +81,49 @@ class Normed(nn.Module):
         return self.norm(self.linear(x))
 
 
+class Pair(nn.Sequential):
+    """Two ``Normed`` and a buffer of its own: a unit with units inside."""
+
+    def __init__(self) -> None:
+        super().__init__(Normed(), Normed())
+        self.register_buffer("offset", torch.zeros(2))
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(Normed(), nn.Sequential(Normed(), Normed()), Normed())
+    model = nn.Sequential(Normed(), Pair(), Normed())
     model.register_buffer("scale", torch.ones(2))  # the root unit's own
     return model
 
 
 def _units_with_buffer_dtypes() -> nn.Module:
-    root = wrap(_model(), policy={Normed})
+    root = wrap(_model(), policy={Normed, Pair})
     inner = [m for m in root.modules() if isinstance(m, fsdp_module.FullyShardedDataParallel) and m is not root]
     for index, unit in enumerate(inner):  # each unit its own buffer dtype: the innermost unit decides
-        unit.buffer_dtype = (torch.float16, torch.bfloat16)[index % 2]
-    root.buffer_dtype = torch.float64
+        unit.buffer_dtype = (torch.float16, torch.bfloat16, torch.float64)[index % 3]
+    root.buffer_dtype = torch.float32
     return root
 
 
-@pytest.mark.parametrize("dtype", [None, torch.float64])
-def test_cast_buffers_equals_fairscales_with_each_unit_deciding_for_its_modules(dtype: Any) -> None:
-    root, fairscales = _units_with_buffer_dtypes(), _units_with_buffer_dtypes()
-    fsdp_module.FullyShardedDataParallel._cast_buffers(fairscales, dtype=dtype)
+@pytest.mark.parametrize("dtype", [None, torch.float32])  # float32 as a state dict asks: no unit's own dtype
+def test_cast_buffers_equals_fairscales_with_each_unit_deciding_for_its_modules(
+    dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _units_with_buffer_dtypes()
     bookkeeping.cast_buffers(root, dtype=dtype)
+    fairscales = _units_with_buffer_dtypes()
+    # FairScale's own walk throughout: each unit it reaches calls `_cast_buffers` of the units inside it.
+    fairscale_cast = fsdp_module.FullyShardedDataParallel._cast_buffers
+    monkeypatch.setattr(fsdp_units.FullyShardedDataParallel, "_cast_buffers", fairscale_cast)
+    fairscales._cast_buffers(dtype=dtype)
     ours = {name: (b.dtype, b.device) for name, b in root.named_buffers()}
     assert ours == {name: (b.dtype, b.device) for name, b in fairscales.named_buffers()}
-    if dtype is None:
-        assert {d for d, _ in ours.values()} == {torch.float16, torch.bfloat16, torch.float64, torch.int64}
+    floats = {d for d, _ in ours.values()} - {torch.int64}
+    assert floats == ({torch.float16, torch.bfloat16, torch.float64, torch.float32} if dtype is None else {dtype})
+    if dtype is None:  # a unit's own buffer takes its dtype, not the units' inside it nor the root's
+        pair = next(m for m in root.modules() if isinstance(m, fsdp_module.FullyShardedDataParallel) and any(
+            isinstance(c, Pair) for c in m.modules()) and m is not root)
+        assert next(b for n, b in pair.named_buffers() if n.endswith("offset")).dtype == pair.buffer_dtype
 
 
 class _AskedSet(set):
