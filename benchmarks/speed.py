@@ -696,21 +696,26 @@ def report(results: dict[str, dict[str, list[dict[str, Any]]]], breakdowns: dict
     return "\n".join(lines) + "\n"
 
 
+def round_ratios(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[float]:
+    """The rounds' own ratios of step times: round i's launch over round i's."""
+    return [a["step"] / b["step"] for a, b in zip(mine, theirs, strict=True)]
+
+
 def paired_ratio(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
-    """The median of the rounds' own ratios of step times (round i's launch over round i's): the two launches of a
-    round ran side by side, so what slowed the machine for a while slowed both, and their ratio keeps little of it.
+    """The median of :func:`round_ratios`: the two launches of a round ran side by side, so what slowed the machine
+    for a while slowed both, and their ratio keeps little of it.
 
     Example:
         >>> paired_ratio([{"step": 1.1}, {"step": 2.0}, {"step": 1.0}], [{"step": 1.0}, {"step": 2.0}, {"step": 0.8}])
         1.1
     """
-    return statistics.median(a["step"] / b["step"] for a, b in zip(mine, theirs, strict=True))
+    return statistics.median(round_ratios(mine, theirs))
 
 
 def _ratio_lines(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
     """One table of the targets' ratios (issue 35), each with its rounds' ratios (round i over round i)."""
     rows = []
-    pairs = [(impl, other, limit) for impl, other, limit in TARGETS]
+    pairs: list[tuple[str, str, Optional[float]]] = [*TARGETS]
     pairs += [(current, before, None) for before, current in BEFORE.items()]  # what changed since --before
     for size, by_impl in results.items():
         for impl, other, limit in pairs:
@@ -719,7 +724,7 @@ def _ratio_lines(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[st
                 continue
             median = paired_ratio(mine, theirs)
             of_medians = statistics.median(r["step"] for r in mine) / statistics.median(r["step"] for r in theirs)
-            rounds = ", ".join(f"{a['step'] / b['step']:.3f}" for a, b in zip(mine, theirs))
+            rounds = ", ".join(f"{ratio:.3f}" for ratio in round_ratios(mine, theirs))
             target = "--" if limit is None else f"<= {limit:.2f}x"
             verdict = "" if limit is None else "PASS" if median <= limit else "MISS"
             rows.append(f"| {size} | {impl} / {other} | {median:.3f}x | {rounds} | {of_medians:.3f}x | {target}"
