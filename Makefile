@@ -16,14 +16,22 @@ TORCH_INDEX ?=
 LIGHTNING_VERSION ?=
 TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 LIGHTNING_PINS := $(if $(LIGHTNING_VERSION),"pytorch-lightning==$(LIGHTNING_VERSION)" "lightning==$(LIGHTNING_VERSION)")
-STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSION)),newest)
+VERSIONS := torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSION)),newest)
+# Two stamps: what the demo needs (torch, Lightning, FairScale and this package) and, on top, what the tests, linters,
+# docs and benchmarks need (the `test` and `docs` extras, the Hugging Face packages). `make demo` installs the first
+# only, so a newcomer's first command trains within a minute or two of a fresh clone.
+CORE_STAMP := $(VENV)/.core-$(VERSIONS)
+STAMP := $(VENV)/.installed-$(VERSIONS)
 
-.PHONY: install demo test lint unit doctest docs bench lightning clean
-
-$(STAMP): pyproject.toml Makefile
+$(CORE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e . "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
+	rm -f $(VENV)/.core-* $(VENV)/.installed-*  # another set of versions installed before: switching back reinstalls
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e ".[test,docs]" "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
 	# The Hugging Face packages of tests/test_hf_models.py (pyproject's `hf` extra), in a folder that only those tests
 	# put on their path: in the environment, torchmetrics would import transformers in every process that imports
@@ -34,12 +42,11 @@ $(STAMP): pyproject.toml Makefile
 	# LitGPT's model (its own GPT and Block): without its dependencies, which the two lines above and the environment
 	# hold (it caps huggingface-hub below what transformers needs; its model does not use the hub).
 	$(PY) -m pip install --quiet --target $(VENV)/hf --no-deps "litgpt>=0.5,<0.6"
-	rm -f $(VENV)/.installed-*  # another set of versions installed before: switching back must reinstall
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(PY) examples/demo.py
 
 # The test suite includes the linters (`make lint`) and the docs' examples (`make doctest`); docstring examples run

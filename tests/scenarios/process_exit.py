@@ -94,9 +94,8 @@ def reducers() -> int:
 
 
 def checkpointed(module: Any) -> bool:
-    """Whether FairScale's ``checkpoint_wrapper`` gave ``module`` a ``forward`` that recomputes its activations."""
-    forward = vars(module).get("forward")
-    return getattr(getattr(forward, "func", None), "__name__", None) == "_checkpointed_forward"
+    """Whether the strategy's activation checkpointing gave ``module`` a ``forward`` that recomputes its activations."""
+    return type(vars(module).get("forward")).__name__ == "CheckpointedForward"
 
 
 def patches(trainer: Any = None, model: Any = None) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def test_compiled_layers_train_as_eager_ones_and_keep_their_names(process_group:
     uncompile_regions(model)
     assert not any(is_compiled(m) for m in model.modules())
     assert all("forward" not in m.__dict__ for m in (model.inp, model.out))
-    assert all(m.__dict__["forward"].args[0] is Block.forward for m in checkpointed)  # the checkpoint's own again
+    assert all(m.__dict__["forward"].inner is Block.forward for m in checkpointed)  # the checkpoint's own again
 
 
 def test_a_model_with_nothing_to_compile_runs_eagerly_with_a_warning(process_group: Any) -> None:

@@ -42,6 +42,7 @@ ENGINE = (
     "fsdp.compile",
     "fsdp.backward_hooks",
     "fsdp.one_rank",
+    "fsdp.recompute",
     "fsdp.config",
     "fsdp.cpu_streams",
     "fsdp.deprecations",

@@ -18,7 +18,7 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
-from lightning_fairscale._compat import _PATH, _optimizers_to_device, fabric_precision_property
+from lightning_fairscale._compat import _PATH, _optimizers_to_device, fabric_compile_options, fabric_precision_property
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -40,6 +40,7 @@ from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 from lightning_fairscale.distributed.collectives import all_agree
+from lightning_fairscale.fsdp.compile import compiler_from_options
 from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, settle_background
 
 if TYPE_CHECKING:
@@ -149,7 +150,9 @@ class DDPShardedStrategy(DDPStrategy):
             if scheduler is not None:
                 oss.repoint_schedulers([scheduler], optimizer, new)
             sharded.append(new)
-        wrapped = oss.wrap_model(self.config, module, sharded, self.num_nodes)
+        options = fabric_compile_options()  # `fabric.setup(torch.compile(model))`: the model inside is compiled
+        compiler = None if options is None else compiler_from_options(options)
+        wrapped = oss.wrap_model(self.config, module, sharded, self.num_nodes, compiler)
         self._set_up.models.add(wrapped)
         return wrapped, sharded, scheduler
 

@@ -1,22 +1,30 @@
 """Activation checkpointing: instances of given layer classes recompute their activations in the backward pass
-(FairScale's ``checkpoint_wrapper``), applied before wrapping so that checkpointing runs inside the FSDP unit."""
+(torch's non-reentrant checkpoint: workaround 22 of :mod:`lightning_fairscale.fsdp.units`), applied before wrapping
+so that checkpointing runs inside the FSDP unit."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+import weakref
+from typing import Any, Callable, Optional
 
-from fairscale.nn.checkpoint import checkpoint_wrapper
+import torch
+from fairscale.nn.checkpoint.checkpoint_activations import enable_recomputing, patch_batchnorm
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
+from torch.utils.checkpoint import checkpoint
+
+from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.state_names import is_wrapped
 
-#: The attribute of a layer checkpointed here: the ``forward`` FairScale's ``checkpoint_wrapper`` gave it.
+#: The attribute of a layer checkpointed here: the ``forward`` :func:`apply_activation_checkpointing` gave it.
 _MARK = "_lightning_fairscale_checkpointed_forward"
 
 __all__ = [
+    "CheckpointedForward",
     "apply_activation_checkpointing",
     "checkpointing_layer_classes",
     "remove_activation_checkpointing",
@@ -78,8 +86,9 @@ def apply_activation_checkpointing(
 ) -> list[nn.Module]:
     """Make every instance of ``classes`` in ``module`` recompute its activations in backward. Returns them.
 
-    FairScale's ``checkpoint_wrapper`` patches the instance's ``forward`` in place, so module names (and so
-    state-dict keys) do not change. Instances inside FSDP units (manual wrap) are checkpointed inside their unit.
+    The instance's ``forward`` is replaced in place (as FairScale's ``checkpoint_wrapper`` does), so module names
+    (and so state-dict keys) do not change. Instances inside FSDP units (manual wrap) are checkpointed inside their
+    unit.
     """
     if not classes:
         return []
@@ -100,10 +109,55 @@ def apply_activation_checkpointing(
                 f" {type(submodule).__name__} instance itself, not its children."
             )
         if isinstance(submodule, classes) and "forward" not in submodule.__dict__:
-            checkpoint_wrapper(submodule, offload_to_cpu=offload_to_cpu)
+            patch_batchnorm(submodule)  # its batch norms update their statistics once, not again when recomputed
+            submodule.forward = CheckpointedForward(submodule, offload_to_cpu)
             submodule.__dict__[_MARK] = submodule.__dict__["forward"]
             checkpointed.append(submodule)
     return checkpointed
+
+
+class CheckpointedForward:
+    """A layer's ``forward`` under torch's non-reentrant checkpoint (workaround 22 of
+    :mod:`lightning_fairscale.fsdp.units`): its activations are recomputed in the backward, under the autocast and
+    random states of the forward; with ``offload_to_cpu`` the region's saved inputs wait in CPU memory.
+
+    FairScale's ``checkpoint_wrapper`` recomputed under CUDA's autocast state only (on a CPU, ``"bf16-mixed"``
+    recomputed without autocast; on CUDA in fp16 whatever the forward's dtype), and gave a Hugging Face GPT-2 layer
+    1% of its attention's gradients (transformers 5, measured with and without autocast): wrong without an error.
+
+    ``inner`` is the function computed (the layer's class's ``forward``, or its compiled version: workaround 18
+    compiles it inside the checkpoint, so that the recomputation runs the compiled code too). A weak reference to the
+    layer, as FairScale's: the layer holds its ``forward``.
+    """
+
+    def __init__(self, layer: nn.Module, offload_to_cpu: bool, inner: Optional[Callable[..., Any]] = None) -> None:
+        self._layer = weakref.ref(layer)
+        self.offload_to_cpu = offload_to_cpu
+        self.inner: Callable[..., Any] = inner if inner is not None else type(layer).forward
+
+    def with_inner(self, inner: Callable[..., Any]) -> CheckpointedForward:
+        """The same checkpointed forward of the same layer, computing ``inner``."""
+        layer = self._layer()
+        assert layer is not None
+        return CheckpointedForward(layer, self.offload_to_cpu, inner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer = self._layer()
+        if not torch.is_grad_enabled():
+            return self.inner(layer, *args, **kwargs)
+        offload: Any = contextlib.nullcontext()
+        if self.offload_to_cpu:
+            offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        with offload:
+            return checkpoint(self._compute, layer, *args, use_reentrant=False, **kwargs)
+
+    def _compute(self, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """``inner``; inside the backward (the recomputation) with FairScale's recomputing flag set, so that the
+        batch-norm layers it patched do not update their running statistics a second time."""
+        if in_backward():
+            with enable_recomputing():
+                return self.inner(layer, *args, **kwargs)
+        return self.inner(layer, *args, **kwargs)
 
 
 def _is_checkpointed(module: nn.Module) -> bool:

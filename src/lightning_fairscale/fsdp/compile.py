@@ -18,8 +18,9 @@ block of a sharded model ("regional compilation").
   compiled in ``__init__``; below the LightningModule, its layers, embedding and head). The top module (the
   LightningModule, Fabric's model) is never a region: the Trainer runs its ``training_step`` through it, and its
   own ``forward`` calls the units. A region's ``forward`` becomes the compiled one, as Lightning's ``from_compiled``
-  does for a LightningModule; a layer that recomputes its activations (FairScale's ``checkpoint_wrapper``) gets
-  its class's ``forward`` compiled *inside* the checkpoint, so that the recomputation runs the compiled code too.
+  does for a LightningModule; a layer that recomputes its activations (a ``CheckpointedForward`` of
+  :mod:`~lightning_fairscale.fsdp.activation_checkpointing`) gets its class's ``forward`` compiled *inside* the
+  checkpoint, so that the recomputation runs the compiled code too.
 * A unit's ``__call__`` is excluded from dynamo (:class:`~lightning_fairscale.fsdp.units.FullyShardedDataParallel`):
   a compile around a unit (Fabric compiles the model its strategy returns again; a user may compile a sharded
   model) runs the unit eagerly instead of tracing FairScale, while the compiled regions inside still run compiled.
@@ -32,14 +33,13 @@ through the views as in eager mode.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
-from fairscale.nn.checkpoint.checkpoint_activations import _checkpointed_forward
 from torch import nn
 
+from lightning_fairscale.fsdp.activation_checkpointing import CheckpointedForward
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
 
 __all__ = [
@@ -163,11 +163,10 @@ def _compile_forward(region: nn.Module, compiler: Compiler) -> None:
     """Give ``region`` a compiled ``forward`` (an attribute of the instance: its class is not changed, and nor are
     its name and its state dict's keys)."""
     own = region.__dict__.get("forward")
-    if isinstance(own, functools.partial) and own.func is _checkpointed_forward:
-        # FairScale's checkpoint runs the class's forward twice (forward, recomputation): compile that one, inside
-        # the checkpoint, which dynamo could not trace (its autograd function keeps RNG states and non-tensors).
-        original_forward, *rest = own.args
-        region.forward = functools.partial(own.func, compiler(original_forward), *rest, **own.keywords)
+    if isinstance(own, CheckpointedForward):
+        # The checkpoint runs the class's forward twice (forward, recomputation): compile that one, inside the
+        # checkpoint, so that both run compiled code.
+        region.forward = own.with_inner(compiler(own.inner))
     else:
         region.forward = compiler(region.forward)
     region.__dict__[_MARK] = own

@@ -46,3 +46,15 @@ def record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.P
     for param in unit.params[flat_count:]:
         if any(param is p for p in frozen.values()):
             param.requires_grad_(False)
+
+
+def reshard_frozen(root: _FairScaleFSDP) -> None:
+    """Free a root unit's gathered frozen parameters after a backward, as FairScale's post-backward hook frees a
+    trainable parameter's and under the same condition (workaround 15 of :mod:`lightning_fairscale.fsdp.units`)."""
+    frozen = [param for param in root.params if not param.requires_grad]
+    if not frozen or not (root._require_backward_grad_sync or root.reshard_after_forward):
+        return
+    root._free_full_params(frozen)
+    if root.mixed_precision:
+        root._free_fp16_param_shard(frozen)
+    root._use_fp32_param_shard(frozen)

@@ -143,6 +143,13 @@ The workarounds, and why each is needed:
     (:mod:`~lightning_fairscale.fsdp.one_rank`: ``Trainer(devices=1, precision="bf16-mixed")`` failed; found on a
     GPU, the same on CPU).
 
+22. **Checkpointing that recomputes something else (all devices).** FairScale's ``checkpoint_wrapper`` dropped CPU
+    autocast in the recomputation and gave a GPT-2 layer 1% of its gradients: torch's checkpoint instead
+    (:mod:`~lightning_fairscale.fsdp.activation_checkpointing`; found by the feature matrix).
+23. **The model's own checkpointing around a unit (all devices).** torch's non-reentrant checkpoint calls a unit's
+    forward inside the backward; FairScale took it for a new forward and failed
+    (:mod:`~lightning_fairscale.fsdp.recompute`).
+
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
 """
@@ -162,7 +169,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
+from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, recompute, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -288,6 +295,12 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     _cast_buffers = bookkeeping.cast_buffers
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if recompute.runs_in_backward(self):  # workaround 23: torch's checkpoint recomputes inside the backward
+            return recompute.forward(self, args, kwargs)
+        with recompute.state_restored_on_error(self):  # workaround 23
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
@@ -404,21 +417,10 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                     param_views.share_gradients(param)
                 else:
                     param_views.share_local_gradients(param, unit.rank)
-        self._reshard_frozen_params()
+        frozen_params.reshard_frozen(self)  # workaround 15
         if self._prefetcher is not None:  # workaround 16: nothing gathered ahead or kept outlives the backward
             self._prefetcher.pass_ended()
             self._prefetcher.release_kept()
-
-    def _reshard_frozen_params(self) -> None:
-        """Free this (root) unit's gathered frozen parameters after a backward, as FairScale's post-backward hook
-        frees a trainable parameter's and under the same condition (workaround 15)."""
-        frozen = [param for param in self.params if not param.requires_grad]
-        if not frozen or not (self._require_backward_grad_sync or self.reshard_after_forward):
-            return
-        self._free_full_params(frozen)
-        if self.mixed_precision:
-            self._free_fp16_param_shard(frozen)
-        self._use_fp32_param_shard(frozen)
 
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
