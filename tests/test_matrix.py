@@ -89,20 +89,24 @@ def cell_name(index: int, row: dict[str, Any]) -> str:
 
 
 def tolerance(row: dict[str, Any]) -> float:
-    """How far a cell may end from its reference: float32 sums in another order (1e-5); bf16 rounds every step
-    (its relative update error, see :func:`update_error`)."""
-    return 1e-5 if row["precision"] == "32-true" else 0.25
+    """How far a cell may end from its reference: float32 sums in another order (1e-5, on every weight); bf16
+    rounds every step (0.2, on the model's whole update: :func:`update_error`)."""
+    return 1e-5 if row["precision"] == "32-true" else 0.2
 
 
 def update_error(final: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                  start: dict[str, torch.Tensor]) -> float:
-    """bf16 cells: the largest relative distance of a tensor's update (final - start) from the reference's."""
-    worst = 0.0
-    for key, ref in reference.items():
-        moved = (ref - start[key]).norm()
-        if moved > 0:
-            worst = max(worst, float(((final[key] - start[key]) - (ref - start[key])).norm() / moved))
-    return worst
+    """bf16 cells: the distance of the model's whole update (final - start) from the reference's, relative to it.
+
+    bf16 training sums each gradient in another order than ``"ddp"`` (and, under mixed precision, computes with
+    bf16 weights where ``"ddp"``'s autocast keeps float32 ones), so an element may round to the neighbouring bf16
+    value; Adam's first steps move an element by about its learning rate whatever its gradient, so such an element
+    (a bias, a norm's weight) can end far from the reference's while the model as a whole is within 4-8% (measured
+    on the cells here). A model that does not train, trains a frozen layer or another model ends 100% or more away.
+    """
+    moved = sum(float(((ref - start[key]) ** 2).sum()) for key, ref in reference.items())
+    apart = sum(float(((final[key] - ref) ** 2).sum()) for key, ref in reference.items())
+    return (apart / moved) ** 0.5
 
 
 def test_the_cells_cover_every_pair() -> None:
@@ -145,9 +149,9 @@ def test_cell_equals_ddp(matrix: Jobs, index: int) -> None:
     assert "error" not in ours, ours.get("traceback")
     tol = tolerance(row)
     assert ours["final"].keys() == reference["final"].keys()
-    if row["optimizer"] == "frozen":
+    if row["optimizer"] == "frozen":  # exactly where "ddp" left it (its start, in the training's dtype)
         name = frozen_name(Cell(**row))
-        assert torch.equal(ours["final"][name], ours["start"][name]), "the frozen layer moved"
+        assert torch.equal(ours["final"][name], reference["final"][name]), "the frozen layer moved"
     if row["precision"] == "32-true":
         worst = max(float((ours["final"][k] - reference["final"][k]).abs().max()) for k in reference["final"])
         assert worst < tol, f"final weights {worst:.3g} from ddp's"
