@@ -57,7 +57,9 @@ def assert_same_training(result: dict[str, Any], reference: dict[str, Any], weig
             assert difference < ATOL, f"{key}[{index}]: {difference:.3g} off unsharded training"
 
 
-@pytest.mark.parametrize("name", ["validate", "freeze", "freeze-resume", "gan", "gan-resume"])
+@pytest.mark.parametrize(
+    "name", ["validate", "freeze", "freeze-resume", "freeze-buckets", "gan", "gan-resume", "gan-buckets"]
+)
 def test_trainer_equals_unsharded_training(sharded: dict[str, Any], unsharded: dict[str, Any], name: str) -> None:
     result, reference = sharded[name], unsharded[name]
     assert_same_training(result, reference, "state_dict", ["optimizer_states"])
@@ -75,7 +77,7 @@ def test_frozen_layers_kept_their_weights_and_optimizer_state(unsharded: dict[st
     assert steps[0] == 4.0 and steps[len(steps) - 1] == 4.0 and steps[4] == 6.0  # net.0.weight: frozen in epoch 1
 
 
-@pytest.mark.parametrize("name", ["fabric-validate", "fabric-freeze", "fabric-gan"])
+@pytest.mark.parametrize("name", ["fabric-validate", "fabric-eval-mode", "fabric-freeze", "fabric-gan"])
 def test_fabric_equals_unsharded_training(sharded: dict[str, Any], unsharded: dict[str, Any], name: str) -> None:
     result, reference = sharded[name], unsharded[name]
     modules = [key for key in ("model", "generator", "discriminator") if key in reference]

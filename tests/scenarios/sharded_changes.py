@@ -221,6 +221,7 @@ class GANModel(LightningModule):
 def trainer_gan(strategy: Any, devices: int, workdir: Path, resume: bool = False) -> dict[str, Any]:
     """3 epochs of 2 steps; full checkpoints each epoch. ``resume``: from epoch 1's checkpoint."""
     seed_everything(7)
+    workdir.mkdir(parents=True, exist_ok=True)
     model = GANModel()
     folder = workdir / "gan-checkpoints"
     callbacks = [] if resume else [ModelCheckpoint(dirpath=folder, filename="{epoch}", every_n_epochs=1, save_top_k=-1)]
@@ -234,6 +235,11 @@ def trainer_gan(strategy: Any, devices: int, workdir: Path, resume: bool = False
 
 def trainer_gan_resume(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
     return trainer_gan(strategy, devices, workdir, resume=True)
+
+
+def trainer_gan_buckets(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """As ``gan``, the small gradients of both networks sharing buckets (one per rank)."""
+    return trainer_gan(with_buckets(strategy), devices, workdir / "buckets")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,6 +377,7 @@ CASES: dict[str, Callable[[Any, int, Path], dict[str, Any]]] = {
     "freeze-buckets": trainer_freeze_buckets,
     "gan": trainer_gan,
     "gan-resume": trainer_gan_resume,
+    "gan-buckets": trainer_gan_buckets,
     "fabric-validate": fabric_validate,
     "fabric-eval-mode": fabric_eval_mode,
     "fabric-freeze": fabric_freeze,

@@ -128,8 +128,12 @@ class Trainability:
                 " optimizer steps, after `optimizer.zero_grad()`, or accumulate with `sync_each_batch=True`, which"
                 " reduces every micro-batch."
             )
-        with _training(self.wrapper, True):
-            self.wrapper.refresh_trainable()
+        wrapper = self.wrapper
+        # Decided above: FairScale's own check (hooks armed but not fired, e.g. for the parameters a toggled
+        # optimizer froze) would only log a misleading warning. Its per-backward state is re-armed before use.
+        wrapper._grad_to_be_reduced = [False] * len(wrapper._grad_to_be_reduced)
+        with _training(wrapper, True):
+            wrapper.refresh_trainable()
         self._derived = mask
 
     def _mask(self) -> list[bool]:
