@@ -3,7 +3,8 @@
 ``no_sync`` (the default): each rank accumulates its full, unreduced gradient and the last micro-batch reduces it.
 ``sync_each_batch=True``: every micro-batch reduces; FSDP adds each reduced shard to the one held (FairScale's own
 accumulation outside ``no_sync``), sharded DDP's owners set their reduced gradients aside during each backward
-(``sharded_ddp.trainability.Trainability.begin_backward``/``end_backward``). Both must train exactly as one unsharded model that sums
+(``sharded_ddp.trainability.Trainability.begin_backward``/``end_backward``).
+Both must train exactly as one unsharded model that sums
 the micro-batches' gradients (each loss divided by their number, as Lightning does), and between micro-batches a rank
 must hold the full gradient in the first mode and only its shard in the second.
 """
