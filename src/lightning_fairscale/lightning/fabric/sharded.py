@@ -72,7 +72,10 @@ class DDPShardedStrategy(DDPStrategy):
 
     Args:
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
-            node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
+            node, ``2**23`` elements on several), ``broadcast_buffers``, ``reduce_fp16``. The strategy follows
+            parameters frozen or unfrozen and eval/train switches itself (see
+            :mod:`lightning_fairscale.sharded_ddp.trainability`): ``auto_refresh_trainable`` and
+            ``warn_on_trainable_params_changed`` are accepted and have no effect.
 
     Example:
         >>> from lightning_fairscale.fabric import DDPShardedStrategy
