@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,7 +45,7 @@ BaseFinetuning = pl.callbacks.BaseFinetuning
 FREEZE_SCHEDULE: dict[int, tuple[int, ...]] = {0: (0,), 1: (), 2: (3,)}
 #: Gradient clipping by norm while freezing: the norm is that of the trainable parameters' gradients of the moment.
 FREEZE_CLIP = 0.05
-#: The GAN's loss of the discriminator's step: its output pulled towards the negated targets.
+#: The GAN recipe's clipping by norm (``clip_gradients``), of each optimizer's gradients in its own step.
 GAN_CLIP = 0.3
 
 
@@ -174,6 +174,9 @@ def gan_optimizers(generator: nn.Module, discriminator: nn.Module) -> tuple[torc
 def gan_losses(
     generator: Callable[[torch.Tensor], torch.Tensor], discriminator: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[Callable[[Any], torch.Tensor], Callable[[Any], torch.Tensor]]:
+    """The two losses of a batch: the generator's (through the discriminator, towards the targets) and the
+    discriminator's (on the generator's output detached, towards the negated targets)."""
+
     def generator_loss(batch: Any) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(discriminator(generator(x)), y)
@@ -385,8 +388,8 @@ CASES: dict[str, Callable[[Any, int, Path], dict[str, Any]]] = {
 }
 
 
-def run(name: str, strategy: Any, devices: int, workdir: Path) -> Optional[dict[str, Any]]:
-    """Case ``name``; an error is recorded as the case's result (``{"error": ...}``) when ``record_errors``."""
+def run(name: str, strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """Case ``name`` with ``strategy`` on ``devices`` CPU processes (the reference: ``"auto"`` on one)."""
     return CASES[name](strategy, devices, workdir)
 
 
@@ -395,7 +398,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True, help="comma-separated names from CASES")
     parser.add_argument("--workdir", default=".")
-    parser.add_argument("--record-errors", action="store_true", help="record a case's error and go on (debugging)")
+    parser.add_argument(
+        "--record-errors", action="store_true",
+        help="record a case's error as its result and go on (debugging; an error on one rank only hangs the other)",
+    )  # fmt: skip
     args = parser.parse_args()
     workdir = Path(args.workdir)
     results: dict[str, Any] = {}
