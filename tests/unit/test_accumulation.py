@@ -3,7 +3,8 @@
 ``no_sync`` (the default): each rank accumulates its full, unreduced gradient and the last micro-batch reduces it.
 ``sync_each_batch=True``: every micro-batch reduces; FSDP adds each reduced shard to the one held (FairScale's own
 accumulation outside ``no_sync``), sharded DDP's owners set their reduced gradients aside during each backward
-(``sharded_ddp.engine.begin_backward``/``end_backward``). Both must train exactly as one unsharded model that sums
+(``sharded_ddp.trainability.Trainability.begin_backward``/``end_backward``).
+Both must train exactly as one unsharded model that sums
 the micro-batches' gradients (each loss divided by their number, as Lightning does), and between micro-batches a rank
 must hold the full gradient in the first mode and only its shard in the second.
 """
@@ -84,16 +85,16 @@ def _train_sharded(rank: int, world_size: int, each: bool, buckets: bool) -> dic
     model = Net()
     optimizer = sharded_engine.shard_optimizer(_optimizer(model.parameters()))
     config = ShardedDDPConfig(sync_each_batch=each, fairscale_kwargs={"reduce_buffer_size": 2**10 if buckets else 0})
-    wrapped = sharded_engine.wrap_model(config, model, [optimizer], num_nodes=1)
+    wrapped, trainability = sharded_engine.wrap_model(config, model, [optimizer], num_nodes=1)
     out: dict[str, Any] = {"held": []}
     for step in _micro_batches(rank, world_size):
         for index, batch in enumerate(step):
             last = index == MICRO_BATCHES - 1
             with wrapped.no_sync() if not (each or last) else _nothing():
                 loss = _loss(wrapped, batch)
-                sharded_engine.begin_backward(wrapped)
+                trainability.begin_backward()
                 loss.backward()
-                sharded_engine.end_backward(wrapped)
+                trainability.end_backward()
             if not last:
                 out["held"].append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
         optimizer.step()

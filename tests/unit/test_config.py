@@ -295,7 +295,7 @@ def test_sharded_ddp_wraps_with_the_configs_arguments(process_group: dist.Proces
     model = nn.Linear(3, 2)
     optimizer = sharded_engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert isinstance(optimizer, OSS)
-    wrapped = sharded_engine.wrap_model(config, model, [optimizer], num_nodes=1)
+    wrapped, _ = sharded_engine.wrap_model(config, model, [optimizer], num_nodes=1)
     assert isinstance(wrapped, ShardedDataParallel) and wrapped.module is model
     assert (wrapped._enable_broadcast_buffers, wrapped._auto_refresh_trainable) == (False, False)
 

@@ -67,6 +67,7 @@ ENGINE = (
     "sharded_ddp",
     "sharded_ddp.config",
     "sharded_ddp.engine",
+    "sharded_ddp.trainability",
 )
 
 #: The adapters' shared knowledge of Lightning's arguments and registries, which imports no Lightning either, so that

@@ -9,6 +9,7 @@ consolidated) and read them and the Trainer's (:mod:`lightning_fairscale.checkpo
 from __future__ import annotations
 
 import functools
+import weakref
 
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
@@ -37,6 +38,7 @@ from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
+from lightning_fairscale.sharded_ddp.trainability import Trainability, clip_grad_norm
 from lightning_fairscale.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 from lightning_fairscale.distributed.collectives import all_agree
@@ -70,7 +72,10 @@ class DDPShardedStrategy(DDPStrategy):
 
     Args:
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
-            node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
+            node, ``2**23`` elements on several), ``broadcast_buffers``, ``reduce_fp16``. The strategy follows
+            parameters frozen or unfrozen and eval/train switches itself (see
+            :mod:`lightning_fairscale.sharded_ddp.trainability`): ``auto_refresh_trainable`` and
+            ``warn_on_trainable_params_changed`` are accepted and have no effect.
 
     Example:
         >>> from lightning_fairscale.fabric import DDPShardedStrategy
@@ -104,6 +109,8 @@ class DDPShardedStrategy(DDPStrategy):
         self.config = config
         #: The models set up, wrapped (``ShardedDataParallel``) or plain (set up without optimizers).
         self._set_up: SetUp[None] = SetUp()
+        #: For each wrapped model, what it derived from its trainable parameters, kept up to date.
+        self._trainability: _Trainabilities = _Trainabilities()
         self._backward_sync_control = NoBackwardSync(self)
 
     checkpoint_io = default_checkpoint_io(DDPStrategy)
@@ -152,7 +159,7 @@ class DDPShardedStrategy(DDPStrategy):
             sharded.append(new)
         options = fabric_compile_options()  # `fabric.setup(torch.compile(model))`: the model inside is compiled
         compiler = None if options is None else compiler_from_options(options)
-        wrapped = oss.wrap_model(self.config, module, sharded, self.num_nodes, compiler)
+        wrapped, self._trainability[wrapped] = oss.wrap_model(self.config, module, sharded, self.num_nodes, compiler)
         self._set_up.models.add(wrapped)
         return wrapped, sharded, scheduler
 
@@ -172,16 +179,17 @@ class DDPShardedStrategy(DDPStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        # Before each backward pass the gradient buckets must hold the gradients (see `reduce_buffer_size`), and the
-        # reduced gradients of earlier micro-batches are set aside, then added back (`sync_each_batch`).
-        models = [model for model in self._set_up.models if isinstance(model, ShardedDataParallel)]
-        for model in models:
-            oss.begin_backward(model)
+        # Before each backward pass: parameters frozen or unfrozen since the forward pass are followed, the gradient
+        # buckets must hold the gradients (see `reduce_buffer_size`), and the reduced gradients of earlier
+        # micro-batches are set aside, then added back (`sync_each_batch`): see `Trainability.begin_backward`.
+        states = list(self._trainability.values())
+        for state in states:
+            state.begin_backward()
         try:
             super().backward(tensor, module, *args, **kwargs)
         finally:
-            for model in models:
-                oss.end_backward(model)
+            for state in states:
+                state.end_backward()
 
     @override
     def clip_gradients_norm(
@@ -196,7 +204,7 @@ class DDPShardedStrategy(DDPStrategy):
         gradients; returns that norm."""
         self.precision.unscale_gradients(optimizer)
         if isinstance(optimizer, OSS):  # the norm of all ranks' gradients, each rank holding those it owns
-            norm = optimizer.clip_grad_norm(max_norm, norm_type=norm_type)
+            norm = clip_grad_norm(optimizer, max_norm, norm_type=norm_type)
         else:
             params = [param for group in optimizer.param_groups for param in group["params"]]  # whole on every rank
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
@@ -288,6 +296,14 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
     ) -> None:
         check_spawn_start_method(start_method)
         super().__init__(*args, start_method=start_method, **kwargs)  # type: ignore[misc]  # keyword-only here
+
+
+class _Trainabilities(weakref.WeakKeyDictionary[ShardedDataParallel, Trainability]):
+    """Each wrapped model's :class:`Trainability`, held as long as the model lives; not pickled (Fabric's
+    ``start_method="spawn"`` pickles the strategy before anything is set up)."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(self), ()
 
 
 def _unwrap(module: Module) -> Module:

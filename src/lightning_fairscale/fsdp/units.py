@@ -149,7 +149,7 @@ The workarounds, and why each is needed:
 23. **The model's own checkpointing around a unit (all devices).** torch's non-reentrant checkpoint calls a unit's
     forward inside the backward; FairScale took it for a new forward and failed
     (:mod:`~lightning_fairscale.fsdp.recompute`).
-
+24-25. **Sharded DDP: trainability changes, OSS's clipping list:** :mod:`~lightning_fairscale.sharded_ddp.trainability`.
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
 """

@@ -26,15 +26,13 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs
+from lightning_fairscale.sharded_ddp.trainability import Trainability
 from lightning_fairscale.distributed import process_exit
 
 __all__ = [
     "ShardedDataParallel",
-    "begin_backward",
-    "end_backward",
     "full_state",
     "load_full_state",
-    "reattach_bucketed_gradients",
     "repoint_schedulers",
     "shard_optimizer",
     "sync_module_states",
@@ -61,17 +59,22 @@ def wrap_model(
     optimizers: list[OSS],
     num_nodes: int,
     compiler: Optional[Callable[..., Any]] = None,
-) -> ShardedDataParallel:
-    """``module`` in ``ShardedDataParallel``, which reduces each gradient to the rank whose OSS shard owns it.
+) -> tuple[ShardedDataParallel, Trainability]:
+    """``module`` in ``ShardedDataParallel``, which reduces each gradient to the rank whose OSS shard owns it, and
+    the :class:`~lightning_fairscale.sharded_ddp.trainability.Trainability` that keeps what it derives from the
+    trainable parameters up to date (call its ``begin_backward``/``end_backward`` around every backward pass).
 
-    ``compiler``: the ``torch.compile`` the model was given with (Fabric's options); the model's ``forward`` is
-    compiled in place (its parameters' names unchanged), inside the wrapper that stays eager.
+    FairScale's own detection of changes is off (FairScale workaround 24): ``auto_refresh_trainable`` is ``False``
+    whatever the configuration says. ``compiler``: the ``torch.compile`` the model was given with (Fabric's
+    options); the model's ``forward`` is compiled in place (its parameters' names unchanged), inside the wrapper that
+    stays eager.
     """
     if compiler is not None:
         module.forward = compiler(module.forward)  # type: ignore[method-assign]
-    wrapped = ShardedDataParallel(module, sharded_optimizer=optimizers, **sharded_ddp_kwargs(config, num_nodes))
+    kwargs = {**sharded_ddp_kwargs(config, num_nodes), "auto_refresh_trainable": False}
+    wrapped = ShardedDataParallel(module, sharded_optimizer=optimizers, **kwargs)
     process_exit.release_at_exit(wrapped, *optimizers)  # their references to process groups are dropped at exit
-    return wrapped
+    return wrapped, Trainability(wrapped)
 
 
 def full_state(optimizer: Optimizer, is_global_zero: bool) -> dict[str, Any]:
@@ -95,78 +98,6 @@ def sync_module_states(module: Module) -> None:
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if name not in ignored:
             collectives.broadcast(tensor.data, src=0)
-
-
-@torch.no_grad()
-def reattach_bucketed_gradients(module: ShardedDataParallel) -> None:
-    """Put the gradients of bucketed parameters back into their bucket slots (zero where they are ``None``).
-
-    With ``reduce_buffer_size > 0`` FairScale makes the gradients of small parameters views into one bucket per
-    destination rank, and reduces the bucket as a whole. PyTorch 2's ``Optimizer.zero_grad()`` sets gradients to
-    ``None`` by default (Lightning calls it after the forward pass), after which backward allocates new gradients
-    outside the bucket and FairScale would reduce the stale bucket instead: wrong gradients, silently.
-    """
-    if not module._use_buckets:
-        return
-    for bucket in module._bucket_list:
-        offset = 0
-        for param in bucket._params:
-            slot = bucket.buffer[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
-            if param.grad is None:
-                slot.zero_()
-                param.grad = slot
-            elif param.grad.data_ptr() != slot.data_ptr():
-                slot.copy_(param.grad)
-                param.grad = slot
-
-
-#: On a ``ShardedDataParallel``: set after a backward that reduced (its gradients are the owners' reduced ones).
-_REDUCED = "_lightning_fairscale_reduced"
-#: On a ``ShardedDataParallel``, during a backward: the reduced gradients set aside, ``(parameter, gradient)``.
-_HELD = "_lightning_fairscale_held"
-
-
-@torch.no_grad()
-def begin_backward(module: ShardedDataParallel) -> None:
-    """Before each backward pass: the gradient buckets hold the gradients (:func:`reattach_bucketed_gradients`),
-    and a reducing backward that follows another one without ``zero_grad`` (accumulating with
-    ``sync_each_batch=True``) starts from no gradient, the reduced ones set aside until :func:`end_backward`.
-
-    FairScale reduces whatever a parameter's gradient holds: after a reducing backward the owner's gradient is
-    already the sum over the ranks, and reduced again it would count the first micro-batch once per rank... divided
-    by their number (and a non-owner's bucket holds what the reduction left there). So each owner keeps its reduced
-    gradients aside (the bucketed ones copied: their slots are the bucket's), the others' are dropped, and the
-    backward reduces this micro-batch's gradients alone; :func:`end_backward` adds the kept ones back.
-    """
-    reattach_bucketed_gradients(module)
-    if module._should_accumulate_grads or not module.__dict__.get(_REDUCED):
-        return
-    bucketed = module._should_bucket_grad if module._use_buckets else [False] * len(module._trainable_params)
-    held = []
-    for param, in_bucket in zip(module._trainable_params, bucketed):
-        grad = param.grad
-        if grad is None:
-            continue
-        if module._trainable_param_to_rank[param] == module._rank:
-            held.append((param, grad.clone() if in_bucket else grad))
-        if in_bucket:
-            grad.zero_()  # the slot stays the gradient: the bucket is reduced whole
-        else:
-            param.grad = None
-    module.__dict__[_HELD] = held
-
-
-@torch.no_grad()
-def end_backward(module: ShardedDataParallel) -> None:
-    """After each backward pass: add back what :func:`begin_backward` set aside (the owner's reduced gradients of
-    the earlier micro-batches), and record whether this backward reduced."""
-    for param, grad in module.__dict__.pop(_HELD, []):
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
-    module.__dict__[_REDUCED] = not module._should_accumulate_grads
 
 
 def shard_optimizer(optimizer: Optimizer, broadcast_fp16: bool = False) -> OSS:

@@ -11,6 +11,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.optim import Optimizer
 
 from lightning_fairscale.mixed_precision.grad_scaler import is_sharded_grad_scaler, sharded_grad_scaler
+from lightning_fairscale.sharded_ddp.trainability import clip_grad_norm
 from lightning_fairscale.mixed_precision.settings import SUPPORTED_PRECISION, mixed_precision_name, unsupported
 
 __all__ = [
@@ -31,13 +32,13 @@ class _OSSNormClipping:
     :func:`torch.nn.utils.clip_grad_norm_` on the unsharded model. Clipping by value needs no change: each rank clips
     the gradients it owns.
 
-    FairScale limitation: OSS lists the gradients it owns at its first clipping call; a parameter of this rank that
-    had no gradient then (unused in that step) is left out of later norms.
+    OSS lists the gradients it owns at its first clipping call and keeps the list; :func:`clip_grad_norm` has it
+    list them again at every call (FairScale workaround 25), so parameters frozen or unused then count later.
     """
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float], norm_type: float = 2.0) -> None:
         if isinstance(optimizer, OSS):
-            optimizer.clip_grad_norm(clip_val, norm_type=norm_type)
+            clip_grad_norm(optimizer, clip_val, norm_type=norm_type)
         else:  # an optimizer the strategy did not shard (no parameters): its gradients are complete on every rank
             super().clip_grad_by_norm(optimizer, clip_val)  # type: ignore[misc]
 

@@ -53,11 +53,10 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
+from lightning_fairscale.sharded_ddp.trainability import Trainability
 from lightning_fairscale.sharded_ddp.engine import (
     full_state,
     load_full_state,
-    begin_backward,
-    end_backward,
     repoint_schedulers,
     shard_optimizer,
     sync_module_states,
@@ -92,7 +91,10 @@ class DDPShardedStrategy(DDPStrategy):
 
     Args:
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
-            node, ``2**23`` elements on several), ``broadcast_buffers``, ``auto_refresh_trainable``.
+            node, ``2**23`` elements on several), ``broadcast_buffers``, ``reduce_fp16``. The strategy follows
+            parameters frozen or unfrozen and eval/train switches itself (see
+            :mod:`lightning_fairscale.sharded_ddp.trainability`): ``auto_refresh_trainable`` and
+            ``warn_on_trainable_params_changed`` are accepted and have no effect.
 
     Example:
         >>> from lightning_fairscale.strategies import DDPShardedStrategy
@@ -125,6 +127,8 @@ class DDPShardedStrategy(DDPStrategy):
         super().__init__(**lightning_arguments(locals(), "precision_plugin"))
         #: The options: everything the user chose but Lightning's arguments, checked.
         self.config = config
+        #: What the wrapped model derived from its trainable parameters, kept up to date (while fitting).
+        self._trainability: Optional[Trainability] = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Configuration (an option's property comes with `strategy_options`)
@@ -193,15 +197,17 @@ class DDPShardedStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> ShardedDataParallel:
-        return wrap_model(self.config, model, self._sharded_optimizers(), self.num_nodes)
+        wrapped, self._trainability = wrap_model(self.config, model, self._sharded_optimizers(), self.num_nodes)
+        return wrapped
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        """Before each backward pass: the gradient buckets must hold the gradients (see ``reduce_buffer_size``), and
-        reduced gradients of earlier micro-batches are set aside (see ``sharded_ddp.engine.begin_backward``)."""
+        """Before each backward pass: parameters frozen or unfrozen since the forward pass are followed (e.g. by
+        ``toggle_optimizer``), the gradient buckets must hold the gradients (see ``reduce_buffer_size``), and
+        reduced gradients of earlier micro-batches are set aside (see ``Trainability.begin_backward``)."""
         super().pre_backward(closure_loss)
-        if isinstance(self.model, ShardedDataParallel):
-            begin_backward(self.model)
+        if self._trainability is not None:
+            self._trainability.begin_backward()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -213,8 +219,8 @@ class DDPShardedStrategy(DDPStrategy):
         try:
             self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
         finally:
-            if isinstance(self.model, ShardedDataParallel):
-                end_backward(self.model)
+            if self._trainability is not None:
+                self._trainability.end_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -342,6 +348,9 @@ class DDPShardedStrategy(DDPStrategy):
         """
         if isinstance(self.model, ShardedDataParallel):
             self.model = self.lightning_module
+        if self._trainability is not None:
+            self._trainability.close()
+            self._trainability = None
         super().teardown()
         finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place
         _optimizers_to_device(self._local_optimizers(), torch.device("cpu"))

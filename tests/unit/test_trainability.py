@@ -1,0 +1,112 @@
+"""``sharded_ddp.trainability``: what ``ShardedDataParallel`` derives from the trainable parameters, kept up to date
+(FairScale workarounds 24 and 25), on one gloo rank in this process. The 2-process trainings against unsharded
+training are in ``tests/test_sharded_changes.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from fairscale.nn.data_parallel import ShardedDataParallel
+from fairscale.optim import OSS
+from torch import nn
+
+from lightning_fairscale.sharded_ddp import engine
+from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
+from lightning_fairscale.sharded_ddp.trainability import Trainability, TrainabilityChangeError, clip_grad_norm
+
+
+def _wrapped(**kwargs: Any) -> tuple[ShardedDataParallel, Trainability, OSS]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapper, trainability = engine.wrap_model(ShardedDDPConfig(fairscale_kwargs=kwargs), model, [optimizer], 1)
+    return wrapper, trainability, optimizer
+
+
+def _backward(wrapper: ShardedDataParallel, trainability: Trainability, seed: int = 0) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    loss = wrapper(x).square().mean()
+    trainability.begin_backward()
+    loss.backward()
+    trainability.end_backward()
+
+
+def test_a_model_left_in_training_mode_under_an_eval_wrapper_is_reduced(process_group: Any) -> None:
+    """Workaround 24: Lightning's validation sets the wrapper to eval and restores the LightningModule only."""
+    wrapper, trainability, _ = _wrapped()
+    _backward(wrapper, trainability)
+    wrapper.eval()
+    wrapper.module.train()
+    _backward(wrapper, trainability)
+    assert len(wrapper._grad_hooks) == 4  # FairScale would have removed them, and reduced nothing
+    assert wrapper.training is False  # the wrapper's own flag is the user's again after the forward pass
+
+
+def test_eval_mode_training_keeps_the_hooks(process_group: Any) -> None:
+    wrapper, trainability, _ = _wrapped()
+    wrapper.eval()
+    _backward(wrapper, trainability)
+    assert len(wrapper._grad_hooks) == 4
+    assert all(p.grad is not None for p in wrapper.parameters())
+
+
+def test_freezing_is_followed_in_the_next_forward_with_a_graph_only(process_group: Any) -> None:
+    wrapper, trainability, optimizer = _wrapped()
+    _backward(wrapper, trainability)
+    buffers = {id(bucket.buffer) for bucket in optimizer.buckets[torch.device("cpu")].values()}
+    wrapper.module[0].requires_grad_(False)
+    with torch.no_grad():  # validation: nothing to derive (under inference mode it must not re-derive either)
+        wrapper(torch.randn(3, 4))
+    assert len(wrapper._grad_hooks) == 4
+    assert {id(bucket.buffer) for bucket in optimizer.buckets[torch.device("cpu")].values()} == buffers
+    optimizer.zero_grad()
+    _backward(wrapper, trainability)
+    assert len(wrapper._grad_hooks) == 2 and wrapper.module[0].weight.grad is None
+
+
+def test_a_second_backward_after_one_forward_reduces_too(process_group: Any) -> None:
+    """Workaround 24: FairScale arms its end-of-backward flush in the forward pass only."""
+    wrapper, trainability, _ = _wrapped()
+    output = wrapper(torch.randn(3, 4))
+    for _ in range(2):
+        trainability.begin_backward()
+        assert wrapper._bucket_flush_callback_set is False and all(wrapper._grad_to_be_reduced)
+        output.square().mean().backward(retain_graph=True)
+        trainability.end_backward()
+        assert not wrapper._work_handles  # every reduction finished within its backward pass
+
+
+def test_a_change_between_micro_batches_is_refused(process_group: Any) -> None:
+    wrapper, trainability, optimizer = _wrapped()
+    with wrapper.no_sync():
+        _backward(wrapper, trainability)
+    wrapper.module[2].requires_grad_(False)
+    with pytest.raises(TrainabilityChangeError, match="between optimizer steps.*sync_each_batch=True"):
+        _backward(wrapper, trainability)
+    optimizer.zero_grad()  # after the step's end, the same change is followed
+    _backward(wrapper, trainability)
+    assert len(wrapper._grad_hooks) == 2
+
+
+def test_close_removes_the_hooks(process_group: Any) -> None:
+    wrapper, trainability, _ = _wrapped()
+    trainability.close()
+    assert not wrapper._forward_pre_hooks and not wrapper._forward_hooks
+
+
+def test_clip_grad_norm_counts_parameters_frozen_at_the_first_call(process_group: Any) -> None:
+    """Workaround 25: OSS keeps the list of gradients of its first ``clip_grad_norm`` call."""
+    wrapper, trainability, optimizer = _wrapped()
+    wrapper.module[0].requires_grad_(False)
+    _backward(wrapper, trainability)
+    clip_grad_norm(optimizer, 1e9)
+    optimizer.zero_grad()
+    wrapper.module[0].requires_grad_(True)
+    _backward(wrapper, trainability, seed=1)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in wrapper.parameters()])
+    stale = optimizer.clip_grad_norm(1e9)  # FairScale's own call: the frozen layer's gradients left out
+    assert not torch.allclose(stale, expected)
+    torch.testing.assert_close(clip_grad_norm(optimizer, 1e9), expected)
