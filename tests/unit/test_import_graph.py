@@ -42,6 +42,7 @@ ENGINE = (
     "fsdp.compile",
     "fsdp.backward_hooks",
     "fsdp.one_rank",
+    "fsdp.forward_grads",
     "fsdp.config",
     "fsdp.cpu_streams",
     "fsdp.deprecations",

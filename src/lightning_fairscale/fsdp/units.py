@@ -142,6 +142,13 @@ The workarounds, and why each is needed:
     first backward), and freed the half parameter after a ``no_sync`` backward that the root then computed with
     (:mod:`~lightning_fairscale.fsdp.one_rank`: ``Trainer(devices=1, precision="bf16-mixed")`` failed; found on a
     GPU, the same on CPU).
+22. **A gradient shard beside the gathered parameter (all devices, under ``torch.compile``).** Between steps a flat
+    parameter keeps its gradient shard, and in the next forward FairScale points its ``data`` at the full gathered
+    parameter: a compiled layer that dynamo traces then (any compile after the first step: an evaluation forward, a
+    batch of another size) failed with ``attempting to assign a gradient of size '[2080]' to a tensor of size
+    '[4160]'`` (dynamo copies a view's base, gradient included). :class:`FullyShardedDataParallel` takes the unit's
+    gradient shards off for its forward and gives them back after it
+    (:mod:`~lightning_fairscale.fsdp.forward_grads`).
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -162,7 +169,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
+from lightning_fairscale.fsdp import bookkeeping, forward_grads, one_rank, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -295,13 +302,15 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
         original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
         try:
-            if not self._is_root or self._prefetcher is None:
-                return super().forward(*args, **kwargs)
-            self._prefetcher.forward_started()  # workaround 16
-            try:
-                return super().forward(*args, **kwargs)
-            finally:
-                self._prefetcher.forward_ended()
+            # Workaround 22: no gradient shard beside the gathered parameter while a compiled layer may trace it.
+            with forward_grads.gradients_set_aside(self.params):
+                if not self._is_root or self._prefetcher is None:
+                    return super().forward(*args, **kwargs)
+                self._prefetcher.forward_started()  # workaround 16
+                try:
+                    return super().forward(*args, **kwargs)
+                finally:
+                    self._prefetcher.forward_ended()
         finally:
             original_params.show(self)  # workaround 17: the original parameters again
 
