@@ -6,8 +6,6 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 (:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
-from __future__ import annotations
-
 import functools
 
 from collections.abc import Iterable
@@ -135,7 +133,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
+        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
         **kwargs: Any,
@@ -217,8 +215,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[TorchLRScheduler] = None
-    ) -> tuple[Module, list[Optimizer], Optional[TorchLRScheduler]]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional["TorchLRScheduler"] = None
+    ) -> tuple[Module, list[Optimizer], Optional["TorchLRScheduler"]]:
         """Wrap the model and re-point its optimizers (made over its parameters) to the shards; LR schedulers work
         as they are."""
         root = self.setup_module(module)
