@@ -86,9 +86,10 @@ def apply_activation_checkpointing(
     if any(_is_checkpointed(submodule) for submodule in module.modules()):
         # As Lightning's FSDPStrategy: layers checkpointed by the user are not checkpointed a second time.
         rank_zero_warn(
-            "`activation_checkpointing` is set, but the model already contains checkpointed layers (torch's"
-            " `apply_activation_checkpointing` or FairScale's `checkpoint_wrapper`). Checkpointing is left as the"
-            " model has it: the setting is ignored."
+            # Lightning's FSDPStrategy's words first, so that a warning filter written for it matches this one too.
+            "FSDP checkpointing is configured, but the model already contains checkpointed layers. Checkpointing will"
+            " be ignored. `activation_checkpointing` is not applied: the layers the model checkpoints itself (torch's"
+            " `apply_activation_checkpointing` or FairScale's `checkpoint_wrapper`) stay as they are."
         )
         return []
     checkpointed = []

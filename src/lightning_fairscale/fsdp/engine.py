@@ -344,9 +344,9 @@ def wrap_model(
         module, config.activation_checkpointing, config.activation_checkpointing_offload
     )
     if is_wrapped(module) and config.auto_wrap_policy is not None:
-        rank_zero_warn(  # as Lightning's FSDPStrategy
-            "An FSDP `auto_wrap_policy` is set, but the model already holds FSDP units (wrapped in `configure_model`)."
-            " The policy is ignored."
+        rank_zero_warn(  # in Lightning's FSDPStrategy's words first, so that a warning filter written for it matches
+            "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored. The model"
+            " already holds FSDP units (wrapped in `configure_model`, or by hand): they are kept as they are."
         )
     policy = wrap_policy(config, own_units=checkpointed, root=module)
     with wrapping_context(config, device, groups, precision):

@@ -1,6 +1,9 @@
 # Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit.
 """``DDPFullyShardedStrategy``: FairScale's Fully Sharded Data Parallel under Lightning 2.x's Trainer."""
 
+# No `from __future__ import annotations` here: the constructor's annotations are read at runtime, by
+# `inspect.signature` and jsonargparse (LightningCLI), which cannot evaluate a string naming a type imported
+# only for type checkers (`DeviceMesh`); such a name is quoted inside the annotation, as Lightning does.
 import contextlib
 import functools
 from collections.abc import Callable, Generator, Iterable, Mapping
