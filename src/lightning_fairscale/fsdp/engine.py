@@ -298,7 +298,7 @@ def make_process_groups(
     request = config.mesh_request
     mesh = None if request is None else resolve_mesh(request, world_size, num_nodes)
     # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
-    groups = sharding_groups(mesh, rank, timeout)
+    groups = sharding_groups(mesh, rank, world_size, timeout)
     process_exit.record_groups(*groups.all())
     return groups
 
