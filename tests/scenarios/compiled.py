@@ -157,7 +157,9 @@ def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def reference(config: CompileJob, steps: int, val_losses: Optional[list[torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+def reference(
+    config: CompileJob, steps: int, val_losses: Optional[list[torch.Tensor]] = None
+) -> dict[str, torch.Tensor]:
     """Eager fp32 training on one process: each step on the whole global batch (the mean over equal micro-batches
     of equal ranks), clipped as the Trainer clips; the validation loss after each step goes to ``val_losses``."""
     net = Net()

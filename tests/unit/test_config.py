@@ -253,9 +253,10 @@ def test_use_orig_params_true_is_what_the_strategy_does() -> None:
     assert FullyShardedConfig(fairscale_kwargs={"use_orig_params": True}).fairscale_kwargs == {}
 
 
-#: Lightning's FSDPStrategy's warnings (``pytorch_lightning/strategies/fsdp.py``, ``lightning_fabric/strategies/fsdp.py``):
-#: ours start with the same words (issue 48 item 3b), so that a filter written for Lightning's (``warnings``'
-#: ``message`` matches from the start) matches ours too; Lightning's own tests match a part of them.
+#: Lightning's FSDPStrategy's warnings (``pytorch_lightning/strategies/fsdp.py``,
+#: ``lightning_fabric/strategies/fsdp.py``): ours start with the same words (issue 48 item 3b), so that a filter
+#: written for Lightning's (``warnings``' ``message`` matches from the start) matches ours too; Lightning's own
+#: tests match a part of them.
 LIGHTNING_WRAPPED = "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
 LIGHTNING_CHECKPOINTED = (
     "FSDP checkpointing is configured, but the model already contains checkpointed layers. Checkpointing will be"
@@ -272,7 +273,7 @@ def _in_lightnings_words(record: Any, lightning: str) -> None:
         warnings.filterwarnings("ignore", message=re.escape(lightning))
         for message in messages:
             if message.startswith(lightning):
-                warnings.warn(message, UserWarning)  # raises unless the filter matches
+                warnings.warn(message, UserWarning, stacklevel=1)  # raises unless the filter matches
 
 
 def test_a_policy_for_a_model_that_holds_units_already_warns(process_group: dist.ProcessGroup) -> None:

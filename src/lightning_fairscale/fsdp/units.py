@@ -142,13 +142,9 @@ The workarounds, and why each is needed:
     first backward), and freed the half parameter after a ``no_sync`` backward that the root then computed with
     (:mod:`~lightning_fairscale.fsdp.one_rank`: ``Trainer(devices=1, precision="bf16-mixed")`` failed; found on a
     GPU, the same on CPU).
-22. **A gradient shard beside the gathered parameter (all devices, under ``torch.compile``).** Between steps a flat
-    parameter keeps its gradient shard, and in the next forward FairScale points its ``data`` at the full gathered
-    parameter: a compiled layer that dynamo traces then (any compile after the first step: an evaluation forward, a
-    batch of another size) failed with ``attempting to assign a gradient of size '[2080]' to a tensor of size
-    '[4160]'`` (dynamo copies a view's base, gradient included). :class:`FullyShardedDataParallel` takes the unit's
-    gradient shards off for its forward and gives them back after it
-    (:mod:`~lightning_fairscale.fsdp.forward_grads`).
+22. **Gradient shards beside gathered parameters (all devices).** A compile after the first step (an evaluation, a batch
+    of another size) failed: dynamo copied a flat parameter's gradient shard onto a fake tensor of its gathered size.
+    A unit's forward sets the shards aside (:mod:`~lightning_fairscale.fsdp.forward_grads`).
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -177,11 +173,7 @@ from lightning_fairscale.fsdp.hybrid import replicate_gradient
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
 from lightning_fairscale.mixed_precision.settings import true_half_dtype
 
-__all__ = [
-    "FullyShardedDataParallel",
-    "fsdp_instances",
-    "named_fsdp_instances",
-]
+__all__ = ["FullyShardedDataParallel", "fsdp_instances", "named_fsdp_instances"]
 
 
 def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -302,8 +294,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
         original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
         try:
-            # Workaround 22: no gradient shard beside the gathered parameter while a compiled layer may trace it.
-            with forward_grads.gradients_set_aside(self.params):
+            with forward_grads.gradients_set_aside(self.params):  # workaround 22: what dynamo may trace
                 if not self._is_root or self._prefetcher is None:
                     return super().forward(*args, **kwargs)
                 self._prefetcher.forward_started()  # workaround 16

@@ -7,9 +7,8 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 (:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
-# No `from __future__ import annotations` here: the constructor's annotations are read at runtime, by
-# `inspect.signature` and jsonargparse (LightningCLI), which cannot evaluate a string naming a type imported
-# only for type checkers (`DeviceMesh`); such a name is quoted inside the annotation, as Lightning does.
+# No postponed annotations: jsonargparse (LightningCLI) reads the constructor's from `inspect.signature` (a type
+# imported for type checkers only is quoted inside, as Lightning does).
 import functools
 
 from collections.abc import Iterable

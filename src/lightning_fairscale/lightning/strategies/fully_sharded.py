@@ -1,9 +1,7 @@
 # Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit.
 """``DDPFullyShardedStrategy``: FairScale's Fully Sharded Data Parallel under Lightning 2.x's Trainer."""
 
-# No `from __future__ import annotations` here: the constructor's annotations are read at runtime, by
-# `inspect.signature` and jsonargparse (LightningCLI), which cannot evaluate a string naming a type imported
-# only for type checkers (`DeviceMesh`); such a name is quoted inside the annotation, as Lightning does.
+# No postponed annotations: jsonargparse (LightningCLI) reads the constructor's from `inspect.signature`.
 import contextlib
 import functools
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -208,10 +206,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
             # Optimizers are created on the unwrapped module, so `self.parameters()` works in
             # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
             self.setup_optimizers(trainer)
-        else:
-            # A stage that makes no optimizers (validate, test, predict) of a module that is not sharded yet: the
-            # optimizers an earlier stage made are another module's (`trainer.test(NewModule(), ckpt_path=...)` after
-            # `trainer.fit(model)`), and are not this one's to re-point.
+        else:  # validate/test/predict of a new module (`trainer.test(NewModule())` after `fit`): none of fit's
             own = {id(param) for param in self.model.parameters()}
             self._keep_optimizers_of(lambda param: id(param) in own)
         self.model_to_device()
@@ -238,14 +233,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self._keep_optimizers_of(self._sharded.knows)
 
     def _keep_optimizers_of(self, owns: Callable[[torch.nn.Parameter], bool]) -> None:
-        """Keep the strategy's optimizers that belong to the stage's module: those that hold a parameter of it
-        (``owns`` tells its parameters). The others were made for another module by an earlier stage;
-        the stage gets none of them (it would re-point, save or restore them as this module's)."""
-        self.optimizers = [
-            optimizer
-            for optimizer in self.optimizers
-            if any(owns(param) for group in plain_optimizer(optimizer).param_groups for param in group["params"])
-        ]
+        """Keep the optimizers that hold a parameter of the stage's module (``owns``); the others, an earlier stage's
+        for another module, are not the stage's to re-point, save or restore."""
+        held = [(o, [p for g in plain_optimizer(o).param_groups for p in g["params"]]) for o in self.optimizers]
+        self.optimizers = [optimizer for optimizer, params in held if any(owns(param) for param in params)]
 
     def _plain_optimizers(self) -> list[Optimizer]:
         """The strategy's optimizers, without Lightning's ``LightningOptimizer`` around them."""
