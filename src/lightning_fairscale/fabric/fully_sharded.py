@@ -346,7 +346,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             model_keys=self._model_keys,
             load_model=self.load_module_state_dict,
             load_optimizer=self._load_optimizer,
-            sharded=ShardedFormat(self._saves_sharded, self._save_sharded, self._load_sharded),
+            sharded=ShardedFormat(self._saves_sharded, self._save_sharded, self._load_sharded, self._filtered_state),
         )
 
     @override
@@ -398,6 +398,13 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     def _model_keys(self, module: Module) -> list[str]:
         model = self._fsdp_model(module)
         return model.state_dict_keys() if model is not None else list(module.state_dict())
+
+    def _filtered_state(
+        self, module: Module, keep: Callable[[str, Any], bool]
+    ) -> tuple[dict[str, Any], list[str]]:
+        model = self._fsdp_model(module)
+        assert model is not None
+        return model.filtered_local_state(keep)
 
     def _save_sharded(
         self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]

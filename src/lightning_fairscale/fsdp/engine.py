@@ -197,6 +197,11 @@ class WrappedModel:
         ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
         return saving.module_state_dict(self.root, sharded, is_global_zero)
 
+    def filtered_local_state(self, keep: Callable[[str, Any], bool]) -> tuple[dict[str, Any], list[str]]:
+        """This rank's shards of what ``keep(key, value)`` keeps of the model, and the keys kept (a collective call:
+        see :func:`~lightning_fairscale.fsdp.saving.filtered_local_state`)."""
+        return saving.filtered_local_state(self.root, self.state_dict_keys(), keep)
+
     def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
         with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
