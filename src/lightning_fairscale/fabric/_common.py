@@ -67,6 +67,8 @@ class ShardedFormat:
     #: ``filtered(model, keep)``: this rank's shards of what ``keep(key, value)`` keeps of the model, and the keys
     #: kept (the same on every rank); ``None``: the format cannot filter.
     filtered: Optional[Callable[[Module, Callable[[str, Any], bool]], tuple[dict[str, Any], list[str]]]] = None
+    #: Whether a decision holds on every rank (a collective call), so that a filter decides alike everywhere.
+    agree: Callable[[bool], bool] = lambda decision: decision
 
 
 @dataclass(frozen=True)
@@ -145,14 +147,16 @@ class FabricCheckpoints:
             others,
         )
         for key in [key for key in roles.optimizers if key in filter]:
-            whole = self.optimizer_state(state[key], True)
-            if key not in converted:  # the filter kept none of it: left out, as Fabric leaves it out
+            # Decided on every rank alike (a filter may look at this rank's values): a rank alone must not raise.
+            kept = sorted(converted.get(key, {}))
+            whole = kept == sorted(self.optimizer_state(state[key], True))
+            if sharded.agree(not kept):  # the filter kept none of it anywhere: left out, as Fabric leaves it out
                 roles.optimizers.remove(key)
-            elif sorted(converted[key]) != sorted(whole):
+            elif not sharded.agree(whole):
                 raise ValueError(
-                    f"`fabric.save(..., filter=...)` keeps part of the optimizer state {key!r}"
-                    f" ({sorted(converted[key])} of {sorted(whole)}), but a sharded optimizer state is kept whole or"
-                    " not at all. Keep all of it or none, or save a full checkpoint."
+                    f"`fabric.save(..., filter=...)` keeps part of the optimizer state {key!r} (here {kept}), but a"
+                    " sharded optimizer state is kept whole or not at all, and alike on every rank. Keep all of it or"
+                    " none, or save a full checkpoint."
                 )
         sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
 

@@ -346,7 +346,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             model_keys=self._model_keys,
             load_model=self.load_module_state_dict,
             load_optimizer=self._load_optimizer,
-            sharded=ShardedFormat(self._saves_sharded, self._save_sharded, self._load_sharded, self._filtered_state),
+            sharded=ShardedFormat(
+                self._saves_sharded, self._save_sharded, self._load_sharded, self._filtered_state,
+                Ranks(self.global_rank).agree,
+            ),
         )
 
     @override
