@@ -55,6 +55,13 @@ def two_processes(folder: Path) -> Jobs:
         # Lightning's strict loading, as its DDP has it, under the sharded optimizer strategy.
         "partial-ddp_sharded": PARTIAL.replace(ckpt_path=str(folder / "partial-source.ckpt"), strict_loading=False,
                                                strategy_name="ddp_sharded"),
+        # Issue 48 item 2: stages of new modules after `fit` (test and validate from the best checkpoint, fit again).
+        **{
+            f"new-modules-{kind}": Scenario(
+                new_modules=True, checkpoint_dir=str(folder / f"new-modules-{kind}"), state_dict_type=kind
+            )
+            for kind in ("full", "sharded")
+        },
         # Saved after `validate` only, so with no optimizer state, in both formats; then resumed.
         **{
             job: config for kind in ("full", "sharded") for job, config in no_optimizer_state_jobs(folder, kind).items()
@@ -133,3 +140,18 @@ def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_one(two_proce
     assert max_difference(resumed["state_dict"], reference_training(2, "adam", num_samples=8)) < 1e-5
     if kind == "full":  # the first of the two: Python shows a warning once per process
         assert "holds no optimizer state" in two_processes.output(f"no-optimizer-state-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_new_modules_after_fit_get_none_of_its_optimizers(two_processes: Jobs, kind: str) -> None:
+    """Issue 48 item 2: after `fit(model)`, `test(NewModule(), ckpt_path="best")` and `validate(NewModule(),
+    ckpt_path=best)` give the best checkpoint's loss computed unsharded, and `fit(NewModule())` trains the new module
+    from its own weights with its own, fresh optimizer: one epoch of it is unsharded training's first epoch."""
+    result = two_processes[f"new-modules-{kind}"]
+    best = result["best"]
+    assert Path(best).name.startswith("epoch=") and (Path(best).is_dir() == (kind == "sharded"))
+    expected = result["best_loss_unsharded"]
+    assert abs(result["test_new"][0]["test_loss"] - expected) < 1e-6
+    assert abs(result["validate_new"][0]["val_loss"] - expected) < 1e-6
+    assert result["refit_steps"] == 6
+    assert max_difference(result["state_dict"], reference_training(2)) < 1e-5

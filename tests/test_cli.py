@@ -65,3 +65,27 @@ def test_strategy_by_registry_name_on_the_command_line(tmp_path: Path, package: 
     assert result["units"] == ["(root)"]  # the default min_num_params wraps nothing of this small model
     assert result["auto_wrap_policy"] is None and result["activation_checkpointing"] == []
     assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+
+
+@pytest.mark.parametrize("front", ["Trainer", "Fabric"])
+def test_device_mesh_annotation_parses_with_jsonargparse(front: str) -> None:
+    """Lightning's regression test for its issue #21580, for our strategies (issue 48 item 3a): the constructor's
+    annotation of ``device_mesh``, as ``inspect.signature`` gives it, is a type jsonargparse (LightningCLI) parses
+    ``[1, 2]`` with; a postponed annotation was a string it could not call."""
+    import inspect
+
+    from jsonargparse import ArgumentParser
+
+    from lightning_fairscale import DDPFullyShardedStrategy
+    from lightning_fairscale.fabric import DDPFullyShardedStrategy as FabricDDPFullyShardedStrategy
+
+    strategy_class = DDPFullyShardedStrategy if front == "Trainer" else FabricDDPFullyShardedStrategy
+    annotation = inspect.signature(strategy_class.__init__).parameters["device_mesh"].annotation
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--device_mesh", type=annotation, default=None)
+    assert parser.parse_args(["--device_mesh", "[1, 2]"]).device_mesh == (1, 2)
+    assert parser.parse_args([]).device_mesh is None
+    with pytest.raises(Exception, match="tuple with 2 elements"):  # a mesh has two sizes
+        parser.parse_args(["--device_mesh", "[1, 2, 3]"])
+    parsed = parser.parse_args(["--device_mesh", "[1, 2]"]).device_mesh
+    assert strategy_class(sharding_strategy="HYBRID_SHARD", device_mesh=parsed).device_mesh == (1, 2)

@@ -170,6 +170,21 @@ def test_fsdp_loop_equals_unsharded_training(fsdp_run: dict[str, Any]) -> None:
     assert max_difference(fsdp_run["resumed"]["sharded"], fsdp_run["final"]) == 0.0
 
 
+def test_a_filtered_sharded_checkpoint_loads_what_it_kept(fsdp_run: dict[str, Any]) -> None:
+    """Issue 48 item 3c on 2 processes: `fabric.save(..., filter={"model": ...})` of a sharded model writes the keys
+    kept (the first block's), and a fresh model loading it with `strict=False` takes exactly those; its other
+    entries keep their initial values."""
+    full = torch.load(fsdp_run["checkpoints"] / "full.ckpt", weights_only=True)["model"]
+    kept = sorted(key for key in full if key.startswith("net.1."))
+    meta = torch.load(fsdp_run["checkpoints"] / "filtered.ckpt" / META_FILE, weights_only=True)
+    assert kept and sorted(meta[FORMAT_KEY][FABRIC_RECORD]["kept"]) == kept
+    loaded, initial = fsdp_run["filtered_loaded"], reference_training(0)
+    assert max_difference({k: loaded[k] for k in kept}, {k: full[k] for k in kept}) == 0.0
+    rest = [key for key in full if key not in kept]
+    assert max_difference({k: loaded[k] for k in rest}, {k: initial[k] for k in rest}) == 0.0
+    assert max_difference({k: full[k] for k in kept}, {k: initial[k] for k in kept}) > 1e-3  # it did train
+
+
 def test_the_recipe_equals_unsharded_training_and_resumes_exactly(runs: Jobs) -> None:
     result = runs["recipe"]
     expected = reference_training(4, "adamw", accumulate=2, clip=(0.05, "norm"), freeze=FROZEN, params="split")

@@ -7,6 +7,7 @@ checks what rank 0 saved. ``form`` says where the user compiles:
 * ``"whole"``: ``trainer.fit(torch.compile(model))`` (Fabric: ``fabric.setup(torch.compile(model), optimizer)``);
 * ``"init"``: the LightningModule compiles its blocks in ``__init__`` (``torch.compile(Block())``);
 * ``"configure_model"``: it compiles them in ``configure_model``;
+* ``"net"``: it compiles its whole net in ``__init__`` (``self.net = torch.compile(Net())``);
 * ``"none"``: no compile (the eager run a compiled one is compared with, where the reference is not plain fp32).
 
 A Trainer job trains ``steps`` optimizer steps, saves full and sharded checkpoints, resumes each in a new Trainer for
@@ -62,6 +63,10 @@ class CompileJob(Config):
     precision: str = "32-true"
     activation_checkpointing: bool = True
     sharding: str = "FULL_SHARD"  # or "HYBRID_SHARD": 2 replicas of one shard (device_mesh=(2, 1))
+    optimizer: str = "adamw"  # or "sgd"
+    #: Validate after every step (an epoch) on a batch of another size: the compiled layers compile again, in
+    #: eval mode and for that size, with the gradients of the step before held (issue 48, workaround 26).
+    validate: bool = False
 
 
 class Net(nn.Module):
@@ -88,6 +93,21 @@ def data(config: CompileJob) -> TensorDataset:
     return TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
 
 
+#: The validation batch (every rank validates on all of it): 3 samples, another size than a training batch.
+VAL_SAMPLES = 3
+
+
+def val_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(VAL_SAMPLES, IN, generator=g), torch.randn(VAL_SAMPLES, OUT, generator=g))
+
+
+def make_optimizer(config: CompileJob, params: Any) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=LR)
+    return torch.optim.AdamW(params, lr=LR)
+
+
 def compile_blocks(net: Net, backend: str) -> None:
     for i, block in enumerate(net.blocks):
         net.blocks[i] = torch.compile(block, backend=backend)
@@ -100,6 +120,10 @@ class Regression(LightningModule):
         self.net = Net()
         if config.form == "init":
             compile_blocks(self.net, config.backend)
+        if config.form == "net":
+            self.net = torch.compile(self.net, backend=config.backend)
+        #: This rank's validation loss after each step (the whole validation batch: the same on every rank).
+        self.val_losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         if self.config.form == "configure_model" and isinstance(self.net.blocks[0], Block):  # once
@@ -112,8 +136,12 @@ class Regression(LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self(x), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_losses.append(nn.functional.mse_loss(self(x), y).detach().clone())
+
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+        return make_optimizer(self.config, self.parameters())
 
     def train_dataloader(self) -> DataLoader:
         dataset = data(self.config)
@@ -121,16 +149,21 @@ class Regression(LightningModule):
         part = torch.utils.data.Subset(dataset, list(range(rank, len(dataset), world)))
         return DataLoader(part, batch_size=BATCH, shuffle=False)
 
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(val_data(), batch_size=VAL_SAMPLES, shuffle=False)
+
 
 def rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def reference(config: CompileJob, steps: int) -> dict[str, torch.Tensor]:
+def reference(
+    config: CompileJob, steps: int, val_losses: Optional[list[torch.Tensor]] = None
+) -> dict[str, torch.Tensor]:
     """Eager fp32 training on one process: each step on the whole global batch (the mean over equal micro-batches
-    of equal ranks), clipped as the Trainer clips."""
+    of equal ranks), clipped as the Trainer clips; the validation loss after each step goes to ``val_losses``."""
     net = Net()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+    optimizer = make_optimizer(config, net.parameters())
     x, y = data(config).tensors
     for _ in range(steps):
         nn.functional.mse_loss(net(x), y).backward()
@@ -138,6 +171,9 @@ def reference(config: CompileJob, steps: int) -> dict[str, torch.Tensor]:
             nn.utils.clip_grad_norm_(net.parameters(), config.clip)
         optimizer.step()
         optimizer.zero_grad()
+        if val_losses is not None:
+            with torch.no_grad():
+                val_losses.append(nn.functional.mse_loss(net(val_data().tensors[0]), val_data().tensors[1]))
     return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
 
 
@@ -158,7 +194,8 @@ def fit(config: CompileJob, steps: int, ckpt_path: Optional[str] = None, state_d
         accelerator="cpu", devices=config.devices, strategy=make_strategy(config, state_dict_type),
         precision=config.precision, max_steps=steps, accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1 if config.validate else 0,
+        use_distributed_sampler=False,
     )  # fmt: skip
     given = torch.compile(module, backend=config.backend) if config.form == "whole" else module
     trainer.fit(given, ckpt_path=ckpt_path)
@@ -187,12 +224,15 @@ def compiled_layers(module: nn.Module) -> list[str]:
 def trainer_job(config: CompileJob, work: Path, result: dict[str, Any]) -> None:
     trainer = fit(config, config.steps)
     result["compiled"] = compiled_layers(trainer.lightning_module)
+    result["val_losses"] = [float(v) for v in trainer.lightning_module.val_losses]
     result["trained"], result["keys"] = full_weights(trainer, work / "trained.ckpt")
     if rank() == 0:
         plain = Regression(config.replace(form="none"))  # a full checkpoint loads into the uncompiled module
         plain.load_state_dict(torch.load(work / "trained.ckpt", weights_only=False)["state_dict"])
         result["loads_uncompiled"] = True
-        result["reference"] = reference(config, config.steps)
+        reference_val: list[torch.Tensor] = []
+        result["reference"] = reference(config, config.steps, reference_val)
+        result["reference_val"] = [float(v) for v in reference_val] if config.validate else []
         result["reference_more"] = reference(config, config.steps + config.more_steps)
     if not config.more_steps or config.strategy != "fsdp_fairscale":
         return

@@ -158,6 +158,9 @@ class Scenario(Config):
     save_top_k: int = -1  # the ModelCheckpoint keeps this many (by step)
     save_last: bool = False  # the ModelCheckpoint overwrites last.ckpt
     record_loaded: bool = False  # the full state dict as training starts
+    #: Issue 48 item 2: a ModelCheckpoint on val_loss (top 2, last) into `checkpoint_dir`; after `fit`, `test` and
+    #: `validate` of new modules from the best checkpoint, then `fit` of a new module for one more epoch
+    new_modules: bool = False
     #: checkpoints written in the background: "option" (ShardedCheckpointIO(async_save=True)) or "lightning"
     #: (Lightning's AsyncCheckpointIO(ShardedCheckpointIO()))
     async_save: str = ""

@@ -252,6 +252,8 @@ def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
         if kind is not None:  # FSDP: the same strategy writes the sharded format too
             fabric.strategy.state_dict_type = "sharded"
             fabric.save(work / "sharded.ckpt", state)
+            if not config.async_save:  # filtered as Lightning filters: the first block's keys (issue 48 item 3c)
+                fabric.save(work / "filtered.ckpt", state, filter={"model": lambda key, _: key.startswith("net.1.")})
             fabric.strategy.state_dict_type = kind
 
     groups = getattr(fabric.strategy, "_groups", None)
@@ -282,6 +284,10 @@ def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
             assert state["step"] == config.save_at and not remainder, (state["step"], remainder)
             train(fabric, fresh, fresh_optimizer, config, config.save_at, config.steps)
             result["resumed"][kind] = full_state_dict(fabric, fresh, work / f"resumed-{kind}.ckpt")
+        if "sharded" in kinds and not config.async_save:  # a fresh model takes the filtered checkpoint's keys
+            fresh, _ = set_up(fabric, "joint", config)
+            fabric.load(work / "filtered.ckpt", {"model": fresh}, strict=False)
+            result["filtered_loaded"] = full_state_dict(fabric, fresh, work / "filtered-loaded.ckpt")
     if fabric.is_global_zero:
         torch.save(result, out)
 

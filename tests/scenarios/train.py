@@ -43,8 +43,10 @@ from scenarios.common import (  # noqa: E402
     CountTrainBatches,
     LazyModel,
     ManualWrapModel,
+    GLOBAL_BATCH,
     PartialModel,
     RegressionModel,
+    dataset,
     die_while_saving,
 )
 from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, as the test chose)
@@ -354,6 +356,35 @@ def build_model(config: Scenario) -> Any:
     return model
 
 
+def stages_with_new_modules(config: Scenario, trainer: Any) -> tuple[dict[str, Any], Any]:
+    """After ``fit``: ``test`` and ``validate`` of new modules from the best checkpoint, their metrics and those of
+    the best checkpoint computed unsharded (rank 0, on the whole data set: every batch has one size), then ``fit`` of
+    a new module for one more epoch (its own, fresh optimizer), returned."""
+    best = trainer.checkpoint_callback.best_model_path
+    found: dict[str, Any] = {
+        "best": best,
+        "test_new": trainer.test(build_model(config), ckpt_path="best", verbose=False),
+        "validate_new": trainer.validate(build_model(config), ckpt_path=best, verbose=False),
+    }
+    if trainer.global_rank == 0:
+        if Path(best).is_dir():  # a sharded checkpoint: consolidated into the full one
+            from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
+
+            state_dict = consolidate(best)["state_dict"]
+        else:
+            state_dict = torch.load(best, weights_only=False)["state_dict"]
+        plain = build_model(config)
+        plain.load_state_dict(state_dict)
+        x, y = dataset(config.samples).tensors
+        with torch.no_grad():
+            found["best_loss_unsharded"] = torch.nn.functional.mse_loss(plain(x), y).item()
+    refit = build_model(config)
+    trainer.fit_loop.epoch_loop.max_steps = config.steps + config.samples // GLOBAL_BATCH  # one more epoch
+    trainer.fit(refit)
+    found["refit_steps"] = trainer.global_step
+    return found, refit
+
+
 #: The configuration class of this scenario (``scenarios/jobs.py`` runs a job of it in another script's launch).
 CONFIG = Scenario
 
@@ -425,7 +456,11 @@ def main(config: Scenario, out: str) -> None:
                       DeviceStatsMonitor()]
     if config.kill is not None:
         callbacks.append(KillDuringSave(config.kill.nth, config.kill.rank, config.kill.how))
-    if config.checkpoint_dir:
+    if config.new_modules:
+        callbacks.append(
+            ModelCheckpoint(dirpath=config.checkpoint_dir, monitor="val_loss", save_top_k=2, save_last=True)
+        )
+    elif config.checkpoint_dir:
         # save_last: one checkpoint "last.ckpt", overwritten at every epoch end.
         name = (
             dict(filename="last", enable_version_counter=False) if config.save_last else dict(filename="{epoch}-{step}")
@@ -457,7 +492,7 @@ def main(config: Scenario, out: str) -> None:
         enable_checkpointing=bool(config.checkpoint_dir),
         enable_progress_bar=False,
         enable_model_summary=config.model_summary,
-        limit_val_batches=1.0 if config.eval_after else 0,
+        limit_val_batches=1.0 if config.eval_after or config.new_modules else 0,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
@@ -506,6 +541,9 @@ def main(config: Scenario, out: str) -> None:
         "metrics": metrics.metrics,
         "flops_per_batch": getattr(model, "flops_per_batch", None),
     }
+    if config.new_modules:
+        found, model = stages_with_new_modules(config, trainer)  # `model`: the last fit's, recorded below
+        result.update(found)
     if config.eval_after:
         result["validate"] = trainer.validate(model, verbose=False)
         result["test"] = trainer.test(model, verbose=False)

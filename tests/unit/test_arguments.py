@@ -301,3 +301,31 @@ def test_a_partial_load_is_described_shortly() -> None:
     message = describe_partial_load(IncompatibleKeys(["extra.weight"], [f"k{i}" for i in range(7)]))
     assert "the model's entries that the checkpoint lacks keep their values (1): [extra.weight]" in message
     assert "the checkpoint's entries that the model lacks were ignored (7): [k0, k1, k2, k3, k4 and 2 more]" in message
+
+
+@pytest.mark.parametrize("strategy_class", [DDPFullyShardedStrategy, fabric.DDPFullyShardedStrategy])
+def test_set_timeout(strategy_class: type) -> None:
+    """Lightning's ``test_set_timeout`` of its FSDPStrategy, for ours (issue 48 item 3d): with torch's
+    ``init_process_group`` mocked, ``setup_environment`` passes the timeout to it, and the strategy's own groups
+    (made by ``new_group``, mocked too: Lightning's tests of strategies that make groups mock their making) get the
+    timeout as well. No call asks the default group, which does not exist: the world size is the strategy's."""
+    from datetime import timedelta
+    from unittest import mock
+
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    timeout = timedelta(seconds=30)
+    strategy = strategy_class(timeout=timeout, parallel_devices=[torch.device("cpu")])
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.accelerator = mock.Mock()
+    with (
+        mock.patch("torch.distributed.init_process_group") as init_process_group,
+        mock.patch("torch.distributed.new_group") as new_group,
+    ):
+        strategy.setup_environment()
+    environment = strategy.cluster_environment
+    init_process_group.assert_called_with(
+        "gloo", rank=environment.global_rank(), world_size=environment.world_size(),
+        timeout=timeout, device_id=None,
+    )
+    assert new_group.call_count == 2 and all(call.kwargs["timeout"] == timeout for call in new_group.call_args_list)

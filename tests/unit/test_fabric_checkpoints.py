@@ -136,9 +136,49 @@ def test_filter_keeps_what_fabric_keeps(fsdp: Fabric, tmp_path: Path) -> None:
     file = torch.load(tmp_path / "f.ckpt", weights_only=True)
     assert list(file) == ["model", "scheduler", "step"]
     assert sorted(file["model"]) == sorted(key for key in Net().state_dict() if key.endswith("bias"))
+
+
+def test_a_filtered_sharded_checkpoint_holds_and_loads_what_the_filter_kept(fsdp: Fabric, tmp_path: Path) -> None:
+    """Issue 48 item 3c: a sharded save filters as Lightning's FSDPStrategy filters (the model's keys, the other
+    entries' top-level keys); it loads with ``strict=False`` the keys kept, the others keep their values, and it
+    consolidates into the full checkpoint's kept keys. Only the blocks' keys here: the root unit's flat parameter
+    (``inp``, ``out``) is not written at all."""
+    state = saved(fsdp, tmp_path / "full.ckpt")
+    full = torch.load(tmp_path / "full.ckpt", weights_only=True)
     fsdp.strategy.state_dict_type = "sharded"
-    with pytest.raises(ValueError, match="cannot filter a sharded checkpoint"):
-        fsdp.save(tmp_path / "s.ckpt", state, filter={"model": lambda *_: True})
+    blocks = {
+        "model": lambda key, value: key.startswith("blocks.") and value is not None,  # the module's tensor is given
+        "optimizer": lambda *_: False,
+    }
+    fsdp.save(tmp_path / "s.ckpt", state, filter=blocks)
+    kept = sorted(key for key in full["model"] if key.startswith("blocks."))
+    meta = torch.load(tmp_path / "s.ckpt" / META_FILE, weights_only=True)
+    record = meta[FORMAT_KEY][FABRIC_RECORD]
+    assert (record["model"], record["optimizers"], sorted(record["kept"])) == ("model", [], kept)
+    shard = torch.load(tmp_path / "s.ckpt" / shard_file_name(0, 1), weights_only=False)
+    assert [key for key in shard["state_dict"] if "flat_param" in key and not key.startswith("blocks.")] == []
+    consolidated = consolidate(tmp_path / "s.ckpt")
+    assert sorted(consolidated) == ["model", "scheduler", "step"]
+    assert_tensors_equal(consolidated["model"], {key: full["model"][key] for key in kept}, atol=0)
+
+    other = set_up(fsdp, seed=1)  # other weights everywhere: the blocks come from the checkpoint, the rest stays
+    before = weights(fsdp, other["model"])
+    with pytest.raises(ValueError, match=r"missing keys \[inp.weight, inp.bias, out.weight, out.bias\]"):  # strict
+        fsdp.load(tmp_path / "s.ckpt", {"model": other["model"]})
+    assert_tensors_equal(weights(fsdp, other["model"]), before, atol=0)
+    fsdp.load(tmp_path / "s.ckpt", {"model": other["model"]}, strict=False)
+    loaded = weights(fsdp, other["model"])
+    assert_tensors_equal({k: loaded[k] for k in kept}, {k: full["model"][k] for k in kept}, atol=0)
+    rest = [key for key in before if key not in kept]
+    assert rest and any(not torch.equal(before[k], full["model"][k]) for k in rest)  # so that a load of them shows
+    assert_tensors_equal({k: loaded[k] for k in rest}, {k: before[k] for k in rest}, atol=0)
+
+
+def test_a_sharded_save_keeps_an_optimizer_whole_or_not_at_all(fsdp: Fabric, tmp_path: Path) -> None:
+    state = saved(fsdp, tmp_path / "full.ckpt")
+    fsdp.strategy.state_dict_type = "sharded"
+    with pytest.raises(ValueError, match="a sharded optimizer state is kept whole or not at all"):
+        fsdp.save(tmp_path / "s.ckpt", state, filter={"optimizer": lambda key, _: key == "param_groups"})
 
 
 def test_a_sharded_checkpoint_keeps_the_other_entries_in_its_meta_file(fsdp: Fabric, tmp_path: Path) -> None:

@@ -27,11 +27,11 @@ def _destroyed(group: dist.ProcessGroup) -> bool:
 
 @pytest.mark.usefixtures("process_group")
 def test_each_layout_makes_its_groups_once_and_every_later_set_up_reuses_them() -> None:
-    full, hybrid = sharding_groups(None, 0, TIMEOUT), sharding_groups((1, 1), 0, TIMEOUT)
+    full, hybrid = sharding_groups(None, 0, 1, TIMEOUT), sharding_groups((1, 1), 0, 1, TIMEOUT)
     assert full.replica is None and hybrid.replica is not None
     assert len({id(group) for group in [*full.sharding(), *hybrid.all()]}) == 5  # every group its own
-    assert sharding_groups(None, 0, TIMEOUT) == full and sharding_groups((1, 1), 0, TIMEOUT) == hybrid
-    assert sharding_groups(None, 0, timedelta(seconds=31)) != full  # another timeout: other groups
+    assert sharding_groups(None, 0, 1, TIMEOUT) == full and sharding_groups((1, 1), 0, 1, TIMEOUT) == hybrid
+    assert sharding_groups(None, 0, 1, timedelta(seconds=31)) != full  # another timeout: other groups
     tensor = torch.ones(3)
     collectives.all_reduce(tensor, group=hybrid.replica)  # usable
     assert tensor.tolist() == [1.0, 1.0, 1.0]
@@ -39,22 +39,22 @@ def test_each_layout_makes_its_groups_once_and_every_later_set_up_reuses_them() 
 
 @pytest.mark.usefixtures("process_group")
 def test_a_kept_root_owns_its_groups_until_it_is_dropped() -> None:
-    groups = sharding_groups((1, 1), 0, TIMEOUT)
+    groups = sharding_groups((1, 1), 0, 1, TIMEOUT)
     collectives.all_reduce(torch.ones(2), group=groups.replica)
     root = SimpleNamespace(process_group=groups.all_gather)  # a root unit kept sharded for the next stage
     assert not release_groups(groups.sharding(), [root, torch.nn.Linear(1, 1)])  # the strategy's teardown keeps them
     assert not any(_destroyed(group) for group in groups.all())
-    assert sharding_groups((1, 1), 0, TIMEOUT) == groups  # the next stage reuses them
+    assert sharding_groups((1, 1), 0, 1, TIMEOUT) == groups  # the next stage reuses them
     drop_groups_of(root)  # unshard_module
     assert all(_destroyed(group) for group in groups.all())
     assert collectives.all_reduced_bytes(groups.replica) == 0  # forgotten: nothing refers to it any more
-    again = sharding_groups((1, 1), 0, TIMEOUT)
+    again = sharding_groups((1, 1), 0, 1, TIMEOUT)
     assert not set(map(id, again.all())) & set(map(id, groups.all()))  # a later set-up makes new ones
 
 
 @pytest.mark.usefixtures("process_group")
 def test_teardown_destroys_the_groups_no_root_holds_and_only_those_made_here() -> None:
-    groups = sharding_groups(None, 0, TIMEOUT)
+    groups = sharding_groups(None, 0, 1, TIMEOUT)
     assert release_groups(groups.sharding(), [SimpleNamespace(process_group=None)])
     assert all(_destroyed(group) for group in groups.sharding())
     assert not release_groups(groups.sharding(), [])  # twice: nothing left to destroy

@@ -43,6 +43,8 @@ ENGINE = (
     "fsdp.backward_hooks",
     "fsdp.one_rank",
     "fsdp.recompute",
+    "fsdp.forward_grads",
+    "fsdp.workarounds",
     "fsdp.config",
     "fsdp.cpu_streams",
     "fsdp.deprecations",

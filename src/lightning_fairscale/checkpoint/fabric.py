@@ -76,6 +76,8 @@ class Roles:
     model: Optional[str] = None
     optimizers: list[str] = field(default_factory=list)
     schedulers: list[str] = field(default_factory=list)
+    #: The model's keys a filtered sharded checkpoint holds (``None``: all of them).
+    kept: Optional[list[str]] = None
 
     @classmethod
     def of(cls, state: Mapping[str, Any], ours: Callable[[Module], bool]) -> Roles:
@@ -101,7 +103,8 @@ class Roles:
     def record(self) -> dict[str, Any]:
         """What a sharded Fabric checkpoint records of the roles
         (:data:`~lightning_fairscale.checkpoint.files.FABRIC_RECORD`)."""
-        return {"model": self.model, "optimizers": list(self.optimizers)}
+        record: dict[str, Any] = {"model": self.model, "optimizers": list(self.optimizers)}
+        return record if self.kept is None else {**record, "kept": list(self.kept)}
 
 
 def convert(

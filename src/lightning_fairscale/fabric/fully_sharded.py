@@ -6,8 +6,8 @@ checkpoints, in the Trainer strategy's two formats, and read them and the Traine
 (:mod:`lightning_fairscale.checkpoint.fabric`).
 """
 
-from __future__ import annotations
-
+# No postponed annotations: jsonargparse (LightningCLI) reads the constructor's from `inspect.signature` (a type
+# imported for type checkers only is quoted inside, as Lightning does).
 import functools
 
 from collections.abc import Iterable
@@ -135,7 +135,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
+        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
         **kwargs: Any,
@@ -217,8 +217,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[TorchLRScheduler] = None
-    ) -> tuple[Module, list[Optimizer], Optional[TorchLRScheduler]]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional["TorchLRScheduler"] = None
+    ) -> tuple[Module, list[Optimizer], Optional["TorchLRScheduler"]]:
         """Wrap the model and re-point its optimizers (made over its parameters) to the shards; LR schedulers work
         as they are."""
         root = self.setup_module(module)
@@ -346,7 +346,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             model_keys=self._model_keys,
             load_model=self.load_module_state_dict,
             load_optimizer=self._load_optimizer,
-            sharded=ShardedFormat(self._saves_sharded, self._save_sharded, self._load_sharded),
+            sharded=ShardedFormat(
+                self._saves_sharded, self._save_sharded, self._load_sharded, self._filtered_state,
+                Ranks(self.global_rank).agree,
+            ),
         )
 
     @override
@@ -398,6 +401,13 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     def _model_keys(self, module: Module) -> list[str]:
         model = self._fsdp_model(module)
         return model.state_dict_keys() if model is not None else list(module.state_dict())
+
+    def _filtered_state(
+        self, module: Module, keep: Callable[[str, Any], bool]
+    ) -> tuple[dict[str, Any], list[str]]:
+        model = self._fsdp_model(module)
+        assert model is not None
+        return model.filtered_local_state(keep)
 
     def _save_sharded(
         self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]

@@ -1,6 +1,6 @@
 """Activation checkpointing: instances of given layer classes recompute their activations in the backward pass
-(torch's non-reentrant checkpoint: workaround 22 of :mod:`lightning_fairscale.fsdp.units`), applied before wrapping
-so that checkpointing runs inside the FSDP unit."""
+(torch's non-reentrant checkpoint: workaround 22 of :mod:`lightning_fairscale.fsdp.workarounds`), applied before
+wrapping so that checkpointing runs inside the FSDP unit."""
 
 from __future__ import annotations
 
@@ -95,9 +95,10 @@ def apply_activation_checkpointing(
     if any(_is_checkpointed(submodule) for submodule in module.modules()):
         # As Lightning's FSDPStrategy: layers checkpointed by the user are not checkpointed a second time.
         rank_zero_warn(
-            "`activation_checkpointing` is set, but the model already contains checkpointed layers (torch's"
-            " `apply_activation_checkpointing` or FairScale's `checkpoint_wrapper`). Checkpointing is left as the"
-            " model has it: the setting is ignored."
+            # Lightning's FSDPStrategy's words first, so that a warning filter written for it matches this one too.
+            "FSDP checkpointing is configured, but the model already contains checkpointed layers. Checkpointing will"
+            " be ignored. `activation_checkpointing` is not applied: the layers the model checkpoints itself (torch's"
+            " `apply_activation_checkpointing` or FairScale's `checkpoint_wrapper`) stay as they are."
         )
         return []
     checkpointed = []
@@ -118,7 +119,7 @@ def apply_activation_checkpointing(
 
 class CheckpointedForward:
     """A layer's ``forward`` under torch's non-reentrant checkpoint (workaround 22 of
-    :mod:`lightning_fairscale.fsdp.units`): its activations are recomputed in the backward, under the autocast and
+    :mod:`lightning_fairscale.fsdp.workarounds`): its activations are recomputed in the backward, under the autocast and
     random states of the forward; with ``offload_to_cpu`` the region's saved inputs wait in CPU memory.
 
     FairScale's ``checkpoint_wrapper`` recomputed under CUDA's autocast state only (on a CPU, ``"bf16-mixed"``

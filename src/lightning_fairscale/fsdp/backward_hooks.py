@@ -1,4 +1,4 @@
-"""One post-backward hook per gradient accumulator: workaround 20 of :mod:`lightning_fairscale.fsdp.units`.
+"""One post-backward hook per gradient accumulator: workaround 20 of :mod:`lightning_fairscale.fsdp.workarounds`.
 
 FairScale 0.4.13 registers its post-backward hook (which reduce-scatters a unit's gradient and frees its full
 parameters) on the gradient accumulator of each flat parameter in every forward, and never removes one: "registering

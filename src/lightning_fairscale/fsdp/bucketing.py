@@ -1,5 +1,5 @@
-"""FairScale's reduce-scatter bucketer, without its leak (workaround 9 of :mod:`lightning_fairscale.fsdp.units`) and
-with gloo-compatible input shapes (workaround 3)."""
+"""FairScale's reduce-scatter bucketer, without its leak (workaround 9 of :mod:`lightning_fairscale.fsdp.workarounds`)
+and with gloo-compatible input shapes (workaround 3)."""
 
 from __future__ import annotations
 

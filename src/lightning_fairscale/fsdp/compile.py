@@ -1,5 +1,5 @@
 """``torch.compile`` under FairScale's FSDP: regional compilation, workaround 18 of
-:mod:`lightning_fairscale.fsdp.units`.
+:mod:`lightning_fairscale.fsdp.workarounds`.
 
 Dynamo cannot trace a FairScale unit: its forward swaps ``param.data`` between the shard and the gathered full
 parameter (``update_p_data``), frees storage by resizing it and runs collectives, none of which a graph can hold

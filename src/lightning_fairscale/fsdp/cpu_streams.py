@@ -1,5 +1,5 @@
 """FairScale's FSDP on a host without CUDA: its stream calls and ``record_stream`` (workarounds 1 and 2 of
-:mod:`lightning_fairscale.fsdp.units`).
+:mod:`lightning_fairscale.fsdp.workarounds`).
 
 Both change process state: FairScale's FSDP module gets its own view of ``torch`` (module global ``torch``), and
 ``aten::record_stream`` a CPU kernel (a ``torch.library`` registration). They are held, counted, by what needs them:

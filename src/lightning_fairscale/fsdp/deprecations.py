@@ -1,5 +1,5 @@
 """FairScale 0.4.13's calls that recent torch deprecates, kept off the user's console (workaround 19 of
-:mod:`lightning_fairscale.fsdp.units`).
+:mod:`lightning_fairscale.fsdp.workarounds`).
 
 FairScale calls three things that torch warns about on every rank, with nothing a user can do about them:
 

@@ -197,6 +197,11 @@ class WrappedModel:
         ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
         return saving.module_state_dict(self.root, sharded, is_global_zero)
 
+    def filtered_local_state(self, keep: Callable[[str, Any], bool]) -> tuple[dict[str, Any], list[str]]:
+        """This rank's shards of what ``keep(key, value)`` keeps of the model, and the keys kept (a collective call:
+        see :func:`~lightning_fairscale.fsdp.saving.filtered_local_state`)."""
+        return saving.filtered_local_state(self.root, self.state_dict_keys(), keep)
+
     def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
         with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
@@ -298,7 +303,7 @@ def make_process_groups(
     request = config.mesh_request
     mesh = None if request is None else resolve_mesh(request, world_size, num_nodes)
     # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
-    groups = sharding_groups(mesh, rank, timeout)
+    groups = sharding_groups(mesh, rank, world_size, timeout)
     process_exit.record_groups(*groups.all())
     return groups
 
@@ -344,9 +349,9 @@ def wrap_model(
         module, config.activation_checkpointing, config.activation_checkpointing_offload
     )
     if is_wrapped(module) and config.auto_wrap_policy is not None:
-        rank_zero_warn(  # as Lightning's FSDPStrategy
-            "An FSDP `auto_wrap_policy` is set, but the model already holds FSDP units (wrapped in `configure_model`)."
-            " The policy is ignored."
+        rank_zero_warn(  # in Lightning's FSDPStrategy's words first, so that a warning filter written for it matches
+            "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored. The model"
+            " already holds FSDP units (wrapped in `configure_model`, or by hand): they are kept as they are."
         )
     policy = wrap_policy(config, own_units=checkpointed, root=module)
     with wrapping_context(config, device, groups, precision):

@@ -1,4 +1,4 @@
-"""Workaround 11 of :mod:`lightning_fairscale.fsdp.units`: frozen and trainable parameters in one unit.
+"""Workaround 11 of :mod:`lightning_fairscale.fsdp.workarounds`: frozen and trainable parameters in one unit.
 
 FairScale flattens a unit's parameters into one flat parameter, with one ``requires_grad``, and asserts that they
 all agree. A unit that owns frozen and trainable parameters is built with all of them trainable
@@ -50,7 +50,8 @@ def record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.P
 
 def reshard_frozen(root: _FairScaleFSDP) -> None:
     """Free a root unit's gathered frozen parameters after a backward, as FairScale's post-backward hook frees a
-    trainable parameter's and under the same condition (workaround 15 of :mod:`lightning_fairscale.fsdp.units`)."""
+    trainable parameter's and under the same condition (workaround 15 of
+    :mod:`lightning_fairscale.fsdp.workarounds`)."""
     frozen = [param for param in root.params if not param.requires_grad]
     if not frozen or not (root._require_backward_grad_sync or root.reshard_after_forward):
         return

@@ -1,5 +1,6 @@
 """Clipping by norm over sharded gradients, on the gradients' own device (workaround 4 of
-:mod:`lightning_fairscale.fsdp.units`): the norm over every rank's shards (or one replica's, under hybrid sharding)."""
+:mod:`lightning_fairscale.fsdp.workarounds`): the norm over every rank's shards (or one replica's, under hybrid
+sharding)."""
 
 from __future__ import annotations
 

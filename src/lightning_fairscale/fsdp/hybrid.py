@@ -1,6 +1,6 @@
 """Hybrid sharding: shard within a group of ranks (a node), replicate across groups (workaround 14 of
-:mod:`lightning_fairscale.fsdp.units`). The names and shapes a user gives, the process groups, and the all-reduce of
-each gradient shard over its replicas.
+:mod:`lightning_fairscale.fsdp.workarounds`). The names and shapes a user gives, the process groups, and the all-reduce
+of each gradient shard over its replicas.
 
 The process groups of every layout (full sharding too) live here, from the first stage that shards that way to the
 moment nothing shards over them any more:
@@ -175,14 +175,15 @@ class ProcessGroups:
 _layouts: dict[tuple[Any, ...], tuple[Optional[weakref.ref], ...]] = {}
 
 
-def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, timeout: Any) -> ProcessGroups:
-    """This rank's groups for ``mesh`` (``None``: every rank in one group): the groups made for the same layout
+def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, world_size: int, timeout: Any) -> ProcessGroups:
+    """This rank's groups for ``mesh`` (``None``: every rank in one group) in a world of ``world_size`` ranks (the
+    strategy's: it knows it before, and without asking, the default group): the groups made for the same layout
     before, while they live, else new ones (:func:`hybrid_groups`, or two groups of every rank).
 
     A collective call when it makes groups: every rank calls it at the same point (a strategy's set-up), and all
     find the layout's groups alive or none does, since they are made and destroyed at the same points.
     """
-    key = (dist.get_world_size(), mesh, timeout)
+    key = (world_size, mesh, timeout)
     groups = _alive(_layouts.get(key, ()), mesh)
     if groups is None:
         if mesh is None:  # two, so that all-gathers and reduce-scatters can overlap on GPUs

@@ -1,4 +1,4 @@
-"""Mixed precision with nothing to shard: workaround 21 of :mod:`lightning_fairscale.fsdp.units`.
+"""Mixed precision with nothing to shard: workaround 21 of :mod:`lightning_fairscale.fsdp.workarounds`.
 
 With ``mixed_precision=True`` on a process group of one rank (``Trainer(devices=1, precision="bf16-mixed")``, or a
 hybrid layout whose shard groups hold one rank each), FairScale 0.4.13 does not shard a flat parameter: its half

@@ -1,5 +1,5 @@
 """Overlapping FairScale's collectives with the computation on CPU (gloo): workaround 16 of
-:mod:`lightning_fairscale.fsdp.units`.
+:mod:`lightning_fairscale.fsdp.workarounds`.
 
 FairScale overlaps its all-gathers and reduce-scatters with the computation on CUDA streams. On a CPU there are no
 streams (:mod:`~lightning_fairscale.fsdp.cpu_streams` makes them no-ops), so every collective ran synchronously: a

@@ -1,5 +1,5 @@
 """A unit's forward called again inside the backward by the model's own activation checkpointing: workaround 23 of
-:mod:`lightning_fairscale.fsdp.units`.
+:mod:`lightning_fairscale.fsdp.workarounds`.
 
 torch's non-reentrant checkpoint (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, what Hugging Face's
 ``gradient_checkpointing_enable`` and LitGPT use) keeps the forward's autograd graph and recomputes only the tensors

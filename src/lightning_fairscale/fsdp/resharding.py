@@ -26,7 +26,7 @@ import functools
 import math
 import mmap
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -249,7 +249,7 @@ class SavedShards:
 
     def load_by_name(
         self, root: nn.Module, pieces_of: Callable[[nn.Parameter], Sequence[Any]], clean: Callable[[str], str],
-        aliases: Iterable[tuple[str, str]] = (),
+        aliases: Iterable[tuple[str, str]] = (), names: Optional[Container[str]] = None,
     ) -> None:
         """Copy this rank's slice of every original parameter of ``root`` that the checkpoint holds, found by name,
         and every buffer it holds; what it lacks keeps its value. ``root`` may be wrapped otherwise than the saved
@@ -261,8 +261,9 @@ class SavedShards:
                 parameter holds.
             clean: the unwrapped name of a buffer of ``root``.
             aliases: the saved model's ``(prefix, alias)`` pairs.
+            names: the original parameters to read (a filtered checkpoint holds those only); ``None``: all.
         """
-        saved = self.pieces(aliases)
+        saved = {k: v for k, v in self.pieces(aliases).items() if names is None or k in names}
         for unit in fsdp_instances(root):
             for param in unit.params:
                 start, stop, _ = _local_range(param, flat_numel(param), unit)

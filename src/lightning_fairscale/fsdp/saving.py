@@ -32,11 +32,12 @@ from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, 
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
-from lightning_fairscale.distributed.collectives import all_agree
+from lightning_fairscale.distributed.collectives import all_agree, all_gather_object
 from lightning_fairscale.fsdp.optim import managed_params
 from lightning_fairscale.fsdp.optim_state import load_view_states, managed_positions
 from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
 from lightning_fairscale.fsdp.sharded_checkpoint import (
+    FABRIC_RECORD,
     FORMAT_KEY,
     check_fits,
     check_wrapping,
@@ -45,6 +46,7 @@ from lightning_fairscale.fsdp.sharded_checkpoint import (
 )
 from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.unwrapping import unwrapped
 
 if TYPE_CHECKING:
     from lightning_fairscale.fsdp.engine import WrappedModel
@@ -53,6 +55,7 @@ __all__ = [
     "InBackground",
     "Ranks",
     "buffer_name",
+    "filtered_local_state",
     "is_sharded_checkpoint",
     "load_full",
     "load_sharded",
@@ -92,6 +95,39 @@ def module_state_dict(root: FullyShardedDataParallel, sharded: bool, is_global_z
         return root.local_state_dict()
     state_dict = root.state_dict()  # every rank gathers, rank 0 keeps
     return add_aliases(state_dict, root) if is_global_zero else state_dict
+
+
+def filtered_local_state(
+    root: FullyShardedDataParallel, keys: Sequence[str], keep: Callable[[str, Any], bool]
+) -> tuple[dict[str, Any], list[str]]:
+    """``fabric.save(..., filter=...)`` of a sharded model: ``(this rank's local state dict, the keys kept)``.
+
+    ``keep(key, value)`` is asked about each key of the unwrapped module's state dict (``keys``), as Fabric asks it
+    about a full state dict; ``value`` is the module's tensor under that name on this rank (an original parameter's
+    slice of this rank's shard, or a buffer). What it keeps must be the same on every rank (a collective call; a
+    ``ValueError`` on every rank otherwise). The state dict holds each flat parameter that holds a kept key (whole:
+    its other keys are not loaded from it) and each kept buffer; what is kept is recorded with the checkpoint.
+    """
+    module = unwrapped(root)
+    values = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
+    kept = [key for key in keys if keep(key, values.get(key))]
+    if any(other != kept for other in all_gather_object(kept)):
+        raise ValueError(
+            "`fabric.save(..., filter=...)` kept other keys of the model on some ranks than on others: a sharded"
+            " checkpoint needs the same keys from every rank. Decide by the key (and by what every rank's value shares,"
+            " such as `requires_grad`), not by the values of this rank's shard."
+        )
+    local, metadata, wanted = root.local_state_dict(), root.local_metadata_dict(), set(kept)
+    state: dict[str, Any] = {}
+    for unit in metadata["param_metadata"]:
+        prefix = f"{unit['fsdp_path']}." if unit["fsdp_path"] else ""
+        for flat, info in unit["params"].items():
+            if any(prefix + name in wanted for name in info["names"]):
+                state[prefix + flat] = local[prefix + flat]
+    for name in metadata["buffer_names"]:
+        if name in local and buffer_name(name) in wanted:
+            state[name] = local[name]
+    return state, kept
 
 
 def is_sharded_checkpoint(storage: ShardedStorage, path: Any) -> bool:
@@ -266,18 +302,22 @@ def load_sharded(
     )
     found: list[IncompatibleKeys] = []
 
+    # `fabric.save(..., filter=...)`: the model's keys the checkpoint holds (the others are not in it).
+    kept = meta[FORMAT_KEY].get(FABRIC_RECORD, {}).get("kept")
+
     def read() -> None:
-        saved = {name: piece.shape for name, piece in shards.pieces(aliases).items()}
+        pieces = shards.pieces(aliases)
+        saved = {name: piece.shape for name, piece in pieces.items() if kept is None or name in kept}
         saved.update(apply_aliases({k: v.shape for k, v in shards.buffers(buffer_name).items()}, aliases))
         found.append(check_state_dict_fits(saved, model.expected_shapes(), strict, relax))
         alike = wrapped_alike(shards.file(0), model.root)
-        if alike:
+        if alike and kept is None:
             shards.load_into(model.root)
-        elif strict:
+        elif strict and not alike:
             check_wrapping(shards.file(0), model.root, path)  # raises, naming the consolidation command
-        else:
+        else:  # by name: what a filtered checkpoint holds, or a partial load into another model
             layout = model.layout
-            shards.load_by_name(model.root, lambda p: layout.managed[p].pieces, buffer_name, aliases)
+            shards.load_by_name(model.root, lambda p: layout.managed[p].pieces, buffer_name, aliases, names=saved)
         for index, optimizer in optimizers(meta, len(shards.file(0).get("optimizer_states", []))):
             if not alike:  # a partial load: the param groups' hyperparameters only, when there is no state to lose
                 saved_optimizer = shards.file(0)["optimizer_states"][index]

@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY, load_meta, load_shard
 from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, Piece
 from lightning_fairscale.fsdp.optim_state import describe_layout, plain_state_dict
-from lightning_fairscale.fsdp.state_names import apply_aliases, fairscale_ties, state_aliases
+from lightning_fairscale.fsdp.resharding import SavedShards
+from lightning_fairscale.fsdp.state_names import apply_aliases, clean_path, fairscale_ties, state_aliases
 
 
 __all__ = [
@@ -94,7 +95,8 @@ def split_checkpoint(
             "torch": str(torch.__version__),
             "fairscale": _fairscale_version(),
         },
-        **({FABRIC_RECORD: {"model": model_key, "optimizers": optimizer_keys}} if fabric is not None else {}),
+        # A filtered Fabric checkpoint's `kept` too (`fabric.save(..., filter=...)`).
+        **({FABRIC_RECORD: {**fabric, "model": model_key, "optimizers": optimizer_keys}} if fabric is not None else {}),
     }
     shard: dict[str, Any] = {
         "state_dict": checkpoint[model_key],
@@ -200,12 +202,19 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
         say(f"reading shard {rank + 1}/{world_size}")
         shards.append(load_shard(Path(path), rank, world_size, weights_only=False))
     say("consolidating parameters")
-    state_dict = _FairScaleFSDP.consolidate_shard_weights(
-        [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards],
-        [_saved_buffers_only(s["shard_metadata"], s["state_dict"]) for s in shards],
-    )
     aliases = [*info.get("aliases", []), *fairscale_ties(shards[0]["shard_metadata"])]
-    state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, aliases)
+    kept = (info.get(FABRIC_RECORD) or {}).get("kept")
+    if kept is None:
+        state_dict = _FairScaleFSDP.consolidate_shard_weights(
+            [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards],
+            [_saved_buffers_only(s["shard_metadata"], s["state_dict"]) for s in shards],
+        )
+        state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, aliases)
+    else:  # `fabric.save(..., filter=...)`: the keys kept, each read from the shards that hold it
+        saved = SavedShards(shards.__getitem__, world_size)
+        pieces = saved.pieces(aliases)
+        buffers = apply_aliases(saved.buffers(lambda name: clean_path(name + ".").rstrip(".")), aliases)
+        state_dict = {k: saved.read_piece(pieces[k]) if k in pieces else buffers[k].clone() for k in kept}
     say(f"consolidated {len(state_dict)} parameters and buffers")
     optimizer_states = []
     count = len(shards[0].get("optimizer_states", []))

@@ -65,6 +65,11 @@ class ShardedFormat:
     save: Callable[[dict[str, Any], Roles, _PATH, Module, list[Any]], None]
     #: ``load(path, state, roles, strict, weights_only)``: restore ``state``; returns what it did not ask for.
     load: Callable[[_PATH, dict[str, Any], Roles, bool, Optional[bool]], dict[str, Any]]
+    #: ``filtered(model, keep)``: this rank's shards of what ``keep(key, value)`` keeps of the model, and the keys
+    #: kept (the same on every rank); ``None``: the format cannot filter.
+    filtered: Optional[Callable[[Module, Callable[[str, Any], bool]], tuple[dict[str, Any], list[str]]]] = None
+    #: Whether a decision holds on every rank (a collective call), so that a filter decides alike everywhere.
+    agree: Callable[[bool], bool] = lambda decision: decision
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,9 @@ class FabricCheckpoints:
         roles = Roles.of(state, self.is_ours)
         model = state[roles.model] if roles.model else None
         sharded = self.sharded if model is not None and self.sharded is not None and self.sharded.saves(model) else None
-        if sharded and filter:
-            raise ValueError(
-                '`fabric.save(..., filter=...)` cannot filter a sharded checkpoint (`state_dict_type="sharded"`): its'
-                " shards must hold whole FSDP units. Save without `filter`, or use a full checkpoint."
-            )
+        if sharded is not None and filter:
+            self._save_filtered(sharded, path, state, roles, filter)
+            return
         converted = convert(
             state,
             roles,
@@ -120,6 +123,43 @@ class FabricCheckpoints:
             sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
         elif self.is_global_zero:
             save_full(self.io, converted, path, storage_options)  # in the background where the plugin saves there
+
+    def _save_filtered(
+        self, sharded: ShardedFormat, path: _PATH, state: dict[str, Any], roles: Roles,
+        filter: dict[str, Callable[[str, Any], bool]],
+    ) -> None:
+        """A sharded save with ``filter``, as Lightning's FSDPStrategy filters: the model's keys (by the unwrapped
+        module's names, recorded with the checkpoint), and the top-level keys of every other entry. An optimizer's
+        sharded state is kept whole or left out: its state is laid out over the views of every parameter."""
+        if sharded.filtered is None:
+            raise ValueError("`fabric.save(..., filter=...)` cannot filter this strategy's sharded checkpoints.")
+        assert roles.model is not None
+        model = state[roles.model]
+        keep_model = filter.get(roles.model)
+        model_state: Optional[dict[str, Any]] = None
+        if keep_model is not None:
+            model_state, roles.kept = sharded.filtered(model, keep_model)
+        others = {key: keep for key, keep in filter.items() if key != roles.model}
+        converted = convert(
+            state,
+            roles,
+            lambda module: model_state if model_state is not None else self.model_state(module, True),
+            lambda optimizer: self.optimizer_state(optimizer, True),
+            others,
+        )
+        for key in [key for key in roles.optimizers if key in filter]:
+            # Decided on every rank alike (a filter may look at this rank's values): a rank alone must not raise.
+            kept = sorted(converted.get(key, {}))
+            whole = kept == sorted(self.optimizer_state(state[key], True))
+            if sharded.agree(not kept):  # the filter kept none of it anywhere: left out, as Fabric leaves it out
+                roles.optimizers.remove(key)
+            elif not sharded.agree(whole):
+                raise ValueError(
+                    f"`fabric.save(..., filter=...)` keeps part of the optimizer state {key!r} (here {kept}), but a"
+                    " sharded optimizer state is kept whole or not at all, and alike on every rank. Keep all of it or"
+                    " none, or save a full checkpoint."
+                )
+        sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
 
     def load(
         self,

@@ -1,11 +1,10 @@
 # Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit.
 """``DDPFullyShardedStrategy``: FairScale's Fully Sharded Data Parallel under Lightning 2.x's Trainer."""
 
-from __future__ import annotations
-
+# No postponed annotations: jsonargparse (LightningCLI) reads the constructor's from `inspect.signature`.
 import contextlib
 import functools
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -120,7 +119,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Union[tuple[int, int], DeviceMesh]] = None,  # Lightning's FSDPStrategy's annotation
+        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
         **kwargs: Any,
@@ -207,6 +206,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
             # Optimizers are created on the unwrapped module, so `self.parameters()` works in
             # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
             self.setup_optimizers(trainer)
+        else:  # validate/test/predict of a new module (`trainer.test(NewModule())` after `fit`): none of fit's
+            own = {id(param) for param in self.model.parameters()}
+            self._keep_optimizers_of(lambda param: id(param) in own)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
         self._sharded = fsdp_engine.wrap_model(
@@ -227,6 +229,14 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._sharded.repoint(*self._plain_optimizers())
+        else:  # the module's own (`validate` after `fit`), not another module's
+            self._keep_optimizers_of(self._sharded.knows)
+
+    def _keep_optimizers_of(self, owns: Callable[[torch.nn.Parameter], bool]) -> None:
+        """Keep the optimizers that hold a parameter of the stage's module (``owns``); the others, an earlier stage's
+        for another module, are not the stage's to re-point, save or restore."""
+        held = [(o, [p for g in plain_optimizer(o).param_groups for p in g["params"]]) for o in self.optimizers]
+        self.optimizers = [optimizer for optimizer, params in held if any(owns(param) for param in params)]
 
     def _plain_optimizers(self) -> list[Optimizer]:
         """The strategy's optimizers, without Lightning's ``LightningOptimizer`` around them."""
