@@ -175,7 +175,8 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
 #: Lightning's private attributes (see ``_compat.PRIVATE_ATTRIBUTES``), read here from the source so that this test
 #: needs no Lightning import.
 PRIVATE_ATTRIBUTES = {"_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision",
-                      "_trainer", "_launcher", "_start_method", "_optimizer", "_compiler_ctx"}  # fmt: skip
+                      "_trainer", "_launcher", "_start_method", "_optimizer", "_compiler_ctx",
+                      "_average_model"}  # fmt: skip
 
 
 def test_the_private_attribute_list_is_compats() -> None:

@@ -39,6 +39,7 @@ from lightning_fairscale.fsdp.state_names import apply_aliases, fairscale_ties, 
 
 __all__ = [
     "FABRIC_RECORD",
+    "CURRENT_MODEL_STATE",
     "FORMAT_KEY",
     "check_fits",
     "check_wrapping",
@@ -51,6 +52,11 @@ __all__ = [
 #: 2: each rank's optimizer state is over its views of the original parameters (``optimizer_layouts[j]["views"]``);
 #: 1: over its whole shards of the managed parameters. Both load.
 FORMAT_VERSION = 2
+
+#: Where Lightning's ``WeightAveraging`` keeps the module's own weights in a Trainer's checkpoint while
+#: ``state_dict`` holds the averaged ones: this rank's shards too, in a sharded checkpoint (the format's record lists
+#: it under ``"model_states"``).
+CURRENT_MODEL_STATE = "current_model_state"
 
 
 def consolidation_hint(path: Any) -> str:
@@ -84,7 +90,8 @@ def split_checkpoint(
         )
     model_key = "state_dict" if fabric is None else fabric["model"]
     optimizer_keys = ["optimizer_states"] if fabric is None else list(fabric["optimizers"])
-    meta = {k: v for k, v in checkpoint.items() if k != model_key and k not in optimizer_keys}
+    model_keys = [model_key] + ([CURRENT_MODEL_STATE] if fabric is None and CURRENT_MODEL_STATE in checkpoint else [])
+    meta = {k: v for k, v in checkpoint.items() if k not in model_keys and k not in optimizer_keys}
     meta[FORMAT_KEY] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -95,12 +102,15 @@ def split_checkpoint(
             "fairscale": _fairscale_version(),
         },
         **({FABRIC_RECORD: {"model": model_key, "optimizers": optimizer_keys}} if fabric is not None else {}),
+        **({"model_states": model_keys} if len(model_keys) > 1 else {}),
     }
     shard: dict[str, Any] = {
         "state_dict": checkpoint[model_key],
         "shard_metadata": _metadata(root),
         "world_size": world_size,
     }
+    for key in model_keys[1:]:
+        shard[key] = checkpoint[key]
     if fabric is not None:
         shard["optimizer_states"] = [checkpoint[k] for k in optimizer_keys]
     elif "optimizer_states" in checkpoint:  # (a Trainer's saved with weights only has none)

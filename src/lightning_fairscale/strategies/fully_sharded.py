@@ -35,6 +35,7 @@ from lightning_fairscale._compat import (
     take_trainer_compile,
 )
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
+from lightning_fairscale.callbacks.weight_averaging import release_sharded_averaging, shard_weight_averaging
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -134,6 +135,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._sharded: Optional[fsdp_engine.WrappedModel] = None
         #: Whether the stage failed: teardown then waits for no other rank's background writes.
         self._failed = False
+        #: The ``WeightAveraging`` callbacks given an average over this rank's shards, while the module is sharded.
+        self._averaging: list[Any] = []
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration (an option's property comes with `strategy_options`)
@@ -194,6 +197,11 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            # `WeightAveraging` copied the module before it was sharded: its average goes over the shards now.
+            assert self.lightning_module is not None
+            self._averaging += shard_weight_averaging(
+                trainer.callbacks, self.lightning_module, self.lightning_module_state_dict
+            )
         self.barrier()
 
     def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool, compiler: Optional[Compiler]) -> None:
@@ -358,6 +366,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         return self._sharded.load_trainer_checkpoint(
             Ranks(self.global_rank), storage, checkpoint_path, read_file, optimizers, weights_only,
             self.lightning_module.strict_loading, policy, type(self).__name__, pl.__version__,
+            averaging=bool(self._averaging),
         )
 
     def _restores_optimizers(self) -> bool:
@@ -431,6 +440,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
             return module
         self._sharded.unshard(keep=self.is_global_zero or not rank_zero_only)
         self._sharded = None
+        release_sharded_averaging(self._averaging)
+        self._averaging = []
         self.model = module
         self.optimizers = []
         self.lr_scheduler_configs = []

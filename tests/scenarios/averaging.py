@@ -1,0 +1,130 @@
+"""Lightning's ``WeightAveraging`` (EMA or SWA) under our strategies and Lightning's own ``"ddp"``, as a scenario.
+
+One job trains ``RegressionModel`` (SGD with momentum, one step per epoch, so every epoch-end checkpoint resumes
+exactly) with a ``WeightAveraging`` callback, optionally validating every ``val_every`` epochs (the callback swaps
+the averaged weights in for validation and back after it) and writing a checkpoint after every epoch. Rank 0 writes
+the result: the full state dict at the end of ``fit`` (the averaged weights, as the callback leaves them), the
+averaging count, each rank's number of averaged elements, and each full checkpoint's contents. The tests run
+``averaging.py --jobs FILE`` (``conftest.run_jobs(script=...)``)::
+
+    PYTHONPATH=src python tests/scenarios/averaging.py --config '{"strategy": "fsdp"}' --out result.pt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.optim.swa_utils import get_ema_avg_fn  # noqa: E402
+
+import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+import scenarios.jobs  # noqa: E402
+from scenarios import common  # noqa: E402
+from scenarios.config import Config  # noqa: E402
+from scenarios.flavor import (  # noqa: E402
+    DDPFullyShardedStrategy,
+    DDPShardedStrategy,
+    ModelCheckpoint,
+    Trainer,
+    pl,
+    seed_everything,
+)
+
+
+@dataclass(frozen=True)
+class AveragingScenario(Config):
+    """One training with a ``WeightAveraging`` callback: 6 SGD steps on 2 processes under ``DDPFullyShardedStrategy``
+    with an EMA of decay 0.9."""
+
+    SCRIPT: ClassVar[str] = "averaging"
+
+    strategy: str = "fsdp"  # fsdp, ddp_sharded, ddp
+    devices: int = 2
+    average: str = "ema"  # ema: get_ema_avg_fn(0.9); swa: WeightAveraging's default (the equal-weight average)
+    batch_norm: bool = False  # the network ends with a BatchNorm1d: buffers averaged too (use_buffers)
+    steps: int = 6  # epochs of one step each
+    val_every: int = 0  # validate every this many epochs (0: never)
+    state_dict_type: str = "full"
+    checkpoint_dir: Optional[str] = None  # a checkpoint after every epoch, kept
+    ckpt_path: Optional[str] = None  # fit(ckpt_path=...)
+    save_ckpt: Optional[str] = None  # trainer.save_checkpoint after fit
+
+
+CONFIG = AveragingScenario
+
+
+class BatchNormModel(common.RegressionModel):
+    """``RegressionModel`` whose network ends with a ``BatchNorm1d``: running statistics and a batch counter."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(*self.net, nn.BatchNorm1d(common.OUT_FEATURES))
+
+
+def strategy(config: AveragingScenario) -> Any:
+    if config.strategy == "fsdp":
+        return DDPFullyShardedStrategy(min_num_params=1000, state_dict_type=config.state_dict_type)
+    if config.strategy == "ddp_sharded":
+        return DDPShardedStrategy()
+    return config.strategy
+
+
+def averaging(config: AveragingScenario) -> Any:
+    if config.average == "ema":
+        return pl.callbacks.WeightAveraging(avg_fn=get_ema_avg_fn(0.9))
+    return pl.callbacks.WeightAveraging()
+
+
+def main(config: AveragingScenario, out: str) -> None:
+    seed_everything(7)
+    model_class = BatchNormModel if config.batch_norm else common.RegressionModel
+    model = model_class(optimizer="sgd", num_samples=8)
+    callback = averaging(config)
+    callbacks: list[Any] = [callback]
+    if config.checkpoint_dir:
+        callbacks.append(
+            ModelCheckpoint(dirpath=config.checkpoint_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+        )
+    trainer = Trainer(
+        accelerator="cpu", devices=config.devices, strategy=strategy(config), max_epochs=config.steps,
+        callbacks=callbacks, logger=False, enable_checkpointing=bool(config.checkpoint_dir),
+        enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=1 if config.val_every else 0, check_val_every_n_epoch=config.val_every or 1,
+        num_sanity_val_steps=0, use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(model, ckpt_path=config.ckpt_path)
+    average = callback._average_model
+    averaged_numel = sum(p.numel() for p in average.module.parameters())
+    numels: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(numels, averaged_numel)
+    result: dict[str, Any] = {
+        "n_averaged": int(average.n_averaged),
+        "latest_update_step": callback._latest_update_step,
+        "averaged_numel": numels,
+        "global_step": trainer.global_step,
+    }
+    if config.save_ckpt:
+        trainer.save_checkpoint(config.save_ckpt)
+    if hasattr(trainer.strategy, "unshard_module"):
+        trainer.strategy.unshard_module()
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result["model_numel"] = sum(p.numel() for p in model.parameters())
+    if trainer.global_rank == 0:
+        checkpoints = sorted(Path(config.checkpoint_dir).glob("*.ckpt")) if config.checkpoint_dir else []
+        if config.save_ckpt:
+            checkpoints.append(Path(config.save_ckpt))
+        result["checkpoints"] = {
+            path.name: torch.load(path, weights_only=False) for path in checkpoints if path.is_file()
+        }
+        torch.save(result, out)
+
+
+if __name__ == "__main__":
+    scenarios.jobs.main(AveragingScenario, main)
