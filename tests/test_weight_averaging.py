@@ -34,6 +34,8 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
                 continue
             jobs[f"{kind}-{average}"] = base.replace(val_every=2, checkpoint_dir=str(folder / f"{kind}-{average}"),
                                                      save_ckpt=str(folder / f"{kind}-{average}-after-fit.ckpt"))
+    # Validation alone (no checkpoint gathers the weights in between): the average swapped in and out of the shards.
+    jobs["fsdp-ema-validate"] = AveragingScenario(val_every=2)
     jobs["ddp-bn"] = AveragingScenario(strategy="ddp", batch_norm=True, checkpoint_dir=str(folder / "ddp-bn"))
     jobs["fsdp-bn"] = AveragingScenario(strategy="fsdp", batch_norm=True, checkpoint_dir=str(folder / "fsdp-bn"))
     # Sharded checkpoints, and resuming from either kind after epoch 4 (step 4; BatchNorm: 3).
@@ -69,6 +71,12 @@ def test_final_weights_are_the_average_as_under_ddp(averaged: Jobs, kind: str, a
     ddp, ours = averaged[f"ddp-{average}"], averaged[f"{kind}-{average}"]
     assert ours["n_averaged"] == ddp["n_averaged"] == STEPS
     assert _same_state(ours["state_dict"], ddp["state_dict"]) <= ATOL
+
+
+def test_validation_swaps_the_average_in_and_out(averaged: Jobs) -> None:
+    """Validating every 2 steps without checkpoints: the steps after a validation train the module's own weights
+    (before the fix, the root unit kept the average it gathered for validation: 0.009 off)."""
+    assert _same_state(averaged["fsdp-ema-validate"]["state_dict"], averaged["ddp-ema"]["state_dict"]) <= ATOL
 
 
 def test_the_average_is_not_the_last_weights(averaged: Jobs) -> None:

@@ -47,7 +47,8 @@ class AveragingScenario(Config):
 
     strategy: str = "fsdp"  # fsdp, ddp_sharded, ddp
     devices: int = 2
-    average: str = "ema"  # ema: get_ema_avg_fn(0.9); swa: WeightAveraging's default (the equal-weight average)
+    #: ema: get_ema_avg_fn(0.9); swa: WeightAveraging's default (the equal-weight average); none: no averaging
+    average: str = "ema"
     batch_norm: bool = False  # the network ends with a BatchNorm1d: buffers averaged too (use_buffers)
     steps: int = 6  # epochs of one step each
     val_every: int = 0  # validate every this many epochs (0: never)
@@ -77,6 +78,8 @@ def strategy(config: AveragingScenario) -> Any:
 
 
 def averaging(config: AveragingScenario) -> Any:
+    if config.average == "none":  # a Callback that does nothing: the training without averaging
+        return pl.callbacks.Callback()
     if config.average == "ema":
         return pl.callbacks.WeightAveraging(avg_fn=get_ema_avg_fn(0.9))
     return pl.callbacks.WeightAveraging()
@@ -100,13 +103,13 @@ def main(config: AveragingScenario, out: str) -> None:
         num_sanity_val_steps=0, use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(model, ckpt_path=config.ckpt_path)
-    average = callback._average_model
-    averaged_numel = sum(p.numel() for p in average.module.parameters())
+    average = getattr(callback, "_average_model", None)
+    averaged_numel = sum(p.numel() for p in average.module.parameters()) if average is not None else 0
     numels: list[Any] = [None] * trainer.world_size
     torch.distributed.all_gather_object(numels, averaged_numel)
     result: dict[str, Any] = {
-        "n_averaged": int(average.n_averaged),
-        "latest_update_step": callback._latest_update_step,
+        "n_averaged": int(average.n_averaged) if average is not None else 0,
+        "latest_update_step": getattr(callback, "_latest_update_step", None),
         "averaged_numel": numels,
         "global_step": trainer.global_step,
     }

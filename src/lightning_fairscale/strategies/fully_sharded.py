@@ -41,6 +41,7 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp.averaging import drop_full_params
 from lightning_fairscale.fsdp.compile import Compiler
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.hybrid import ProcessGroups
@@ -382,6 +383,21 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._sharded is None:  # `load_checkpoint` has loaded the optimizers' shards
             super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def on_validation_start(self) -> None:
+        # `WeightAveraging` swaps the average into the shards next: the forward must gather them, not reuse what a
+        # unit still holds (see `drop_full_params`).
+        super().on_validation_start()
+        if self._averaging and self.model is not None:
+            drop_full_params(self.model)
+
+    @override
+    def on_validation_end(self) -> None:
+        # ... and swapped the module's own weights back: the next training step gathers them.
+        super().on_validation_end()
+        if self._averaging and self.model is not None:
+            drop_full_params(self.model)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
