@@ -20,7 +20,6 @@ from conftest import TESTS, Jobs, run_jobs
 
 ATOL = 1e-6
 SCRIPT = TESTS / "scenarios" / "averaging.py"
-#: The model's tensors that are not trained: BatchNorm's batch counter (an integer, averaged as Lightning does).
 STEPS = 6
 
 
@@ -45,7 +44,9 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
     jobs["fsdp-resume-sharded"] = AveragingScenario(
         state_dict_type="sharded", val_every=2, ckpt_path=str(sharded_dir / "epoch=3.ckpt")
     )
-    jobs["ddp-resume"] = AveragingScenario(strategy="ddp", val_every=2, ckpt_path=str(folder / "ddp-ema" / "epoch=3.ckpt"))
+    jobs["ddp-resume"] = AveragingScenario(
+        strategy="ddp", val_every=2, ckpt_path=str(folder / "ddp-ema" / "epoch=3.ckpt")
+    )
     jobs["fsdp-bn-resume"] = AveragingScenario(batch_norm=True, ckpt_path=str(folder / "fsdp-bn" / "epoch=2.ckpt"))
     jobs["ddp-bn-resume"] = AveragingScenario(
         strategy="ddp", batch_norm=True, ckpt_path=str(folder / "ddp-bn" / "epoch=2.ckpt")
@@ -105,7 +106,8 @@ def test_full_checkpoints_hold_what_ddp_writes(averaged: Jobs, average: str) -> 
     """Every epoch's checkpoint and the one saved after ``fit``: the averaged weights under ``state_dict``, the
     module's own under ``current_model_state``, ``n_averaged`` under ``averaging_state``, the callback's state."""
     ddp, fsdp = averaged[f"ddp-{average}"]["checkpoints"], averaged[f"fsdp-{average}"]["checkpoints"]
-    assert sorted(fsdp) == sorted(n.replace("ddp", "fsdp") for n in ddp) and len(fsdp) == 4  # epochs 1, 3, 5 (validated), after fit
+    # Epochs 1, 3 and 5 (those that validate) and the one after fit.
+    assert sorted(fsdp) == sorted(n.replace("ddp", "fsdp") for n in ddp) and len(fsdp) == 4
     for name, theirs in ddp.items():
         ours = fsdp[name.replace("ddp", "fsdp")]
         for key in ("state_dict", "current_model_state"):

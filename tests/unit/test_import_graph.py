@@ -37,6 +37,7 @@ ENGINE = (
     "fsdp.grad_norm",
     "fsdp.hybrid",
     "fsdp.activation_checkpointing",
+    "fsdp.averaging",
     "fsdp.bookkeeping",
     "fsdp.bucketing",
     "fsdp.compile",

@@ -15,31 +15,32 @@ gathering): the checkpoint the callback then gets holds both states as this rank
 names, which it loads as it would under ``"ddp"``.
 
 The average stays the callback's while the module stays sharded (``validate`` or ``save_checkpoint`` after ``fit``
-swap and save through it, as under ``"ddp"``); :func:`release_sharded_averaging` ends it when the strategy gives the
+swap and save through it, as under ``"ddp"``); :func:`release` ends it when the strategy gives the
 module its full parameters back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.callbacks.weight_averaging import WeightAveraging
 from torch import nn
 
 from lightning_fairscale._compat import set_weight_averaging_model, weight_averaging_model
-from lightning_fairscale.fsdp.averaging import ShardAveragedModel
+from lightning_fairscale.fsdp.averaging import ShardAveragedModel, drop_full_params
 
-__all__ = ["release_sharded_averaging", "shard_weight_averaging"]
+__all__ = ["drop_stale_full_params", "release", "shard"]
 
 
-def shard_weight_averaging(
-    callbacks: Iterable[Callback], module: nn.Module, model_state: Callable[[], dict[str, Any]]
+def shard(
+    callbacks: Iterable[Callback], strategy: Any, model_state: Callable[[], dict[str, Any]]
 ) -> list[WeightAveraging]:
     """Give each ``WeightAveraging`` callback that made an average for this ``fit`` an average over this rank's
-    shards of ``module`` (sharded already); ``model_state`` is the strategy's state dict of it, as it saves it.
-    Returns the callbacks changed."""
+    shards of the strategy's LightningModule (sharded already); ``model_state`` is the strategy's state dict of it,
+    as it saves it. Returns the callbacks changed."""
+    module: nn.Module = strategy.lightning_module
     changed = []
     for callback in callbacks:
         if not isinstance(callback, WeightAveraging):
@@ -56,10 +57,20 @@ def shard_weight_averaging(
     return changed
 
 
-def release_sharded_averaging(callbacks: Iterable[WeightAveraging]) -> None:
+def release(callbacks: Iterable[WeightAveraging]) -> list[WeightAveraging]:
     """The module has its full parameters again: the averages over its shards have nothing left to pair with. The
     callbacks are left as after a stage other than ``fit`` (no average: validation and checkpoints then use the
-    module's weights, which ``fit`` ended with the averaged ones)."""
+    module's weights, which ``fit`` ended with the averaged ones). Returns no callbacks (none is changed now)."""
     for callback in callbacks:
         if isinstance(weight_averaging_model(callback), ShardAveragedModel):
             set_weight_averaging_model(callback, None)
+    return []
+
+
+def drop_stale_full_params(callbacks: list[WeightAveraging], root: Optional[nn.Module]) -> None:
+    """At the end of validation, after ``WeightAveraging`` swapped the module's own weights back into the shards: no
+    unit of ``root`` may keep the average it gathered for validation (see
+    :func:`~lightning_fairscale.fsdp.averaging.drop_full_params`). Training frees every unit's full parameters in
+    its backward, so validation starts gathering from the shards."""
+    if callbacks and root is not None:
+        drop_full_params(root)

@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.swa_utils import AveragedModel
 
+from lightning_fairscale.distributed.torch_private import ModuleIncompatibleKeys
 from lightning_fairscale.fsdp.state_names import clean_path
 from lightning_fairscale.fsdp.units import fsdp_instances
 
@@ -110,7 +110,7 @@ class ShardCopy(nn.Module):
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
+    ) -> ModuleIncompatibleKeys:
         """Copy the entries of ``state_dict`` (the unwrapped module's names, this rank's slices: :func:`shard_state`)
         into this copy. Without ``strict`` the entries it lacks keep their values and the others are ignored."""
         tensors = dict(zip(self.names, _values(self)))
@@ -130,7 +130,7 @@ class ShardCopy(nn.Module):
                             " (a full state dict does not load here: load it into the sharded model first)."
                         )
                     tensor.copy_(value)
-        return _IncompatibleKeys(missing, unexpected)
+        return ModuleIncompatibleKeys(missing, unexpected)
 
 
 class ShardAveragedModel(AveragedModel):
@@ -147,7 +147,7 @@ class ShardAveragedModel(AveragedModel):
         self,
         module: nn.Module,
         model_state: Callable[[], dict[str, Any]],
-        device: Optional[Union[torch.device, str, int]] = None,
+        device: Optional[Union[torch.device, int]] = None,
         avg_fn: Optional[Callable[[Tensor, Tensor, Union[Tensor, int]], Tensor]] = None,
         multi_avg_fn: Optional[Callable[..., None]] = None,
         use_buffers: bool = False,
@@ -177,7 +177,7 @@ class ShardAveragedModel(AveragedModel):
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
+    ) -> ModuleIncompatibleKeys:
         """Load ``n_averaged`` and the ``module.``-prefixed slices of :func:`shard_state`."""
         module = {k[len(MODULE_PREFIX):]: v for k, v in state_dict.items() if k.startswith(MODULE_PREFIX)}
         keys = self.module.load_state_dict(module, strict=strict)

@@ -35,13 +35,12 @@ from lightning_fairscale._compat import (
     take_trainer_compile,
 )
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
-from lightning_fairscale.callbacks.weight_averaging import release_sharded_averaging, shard_weight_averaging
+from lightning_fairscale.callbacks import weight_averaging
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.averaging import drop_full_params
 from lightning_fairscale.fsdp.compile import Compiler
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.hybrid import ProcessGroups
@@ -134,10 +133,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._groups = ProcessGroups()
         #: The sharded model (the engine's object), while the module is wrapped.
         self._sharded: Optional[fsdp_engine.WrappedModel] = None
-        #: Whether the stage failed: teardown then waits for no other rank's background writes.
-        self._failed = False
-        #: The ``WeightAveraging`` callbacks given an average over this rank's shards, while the module is sharded.
-        self._averaging: list[Any] = []
+        #: Whether the stage failed: teardown then waits for no other rank's background writes. The
+        #: ``WeightAveraging`` callbacks given an average over this rank's shards, while the module is sharded.
+        self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration (an option's property comes with `strategy_options`)
@@ -199,10 +197,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             # `WeightAveraging` copied the module before it was sharded: its average goes over the shards now.
-            assert self.lightning_module is not None
-            self._averaging += shard_weight_averaging(
-                trainer.callbacks, self.lightning_module, self.lightning_module_state_dict
-            )
+            self._averaging += weight_averaging.shard(trainer_callbacks(self), self, self.lightning_module_state_dict)
         self.barrier()
 
     def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool, compiler: Optional[Compiler]) -> None:
@@ -385,19 +380,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
 
     @override
-    def on_validation_start(self) -> None:
-        # `WeightAveraging` swaps the average into the shards next: the forward must gather them, not reuse what a
-        # unit still holds (see `drop_full_params`).
-        super().on_validation_start()
-        if self._averaging and self.model is not None:
-            drop_full_params(self.model)
-
-    @override
     def on_validation_end(self) -> None:
-        # ... and swapped the module's own weights back: the next training step gathers them.
         super().on_validation_end()
-        if self._averaging and self.model is not None:
-            drop_full_params(self.model)
+        weight_averaging.drop_stale_full_params(self._averaging, self.model)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -455,9 +440,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if self._sharded is None:
             return module
         self._sharded.unshard(keep=self.is_global_zero or not rank_zero_only)
-        self._sharded = None
-        release_sharded_averaging(self._averaging)
-        self._averaging = []
+        self._sharded, self._averaging = None, weight_averaging.release(self._averaging)
         self.model = module
         self.optimizers = []
         self.lr_scheduler_configs = []
