@@ -51,13 +51,23 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
     jobs["ddp-bn-resume"] = AveragingScenario(
         strategy="ddp", batch_norm=True, ckpt_path=str(folder / "ddp-bn" / "epoch=2.ckpt")
     )
+    # Fabric: the strategy's average of the shards, against AveragedModel under Fabric's "ddp"; AveragedModel(model)
+    # after set-up is refused with what to do.
+    for average in ("ema", "swa"):
+        for kind in ("ddp", "fsdp"):
+            fabric = AveragingScenario(strategy=kind, average=average, fabric="averaged_model")
+            jobs[f"fabric-{kind}-{average}"] = fabric
+    jobs["fabric-fsdp-copy"] = AveragingScenario(fabric="copy")
     return jobs
+
+
+FAILING = ["fabric-fsdp-copy"]
 
 
 @pytest.fixture(scope="module")
 def averaged(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     folder = tmp_path_factory.mktemp("averaging")
-    return run_jobs(folder, _jobs(folder), script=SCRIPT, timeout=600)
+    return run_jobs(folder, _jobs(folder), failing=FAILING, script=SCRIPT, timeout=600)
 
 
 def _same_state(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -148,3 +158,30 @@ def test_sharded_checkpoints_train_as_full_ones(averaged: Jobs) -> None:
     assert torch.equal(
         torch.tensor(averaged["fsdp-sharded"]["averaged_numel"]), torch.tensor(averaged["fsdp-ema"]["averaged_numel"])
     )
+
+
+@pytest.mark.parametrize("average", ["ema", "swa"])
+def test_fabric_average_of_the_shards_is_ddps(averaged: Jobs, average: str) -> None:
+    """Under Fabric, ``fabric.strategy.averaged_model(model, avg_fn=...)`` averages as ``AveragedModel`` does under
+    ``"ddp"``: the full state dict of the average, the model's own weights after swapping it in and out, the
+    average's output, and a full state dict loaded back into a fresh average of the shards."""
+    ddp, fsdp = averaged[f"fabric-ddp-{average}"], averaged[f"fabric-fsdp-{average}"]
+    assert fsdp["n_averaged"] == ddp["n_averaged"] == STEPS
+    assert _same_state(fsdp["averaged"], ddp["averaged"]) <= ATOL
+    assert _same_state(fsdp["current"], ddp["current"]) <= ATOL
+    assert _same_state(fsdp["averaged"], fsdp["current"]) > 1e-3
+    assert (fsdp["output"] - ddp["output"]).abs().max().item() <= ATOL
+    assert fsdp["round_trip"].keys() == {f"module.{k}" for k in fsdp["averaged"]} | {"n_averaged"}
+    assert _same_state(fsdp["round_trip"], {f"module.{k}": v for k, v in fsdp["averaged"].items()}
+                       | {"n_averaged": torch.tensor(STEPS)}) == 0
+    assert sum(fsdp["averaged_numel"]) == sum(v.numel() for v in ddp["averaged"].values() if v.is_floating_point())
+
+
+def test_fabric_deep_copy_of_a_sharded_model_says_what_to_do(averaged: Jobs) -> None:
+    """``AveragedModel(model)`` after ``fabric.setup`` deep-copies the sharded model: refused on every rank with the
+    replacement (before: ``RuntimeError: Only Tensors created explicitly by the user (graph leaves) support the
+    deepcopy protocol``, from inside torch)."""
+    for error in averaged.errors("fabric-fsdp-copy"):
+        assert error["type"] == "TypeError"
+        assert "cannot be deep-copied" in error["message"]
+        assert "fabric.strategy.averaged_model(model, avg_fn=...)" in error["message"]

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.optim.swa_utils import get_ema_avg_fn  # noqa: E402
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 import scenarios.jobs  # noqa: E402
@@ -31,6 +31,8 @@ from scenarios.config import Config  # noqa: E402
 from scenarios.flavor import (  # noqa: E402
     DDPFullyShardedStrategy,
     DDPShardedStrategy,
+    Fabric,
+    FabricDDPFullyShardedStrategy,
     ModelCheckpoint,
     Trainer,
     pl,
@@ -56,6 +58,9 @@ class AveragingScenario(Config):
     checkpoint_dir: Optional[str] = None  # a checkpoint after every epoch, kept
     ckpt_path: Optional[str] = None  # fit(ckpt_path=...)
     save_ckpt: Optional[str] = None  # trainer.save_checkpoint after fit
+    #: Fabric's loop instead of the Trainer: "averaged_model" (FSDP: the strategy's average of the shards; ddp:
+    #: AveragedModel made before set-up), or "copy": AveragedModel(model) after set-up
+    fabric: str = ""
 
 
 CONFIG = AveragingScenario
@@ -85,7 +90,60 @@ def averaging(config: AveragingScenario) -> Any:
     return pl.callbacks.WeightAveraging()
 
 
+def avg_fn(config: AveragingScenario) -> Any:
+    return get_ema_avg_fn(0.9) if config.average == "ema" else None
+
+
+def fabric_main(config: AveragingScenario, out: str) -> None:
+    """Fabric's loop: the same steps and data, the average updated after each one; rank 0 records the average's
+    full state dict, the model's own weights, the average's output on a batch, and a state dict round trip."""
+    strategy = FabricDDPFullyShardedStrategy(min_num_params=1000) if config.strategy == "fsdp" else config.strategy
+    fabric = Fabric(accelerator="cpu", devices=config.devices, strategy=strategy)
+    fabric.launch()
+    seed_everything(7)
+    net = common.build_network()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    average: Any = None
+    if config.strategy != "fsdp":
+        average = AveragedModel(net, avg_fn=avg_fn(config), use_buffers=True)
+    model, optimizer = fabric.setup(net, optimizer)
+    if config.fabric == "copy":
+        average = AveragedModel(model, avg_fn=avg_fn(config), use_buffers=True)  # fails under FSDP, with what to do
+    elif config.strategy == "fsdp":
+        average = fabric.strategy.averaged_model(model, avg_fn=avg_fn(config), use_buffers=True)
+    x, y = common.dataset(8).tensors
+    rank, world = fabric.global_rank, fabric.world_size
+    for _ in range(config.steps):
+        loss = nn.functional.mse_loss(model(x[rank::world]), y[rank::world])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        average.update_parameters(model)
+    result: dict[str, Any] = {"n_averaged": int(average.n_averaged)}
+    with torch.no_grad():
+        if config.strategy == "fsdp":
+            with average.swapped_in():
+                result["output"] = model(x)
+            state = average.state_dict()  # full, on rank 0
+            result["averaged"] = {k[len("module."):]: v for k, v in state.items() if k.startswith("module.")}
+            result["current"] = fabric.strategy.get_module_state_dict(model._forward_module)  # the root unit
+            # The full state dict loads back into a fresh average of the shards (every rank reads its slices).
+            again = fabric.strategy.averaged_model(model, avg_fn=avg_fn(config), use_buffers=True)
+            again.load_state_dict(fabric.broadcast(state))
+            result["round_trip"] = fabric.broadcast(again.state_dict())
+            result["averaged_numel"] = fabric.all_gather(torch.tensor(average.module.numel())).tolist()
+        else:
+            result["output"] = average(x)
+            result["averaged"] = average.module.state_dict()
+            result["current"] = net.state_dict()
+    if fabric.is_global_zero:
+        torch.save(result, out)
+
+
 def main(config: AveragingScenario, out: str) -> None:
+    if config.fabric:
+        fabric_main(config, out)
+        return
     seed_everything(7)
     model_class = BatchNormModel if config.batch_norm else common.RegressionModel
     model = model_class(optimizer="sgd", num_samples=8)

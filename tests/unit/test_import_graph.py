@@ -39,6 +39,7 @@ ENGINE = (
     "fsdp.activation_checkpointing",
     "fsdp.averaging",
     "fsdp.bookkeeping",
+    "fsdp.copying",
     "fsdp.bucketing",
     "fsdp.compile",
     "fsdp.backward_hooks",

@@ -17,8 +17,9 @@ takes the shard slices by the unwrapped module's names (:func:`shard_state` give
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -108,6 +109,17 @@ class ShardCopy(nn.Module):
         """The elements of this copy's parameters: this rank's share of the model's."""
         return sum(p.numel() for p in self.parameters())
 
+    def fits(self, state_dict: Mapping[str, Any]) -> bool:
+        """Whether ``state_dict``'s entries have the shapes of this copy's (this rank's slices, not full tensors)."""
+        tensors = dict(zip(self.names, _values(self)))
+        return all(name not in tensors or value.shape == tensors[name].shape for name, value in state_dict.items())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "The average of this rank's shards runs no forward of its own (it holds no layers, only the shards): run"
+            " the model with the average swapped in, `with averaged.swapped_in(): model(x)`."
+        )
+
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> ModuleIncompatibleKeys:
@@ -141,6 +153,10 @@ class ShardAveragedModel(AveragedModel):
         model_state: the module's state dict as its owner saves it (a collective call on every rank): what
             :meth:`state_dict` returns, with the average swapped in.
         device, avg_fn, multi_avg_fn, use_buffers: as for ``AveragedModel``.
+        root: the root unit of the sharded model (``module`` itself or around it): its units drop the full
+            parameters they hold when the average is swapped in or out (:func:`drop_full_params`).
+        load_full: loads a full state dict into ``module``'s shards: then :meth:`load_state_dict` also takes the
+            full state dict that ``model_state`` gives.
     """
 
     def __init__(
@@ -151,26 +167,38 @@ class ShardAveragedModel(AveragedModel):
         avg_fn: Optional[Callable[[Tensor, Tensor, Union[Tensor, int]], Tensor]] = None,
         multi_avg_fn: Optional[Callable[..., None]] = None,
         use_buffers: bool = False,
+        root: Optional[nn.Module] = None,
+        load_full: Optional[Callable[[dict[str, Any]], None]] = None,
     ) -> None:
         super().__init__(ShardCopy(module, device), device, avg_fn, multi_avg_fn, use_buffers)
-        self._live = [module]  # in a list: not a submodule of the average (no second copy in `state_dict`)
-        self._model_state = model_state
+        # In lists: not submodules of the average (no second copy in `state_dict`, no `.to()` of the model).
+        self._live, self._root = [module], [root if root is not None else module]
+        self._model_state, self._load_full = model_state, load_full
 
     @property
     def live(self) -> nn.Module:
         """The sharded module whose shards this averages."""
         return self._live[0]
 
+    @contextlib.contextmanager
+    def swapped_in(self) -> Generator[None, None, None]:
+        """Inside, the model holds the average (to evaluate or save it) and this copy the model's own weights;
+        swapped back at the end."""
+        drop_full_params(self._root[0])
+        swap_values(self.live, self.module)
+        try:
+            yield
+        finally:
+            drop_full_params(self._root[0])
+            swap_values(self.live, self.module)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The averaged model's state dict, in the format and on the ranks ``model_state`` gives the live one's, its
         entries prefixed with ``module.``, and ``n_averaged``: what ``AveragedModel.state_dict()`` holds under
         unsharded training. A collective call (the average is swapped into the model while it is taken)."""
-        swap_values(self.live, self.module)
-        try:
+        with self.swapped_in():
             # Copies: a local state dict holds the shards themselves, which the swap back changes.
             state = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in self._model_state().items()}
-        finally:
-            swap_values(self.live, self.module)
         averaged = {MODULE_PREFIX + name: value for name, value in state.items()}
         averaged["n_averaged"] = self.n_averaged.detach().clone()
         return averaged
@@ -178,9 +206,16 @@ class ShardAveragedModel(AveragedModel):
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> ModuleIncompatibleKeys:
-        """Load ``n_averaged`` and the ``module.``-prefixed slices of :func:`shard_state`."""
+        """Load ``n_averaged`` and the ``module.``-prefixed slices of :func:`shard_state`; with ``load_full``, also
+        the full state dict :meth:`state_dict` gives (loaded into the model's shards while the average is swapped
+        in, so only this rank's slices are read)."""
         module = {k[len(MODULE_PREFIX):]: v for k, v in state_dict.items() if k.startswith(MODULE_PREFIX)}
-        keys = self.module.load_state_dict(module, strict=strict)
+        if self._load_full is not None and not self.module.fits(module):
+            with self.swapped_in():
+                self._load_full(module)
+            keys = ModuleIncompatibleKeys([], [])
+        else:
+            keys = self.module.load_state_dict(module, strict=strict)
         if "n_averaged" in state_dict:
             self.n_averaged.copy_(state_dict["n_averaged"])
         elif strict:

@@ -164,6 +164,7 @@ from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
 from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
+from lightning_fairscale.fsdp.copying import NotCopyable
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import replicate_gradient
@@ -204,7 +205,7 @@ def _unit_device(arguments: dict[str, Any]) -> torch.device:
     return torch.device(device)
 
 
-class FullyShardedDataParallel(_FairScaleFSDP):
+class FullyShardedDataParallel(NotCopyable, _FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
     On CUDA it differs from FairScale's class by the workarounds of this module's list marked "all devices". On CPU
