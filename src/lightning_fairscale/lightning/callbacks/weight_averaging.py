@@ -51,7 +51,7 @@ def shard(
             continue
         sharded = ShardAveragedModel(
             module, model_state, device=full.n_averaged.device, avg_fn=full.avg_fn, multi_avg_fn=full.multi_avg_fn,
-            use_buffers=full.use_buffers,
+            use_buffers=full.use_buffers, root=strategy.model,
         )  # fmt: skip
         set_weight_averaging_model(callback, sharded)
         changed.append(callback)
