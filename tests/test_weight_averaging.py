@@ -127,6 +127,17 @@ def test_full_checkpoints_hold_what_ddp_writes(averaged: Jobs, average: str) -> 
         assert state == [v for k, v in theirs["callbacks"].items() if k.startswith("WeightAveraging")][0]
 
 
+def test_sharded_checkpoints_hold_what_ddp_writes(averaged: Jobs) -> None:
+    """The sharded checkpoint directories, consolidated (``lightning-fairscale-consolidate``), hold what ``"ddp"``'s
+    files hold: the average, the module's own weights (saved in the shards beside it) and ``n_averaged``."""
+    ddp, fsdp = averaged["ddp-ema"]["checkpoints"], averaged["fsdp-sharded"]["checkpoints"]
+    assert sorted(fsdp) == ["epoch=1.ckpt", "epoch=3.ckpt", "epoch=5.ckpt"]
+    for name, ours in fsdp.items():
+        for key in ("state_dict", "current_model_state"):
+            assert _same_state(ours[key], ddp[name][key]) <= ATOL, (name, key)
+        assert ours["averaging_state"] == ddp[name]["averaging_state"], name
+
+
 def test_batch_norm_buffers_are_averaged(averaged: Jobs) -> None:
     """With buffers (``use_buffers=True``, the callback's default) the running statistics are averaged too."""
     ddp, fsdp = averaged["ddp-bn"], averaged["fsdp-bn"]

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
+from lightning_fairscale.fsdp.sharded_checkpoint import consolidate  # noqa: E402
 import scenarios.jobs  # noqa: E402
 from scenarios import common  # noqa: E402
 from scenarios.config import Config  # noqa: E402
@@ -181,8 +182,10 @@ def main(config: AveragingScenario, out: str) -> None:
         checkpoints = sorted(Path(config.checkpoint_dir).glob("*.ckpt")) if config.checkpoint_dir else []
         if config.save_ckpt:
             checkpoints.append(Path(config.save_ckpt))
+        # A sharded checkpoint directory as the full checkpoint it is equivalent to (lightning-fairscale-consolidate).
         result["checkpoints"] = {
-            path.name: torch.load(path, weights_only=False) for path in checkpoints if path.is_file()
+            path.name: torch.load(path, weights_only=False) if path.is_file() else consolidate(path)
+            for path in checkpoints
         }
         torch.save(result, out)
 

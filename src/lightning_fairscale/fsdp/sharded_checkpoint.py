@@ -210,12 +210,16 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
         say(f"reading shard {rank + 1}/{world_size}")
         shards.append(load_shard(Path(path), rank, world_size, weights_only=False))
     say("consolidating parameters")
-    state_dict = _FairScaleFSDP.consolidate_shard_weights(
-        [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards],
-        [_saved_buffers_only(s["shard_metadata"], s["state_dict"]) for s in shards],
-    )
     aliases = [*info.get("aliases", []), *fairscale_ties(shards[0]["shard_metadata"])]
-    state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, aliases)
+
+    def model_state(key: str) -> dict[str, Any]:
+        state = _FairScaleFSDP.consolidate_shard_weights(
+            [_flat_shards(s[key], s["shard_metadata"]) for s in shards],
+            [_saved_buffers_only(s["shard_metadata"], s[key]) for s in shards],
+        )
+        return apply_aliases({k: v.clone() for k, v in state.items()}, aliases)
+
+    state_dict = model_state("state_dict")
     say(f"consolidated {len(state_dict)} parameters and buffers")
     optimizer_states = []
     count = len(shards[0].get("optimizer_states", []))
@@ -232,6 +236,8 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
     if fabric is not None:  # Fabric's layout: the states under the keys of the state saved
         return {fabric["model"]: state_dict, **dict(zip(fabric["optimizers"], optimizer_states)), **meta}
     checkpoint = {**meta, "state_dict": state_dict}
+    for key in info.get("model_states", [])[1:]:  # WeightAveraging's: the model's own weights beside the average
+        checkpoint[key] = model_state(key)
     if "optimizer_states" in shards[0]:
         checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
