@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Generator, Iterator, Mapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -210,7 +210,7 @@ class ShardAveragedModel(AveragedModel):
         the full state dict :meth:`state_dict` gives (loaded into the model's shards while the average is swapped
         in, so only this rank's slices are read)."""
         module = {k[len(MODULE_PREFIX):]: v for k, v in state_dict.items() if k.startswith(MODULE_PREFIX)}
-        if self._load_full is not None and not self.module.fits(module):
+        if self._load_full is not None and not cast(ShardCopy, self.module).fits(module):
             with self.swapped_in():
                 self._load_full(module)
             keys = ModuleIncompatibleKeys([], [])
