@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from scenarios.averaging import AveragingScenario
-from scenarios.common import max_difference
+from scenarios.common import BF16_ATOL, max_difference
 
 from conftest import TESTS, Jobs, run_jobs
 
@@ -35,6 +35,9 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
                                                      save_ckpt=str(folder / f"{kind}-{average}-after-fit.ckpt"))
     # Validation alone (no checkpoint gathers the weights in between): the average swapped in and out of the shards.
     jobs["fsdp-ema-validate"] = AveragingScenario(val_every=2)
+    # Mixed precision: the average is of the fp32 shards (FSDP's master weights).
+    jobs["ddp-bf16"] = AveragingScenario(strategy="ddp", precision="bf16-mixed", val_every=2)
+    jobs["fsdp-bf16"] = AveragingScenario(precision="bf16-mixed", val_every=2)
     jobs["ddp-bn"] = AveragingScenario(strategy="ddp", batch_norm=True, checkpoint_dir=str(folder / "ddp-bn"))
     jobs["fsdp-bn"] = AveragingScenario(strategy="fsdp", batch_norm=True, checkpoint_dir=str(folder / "fsdp-bn"))
     # Sharded checkpoints, and resuming from either kind after epoch 4 (step 4; BatchNorm: 3).
@@ -47,6 +50,11 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
     jobs["ddp-resume"] = AveragingScenario(
         strategy="ddp", val_every=2, ckpt_path=str(folder / "ddp-ema" / "epoch=3.ckpt")
     )
+    # The full checkpoints are the same, so either strategy resumes the other's.
+    jobs["ddp-resume-from-fsdp"] = AveragingScenario(
+        strategy="ddp", val_every=2, ckpt_path=str(folder / "fsdp-ema" / "epoch=3.ckpt")
+    )
+    jobs["fsdp-resume-from-ddp"] = AveragingScenario(val_every=2, ckpt_path=str(folder / "ddp-ema" / "epoch=3.ckpt"))
     jobs["fsdp-bn-resume"] = AveragingScenario(batch_norm=True, ckpt_path=str(folder / "fsdp-bn" / "epoch=2.ckpt"))
     jobs["ddp-bn-resume"] = AveragingScenario(
         strategy="ddp", batch_norm=True, ckpt_path=str(folder / "ddp-bn" / "epoch=2.ckpt")
@@ -138,6 +146,15 @@ def test_sharded_checkpoints_hold_what_ddp_writes(averaged: Jobs) -> None:
         assert ours["averaging_state"] == ddp[name]["averaging_state"], name
 
 
+def test_mixed_precision_averages_the_fp32_weights(averaged: Jobs) -> None:
+    """Under ``bf16-mixed`` the average is float32, within bf16 training's own spread of ``"ddp"``'s (sharded and
+    unsharded bf16 training differ by rounding alone: ``BF16_ATOL``)."""
+    ddp, fsdp = averaged["ddp-bf16"], averaged["fsdp-bf16"]
+    assert {v.dtype for v in fsdp["state_dict"].values()} == {torch.float32}
+    assert fsdp["n_averaged"] == ddp["n_averaged"] == STEPS
+    assert _same_state(fsdp["state_dict"], ddp["state_dict"]) <= BF16_ATOL
+
+
 def test_batch_norm_buffers_are_averaged(averaged: Jobs) -> None:
     """With buffers (``use_buffers=True``, the callback's default) the running statistics are averaged too."""
     ddp, fsdp = averaged["ddp-bn"], averaged["fsdp-bn"]
@@ -151,7 +168,8 @@ def test_batch_norm_buffers_are_averaged(averaged: Jobs) -> None:
 
 @pytest.mark.parametrize("resumed, straight", [
     ("fsdp-resume-full", "fsdp-ema"), ("fsdp-resume-sharded", "fsdp-sharded"), ("ddp-resume", "ddp-ema"),
-    ("fsdp-bn-resume", "fsdp-bn"), ("ddp-bn-resume", "ddp-bn"),
+    ("fsdp-bn-resume", "fsdp-bn"), ("ddp-bn-resume", "ddp-bn"), ("ddp-resume-from-fsdp", "ddp-ema"),
+    ("fsdp-resume-from-ddp", "fsdp-ema"),
 ])  # fmt: skip
 def test_resume_is_exact(averaged: Jobs, resumed: str, straight: str) -> None:
     """Resuming after step 3 ends where the uninterrupted run ended: the averaged weights, the module's own (the

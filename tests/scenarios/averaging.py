@@ -48,8 +48,10 @@ class AveragingScenario(Config):
 
     SCRIPT: ClassVar[str] = "averaging"
 
-    strategy: str = "fsdp"  # fsdp, ddp_sharded, ddp
+    strategy: str = "fsdp"  # fsdp, ddp_sharded, ddp, auto (one device, no strategy)
+    accelerator: str = "cpu"
     devices: int = 2
+    precision: str = "32-true"
     #: ema: get_ema_avg_fn(0.9); swa: WeightAveraging's default (the equal-weight average); none: no averaging
     average: str = "ema"
     batch_norm: bool = False  # the network ends with a BatchNorm1d: buffers averaged too (use_buffers)
@@ -155,7 +157,8 @@ def main(config: AveragingScenario, out: str) -> None:
             ModelCheckpoint(dirpath=config.checkpoint_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
         )
     trainer = Trainer(
-        accelerator="cpu", devices=config.devices, strategy=strategy(config), max_epochs=config.steps,
+        accelerator=config.accelerator, devices=config.devices, strategy=strategy(config), max_epochs=config.steps,
+        precision=config.precision,
         callbacks=callbacks, logger=False, enable_checkpointing=bool(config.checkpoint_dir),
         enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=1 if config.val_every else 0, check_val_every_n_epoch=config.val_every or 1,
@@ -164,8 +167,9 @@ def main(config: AveragingScenario, out: str) -> None:
     trainer.fit(model, ckpt_path=config.ckpt_path)
     average = getattr(callback, "_average_model", None)
     averaged_numel = sum(p.numel() for p in average.module.parameters()) if average is not None else 0
-    numels: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(numels, averaged_numel)
+    numels: list[Any] = [averaged_numel] * trainer.world_size
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(numels, averaged_numel)
     result: dict[str, Any] = {
         "n_averaged": int(average.n_averaged) if average is not None else 0,
         "latest_update_step": getattr(callback, "_latest_update_step", None),
