@@ -94,7 +94,7 @@ def test_final_weights_are_the_average_as_under_ddp(averaged: Jobs, kind: str, a
 
 def test_validation_swaps_the_average_in_and_out(averaged: Jobs) -> None:
     """Validating every 2 steps without checkpoints: the steps after a validation train the module's own weights
-    (before the fix, the root unit kept the average it gathered for validation: 0.009 off)."""
+    (workaround 22; before it, the root unit kept the average it gathered for validation: 0.009 off)."""
     assert _same_state(averaged["fsdp-ema-validate"]["state_dict"], averaged["ddp-ema"]["state_dict"]) <= ATOL
 
 

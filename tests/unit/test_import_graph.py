@@ -40,6 +40,7 @@ ENGINE = (
     "fsdp.averaging",
     "fsdp.bookkeeping",
     "fsdp.copying",
+    "fsdp.gathered",
     "fsdp.bucketing",
     "fsdp.compile",
     "fsdp.backward_hooks",

@@ -28,9 +28,9 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_fairscale.distributed.torch_private import ModuleIncompatibleKeys
 from lightning_fairscale.fsdp.state_names import clean_path
-from lightning_fairscale.fsdp.units import fsdp_instances
+from lightning_fairscale.fsdp.gathered import drop_full_params
 
-__all__ = ["ShardAveragedModel", "ShardCopy", "drop_full_params", "shard_state", "swap_values"]
+__all__ = ["ShardAveragedModel", "ShardCopy", "shard_state", "swap_values"]
 
 #: ``AveragedModel``'s prefix of its module's entries in its state dict.
 MODULE_PREFIX = "module."
@@ -60,21 +60,6 @@ def shard_state(module: nn.Module, persistent_only: bool = False) -> dict[str, T
                 continue
             state[clean_path(f"{path}.{name}" if path else name)] = buffer.detach().clone()
     return state
-
-
-def drop_full_params(root: nn.Module) -> None:
-    """Free the full parameters that a unit still holds outside a training pass, so that its next forward gathers
-    them from the shards again.
-
-    An evaluation forward leaves the root unit (FairScale does not reshard it after its forward) holding its full
-    parameters until a backward frees them, and the next forward uses them as they are. Weight averaging writes the
-    average into the shards before validation and the module's own weights back after it: without this, validation
-    would read the module's weights and the next training step the average (0.009 off ``"ddp"`` after 6 steps).
-    """
-    for unit in fsdp_instances(root):
-        if unit.has_full_params:
-            unit._free_full_params()
-            unit._use_fp32_param_shard()
 
 
 def swap_values(a: nn.Module, b: nn.Module) -> None:
@@ -154,7 +139,8 @@ class ShardAveragedModel(AveragedModel):
             :meth:`state_dict` returns, with the average swapped in.
         device, avg_fn, multi_avg_fn, use_buffers: as for ``AveragedModel``.
         root: the root unit of the sharded model (``module`` itself or around it): its units drop the full
-            parameters they hold when the average is swapped in or out (:func:`drop_full_params`).
+            parameters they hold when the average is swapped in or out (workaround 22,
+            :func:`~lightning_fairscale.fsdp.gathered.drop_full_params`).
         load_full: loads a full state dict into ``module``'s shards: then :meth:`load_state_dict` also takes the
             full state dict that ``model_state`` gives.
     """

@@ -142,6 +142,9 @@ The workarounds, and why each is needed:
     first backward), and freed the half parameter after a ``no_sync`` backward that the root then computed with
     (:mod:`~lightning_fairscale.fsdp.one_rank`: ``Trainer(devices=1, precision="bf16-mixed")`` failed; found on a
     GPU, the same on CPU).
+22. **A root gathered by an evaluation forward (all devices).** FairScale does not reshard the root after its forward:
+    after one with no backward (validation) it kept its full parameters, and the next forward used them, missing any
+    write into the shards in between (weight averaging's swap back): :mod:`~lightning_fairscale.fsdp.gathered`.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -162,20 +165,15 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
+from lightning_fairscale.fsdp import bookkeeping, copying, one_rank, prefetch, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
-from lightning_fairscale.fsdp.copying import NotCopyable
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import replicate_gradient
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
 from lightning_fairscale.mixed_precision.settings import true_half_dtype
 
-__all__ = [
-    "FullyShardedDataParallel",
-    "fsdp_instances",
-    "named_fsdp_instances",
-]
+__all__ = ["FullyShardedDataParallel", "fsdp_instances", "named_fsdp_instances"]
 
 
 def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -205,7 +203,7 @@ def _unit_device(arguments: dict[str, Any]) -> torch.device:
     return torch.device(device)
 
 
-class FullyShardedDataParallel(NotCopyable, _FairScaleFSDP):
+class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
     On CUDA it differs from FairScale's class by the workarounds of this module's list marked "all devices". On CPU

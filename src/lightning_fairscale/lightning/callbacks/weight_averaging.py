@@ -30,7 +30,8 @@ from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
 from torch import nn
 
 from lightning_fairscale.lightning._compat import set_weight_averaging_model, weight_averaging_model
-from lightning_fairscale.fsdp.averaging import ShardAveragedModel, drop_full_params
+from lightning_fairscale.fsdp.averaging import ShardAveragedModel
+from lightning_fairscale.fsdp.gathered import drop_full_params
 
 __all__ = ["drop_stale_full_params", "release", "shard"]
 
@@ -70,8 +71,8 @@ def release(callbacks: Iterable[WeightAveraging]) -> list[WeightAveraging]:
 
 def drop_stale_full_params(callbacks: list[WeightAveraging], root: Optional[nn.Module]) -> None:
     """At the end of validation, after ``WeightAveraging`` swapped the module's own weights back into the shards: no
-    unit of ``root`` may keep the average it gathered for validation (see
-    :func:`~lightning_fairscale.fsdp.averaging.drop_full_params`). Training frees every unit's full parameters in
-    its backward, so validation starts gathering from the shards."""
+    unit of ``root`` may keep the average it gathered for validation (workaround 22, see
+    :func:`~lightning_fairscale.fsdp.gathered.drop_full_params`). Training frees every unit's full parameters in its
+    backward, so validation starts gathering from the shards."""
     if callbacks and root is not None:
         drop_full_params(root)
