@@ -66,10 +66,11 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
             fabric = AveragingScenario(strategy=kind, average=average, fabric="averaged_model")
             jobs[f"fabric-{kind}-{average}"] = fabric
     jobs["fabric-fsdp-copy"] = AveragingScenario(fabric="copy")
+    jobs["fsdp-fit-again"] = AveragingScenario(steps=2, fit_again=True)
     return jobs
 
 
-FAILING = ["fabric-fsdp-copy"]
+FAILING = ["fabric-fsdp-copy", "fsdp-fit-again"]
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +215,13 @@ def test_fabric_deep_copy_of_a_sharded_model_says_what_to_do(averaged: Jobs) -> 
         assert error["type"] == "TypeError"
         assert "cannot be deep-copied" in error["message"]
         assert "fabric.strategy.averaged_model(model, avg_fn=...)" in error["message"]
+
+
+def test_a_second_fit_of_a_sharded_module_says_what_to_do(averaged: Jobs) -> None:
+    """A new ``WeightAveraging`` in a second ``fit`` of a module sharded by the first copies the sharded module in
+    its ``setup``: refused on every rank before any step, naming the callback's first ``fit`` as the way."""
+    for error in averaged.errors("fsdp-fit-again"):
+        assert error["type"] == "TypeError", error["traceback"]
+        assert "cannot be deep-copied" in error["message"]
+        assert "`WeightAveraging` callback in the first `fit`" in error["message"]
+        assert "weight_averaging.py" in error["traceback"]  # from the callback's setup

@@ -61,6 +61,7 @@ class AveragingScenario(Config):
     checkpoint_dir: Optional[str] = None  # a checkpoint after every epoch, kept
     ckpt_path: Optional[str] = None  # fit(ckpt_path=...)
     save_ckpt: Optional[str] = None  # trainer.save_checkpoint after fit
+    fit_again: bool = False  # a second fit of the (still sharded) module, with a new callback: refused
     #: Fabric's loop instead of the Trainer: "averaged_model" (FSDP: the strategy's average of the shards; ddp:
     #: AveragedModel made before set-up), or "copy": AveragedModel(model) after set-up
     fabric: str = ""
@@ -165,6 +166,13 @@ def main(config: AveragingScenario, out: str) -> None:
         num_sanity_val_steps=0, use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(model, ckpt_path=config.ckpt_path)
+    if config.fit_again:
+        again = Trainer(
+            accelerator=config.accelerator, devices=config.devices, strategy=strategy(config), max_epochs=1,
+            callbacks=[averaging(config)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
+        )  # fmt: skip
+        again.fit(model)
     average = getattr(callback, "_average_model", None)
     averaged_numel = sum(p.numel() for p in average.module.parameters()) if average is not None else 0
     numels: list[Any] = [averaged_numel] * trainer.world_size
