@@ -35,6 +35,7 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
                                                      save_ckpt=str(folder / f"{kind}-{average}-after-fit.ckpt"))
     # Validation alone (no checkpoint gathers the weights in between): the average swapped in and out of the shards.
     jobs["fsdp-ema-validate"] = AveragingScenario(val_every=2)
+    jobs["ddp_sharded-ema-validate"] = AveragingScenario(strategy="ddp_sharded", val_every=2)
     # Mixed precision: the average is of the fp32 shards (FSDP's master weights).
     jobs["ddp-bf16"] = AveragingScenario(strategy="ddp", precision="bf16-mixed", val_every=2)
     jobs["fsdp-bf16"] = AveragingScenario(precision="bf16-mixed", val_every=2)
@@ -65,6 +66,7 @@ def _jobs(folder: Path) -> dict[str, AveragingScenario]:
         for kind in ("ddp", "fsdp"):
             fabric = AveragingScenario(strategy=kind, average=average, fabric="averaged_model")
             jobs[f"fabric-{kind}-{average}"] = fabric
+    jobs["fabric-ddp_sharded-ema"] = AveragingScenario(strategy="ddp_sharded", fabric="averaged_model")
     jobs["fabric-fsdp-copy"] = AveragingScenario(fabric="copy")
     jobs["fsdp-fit-again"] = AveragingScenario(steps=2, fit_again=True)
     return jobs
@@ -97,6 +99,18 @@ def test_validation_swaps_the_average_in_and_out(averaged: Jobs) -> None:
     """Validating every 2 steps without checkpoints: the steps after a validation train the module's own weights
     (workaround 22; before it, the root unit kept the average it gathered for validation: 0.009 off)."""
     assert _same_state(averaged["fsdp-ema-validate"]["state_dict"], averaged["ddp-ema"]["state_dict"]) <= ATOL
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 47 item 1: ShardedDDP misses the eval/train switch around validation (0.029 off here); remove this"
+    " mark with that fix",
+)
+def test_sharded_ddp_with_validation_averages_as_ddp(averaged: Jobs) -> None:
+    """``"ddp_sharded"`` validating every 2 steps while averaging: the same as ``"ddp"`` once validation's eval/train
+    switch trains exactly (nothing of the averaging is specific to it: the parameters are whole)."""
+    ours = averaged["ddp_sharded-ema-validate"]
+    assert _same_state(ours["state_dict"], averaged["ddp-ema"]["state_dict"]) <= ATOL
 
 
 def test_the_average_is_not_the_last_weights(averaged: Jobs) -> None:
@@ -205,6 +219,15 @@ def test_fabric_average_of_the_shards_is_ddps(averaged: Jobs, average: str) -> N
     assert _same_state(fsdp["round_trip"], {f"module.{k}": v for k, v in fsdp["averaged"].items()}
                        | {"n_averaged": torch.tensor(STEPS)}) == 0
     assert sum(fsdp["averaged_numel"]) == sum(v.numel() for v in ddp["averaged"].values() if v.is_floating_point())
+
+
+def test_fabric_sharded_ddp_averages_a_copy_made_before_set_up(averaged: Jobs) -> None:
+    """Under Fabric's ``"ddp_sharded"`` the parameters stay whole and the same objects: ``AveragedModel(net)`` made
+    before ``fabric.setup`` averages as under ``"ddp"``."""
+    ddp, ours = averaged["fabric-ddp-ema"], averaged["fabric-ddp_sharded-ema"]
+    assert ours["n_averaged"] == STEPS
+    assert _same_state(ours["averaged"], ddp["averaged"]) <= ATOL
+    assert _same_state(ours["current"], ddp["current"]) <= ATOL
 
 
 def test_fabric_deep_copy_of_a_sharded_model_says_what_to_do(averaged: Jobs) -> None:
