@@ -131,10 +131,14 @@ def fabric_main(config: AveragingScenario, out: str) -> None:
             state = average.state_dict()  # full, on rank 0
             result["averaged"] = {k[len("module."):]: v for k, v in state.items() if k.startswith("module.")}
             result["current"] = fabric.strategy.get_module_state_dict(model._forward_module)  # the root unit
-            # The full state dict loads back into a fresh average of the shards (every rank reads its slices).
+            # Saved beside the model as the guide shows, then loaded back into a fresh average of the shards (every
+            # rank reads its slices of the full state dict).
+            path = Path(out).with_suffix(".fabric.ckpt")
+            fabric.save(path, {"model": model, "ema": state})
             again = fabric.strategy.averaged_model(model, avg_fn=avg_fn(config), use_buffers=True)
-            again.load_state_dict(fabric.broadcast(state))
-            result["round_trip"] = fabric.broadcast(again.state_dict())
+            remainder = fabric.load(path, {"model": model}, weights_only=False)
+            again.load_state_dict(remainder["ema"])
+            result["round_trip"] = again.state_dict()
             result["averaged_numel"] = fabric.all_gather(torch.tensor(average.module.numel())).tolist()
         else:
             result["output"] = average(x)
