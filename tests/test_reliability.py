@@ -178,7 +178,7 @@ MISCONFIGURATIONS = [
     (Scenario(compute_dtype="float16"), "needs mixed precision"),
     (Scenario(move_grads_to_cpu=False, cpu_offload=True), "leave `move_grads_to_cpu` unset"),
     (Scenario(ckpt_path="missing.ckpt"), "not found"),
-    # Under FSDP, SWA would average nothing, silently; it is refused before any process group exists.
+    # Under FSDP, SWA would deep-copy the sharded module (WeightAveraging is the way); refused before any process group.
     (Scenario(callback="swa"), "`StochasticWeightAveraging` does not work with `DDPFullyShardedStrategy`"),
     (Scenario(callback="pruning", devices=1), "`ModelPruning` does not work with `DDPFullyShardedStrategy`"),
 ]

@@ -39,6 +39,8 @@ __all__ = [
     "plain_optimizer",
     "precision_plugin_property",
     "set_checkpoint_io_slot",
+    "set_weight_averaging_model",
+    "weight_averaging_model",
     "fabric_precision_property",
     "use_multiprocessing_launcher",
     "_PATH",
@@ -54,7 +56,7 @@ __all__ = [
 #: The private attributes of Lightning objects that the package uses (all through this module).
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
-    "_launcher", "_start_method", "_optimizer", "_compiler_ctx",
+    "_launcher", "_start_method", "_optimizer", "_compiler_ctx", "_average_model",
 )  # fmt: skip
 
 
@@ -124,6 +126,16 @@ def attached_trainer(module: Any) -> Optional[Any]:
     """``LightningModule._trainer``: the Trainer the module is attached to, ``None`` when none (the public
     ``module.trainer`` raises then)."""
     return module._trainer
+
+
+def weight_averaging_model(callback: Any) -> Optional[Any]:
+    """``WeightAveraging._average_model``: the ``AveragedModel`` the callback made in its ``setup`` for ``fit``
+    (``None`` before, and outside ``fit``)."""
+    return callback._average_model
+
+
+def set_weight_averaging_model(callback: Any, model: Optional[Any]) -> None:
+    callback._average_model = model
 
 
 def take_trainer_compile(module: Any) -> Optional[Callable[..., Any]]:

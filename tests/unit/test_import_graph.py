@@ -37,7 +37,10 @@ ENGINE = (
     "fsdp.grad_norm",
     "fsdp.hybrid",
     "fsdp.activation_checkpointing",
+    "fsdp.averaging",
     "fsdp.bookkeeping",
+    "fsdp.copying",
+    "fsdp.gathered",
     "fsdp.bucketing",
     "fsdp.compile",
     "fsdp.backward_hooks",
@@ -179,7 +182,8 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
 #: Lightning's private attributes (see ``_compat.PRIVATE_ATTRIBUTES``), read here from the source so that this test
 #: needs no Lightning import.
 PRIVATE_ATTRIBUTES = {"_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision",
-                      "_trainer", "_launcher", "_start_method", "_optimizer", "_compiler_ctx"}  # fmt: skip
+                      "_trainer", "_launcher", "_start_method", "_optimizer", "_compiler_ctx",
+                      "_average_model"}  # fmt: skip
 
 
 def test_the_private_attribute_list_is_compats() -> None:

@@ -17,12 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.wrap import _Policy
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.lr_scheduler import _LRScheduler
 
-__all__ = ["TorchPolicy", "TorchLRScheduler", "default_store", "in_backward"]
+__all__ = ["ModuleIncompatibleKeys", "TorchPolicy", "TorchLRScheduler", "default_store", "in_backward"]
 
 #: The base class of torch's FSDP auto-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``...).
 TorchPolicy = _Policy
+#: What ``nn.Module.load_state_dict`` returns (missing and unexpected keys).
+ModuleIncompatibleKeys = _IncompatibleKeys
 #: The base class of torch's LR schedulers (what Fabric's strategies are given with the model and optimizers).
 TorchLRScheduler = _LRScheduler
 

@@ -63,6 +63,7 @@ from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
 from lightning_fairscale.fsdp.saving import Ranks
 from lightning_fairscale.fsdp.summary import memory_figures
+from lightning_fairscale.fsdp.averaging import ShardAveragedModel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -259,6 +260,19 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             " `model.parameters()`, before `fabric.setup(model, optimizer)` (or over the parameters of the model that"
             " `fabric.setup_module` returned), and keep every trained module inside that model."
         )
+
+    def averaged_model(self, module: Module, **kwargs: Any) -> ShardAveragedModel:
+        """``torch.optim.swa_utils.AveragedModel(module, **kwargs)`` (EMA with ``avg_fn=get_ema_avg_fn(...)``, SWA by
+        default) over this rank's shards of a set-up model: ``update_parameters(module)`` after a step, ``with
+        averaged.swapped_in(): ...`` to evaluate or save the average; ``state_dict()`` is its full state dict (rank 0;
+        a collective call), which ``load_state_dict`` takes back (see :mod:`lightning_fairscale.fsdp.averaging`)."""
+        root = next((m for m in module.modules() if m in self._set_up.models), None)
+        if root is None:
+            raise ValueError("Pass the model that `fabric.setup` returned: this one is not set up with this strategy.")
+        return ShardAveragedModel(
+            root, functools.partial(self.get_module_state_dict, root), root=root,
+            load_full=functools.partial(self.load_module_state_dict, root), **kwargs,
+        )  # fmt: skip
 
     def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
         """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""

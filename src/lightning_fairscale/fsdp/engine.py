@@ -252,12 +252,12 @@ class WrappedModel:
     def load_trainer_checkpoint(
         self, ranks: Ranks, storage: ShardedStorage, path: Any, read_file: Callable[[], dict[str, Any]],
         optimizers: Sequence[Optimizer], weights_only: Optional[bool], strict: bool, policy: OptimizerStatePolicy,
-        owner: str, version: str,
+        owner: str, version: str, averaging: bool = False,
     ) -> dict[str, Any]:
         """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
-        :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`)."""
+        :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`, also for ``averaging``)."""
         return saving.load_trainer_checkpoint(
-            self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version
+            self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version, averaging
         )
 
     # ------------------------------------------------------------------------------------------------------------

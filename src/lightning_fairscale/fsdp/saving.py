@@ -36,7 +36,9 @@ from lightning_fairscale.distributed.collectives import all_agree, all_gather_ob
 from lightning_fairscale.fsdp.optim import managed_params
 from lightning_fairscale.fsdp.optim_state import load_view_states, managed_positions
 from lightning_fairscale.fsdp.resharding import SavedShards, load_full_state_dict
+from lightning_fairscale.fsdp.averaging import shard_state
 from lightning_fairscale.fsdp.sharded_checkpoint import (
+    CURRENT_MODEL_STATE,
     FABRIC_RECORD,
     FORMAT_KEY,
     check_fits,
@@ -275,7 +277,7 @@ def load_full(
 def load_sharded(
     ranks: Ranks, storage: ShardedStorage, path: Any, model: WrappedModel,
     optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
-    weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
+    weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC, key: str = "state_dict",
 ) -> tuple[dict[str, Any], IncompatibleKeys]:
     """Load a sharded checkpoint saved by any number of processes into this rank's shards; returns its meta dict
     and the keys the checkpoint and the model did not share (a warning names them, from rank 0).
@@ -292,14 +294,18 @@ def load_sharded(
         strict: whether missing and unexpected keys are errors, as for :func:`load_full`. Without it the model may
             also be wrapped otherwise than the saved one: its parameters are then found by name.
         relax: as for :func:`load_full`.
+        key: the shards' model state to load: ``"state_dict"``, or :data:`CURRENT_MODEL_STATE` (saved beside it by
+            Lightning's ``WeightAveraging``).
     """
     meta = storage.load_meta(path, weights_only=weights_only)
     saved_world_size = check_fits(meta, path)
     aliases = meta[FORMAT_KEY].get("aliases", [])
-    shards = SavedShards(
-        lambda r: storage.load_shard(path, r, saved_world_size, weights_only=weights_only),
-        saved_world_size,
-    )
+
+    def read_shard(rank: int) -> dict[str, Any]:
+        shard = storage.load_shard(path, rank, saved_world_size, weights_only=weights_only)
+        return shard if key == "state_dict" else {**shard, "state_dict": shard[key]}
+
+    shards = SavedShards(read_shard, saved_world_size)
     found: list[IncompatibleKeys] = []
 
     # `fabric.save(..., filter=...)`: the model's keys the checkpoint holds (the others are not in it).
@@ -340,7 +346,7 @@ def load_sharded(
 def load_trainer_checkpoint(
     model: WrappedModel, ranks: Ranks, storage: ShardedStorage, path: Any, read_file: Callable[[], dict[str, Any]],
     optimizers: Sequence[Optimizer], weights_only: Optional[bool], strict: bool, policy: OptimizerStatePolicy,
-    owner: str, version: str,
+    owner: str, version: str, averaging: bool = False,
 ) -> dict[str, Any]:
     """The Trainer's ``load_checkpoint`` of a sharded model: a checkpoint (a sharded directory, or a full file that
     ``read_file`` reads with the strategy's CheckpointIO plugin) loaded into ``model``'s shards and ``optimizers``
@@ -350,6 +356,13 @@ def load_trainer_checkpoint(
     A Fabric checkpoint is read in the Trainer's layout (``version``: Lightning's, recorded in it; see
     :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`), a Lightning 1.x one's optimizer states as
     ``policy`` says (``owner`` names the strategy in the messages). ``strict`` is ``LightningModule.strict_loading``.
+
+    With ``averaging`` (Lightning's ``WeightAveraging`` averages this rank's shards: see
+    :mod:`~lightning_fairscale.fsdp.averaging`), the model ends with the checkpoint's
+    :data:`CURRENT_MODEL_STATE` where it has one (its ``state_dict`` is then the averaged weights), and the returned
+    checkpoint holds both as this rank's slices (:func:`~lightning_fairscale.fsdp.averaging.shard_state`): the
+    averaged (or only) weights under ``state_dict``, the model's own under :data:`CURRENT_MODEL_STATE`, for the
+    callback to load as it does under unsharded training.
     """
     if is_sharded_checkpoint(storage, path):
 
@@ -358,7 +371,16 @@ def load_trainer_checkpoint(
                 return []
             return list(enumerate(optimizers))
 
+        has_current = averaging and CURRENT_MODEL_STATE in storage.load_meta(path, weights_only=weights_only).get(
+            FORMAT_KEY, {}
+        ).get("model_states", ())
         meta, _ = load_sharded(ranks, storage, path, model, restored, weights_only, strict, RELAX_TRAINER)
+        if averaging:
+            meta["state_dict"] = shard_state(unwrapped(model.root))
+        if has_current:
+            load_sharded(ranks, storage, path, model, lambda *_: [], weights_only, strict, RELAX_TRAINER,
+                         key=CURRENT_MODEL_STATE)
+            meta[CURRENT_MODEL_STATE] = shard_state(unwrapped(model.root), persistent_only=True)
         return meta if is_trainer_layout(meta) else to_trainer_layout(meta, version, model_keys=None)
     checkpoint = read_file()
     if not is_trainer_layout(checkpoint):
@@ -366,6 +388,12 @@ def load_trainer_checkpoint(
     states = model.resumable_states(checkpoint, optimizers, policy, owner)
     load_full(model, checkpoint.pop("state_dict"), strict, list(zip(optimizers, states)), RELAX_TRAINER)
     checkpoint.pop("optimizer_states", None)
+    if averaging:
+        current = checkpoint.pop(CURRENT_MODEL_STATE, None)
+        checkpoint["state_dict"] = shard_state(unwrapped(model.root))
+        if current is not None:
+            load_full(model, current, strict, (), RELAX_TRAINER)
+            checkpoint[CURRENT_MODEL_STATE] = shard_state(unwrapped(model.root), persistent_only=True)
     return checkpoint
 
 

@@ -40,6 +40,7 @@ from lightning_fairscale.fsdp.state_names import apply_aliases, clean_path, fair
 
 __all__ = [
     "FABRIC_RECORD",
+    "CURRENT_MODEL_STATE",
     "FORMAT_KEY",
     "check_fits",
     "check_wrapping",
@@ -52,6 +53,11 @@ __all__ = [
 #: 2: each rank's optimizer state is over its views of the original parameters (``optimizer_layouts[j]["views"]``);
 #: 1: over its whole shards of the managed parameters. Both load.
 FORMAT_VERSION = 2
+
+#: Where Lightning's ``WeightAveraging`` keeps the module's own weights in a Trainer's checkpoint while
+#: ``state_dict`` holds the averaged ones: this rank's shards too, in a sharded checkpoint (the format's record lists
+#: it under ``"model_states"``).
+CURRENT_MODEL_STATE = "current_model_state"
 
 
 def consolidation_hint(path: Any) -> str:
@@ -85,7 +91,8 @@ def split_checkpoint(
         )
     model_key = "state_dict" if fabric is None else fabric["model"]
     optimizer_keys = ["optimizer_states"] if fabric is None else list(fabric["optimizers"])
-    meta = {k: v for k, v in checkpoint.items() if k != model_key and k not in optimizer_keys}
+    model_keys = [model_key] + ([CURRENT_MODEL_STATE] if fabric is None and CURRENT_MODEL_STATE in checkpoint else [])
+    meta = {k: v for k, v in checkpoint.items() if k not in model_keys and k not in optimizer_keys}
     meta[FORMAT_KEY] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -97,12 +104,15 @@ def split_checkpoint(
         },
         # A filtered Fabric checkpoint's `kept` too (`fabric.save(..., filter=...)`).
         **({FABRIC_RECORD: {**fabric, "model": model_key, "optimizers": optimizer_keys}} if fabric is not None else {}),
+        **({"model_states": model_keys} if len(model_keys) > 1 else {}),
     }
     shard: dict[str, Any] = {
         "state_dict": checkpoint[model_key],
         "shard_metadata": _metadata(root),
         "world_size": world_size,
     }
+    for key in model_keys[1:]:
+        shard[key] = checkpoint[key]
     if fabric is not None:
         shard["optimizer_states"] = [checkpoint[k] for k in optimizer_keys]
     elif "optimizer_states" in checkpoint:  # (a Trainer's saved with weights only has none)
@@ -204,17 +214,20 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
     say("consolidating parameters")
     aliases = [*info.get("aliases", []), *fairscale_ties(shards[0]["shard_metadata"])]
     kept = (info.get(FABRIC_RECORD) or {}).get("kept")
-    if kept is None:
-        state_dict = _FairScaleFSDP.consolidate_shard_weights(
-            [_flat_shards(s["state_dict"], s["shard_metadata"]) for s in shards],
-            [_saved_buffers_only(s["shard_metadata"], s["state_dict"]) for s in shards],
+
+    def model_state(key: str) -> dict[str, Any]:
+        if kept is not None:  # `fabric.save(..., filter=...)`: the keys kept, each read from the shards that hold it
+            saved = SavedShards(lambda rank: {**shards[rank], "state_dict": shards[rank][key]}, world_size)
+            pieces = saved.pieces(aliases)
+            buffers = apply_aliases(saved.buffers(lambda name: clean_path(name + ".").rstrip(".")), aliases)
+            return {k: saved.read_piece(pieces[k]) if k in pieces else buffers[k].clone() for k in kept}
+        state = _FairScaleFSDP.consolidate_shard_weights(
+            [_flat_shards(s[key], s["shard_metadata"]) for s in shards],
+            [_saved_buffers_only(s["shard_metadata"], s[key]) for s in shards],
         )
-        state_dict = apply_aliases({k: v.clone() for k, v in state_dict.items()}, aliases)
-    else:  # `fabric.save(..., filter=...)`: the keys kept, each read from the shards that hold it
-        saved = SavedShards(shards.__getitem__, world_size)
-        pieces = saved.pieces(aliases)
-        buffers = apply_aliases(saved.buffers(lambda name: clean_path(name + ".").rstrip(".")), aliases)
-        state_dict = {k: saved.read_piece(pieces[k]) if k in pieces else buffers[k].clone() for k in kept}
+        return apply_aliases({k: v.clone() for k, v in state.items()}, aliases)
+
+    state_dict = model_state("state_dict")
     say(f"consolidated {len(state_dict)} parameters and buffers")
     optimizer_states = []
     count = len(shards[0].get("optimizer_states", []))
@@ -231,6 +244,8 @@ def consolidate(path: Any, progress: Optional[Callable[[str], None]] = None) -> 
     if fabric is not None:  # Fabric's layout: the states under the keys of the state saved
         return {fabric["model"]: state_dict, **dict(zip(fabric["optimizers"], optimizer_states)), **meta}
     checkpoint = {**meta, "state_dict": state_dict}
+    for key in info.get("model_states", [])[1:]:  # WeightAveraging's: the model's own weights beside the average
+        checkpoint[key] = model_state(key)
     if "optimizer_states" in shards[0]:
         checkpoint["optimizer_states"] = optimizer_states
     return checkpoint

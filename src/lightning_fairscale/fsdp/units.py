@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, forward_grads, one_rank, prefetch, recompute, ties
+from lightning_fairscale.fsdp import bookkeeping, copying, forward_grads, one_rank, prefetch, recompute, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -65,7 +65,7 @@ def _unit_device(arguments: dict[str, Any]) -> torch.device:
     return torch.device(device)
 
 
-class FullyShardedDataParallel(_FairScaleFSDP):
+class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
 
     On CUDA it differs from FairScale's class by the workarounds of this module's list marked "all devices". On CPU

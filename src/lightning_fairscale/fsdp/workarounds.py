@@ -162,4 +162,7 @@ The workarounds, and why each is needed:
 26. **Gradient shards beside gathered parameters (all devices).** A compile after the first step (an evaluation, a
     batch of another size) failed: dynamo copied a flat parameter's gradient shard onto a fake tensor of its
     gathered size. A unit's forward sets the shards aside (:mod:`~lightning_fairscale.fsdp.forward_grads`).
+27. **A root gathered by an evaluation forward (all devices).** FairScale does not reshard the root after its forward:
+    after one with no backward (validation) it kept its full parameters, and the next forward used them, missing any
+    write into the shards in between (weight averaging's swap back): :mod:`~lightning_fairscale.fsdp.gathered`.
 """

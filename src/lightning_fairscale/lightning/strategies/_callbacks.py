@@ -21,11 +21,13 @@ from lightning_fairscale.lightning._compat import attached_trainer
 #: Callback classes, why they cannot work under FSDP, and what to do instead.
 _UNSUPPORTED: dict[type[Callback], tuple[str, str]] = {
     StochasticWeightAveraging: (
-        "it averages the LightningModule's parameters into a copy of the module and copies the average back, but under"
-        " FSDP the module's parameters are flat shards held by FSDP's wrappers, so it would average nothing and"
-        " change nothing, silently",
-        " or train with `strategy=\"ddp_sharded\"` (FairScale's optimizer and gradient sharding: parameters stay whole,"
-        " and SWA works there) or `\"ddp\"`",
+        "it deep-copies the LightningModule once it is sharded (FairScale's units and views into their flat shards"
+        " do not copy), and it replaces the LR schedulers and recomputes BatchNorm statistics in an extra pass of its"
+        " own",
+        ". For SWA on the shards use `pytorch_lightning.callbacks.WeightAveraging()` (its default `avg_fn` is the"
+        " same equal-weight average; each rank averages its own shard, and checkpoints hold the average as under"
+        " `\"ddp\"`) with `torch.optim.swa_utils.SWALR` in `configure_optimizers` if you want SWA's learning rate,"
+        " or train with `strategy=\"ddp_sharded\"` (parameters stay whole, and this callback works there)",
     ),
     ModelPruning: (
         "it prunes the modules' weights in place, but under FSDP they are views into flat parameters that FSDP"

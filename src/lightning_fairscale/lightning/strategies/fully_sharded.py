@@ -35,6 +35,7 @@ from lightning_fairscale.lightning._compat import (
     take_trainer_compile,
 )
 from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
+from lightning_fairscale.lightning.callbacks import weight_averaging
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -132,8 +133,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._groups = ProcessGroups()
         #: The sharded model (the engine's object), while the module is wrapped.
         self._sharded: Optional[fsdp_engine.WrappedModel] = None
-        #: Whether the stage failed: teardown then waits for no other rank's background writes.
-        self._failed = False
+        #: Whether the stage failed: teardown then waits for no other rank's background writes. The
+        #: ``WeightAveraging`` callbacks given an average over this rank's shards, while the module is sharded.
+        self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
 
     # ------------------------------------------------------------------------------------------------------------
     # FSDP configuration (an option's property comes with `strategy_options`)
@@ -194,6 +196,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            # `WeightAveraging` copied the module before it was sharded: its average goes over the shards now.
+            self._averaging += weight_averaging.shard(trainer_callbacks(self), self, self.lightning_module_state_dict)
         self.barrier()
 
     def _setup_unwrapped(self, trainer: pl.Trainer, fitting: bool, compiler: Optional[Compiler]) -> None:
@@ -369,6 +373,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         return self._sharded.load_trainer_checkpoint(
             Ranks(self.global_rank), storage, checkpoint_path, read_file, optimizers, weights_only,
             self.lightning_module.strict_loading, policy, type(self).__name__, pl.__version__,
+            averaging=bool(self._averaging),
         )
 
     def _restores_optimizers(self) -> bool:
@@ -384,6 +389,11 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._sharded is None:  # `load_checkpoint` has loaded the optimizers' shards
             super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        weight_averaging.drop_stale_full_params(self._averaging, self.model)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -441,7 +451,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if self._sharded is None:
             return module
         self._sharded.unshard(keep=self.is_global_zero or not rank_zero_only)
-        self._sharded = None
+        self._sharded, self._averaging = None, weight_averaging.release(self._averaging)
         self.model = module
         self.optimizers = []
         self.lr_scheduler_configs = []
