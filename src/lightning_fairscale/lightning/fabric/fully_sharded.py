@@ -247,11 +247,28 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Re-point the optimizer to the shards of the model whose parameters it holds."""
+        """Re-point the optimizer to the shards of the model whose parameters it holds.
+
+        Raises:
+            ValueError: its param groups were made from the sharded parameters' shapes (see
+                :meth:`unsharded_shapes`), or it has several over FairScale's flat parameters (units wrapped by hand
+                in ``fabric.init_module()``, before ``fabric.setup``): it would train something else than unsharded.
+        """
         params = [param for group in optimizer.param_groups for param in group["params"]]
         for root in self._set_up.models:
             model = fsdp_engine.wrapped_model(root)
             if params and all(model.knows(param) for param in params):
+                problem = model.param_group_problem(optimizer)
+                if problem is not None:
+                    raise ValueError(
+                        f"The {type(optimizer).__name__} cannot train what it would unsharded: {problem}. Set up the"
+                        " model first, then make the optimizer over its parameters inside"
+                        " `with fabric.strategy.unsharded_shapes(model):`, where they show their unsharded shapes,"
+                        " and set it up: `model = fabric.setup_module(model)`, `with"
+                        " fabric.strategy.unsharded_shapes(model): optimizer = ...`,"
+                        " `optimizer = fabric.setup_optimizers(optimizer)`. (A param group left empty on purpose:"
+                        " leave it out.)"
+                    )
                 model.repoint(optimizer)
                 self._set_up.optimizers[optimizer] = model
                 return optimizer
@@ -260,6 +277,27 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             " `model.parameters()`, before `fabric.setup(model, optimizer)` (or over the parameters of the model that"
             " `fabric.setup_module` returned), and keep every trained module inside that model."
         )
+
+    def unsharded_shapes(self, module: Module) -> AbstractContextManager[None]:
+        """A context in which the parameters of ``module`` (set up with this strategy) show what they show
+        unsharded: ``shape``, ``ndim``, ``numel()``, names, dtype, device and ``requires_grad``, for making an
+        optimizer's param groups over them after ``fabric.setup_module`` (``p.ndim >= 2`` picks the matrices).
+        Outside it each one is this rank's 1-D view of its shard. Their values cannot be used inside it: a use
+        raises an error. Example::
+
+            model = fabric.setup_module(model)
+            with fabric.strategy.unsharded_shapes(model):
+                decay = [p for p in model.parameters() if p.ndim >= 2]
+                rest = [p for p in model.parameters() if p.ndim < 2]
+                optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest}])
+            optimizer = fabric.setup_optimizers(optimizer)
+        """
+        root = getattr(module, "_forward_module", module)  # what `fabric.setup_module` returned, or the unit itself
+        model = self._fsdp_model(getattr(root, "_orig_mod", root))  # compiled by Fabric: the unit inside
+        if model is None:
+            raise ValueError("`unsharded_shapes` takes a model set up with this strategy (`fabric.setup_module`).")
+        instead = "read or set values outside it (each parameter then holds this rank's shard of it)."
+        return model.unsharded_shapes("inside `fabric.strategy.unsharded_shapes(model)`", instead)
 
     def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
         """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""

@@ -48,6 +48,7 @@ from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.saving import Ranks
+from lightning_fairscale.fsdp.state_names import is_wrapped
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.unwrapping import wrapped_root
 from lightning_fairscale.lightning.plugins.checkpoint_io import (
@@ -203,30 +204,47 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        if fitting:
-            # Optimizers are created on the unwrapped module, so `self.parameters()` works in
-            # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
+        # Optimizers are created on the unwrapped module, so `self.parameters()` works in `configure_optimizers`;
+        # they are re-pointed to the FSDP-managed parameters after wrapping. Units made in `configure_model` have
+        # flattened their layers' parameters already: then after wrapping, where the originals are back.
+        before = fitting and not is_wrapped(self.model)
+        if before:
             self.setup_optimizers(trainer)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
         self._sharded = fsdp_engine.wrap_model(
             self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info,
-            self._plain_optimizers(), compiler,
+            self._plain_optimizers() if before or not fitting else None, compiler,
         )
         self.model = self._sharded.root
+        if fitting and not before:
+            self._configure_sharded_optimizers(trainer)
+            self._sharded.forget_originals()
 
     def _setup_sharded_again(
         self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool, compiler: Optional[Compiler]
     ) -> None:
         """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
-        parameters are the original ones (views into the shards), so ``configure_optimizers`` makes the optimizers
-        over them as in the first stage, and they are re-pointed the one way. Given compiled, its layers are
+        parameters are the original ones (views into the shards), which show their unsharded shapes while
+        ``configure_optimizers`` makes the optimizers over them, as in the first stage; they are re-pointed the one
+        way. Given compiled, its layers are
         compiled (those of a first stage compiled already stay as they are)."""
         self._sharded = fsdp_engine.wrapped_model(root, compiler)
         self.model = root
         if fitting:
+            self._configure_sharded_optimizers(trainer)
+
+    def _configure_sharded_optimizers(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers`` on the sharded module, whose parameters show their unsharded shapes meanwhile
+        (``p.ndim >= 2`` picks the matrices, as unsharded), then the optimizers re-pointed to the shards."""
+        assert self._sharded is not None
+        instead = (
+            "read or set values in `configure_model` (before sharding) or in a hook such as `on_fit_start`, where"
+            " each parameter holds this rank's shard of it."
+        )
+        with self._sharded.unsharded_shapes("inside `configure_optimizers`", instead):
             self.setup_optimizers(trainer)
-            self._sharded.repoint(*self._plain_optimizers())
+        self._sharded.repoint(*self._plain_optimizers())
 
     def _plain_optimizers(self) -> list[Optimizer]:
         """The strategy's optimizers, without Lightning's ``LightningOptimizer`` around them."""
