@@ -260,11 +260,11 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
                 problem = model.param_group_problem(optimizer)
                 if problem is not None:
                     raise ValueError(
-                        f"The {type(optimizer).__name__} cannot train what it would unsharded: {problem}. Set up the"
-                        " model first, then make the optimizer over its parameters inside"
-                        " `with fabric.strategy.unsharded_shapes(model):`, where they show their unsharded shapes,"
-                        " and set it up: `model = fabric.setup_module(model)`, `with"
-                        " fabric.strategy.unsharded_shapes(model): optimizer = ...`,"
+                        f"The {type(optimizer).__name__} cannot train what it would unsharded: {problem}. Make the"
+                        " optimizer over the set-up model's parameters inside `with"
+                        " fabric.strategy.unsharded_shapes(model):`, where they show their unsharded shapes, and set"
+                        " it up after the model: `model = fabric.setup_module(model)`, then `with"
+                        " fabric.strategy.unsharded_shapes(model): optimizer = ...`, then"
                         " `optimizer = fabric.setup_optimizers(optimizer)`. (A param group left empty on purpose:"
                         " leave it out.)"
                     )
