@@ -93,6 +93,13 @@ class _Record:
     )
 
 
+#: Where the values of a sharded model's parameters are, for the Trainer's `configure_optimizers`.
+_VALUES_ELSEWHERE = (
+    "read or set values in `configure_model` (before sharding) or in a hook such as `on_fit_start`, where each"
+    " parameter holds this rank's shard of it."
+)
+
+
 class WrappedModel:
     """A model sharded by :func:`wrap_model`: the one object the Trainer's and Fabric's strategies keep of it.
 
@@ -157,10 +164,12 @@ class WrappedModel:
             orders = repoint_optimizer(optimizer, layout)
             self._record.orders[optimizer] = [layout.in_module_order(o) for o in orders] if over_managed else orders
 
-    def unsharded_shapes(self, where: str, instead: str) -> contextlib.AbstractContextManager[None]:
+    def unsharded_shapes(
+        self, where: str = "inside `configure_optimizers`", instead: str = _VALUES_ELSEWHERE
+    ) -> contextlib.AbstractContextManager[None]:
         """A context in which the model's parameters show their unsharded shapes (no values: ``where`` and
-        ``instead`` complete the error a use of them raises), for making an optimizer's param groups over them (see
-        :mod:`~lightning_fairscale.fsdp.unsharded_shapes`)."""
+        ``instead`` complete the error a use of them raises; the Trainer's words by default), for making an
+        optimizer's param groups over them (see :mod:`~lightning_fairscale.fsdp.unsharded_shapes`)."""
         return unsharded_shapes(self.layout, where, instead)
 
     def param_group_problem(self, optimizer: Optimizer) -> Optional[str]:

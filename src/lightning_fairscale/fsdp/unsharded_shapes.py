@@ -39,15 +39,23 @@ class ValuesUnavailableError(RuntimeError):
     """A parameter's values were used inside :func:`unsharded_shapes`, where it shows only its unsharded shape."""
 
 
-#: What a parameter answers inside the context: its metadata (the unsharded shape; the rest is its own).
-_ANSWERED: frozenset[Callable[..., Any]] = frozenset({
-    Tensor.shape.__get__, Tensor.ndim.__get__, Tensor.size, Tensor.dim, Tensor.ndimension, Tensor.numel,
-    Tensor.nelement, Tensor.__len__, Tensor.__hash__, Tensor.dtype.__get__, Tensor.device.__get__,
-    Tensor.is_cuda.__get__, Tensor.is_cpu.__get__, Tensor.is_meta.__get__, Tensor.get_device, Tensor.layout.__get__,
-    Tensor.is_floating_point, Tensor.is_complex, Tensor.element_size, Tensor.requires_grad.__get__,
-    Tensor.requires_grad.__set__, Tensor.requires_grad_, Tensor.is_leaf.__get__, Tensor.retains_grad.__get__,
-    Tensor.grad.__get__, Tensor.grad.__set__, Tensor.grad_fn.__get__,
-})
+def _answered() -> frozenset[Callable[..., Any]]:
+    """What a parameter answers inside the context: its metadata (the unsharded shape; the rest is its own)."""
+    methods: list[Callable[..., Any]] = [
+        Tensor.size, Tensor.dim, Tensor.ndimension, Tensor.numel, Tensor.nelement, Tensor.__len__, Tensor.__hash__,
+        Tensor.get_device, Tensor.is_floating_point, Tensor.is_complex, Tensor.element_size, Tensor.requires_grad_,
+    ]
+    properties = (
+        "shape", "ndim", "dtype", "device", "is_cuda", "is_cpu", "is_meta", "layout", "requires_grad", "is_leaf",
+        "retains_grad", "grad", "grad_fn",
+    )
+    # A property reaches `__torch_function__` as its descriptor's `__get__` (`__set__` when assigned).
+    methods += [getattr(Tensor, name).__get__ for name in properties]
+    methods += [getattr(Tensor, name).__set__ for name in ("requires_grad", "grad")]
+    return frozenset(methods)
+
+
+_ANSWERED = _answered()
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:
@@ -63,8 +71,8 @@ def _tensors(value: Any) -> Iterator[Tensor]:
 
 
 class _ShapesOnly(TorchFunctionMode):
-    """Raises :class:`ValuesUnavailableError` for any function but :data:`_ANSWERED` that gets a stood-in
-    parameter."""
+    """Raises :class:`ValuesUnavailableError` for any function but the metadata ones (:func:`_answered`) that gets a
+    stood-in parameter."""
 
     def __init__(self, names: dict[int, str], shards: dict[int, int], where: str, instead: str) -> None:
         super().__init__()

@@ -203,9 +203,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        # Optimizers are created on the unwrapped module, so `self.parameters()` works in `configure_optimizers`;
-        # they are re-pointed to the FSDP-managed parameters after wrapping. Units made in `configure_model` have
-        # flattened their layers' parameters already: then after wrapping, where the originals are back.
+        # Optimizers are made on the unwrapped module and re-pointed to the shards after wrapping; but after it when
+        # units made in `configure_model` flattened their layers' parameters (the originals are back then).
         before = fitting and not is_wrapped(self.model)
         if before:
             self.setup_optimizers(trainer)
@@ -225,9 +224,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
     ) -> None:
         """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
         parameters are the original ones (views into the shards), which show their unsharded shapes while
-        ``configure_optimizers`` makes the optimizers over them, as in the first stage; they are re-pointed the one
-        way. Given compiled, its layers are
-        compiled (those of a first stage compiled already stay as they are)."""
+        ``configure_optimizers`` makes the optimizers over them. Given compiled, its layers are compiled (those of a
+        first stage compiled already stay as they are)."""
         self._sharded = fsdp_engine.wrapped_model(root, compiler)
         self.model = root
         if fitting:
@@ -235,13 +233,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     def _configure_sharded_optimizers(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers`` on the sharded module, whose parameters show their unsharded shapes meanwhile
-        (``p.ndim >= 2`` picks the matrices, as unsharded), then the optimizers re-pointed to the shards."""
+        (``p.ndim >= 2`` picks the matrices), then the optimizers re-pointed to the shards."""
         assert self._sharded is not None
-        instead = (
-            "read or set values in `configure_model` (before sharding) or in a hook such as `on_fit_start`, where"
-            " each parameter holds this rank's shard of it."
-        )
-        with self._sharded.unsharded_shapes("inside `configure_optimizers`", instead):
+        with self._sharded.unsharded_shapes():
             self.setup_optimizers(trainer)
         self._sharded.repoint(*self._plain_optimizers())
 

@@ -54,6 +54,7 @@ from lightning_fairscale.lightning.fabric._common import (
     ShardedFormat,
     checked_norm,
     fabric_precision,
+    refuse_groups_by_shard_shapes,
 )
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
@@ -247,28 +248,13 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Re-point the optimizer to the shards of the model whose parameters it holds.
-
-        Raises:
-            ValueError: its param groups were made from the sharded parameters' shapes (see
-                :meth:`unsharded_shapes`), or it has several over FairScale's flat parameters (units wrapped by hand
-                in ``fabric.init_module()``, before ``fabric.setup``): it would train something else than unsharded.
-        """
+        """Re-point the optimizer to the shards of the model whose parameters it holds (refused when its param
+        groups were made from the shards' shapes: see :func:`~._common.refuse_groups_by_shard_shapes`)."""
         params = [param for group in optimizer.param_groups for param in group["params"]]
         for root in self._set_up.models:
             model = fsdp_engine.wrapped_model(root)
             if params and all(model.knows(param) for param in params):
-                problem = model.param_group_problem(optimizer)
-                if problem is not None:
-                    raise ValueError(
-                        f"The {type(optimizer).__name__} cannot train what it would unsharded: {problem}. Make the"
-                        " optimizer over the set-up model's parameters inside `with"
-                        " fabric.strategy.unsharded_shapes(model):`, where they show their unsharded shapes, and set"
-                        " it up after the model: `model = fabric.setup_module(model)`, then `with"
-                        " fabric.strategy.unsharded_shapes(model): optimizer = ...`, then"
-                        " `optimizer = fabric.setup_optimizers(optimizer)`. (A param group left empty on purpose:"
-                        " leave it out.)"
-                    )
+                refuse_groups_by_shard_shapes(model.param_group_problem(optimizer), optimizer)
                 model.repoint(optimizer)
                 self._set_up.optimizers[optimizer] = model
                 return optimizer
@@ -279,19 +265,10 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         )
 
     def unsharded_shapes(self, module: Module) -> AbstractContextManager[None]:
-        """A context in which the parameters of ``module`` (set up with this strategy) show what they show
-        unsharded: ``shape``, ``ndim``, ``numel()``, names, dtype, device and ``requires_grad``, for making an
-        optimizer's param groups over them after ``fabric.setup_module`` (``p.ndim >= 2`` picks the matrices).
-        Outside it each one is this rank's 1-D view of its shard. Their values cannot be used inside it: a use
-        raises an error. Example::
-
-            model = fabric.setup_module(model)
-            with fabric.strategy.unsharded_shapes(model):
-                decay = [p for p in model.parameters() if p.ndim >= 2]
-                rest = [p for p in model.parameters() if p.ndim < 2]
-                optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest}])
-            optimizer = fabric.setup_optimizers(optimizer)
-        """
+        """A context in which the parameters of ``module`` (set up) show their unsharded ``shape``, ``ndim``,
+        ``numel()``, names, dtype, device and ``requires_grad`` (1-D shards outside it), and no values, for an
+        optimizer's param groups: ``with fabric.strategy.unsharded_shapes(model): optimizer = AdamW([{"params":
+        [p for p in model.parameters() if p.ndim >= 2], ...}, ...])``, then ``fabric.setup_optimizers(optimizer)``."""
         root = getattr(module, "_forward_module", module)  # what `fabric.setup_module` returned, or the unit itself
         model = self._fsdp_model(getattr(root, "_orig_mod", root))  # compiled by Fabric: the unit inside
         if model is None:
