@@ -19,7 +19,7 @@ from lightning_fairscale.fsdp.state_names import clean_path
 from lightning_fairscale.fsdp.unsharded_shapes import ValuesUnavailableError
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel
 
-from .helpers import Net, batches, fsdp_kwargs, small_block, step, wrap
+from .helpers import Net, batches, fabric_on_one_process, fsdp_kwargs, small_block, step, wrap
 
 BLOCK = type(small_block())
 
@@ -121,3 +121,20 @@ def test_groups_over_the_flat_parameters_of_units_wrapped_by_hand_show_their_mar
     optimizer = torch.optim.AdamW(groups, lr=0.05)
     model = _sharded(net)
     assert "flat parameters" in (model.param_group_problem(optimizer) or "")
+
+
+def test_fabric_refuses_groups_made_from_the_shards_and_keeps_those_made_inside_unsharded_shapes() -> None:
+    """Fabric, after ``fabric.setup_module``: an optimizer made over the 1-D shards by ``ndim`` is refused with what
+    to do; made inside ``fabric.strategy.unsharded_shapes(model)``, it gets the unsharded groups."""
+    from lightning_fairscale.fabric import DDPFullyShardedStrategy
+
+    with fabric_on_one_process(DDPFullyShardedStrategy(auto_wrap_policy={BLOCK})) as fabric:
+        model = fabric.setup_module(Net())
+        outside = torch.optim.AdamW(_by_ndim(list(model.parameters())), lr=0.05)
+        with pytest.raises(ValueError, match=r"param group 0 holds none.*fabric\.strategy\.unsharded_shapes\(model\)"):
+            fabric.setup_optimizers(outside)
+        with fabric.strategy.unsharded_shapes(model):
+            inside = torch.optim.AdamW(_by_ndim(list(model.parameters())), lr=0.05)
+        optimizer = fabric.setup_optimizers(inside)
+        assert [len(g["params"]) for g in optimizer.param_groups] == [6, 10]
+        assert all(p.ndim == 1 for p in model.parameters())
