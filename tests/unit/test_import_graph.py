@@ -66,6 +66,7 @@ ENGINE = (
     "fsdp.state_names",
     "fsdp.units",
     "fsdp.unwrapping",
+    "fsdp.unsharded_shapes",
     "mixed_precision",
     "mixed_precision.grad_scaler",
     "mixed_precision.settings",

@@ -60,6 +60,7 @@ from lightning_fairscale.fsdp.state_names import apply_aliases, is_wrapped, stat
 from lightning_fairscale.fsdp.summary import unit_summary
 from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.unwrapping import forget_root, remember_root, unwrap_module, unwrapped
+from lightning_fairscale.fsdp.unsharded_shapes import param_group_problem, unsharded_shapes
 
 __all__ = [
     "WrappedModel",
@@ -90,6 +91,13 @@ class _Record:
     originals: weakref.WeakValueDictionary[int, torch.nn.Parameter] = field(
         default_factory=weakref.WeakValueDictionary
     )
+
+
+#: Where the values of a sharded model's parameters are, for the Trainer's `configure_optimizers`.
+_VALUES_ELSEWHERE = (
+    "read or set values in `configure_model` (before sharding) or in a hook such as `on_fit_start`, where each"
+    " parameter holds this rank's shard of it."
+)
 
 
 class WrappedModel:
@@ -155,6 +163,19 @@ class WrappedModel:
             over_managed = all(param in layout.managed for param in params)
             orders = repoint_optimizer(optimizer, layout)
             self._record.orders[optimizer] = [layout.in_module_order(o) for o in orders] if over_managed else orders
+
+    def unsharded_shapes(
+        self, where: str = "inside `configure_optimizers`", instead: str = _VALUES_ELSEWHERE
+    ) -> contextlib.AbstractContextManager[None]:
+        """A context in which the model's parameters show their unsharded shapes (no values: ``where`` and
+        ``instead`` complete the error a use of them raises; the Trainer's words by default), for making an
+        optimizer's param groups over them (see :mod:`~lightning_fairscale.fsdp.unsharded_shapes`)."""
+        return unsharded_shapes(self.layout, where, instead)
+
+    def param_group_problem(self, optimizer: Optimizer) -> Optional[str]:
+        """What shows that ``optimizer``'s param groups were made from this model's sharded parameters, outside
+        :meth:`unsharded_shapes` (``None`` when nothing does)."""
+        return param_group_problem(optimizer, self.layout)
 
     def order(self, optimizer: Optimizer) -> GroupOrder:
         """The order of ``optimizer``'s state in checkpoints (see :meth:`repoint`)."""

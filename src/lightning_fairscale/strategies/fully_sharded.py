@@ -47,6 +47,7 @@ from lightning_fairscale.fsdp.hybrid import release_groups
 from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.saving import Ranks
+from lightning_fairscale.fsdp.state_names import is_wrapped
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.unwrapping import wrapped_root
 from lightning_fairscale.plugins.checkpoint_io import (
@@ -205,35 +206,46 @@ class DDPFullyShardedStrategy(DDPStrategy):
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        if fitting:
-            # Optimizers are created on the unwrapped module, so `self.parameters()` works in
-            # `configure_optimizers`; they are re-pointed to the FSDP-managed parameters after wrapping.
+        # Optimizers are made on the unwrapped module and re-pointed to the shards after wrapping; but after it when
+        # units made in `configure_model` flattened their layers' parameters (the originals are back then).
+        before = fitting and not is_wrapped(self.model)
+        if before:
             self.setup_optimizers(trainer)
-        else:  # validate/test/predict of a new module (`trainer.test(NewModule())` after `fit`): none of fit's
-            own = {id(param) for param in self.model.parameters()}
+        elif not fitting:  # validate/test/predict of a new module (`trainer.test(NewModule())` after `fit`): none
+            own = {id(param) for param in self.model.parameters()}  # of fit's optimizers
             self._keep_optimizers_of(lambda param: id(param) in own)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
         self._sharded = fsdp_engine.wrap_model(
             self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info,
-            self._plain_optimizers(), compiler,
+            self._plain_optimizers() if before or not fitting else None, compiler,
         )
         self.model = self._sharded.root
+        if fitting and not before:
+            self._configure_sharded_optimizers(trainer)
+            self._sharded.forget_originals()
 
     def _setup_sharded_again(
         self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool, compiler: Optional[Compiler]
     ) -> None:
         """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
-        parameters are the original ones (views into the shards), so ``configure_optimizers`` makes the optimizers
-        over them as in the first stage, and they are re-pointed the one way. Given compiled, its layers are
-        compiled (those of a first stage compiled already stay as they are)."""
+        parameters are the original ones (views into the shards), which show their unsharded shapes while
+        ``configure_optimizers`` makes the optimizers over them. Given compiled, its layers are compiled (those of a
+        first stage compiled already stay as they are)."""
         self._sharded = fsdp_engine.wrapped_model(root, compiler)
         self.model = root
         if fitting:
-            self.setup_optimizers(trainer)
-            self._sharded.repoint(*self._plain_optimizers())
+            self._configure_sharded_optimizers(trainer)
         else:  # the module's own (`validate` after `fit`), not another module's
             self._keep_optimizers_of(self._sharded.knows)
+
+    def _configure_sharded_optimizers(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers`` on the sharded module, whose parameters show their unsharded shapes meanwhile
+        (``p.ndim >= 2`` picks the matrices), then the optimizers re-pointed to the shards."""
+        assert self._sharded is not None
+        with self._sharded.unsharded_shapes():
+            self.setup_optimizers(trainer)
+        self._sharded.repoint(*self._plain_optimizers())
 
     def _keep_optimizers_of(self, owns: Callable[[torch.nn.Parameter], bool]) -> None:
         """Keep the optimizers that hold a parameter of the stage's module (``owns``); the others, an earlier stage's

@@ -272,3 +272,23 @@ def fabric_precision(plugin: Optional[Precision], strategy: str, scaler: Callabl
                 plugin.scaler = wanted
         return plugin
     raise unsupported(strategy, plugin, "`Fabric(precision=...)`")
+
+
+def refuse_groups_by_shard_shapes(problem: Optional[str], optimizer: Optimizer) -> None:
+    """Refuse an optimizer whose param groups show they were made from the sharded model's 1-D parameters or from
+    FairScale's flat parameters (``problem``, from the engine's ``WrappedModel.param_group_problem``): it would train
+    something else than unsharded, silently.
+
+    Raises:
+        ValueError: with ``problem``, and how to make the optimizer (after ``setup_module``, inside the strategy's
+            ``unsharded_shapes``).
+    """
+    if problem is None:
+        return
+    raise ValueError(
+        f"The {type(optimizer).__name__} cannot train what it would unsharded: {problem}. Make the optimizer over the"
+        " set-up model's parameters inside `with fabric.strategy.unsharded_shapes(model):`, where they show their"
+        " unsharded shapes, and set it up after the model: `model = fabric.setup_module(model)`, then `with"
+        " fabric.strategy.unsharded_shapes(model): optimizer = ...`, then `optimizer = fabric.setup_optimizers("
+        "optimizer)`. (A param group left empty on purpose: leave it out.)"
+    )

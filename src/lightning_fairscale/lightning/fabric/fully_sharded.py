@@ -54,6 +54,7 @@ from lightning_fairscale.lightning.fabric._common import (
     ShardedFormat,
     checked_norm,
     fabric_precision,
+    refuse_groups_by_shard_shapes,
 )
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
@@ -248,11 +249,13 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Re-point the optimizer to the shards of the model whose parameters it holds."""
+        """Re-point the optimizer to the shards of the model whose parameters it holds (refused when its param
+        groups were made from the shards' shapes: see :func:`~._common.refuse_groups_by_shard_shapes`)."""
         params = [param for group in optimizer.param_groups for param in group["params"]]
         for root in self._set_up.models:
             model = fsdp_engine.wrapped_model(root)
             if params and all(model.knows(param) for param in params):
+                refuse_groups_by_shard_shapes(model.param_group_problem(optimizer), optimizer)
                 model.repoint(optimizer)
                 self._set_up.optimizers[optimizer] = model
                 return optimizer
@@ -274,6 +277,18 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             root, functools.partial(self.get_module_state_dict, root), root=root,
             load_full=functools.partial(self.load_module_state_dict, root), **kwargs,
         )  # fmt: skip
+
+    def unsharded_shapes(self, module: Module) -> AbstractContextManager[None]:
+        """A context in which the parameters of ``module`` (set up) show their unsharded ``shape``, ``ndim``,
+        ``numel()``, names, dtype, device and ``requires_grad`` (1-D shards outside it), and no values, for an
+        optimizer's param groups: ``with fabric.strategy.unsharded_shapes(model): optimizer = AdamW([{"params":
+        [p for p in model.parameters() if p.ndim >= 2], ...}, ...])``, then ``fabric.setup_optimizers(optimizer)``."""
+        root = getattr(module, "_forward_module", module)  # what `fabric.setup_module` returned, or the unit itself
+        model = self._fsdp_model(getattr(root, "_orig_mod", root))  # compiled by Fabric: the unit inside
+        if model is None:
+            raise ValueError("`unsharded_shapes` takes a model set up with this strategy (`fabric.setup_module`).")
+        instead = "read or set values outside it (each parameter then holds this rank's shard of it)."
+        return model.unsharded_shapes("inside `fabric.strategy.unsharded_shapes(model)`", instead)
 
     def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
         """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""
