@@ -162,7 +162,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
+from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, step_state, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -290,6 +290,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
+        state = step_state.of(self)
+        if state is not None:
+            state.before_forward(self)  # workaround 22: which parameters train now
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
@@ -347,6 +350,9 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
+        state = step_state.of(self) if prefetch.in_backward() else None
+        if state is not None:
+            state.check_unchanged(self)  # workaround 22: the shards are those the forward computed with
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
@@ -358,6 +364,11 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         return result
 
     def _use_full_params(self) -> None:
+        if prefetch.in_backward() and not self.has_full_params:
+            # Workaround 22: a second backward through a graph kept from the first (`retain_graph=True`) reaches a
+            # unit that keeps its full parameters after its forward (a root) but whose first backward freed them.
+            self._rebuild_full_params()
+            return
         super()._use_full_params()
         if prefetch.in_backward():
             original_params.use_full_views(self)  # workaround 17
