@@ -235,6 +235,8 @@ class GanModel(LightningModule):
 
 def trainer_fit(config: BetweenSteps, max_steps: int, ckpt_path: Optional[str] = None,
                 save: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """``fit`` for ``max_steps`` (batches of the gan case), from ``ckpt_path`` if given; with ``save`` (a folder), a
+    checkpoint at every epoch's end there (``epoch=N.ckpt``: Lightning resumes exactly from an epoch's end)."""
     gan = config.case == "gan"
     if gan:
         model: Any = GanModel(config.detach, config.clip)
@@ -244,19 +246,22 @@ def trainer_fit(config: BetweenSteps, max_steps: int, ckpt_path: Optional[str] =
         if config.setup_frozen:
             apply_schedule(model, 0)
         policy = {Block}
-    strategy = DDPFullyShardedStrategy(auto_wrap_policy=policy, state_dict_type=config.state_dict_type)
+    strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy=policy, state_dict_type=config.state_dict_type)
+    if config.strategy == "ddp":
+        strategy = pl.strategies.DDPStrategy(find_unused_parameters=True)
     trainer = Trainer(
         accelerator="cpu", devices=config.devices, strategy=strategy,
         max_steps=2 * max_steps if gan else max_steps,  # manual optimization: each optimizer's step counts
-        callbacks=[] if gan else [FreezeSchedule()],
+        callbacks=([] if gan else [FreezeSchedule()]) + ([
+            pl.callbacks.ModelCheckpoint(dirpath=save, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+        ] if save else []),
         gradient_clip_val=None if gan else config.clip,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=bool(save), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
-    if save:
-        trainer.save_checkpoint(save)
-    trainer.strategy.unshard_module()
+    if hasattr(trainer.strategy, "unshard_module"):
+        trainer.strategy.unshard_module()
     if not trainer.is_global_zero:
         return {}
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -265,9 +270,11 @@ def trainer_fit(config: BetweenSteps, max_steps: int, ckpt_path: Optional[str] =
 def run_trainer(config: BetweenSteps, work: Path) -> dict[str, torch.Tensor]:
     if config.save_at is None:
         return trainer_fit(config, config.steps)
-    path = str(work / "between.ckpt")
-    trainer_fit(config, config.save_at, save=path)
-    return trainer_fit(config, config.steps, ckpt_path=path)
+    per_epoch = STEPS_PER_EPOCH if config.case == "freeze" else len(gan_dataset()) // GLOBAL_BATCH
+    assert config.save_at % per_epoch == 0, "the Trainer resumes exactly from an epoch's end"
+    trainer_fit(config, config.steps, save=str(work / "epochs"))
+    path = work / "epochs" / f"epoch={config.save_at // per_epoch - 1}.ckpt"
+    return trainer_fit(config, config.steps, ckpt_path=str(path))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -239,6 +239,9 @@ class BetweenSteps(Config):
     SCRIPT: ClassVar[str] = "between_steps"
 
     front: str = "trainer"  # or "fabric"
+    #: "fsdp" (DDPFullyShardedStrategy); "ddp": Lightning's DDPStrategy(find_unused_parameters=True), unsharded,
+    #: to check a scenario itself against its reference
+    strategy: str = "fsdp"
     case: str = "freeze"  # or "gan"
     devices: int = 2
     steps: int = 8  # optimizer steps of the freeze case; batches of the gan case
