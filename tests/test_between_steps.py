@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from scenarios.common import max_difference
 from scenarios.config import BetweenSteps
 
