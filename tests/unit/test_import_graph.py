@@ -58,6 +58,7 @@ ENGINE = (
     "fsdp.summary",
     "fsdp.ties",
     "fsdp.state_names",
+    "fsdp.step_state",
     "fsdp.units",
     "fsdp.unwrapping",
     "mixed_precision",

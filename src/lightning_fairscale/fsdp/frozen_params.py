@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 
-__all__ = ["record_frozen", "unfreeze_own_parameters"]
+__all__ = ["record_frozen", "reshard_frozen_root", "unfreeze_own_parameters"]
 
 
 def unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
@@ -46,3 +46,15 @@ def record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.P
     for param in unit.params[flat_count:]:
         if any(param is p for p in frozen.values()):
             param.requires_grad_(False)
+
+
+def reshard_frozen_root(unit: _FairScaleFSDP) -> None:
+    """Free a root unit's gathered frozen parameters after a backward, as FairScale's post-backward hook frees a
+    trainable parameter's and under the same condition (workaround 15 of :mod:`lightning_fairscale.fsdp.units`)."""
+    frozen = [param for param in unit.params if not param.requires_grad]
+    if not frozen or not (unit._require_backward_grad_sync or unit.reshard_after_forward):
+        return
+    unit._free_full_params(frozen)
+    if unit.mixed_precision:
+        unit._free_fp16_param_shard(frozen)
+    unit._use_fp32_param_shard(frozen)

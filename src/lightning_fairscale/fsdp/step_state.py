@@ -21,7 +21,7 @@ matters, without asking the user to tell it anything:
   model's parameters, whatever changed them): each view remembers whether it trained when its unit last computed
   (``ParamView.trainable``), and the flat parameter requires gradients when any of its views does (the same on every
   rank: every rank holds a view of every original parameter, and the loop flips them alike), so a unit frozen
-  whole computes no gradient and one unfrozen computes them again; the shards' versions are noted;
+  whole computes no gradient and one unfrozen computes them again;
 * at the end of every backward (:mod:`~lightning_fairscale.fsdp.param_views`), a view gets its gradient only if it
   trained when its unit computed and still does (unsharded torch: a parameter that does not require gradients when
   the backward reaches it gets none, and one that did not when the forward ran is not in the graph): a frozen
@@ -29,10 +29,7 @@ matters, without asking the user to tell it anything:
   and clipping by norm leaves it out;
 * around every backward the front end runs (:meth:`StepState.backward`): one that runs inside the root's forward is
   given the root's pre-backward preparation and FairScale's end of the backward (every unit back to ``IDLE``, the
-  views given their gradients), and the root's forward goes on;
-* when a backward gathers a unit again (:meth:`StepState.check_unchanged`): if its shards were changed since its
-  forward (an optimizer stepped them), unsharded torch would fail ("modified by an inplace operation"), so this
-  raises too, instead of computing with the new weights.
+  views given their gradients), and the root's forward goes on.
 
 A model whose root unit holds parameters of its own cannot run a backward inside its forward (the root's full
 parameters would be freed and stale for the rest of the step): that is refused at the first such backward, on every
@@ -46,13 +43,12 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
-import torch
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
 from lightning_fairscale.fsdp import original_params, param_views
 
-__all__ = ["StepState", "adopt", "of"]
+__all__ = ["StepState", "adopt", "before_forward", "of"]
 
 #: Each unit of a sharded model -> the :class:`StepState` of its model (weakly: it lives with the model).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictionary()
@@ -61,6 +57,13 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictio
 def of(unit: nn.Module) -> Optional[StepState]:
     """The :class:`StepState` of ``unit``'s model, ``None`` for a unit of no model :func:`adopt` saw."""
     return _OWNERS.get(unit)
+
+
+def before_forward(unit: nn.Module) -> None:
+    """Before ``unit``'s forward: :meth:`StepState.before_forward`, for a unit of a model :func:`adopt` saw."""
+    state = _OWNERS.get(unit)
+    if state is not None:
+        state.before_forward(unit)
 
 
 def adopt(root: nn.Module, units: list[nn.Module]) -> StepState:
@@ -79,8 +82,6 @@ class StepState:
 
     def __init__(self, root: nn.Module) -> None:
         self._root = weakref.ref(root)
-        #: ``id(unit)`` -> the versions of its shards when its forward last ran.
-        self._versions: dict[int, list[int]] = {}
 
     @property
     def root(self) -> Any:
@@ -107,21 +108,6 @@ class StepState:
             else:  # sharded in place: the user may flip the parameter itself or the optimizer's view of it
                 for view in views:
                     view.trainable = view.param.requires_grad and managed.requires_grad
-        if torch.is_grad_enabled():
-            self._versions[id(unit)] = _shard_versions(unit)
-
-    def check_unchanged(self, unit: Any) -> None:
-        """In a backward that gathers ``unit`` again: refuse it if an optimizer changed the shards since the forward
-        whose graph the backward runs through (unsharded torch fails there too)."""
-        noted = self._versions.get(id(unit))
-        if noted is not None and noted != _shard_versions(unit):
-            raise RuntimeError(
-                "A backward pass reaches an FSDP unit whose parameters an optimizer step changed after the forward"
-                " it differentiates (a graph kept with `retain_graph=True` across `optimizer.step()`). Unsharded"
-                " training fails there too (one of the variables needed for gradient computation has been modified"
-                " by an inplace operation): step that optimizer after the last backward through the graph, or"
-                " compute the forward again."
-            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Around a backward
@@ -176,11 +162,3 @@ def _end_state(unit: Any) -> Optional[TrainingState]:
     if any(p.requires_grad for p in unit.params):
         return TrainingState.BACKWARD_POST
     return TrainingState.BACKWARD_PRE
-
-
-def _shard_versions(unit: Any) -> list[int]:
-    versions = []
-    for managed in unit.params:
-        shard = getattr(managed, "_fp32_shard", None)
-        versions.append((shard if shard is not None else managed)._version)
-    return versions

@@ -142,6 +142,10 @@ The workarounds, and why each is needed:
     first backward), and freed the half parameter after a ``no_sync`` backward that the root then computed with
     (:mod:`~lightning_fairscale.fsdp.one_rank`: ``Trainer(devices=1, precision="bf16-mixed")`` failed; found on a
     GPU, the same on CPU).
+22. **What the loop changes between steps (all devices).** FairScale derives a flat parameter's ``requires_grad`` at
+    build time, and ends a backward only after the root's forward. Freezing or unfreezing the model's parameters
+    (views, workaround 17) or ``toggle_optimizer`` changed nothing, and ``manual_backward`` (inside the root's
+    forward) left units in ``BACKWARD_POST``: :mod:`~lightning_fairscale.fsdp.step_state` owns both, per model.
 
 Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
 by the workarounds above that say "all devices".
@@ -290,9 +294,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
-        state = step_state.of(self)
-        if state is not None:
-            state.before_forward(self)  # workaround 22: which parameters train now
+        step_state.before_forward(self)  # workaround 22: which parameters train now
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
@@ -350,9 +352,6 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
-        state = step_state.of(self) if prefetch.in_backward() else None
-        if state is not None:
-            state.check_unchanged(self)  # workaround 22: the shards are those the forward computed with
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
@@ -364,10 +363,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         return result
 
     def _use_full_params(self) -> None:
-        if prefetch.in_backward() and not self.has_full_params:
-            # Workaround 22: a second backward through a graph kept from the first (`retain_graph=True`) reaches a
-            # unit that keeps its full parameters after its forward (a root) but whose first backward freed them.
-            self._rebuild_full_params()
+        if prefetch.in_backward() and not self.has_full_params:  # workaround 22: a second backward through a kept
+            self._rebuild_full_params()  # graph reaches a unit (a root) whose first backward freed its full ones
             return
         super()._use_full_params()
         if prefetch.in_backward():
@@ -415,21 +412,10 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                     param_views.share_gradients(param)
                 else:
                     param_views.share_local_gradients(param, unit.rank)
-        self._reshard_frozen_params()
+        frozen_params.reshard_frozen_root(self)  # workaround 15
         if self._prefetcher is not None:  # workaround 16: nothing gathered ahead or kept outlives the backward
             self._prefetcher.pass_ended()
             self._prefetcher.release_kept()
-
-    def _reshard_frozen_params(self) -> None:
-        """Free this (root) unit's gathered frozen parameters after a backward, as FairScale's post-backward hook
-        frees a trainable parameter's and under the same condition (workaround 15)."""
-        frozen = [param for param in self.params if not param.requires_grad]
-        if not frozen or not (self._require_backward_grad_sync or self.reshard_after_forward):
-            return
-        self._free_full_params(frozen)
-        if self.mixed_precision:
-            self._free_fp16_param_shard(frozen)
-        self._use_fp32_param_shard(frozen)
 
     def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
         """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
