@@ -5,6 +5,7 @@ units, and backward passes inside the root's forward (the Trainer's manual optim
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.optim import ParameterLayout
+from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
 from lightning_fairscale.fsdp.units import fsdp_instances
 from lightning_fairscale.fsdp.unwrapping import unwrap_module
 
@@ -25,6 +27,7 @@ from .helpers import (
     batches,
     parameters_of,
     shard,
+    split_by_hand,
     wrap,
 )
 
@@ -193,3 +196,19 @@ def test_a_backward_inside_the_forward_of_a_root_with_parameters_is_refused() ->
 
     with pytest.raises(RuntimeError, match="root unit holds 5 elements of its own.*auto_wrap_policy"):
         sharded.root(step)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_sharded_checkpoint_after_a_freeze_consolidates_each_parameters_own_step(
+    tmp_path: Path, world_size: int
+) -> None:
+    """Offline consolidation of a sharded checkpoint keeps each original parameter's Adam ``step`` (part of a unit
+    frozen for a step lags behind the rest of it), as the online full save does."""
+    from unit.test_sharded_checkpoint_format import TRAINER_STATE, split, write
+
+    sharded, _, plain, _ = train_both(SCHEDULE)
+    meta, one = split(sharded)
+    shards = split_by_hand(one, world_size) if world_size > 1 else [one]
+    full = consolidate(write(tmp_path / "frozen.ckpt", meta, shards))
+    assert {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")} == TRAINER_STATE
+    assert_optimizer_states_equal(full["optimizer_states"][0], plain.state_dict())
