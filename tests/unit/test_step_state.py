@@ -212,3 +212,12 @@ def test_a_sharded_checkpoint_after_a_freeze_consolidates_each_parameters_own_st
     full = consolidate(write(tmp_path / "frozen.ckpt", meta, shards))
     assert {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")} == TRAINER_STATE
     assert_optimizer_states_equal(full["optimizer_states"][0], plain.state_dict())
+
+
+def test_the_unsharded_module_keeps_the_flags_the_loop_left() -> None:
+    """``unshard_module()`` after freezes between steps: each parameter's ``requires_grad`` is as the loop left it,
+    not as it was at set-up (a Block frozen at set-up and unfrozen since, part of a unit frozen since)."""
+    sharded, _, _, _ = train_both([("blocks.0",), ("blocks.1.up",)], frozen_at_setup=("blocks.0",))
+    module = unwrap_module(sharded.root)
+    flags = {name: param.requires_grad for name, param in module.named_parameters()}
+    assert flags == {name: not name.startswith("blocks.1.up.") for name in flags}, flags
