@@ -221,3 +221,34 @@ def test_the_unsharded_module_keeps_the_flags_the_loop_left() -> None:
     module = unwrap_module(sharded.root)
     flags = {name: param.requires_grad for name, param in module.named_parameters()}
     assert flags == {name: not name.startswith("blocks.1.up.") for name in flags}, flags
+
+
+def test_a_second_backward_through_weights_an_optimizer_changed_is_refused_as_unsharded() -> None:
+    """``retain_graph=True``, ``optimizer.step()``, then a backward through the same graph: unsharded torch refuses
+    it (the weights it differentiates were changed in place); so does the sharded model, instead of differentiating
+    the new weights."""
+    model, reference = Net(), Net()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    for net, optimizer, message in ((reference, plain, "inplace"), (sharded.root, sharded.optimizer, "retain_graph")):
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward(retain_graph=True)
+        optimizer.step()
+        with pytest.raises(RuntimeError, match=message):
+            loss.backward()
+
+
+def test_a_second_backward_through_a_kept_graph_adds_the_same_gradients_as_unsharded() -> None:
+    """``retain_graph=True`` and a second backward through the same graph (nothing stepped between): every unit,
+    the root included (which keeps its full parameters after its forward), is gathered again."""
+    model, reference = Net(), Net()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
+    x, y = batches(1)[0]
+    for net in (sharded.root, reference):
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    grads = {n: p.grad for n, p in sharded.root.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name].view(-1), param.grad.view(-1), rtol=1e-6, atol=1e-7)

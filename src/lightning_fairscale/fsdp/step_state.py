@@ -29,7 +29,10 @@ matters, without asking the user to tell it anything:
   and clipping by norm leaves it out;
 * around every backward the front end runs (:meth:`StepState.backward`): one that runs inside the root's forward is
   given the root's pre-backward preparation and FairScale's end of the backward (every unit back to ``IDLE``, the
-  views given their gradients), and the root's forward goes on.
+  views given their gradients), and the root's forward goes on;
+* when a unit gathers its full parameters (:meth:`StepState.gathering`): in a forward, the versions of its shards are
+  noted; in a backward, shards an optimizer changed since are refused (unsharded torch refuses a backward through
+  weights changed in place too), instead of differentiating the new weights.
 
 A model whose root unit holds parameters of its own cannot run a backward inside its forward (the root's full
 parameters would be freed and stale for the rest of the step): that is refused at the first such backward, on every
@@ -43,12 +46,14 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import torch
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
+from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp import original_params, param_views
 
-__all__ = ["StepState", "adopt", "before_forward", "of"]
+__all__ = ["StepState", "adopt", "before_forward", "gathering", "of"]
 
 #: Each unit of a sharded model -> the :class:`StepState` of its model (weakly: it lives with the model).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictionary()
@@ -64,6 +69,13 @@ def before_forward(unit: nn.Module) -> None:
     state = _OWNERS.get(unit)
     if state is not None:
         state.before_forward(unit)
+
+
+def gathering(unit: nn.Module) -> None:
+    """``unit`` gathers its full parameters: :meth:`StepState.gathering`, for a unit of a model :func:`adopt` saw."""
+    state = _OWNERS.get(unit)
+    if state is not None:
+        state.gathering(unit)
 
 
 def adopt(root: nn.Module, units: list[nn.Module]) -> StepState:
@@ -82,6 +94,8 @@ class StepState:
 
     def __init__(self, root: nn.Module) -> None:
         self._root = weakref.ref(root)
+        #: ``id(unit)`` -> the versions of its shards when its last forward gathered them.
+        self._versions: dict[int, list[int]] = {}
 
     @property
     def root(self) -> Any:
@@ -108,6 +122,26 @@ class StepState:
             else:  # sharded in place: the user may flip the parameter itself or the optimizer's view of it
                 for view in views:
                     view.trainable = view.param.requires_grad and managed.requires_grad
+
+    def gathering(self, unit: Any) -> None:
+        """``unit`` gathers its full parameters: in a forward with gradients, note its shards' versions; in a backward
+        (its pre-backward hook, a recomputation, a second backward through a kept graph), refuse shards that an
+        optimizer changed since: the backward would differentiate the new weights where the forward computed with the
+        old ones, which unsharded torch refuses too ("modified by an inplace operation")."""
+        versions = _shard_versions(unit)
+        if not in_backward():
+            if torch.is_grad_enabled():
+                self._versions[id(unit)] = versions
+            return
+        noted = self._versions.get(id(unit))
+        if noted is not None and noted != versions:
+            raise RuntimeError(
+                "A backward reaches an FSDP unit whose parameters an optimizer step changed after the forward it"
+                " differentiates (a graph kept with `retain_graph=True` across `optimizer.step()`). Unsharded"
+                " training fails there too (a variable needed for gradient computation has been modified by an"
+                " inplace operation): step that optimizer after the last backward through the graph, or compute"
+                " the forward again."
+            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Around a backward
@@ -162,3 +196,13 @@ def _end_state(unit: Any) -> Optional[TrainingState]:
     if any(p.requires_grad for p in unit.params):
         return TrainingState.BACKWARD_POST
     return TrainingState.BACKWARD_PRE
+
+
+def _shard_versions(unit: Any) -> list[int]:
+    """The version counters of ``unit``'s shards and of their views (the optimizer updates the shards in place through
+    the views, whose ``.data`` is set to slices of them: each has a counter of its own)."""
+    versions = []
+    for managed in unit.params:
+        versions.append(getattr(managed, "_fp32_shard", managed)._version)
+        versions.extend(view.param._version for view in param_views.views_of(managed))
+    return versions

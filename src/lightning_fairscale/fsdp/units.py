@@ -352,6 +352,7 @@ class FullyShardedDataParallel(_FairScaleFSDP):
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
+        step_state.gathering(self)  # workaround 22: the shards a backward differentiates are its forward's
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
