@@ -252,3 +252,22 @@ def test_a_second_backward_through_a_kept_graph_adds_the_same_gradients_as_unsha
     grads = {n: p.grad for n, p in sharded.root.named_parameters()}
     for name, param in reference.named_parameters():
         torch.testing.assert_close(grads[name].view(-1), param.grad.view(-1), rtol=1e-6, atol=1e-7)
+
+
+def test_without_flattening_a_parameter_frozen_at_set_up_trains_once_unfrozen_on_the_module() -> None:
+    """``flatten_parameters=False``: the module's parameters are the sharded ones, the optimizer holds views of them;
+    unfreezing the module's parameter (``BaseFinetuning.make_trainable``) makes its view train too."""
+    model, reference = Net(), Net()
+    for net in (model, reference):
+        net.blocks[0].requires_grad_(False)
+    sharded = shard(model, torch.optim.Adam(model.parameters(), lr=0.05), policy={Block}, flatten=False)
+    plain = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for index, (x, y) in enumerate(batches(3)):
+        for net, optimizer in ((sharded.root, sharded.optimizer), (reference, plain)):
+            if index == 1:
+                net.get_submodule("blocks.0").requires_grad_(True)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+    assert_optimizer_states_equal(sharded.consolidate(), plain.state_dict())
+    assert_tensors_equal(parameters_of(unwrap_module(sharded.root)), parameters_of(reference))

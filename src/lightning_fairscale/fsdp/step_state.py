@@ -94,6 +94,8 @@ class StepState:
 
     def __init__(self, root: nn.Module) -> None:
         self._root = weakref.ref(root)
+        #: ``id(managed)`` -> ``requires_grad`` of a parameter sharded in place at its unit's last forward.
+        self._flags: dict[int, bool] = {}
         #: ``id(unit)`` -> the versions of its shards when its last forward gathered them.
         self._versions: dict[int, list[int]] = {}
 
@@ -119,9 +121,14 @@ class StepState:
                 wanted = any(view.trainable for view in views)
                 if managed.requires_grad != wanted:
                     managed.requires_grad_(wanted)
-            else:  # sharded in place: the user may flip the parameter itself or the optimizer's view of it
+            else:  # sharded in place: the module's parameter is the managed one, the optimizer holds a view of it
+                flag = managed.requires_grad
+                if self._flags.get(id(managed), flag) != flag:  # flipped on the module (`BaseFinetuning`): the
+                    for view in views:  # view follows; a flip of the view (`toggle_optimizer`) stays its own
+                        view.param.requires_grad_(flag)
+                self._flags[id(managed)] = flag
                 for view in views:
-                    view.trainable = view.param.requires_grad and managed.requires_grad
+                    view.trainable = view.param.requires_grad and flag
 
     def gathering(self, unit: Any) -> None:
         """``unit`` gathers its full parameters: in a forward with gradients, note its shards' versions; in a backward
