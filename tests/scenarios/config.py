@@ -224,3 +224,36 @@ class FabricScenario(Config):
     partial_from: Optional[str] = None
     partial_kinds: tuple[str, ...] = ("full", "sharded", "raw", "raw-sharded")
     strict: bool = False  # the partial loads' `strict`
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# scenarios/between_steps.py
+
+
+@dataclass(frozen=True)
+class BetweenSteps(Config):
+    """A loop that changes the model's state between (and inside) steps (``scenarios/between_steps.py``), with the
+    Trainer or Fabric under the FSDP strategy, and its unsharded reference computed in the same process.
+
+    ``case="freeze"``: gradual unfreezing (layers frozen and unfrozen at each epoch's start, one Adam over all
+    parameters); ``case="gan"``: two optimizers, a generator and a discriminator, each an FSDP unit (the Trainer's
+    manual optimization with ``toggle_optimizer``; Fabric: two set-up modules)."""
+
+    SCRIPT: ClassVar[str] = "between_steps"
+
+    front: str = "trainer"  # or "fabric"
+    #: "fsdp" (DDPFullyShardedStrategy); "ddp": Lightning's DDPStrategy(find_unused_parameters=True), unsharded,
+    #: to check a scenario itself against its reference
+    strategy: str = "fsdp"
+    case: str = "freeze"  # or "gan"
+    devices: int = 2
+    steps: int = 8  # optimizer steps of the freeze case; batches of the gan case
+    #: freeze: the first epoch's frozen layers are frozen before set-up already (a unit wholly frozen at set-up)
+    setup_frozen: bool = False
+    #: gan: the discriminator's loss on the generator's output detached (else its backward reaches the generator,
+    #: whose graph the first backward keeps)
+    detach: bool = True
+    clip: Optional[float] = None  # clipping by norm, on every step (Trainer: gradient_clip_val / clip_gradients)
+    state_dict_type: str = "full"  # of the save at `save_at`
+    save_at: Optional[int] = None  # after this many steps (batches), save, then resume in a fresh model
+    save_dir: Optional[str] = None

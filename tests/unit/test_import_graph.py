@@ -64,6 +64,7 @@ ENGINE = (
     "fsdp.summary",
     "fsdp.ties",
     "fsdp.state_names",
+    "fsdp.step_state",
     "fsdp.units",
     "fsdp.unwrapping",
     "fsdp.unsharded_shapes",

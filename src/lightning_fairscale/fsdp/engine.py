@@ -38,7 +38,7 @@ from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import cpu_streams, original_params, saving
+from lightning_fairscale.fsdp import cpu_streams, original_params, saving, step_state
 from lightning_fairscale.fsdp.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
@@ -176,6 +176,18 @@ class WrappedModel:
         """What shows that ``optimizer``'s param groups were made from this model's sharded parameters, outside
         :meth:`unsharded_shapes` (``None`` when nothing does)."""
         return param_group_problem(optimizer, self.layout)
+
+    @contextlib.contextmanager
+    def backward(self) -> Generator[None, None, None]:
+        """Around every backward the front end runs (``manual_backward`` and automatic optimization alike): one
+        inside the root's forward (the Trainer's manual optimization) ends as FairScale ends a backward (see
+        :mod:`~lightning_fairscale.fsdp.step_state`)."""
+        state = step_state.of(self.root)
+        if state is None:
+            yield
+            return
+        with state.backward():
+            yield
 
     def order(self, optimizer: Optimizer) -> GroupOrder:
         """The order of ``optimizer``'s state in checkpoints (see :meth:`repoint`)."""
@@ -432,6 +444,7 @@ def finish_wrapping(
     views, orders = layout.originals(), layout.parameter_names
     for unit in fsdp_instances(root):
         original_params.install(unit, views, orders)
+    step_state.adopt(root, list(fsdp_instances(root)))  # workaround 28: what the loop changes is followed
     # A later stage, or another strategy, takes the model as it is (the root keeps what the model knows).
     return WrappedModel(root, layout, checkpointed, originals)
 

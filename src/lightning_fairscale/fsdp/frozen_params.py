@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 
-__all__ = ["record_frozen", "unfreeze_own_parameters"]
+from lightning_fairscale.fsdp import param_views
+
+__all__ = ["record_frozen", "reshard_frozen", "trainable_pieces", "unfreeze_own_parameters"]
 
 
 def unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
@@ -59,3 +61,14 @@ def reshard_frozen(root: _FairScaleFSDP) -> None:
     if root.mixed_precision:
         root._free_fp16_param_shard(frozen)
     root._use_fp32_param_shard(frozen)
+
+
+def trainable_pieces(flat: torch.nn.Parameter) -> list[bool]:
+    """Whether each original parameter of ``flat`` (a flat parameter) trains: as its view says now (the model's
+    parameter, which the loop may have frozen or unfrozen since set-up: workaround 28), else as it did at set-up."""
+    infos = flat._param_infos  # type: ignore[attr-defined]
+    views = {view.piece: view for view in param_views.views_of(flat)}
+    if len(views) == len(infos):
+        return [views[k].param.requires_grad for k in range(len(infos))]
+    frozen = flat.__dict__.get("_lightning_fairscale_frozen") or [False] * len(infos)
+    return [flat.requires_grad and not is_frozen for is_frozen in frozen]

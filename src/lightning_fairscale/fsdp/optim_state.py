@@ -82,7 +82,7 @@ def _state_template(views: list[tuple[ParamView, dict[str, Any]]]) -> dict[str, 
     element-wise keys with their dtypes, and the per-parameter values (``step``...)."""
     pieces: set[int] = set()
     elementwise: dict[str, torch.dtype] = {}
-    values: dict[str, Any] = {}
+    values: dict[int, dict[str, Any]] = {}
     for view, state in views:
         if not state or view.start == view.stop:  # an empty view's state (if any) is no part of the whole
             continue
@@ -91,7 +91,9 @@ def _state_template(views: list[tuple[ParamView, dict[str, Any]]]) -> dict[str, 
             if _is_elementwise(value, view.param):
                 elementwise[key] = value.dtype
             else:
-                values.setdefault(key, value)
+                # Per piece: the original parameters of one unit need not share them (Adam's `step` of a layer
+                # frozen for a while lags behind the others').
+                values.setdefault(view.piece, {}).setdefault(key, value)
     return {"pieces": pieces, "elementwise": elementwise, "values": values}
 
 
@@ -100,8 +102,9 @@ def _merge_templates(templates: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for template in templates:
         merged["pieces"] |= template["pieces"]
         merged["elementwise"].update(template["elementwise"])
-        for key, value in template["values"].items():
-            merged["values"].setdefault(key, value)
+        for piece, values in template["values"].items():
+            for key, value in values.items():
+                merged["values"].setdefault(piece, {}).setdefault(key, value)
     return merged
 
 
@@ -122,6 +125,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
     full_states: list[dict[str, Any]] = []
     elementwise: list[set[str]] = []
     stateful: list[set[int]] = []
+    piece_values: list[dict[int, dict[str, Any]]] = []
     for m, managed in enumerate(params):
         template = _merge_templates([templates[m] for templates in every_rank])
         numel = layout.managed[managed].numel
@@ -133,8 +137,11 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
                     shard[view.start : view.stop].copy_(state[key])
             full[key] = _gather_full(shard, numel, group)
             del shard
-        full.update(template["values"] if template["pieces"] else {})
+        values = template["values"]
+        if template["pieces"]:  # the first piece's, for the keys every state has (each piece's own below)
+            full.update(values[min(values)] if values else {})
         full_states.append(full)
+        piece_values.append(values)
         elementwise.append(set(template["elementwise"]))
         stateful.append(template["pieces"])
     if rank != 0:
@@ -147,6 +154,7 @@ def consolidate_state(optimizer: Optimizer, layout: ParameterLayout, orders: Gro
         _hyperparameters(optimizer),
         elementwise,
         stateful,
+        piece_values,
     )
 
 
@@ -190,6 +198,7 @@ def plain_state_dict(
     groups: Sequence[dict[str, Any]],
     elementwise: Sequence[set[str]],
     stateful: Optional[Sequence[set[int]]] = None,
+    piece_values: Optional[Sequence[dict[int, dict[str, Any]]]] = None,
 ) -> dict[str, Any]:
     """The state dict of a plain optimizer over the unwrapped module, from the unsharded state of each FSDP-managed
     parameter. Serves the online consolidation above and the offline one of sharded checkpoints.
@@ -204,6 +213,8 @@ def plain_state_dict(
         elementwise: for each managed parameter, the keys of its element-wise entries (the others are copied).
         stateful: for each managed parameter, the pieces that have state (default: all, when it has state); a
             :data:`PIECES_KEY` entry of its state says the same.
+        piece_values: for each managed parameter, each piece's own per-parameter values (``step``...), which
+            replace the state's (default: the state's, for every piece).
     """
     out_state: dict[int, dict[str, Any]] = {}
     out_groups: list[dict[str, Any]] = []
@@ -226,6 +237,9 @@ def plain_state_dict(
                     for key, value in state.items()
                     if key != PIECES_KEY
                 }
+                if piece_values is not None:
+                    own = piece_values[m].get(k, {})
+                    out_state[index].update({key: copy.deepcopy(v) for key, v in own.items()})
             indices.append(index)
             index += 1
         out_groups.append({**{k: v for k, v in group_saved.items() if k != "params"}, "params": indices})

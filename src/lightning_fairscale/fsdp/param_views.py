@@ -34,6 +34,7 @@ __all__ = [
     "ParamView",
     "attach",
     "forget",
+    "gets_gradient",
     "has_views",
     "mark_has_views",
     "mark_norm_group",
@@ -64,7 +65,8 @@ class ParamView:
     """The part of original parameter ``piece`` of ``managed`` that this rank holds.
 
     ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
-    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad``.
+    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad`` when its
+    unit last computed (at set-up, then before each forward of the unit: :mod:`~lightning_fairscale.fsdp.step_state`).
     """
 
     param: nn.Parameter
@@ -101,9 +103,16 @@ def views_of(managed: nn.Parameter) -> list[ParamView]:
     return managed.__dict__.get(_VIEWS, [])
 
 
+def gets_gradient(view: ParamView) -> bool:
+    """Whether ``view`` is given its slice of the flat gradient: it trained when its unit last computed
+    (``trainable``, kept up to date by :mod:`~lightning_fairscale.fsdp.step_state`) and it still does, as an unsharded
+    parameter gets a gradient only if it required one in the forward and still does in the backward."""
+    return view.trainable and view.param.requires_grad
+
+
 def trainable_views(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     """The view parameters of trainable original parameters among the views of ``params`` (flat parameters)."""
-    return [view.param for managed in params for view in views_of(managed) if view.trainable]
+    return [view.param for managed in params for view in views_of(managed) if gets_gradient(view)]
 
 
 @torch.no_grad()
@@ -115,19 +124,29 @@ def take_back_gradients(managed: nn.Parameter) -> None:
     synchronising backwards, or ``zero_grad(set_to_none=False)``, which zeroes the shared slices in place) the flat
     gradient is kept, and FairScale accumulates into it. A view's gradient is dropped when it is no longer the one
     it was given: ``None``, or one the backward has begun computing for the view itself (a term on the model's
-    parameters outside its forward, whose gradient reaches the view before this unit's backward starts).
+    parameters outside its forward, whose gradient reaches the view before this unit's backward starts). A view
+    frozen since (``requires_grad=False``) keeps the gradient it holds, as a frozen parameter of an unsharded model
+    does, but apart from the flat gradient: nothing accumulates into it (workaround 28).
     """
     if not managed.__dict__.pop(_SHARED, False) or managed.grad is None:
         return
-    views = [view for view in views_of(managed) if view.trainable and view.start < view.stop]
     given = managed.__dict__.get(_GIVEN, {})
-    missing = [view for view in views if not _holds_given(view, given)]
-    if len(missing) == len(views):
+    views = [view for view in views_of(managed) if view.start < view.stop]
+    kept = []
+    for view in views:
+        if not _holds_given(view, given):
+            continue
+        if view.param.requires_grad:
+            kept.append(view)
+        else:
+            view.param.grad = view.param.grad.clone()  # type: ignore[union-attr]
+    if not kept:
         managed.grad = None
         return
     flat = managed.grad.view(-1)
-    for view in missing:
-        flat[view.start : view.stop].zero_()
+    for view in views:
+        if view not in kept:
+            flat[view.start : view.stop].zero_()
 
 
 def _holds_given(view: ParamView, given: dict[int, Any]) -> bool:
@@ -174,7 +193,7 @@ def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tens
     given = managed.__dict__.get(_GIVEN, {})
     for view in views:
         own = view.param.grad
-        if own is None or not view.trainable or view.start == view.stop or _holds_given(view, given):
+        if own is None or not gets_gradient(view) or view.start == view.stop or _holds_given(view, given):
             continue
         flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
 
@@ -199,7 +218,7 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
     flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
     offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
     for view in views_of(managed):
-        if view.trainable and view.start < view.stop:
+        if gets_gradient(view) and view.start < view.stop:
             _give(managed, view, flat[offset + view.start : offset + view.stop])
 
 
@@ -211,6 +230,10 @@ def share_gradients(managed: nn.Parameter) -> None:
     if not views:
         return
     repoint_data(managed)
+    if managed.__dict__.get(_SHARED):
+        # Given already, and not taken back since: this backward did not reach the unit (its gradient is the last
+        # one's, which the views may have dropped since: not given again).
+        return
     shard = _shard(managed)
     grad = managed.grad
     shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
@@ -219,7 +242,7 @@ def share_gradients(managed: nn.Parameter) -> None:
     for view in views:
         # A view of no element of this shard gets no gradient (as torch FSDP's original parameters outside the
         # shard): an optimizer then keeps no state for it.
-        if view.trainable and shares and view.start < view.stop:
+        if gets_gradient(view) and shares and view.start < view.stop:
             _give(managed, view, grad.view(-1)[view.start : view.stop])  # type: ignore[union-attr]
     if shares:
         managed.__dict__[_SHARED] = True

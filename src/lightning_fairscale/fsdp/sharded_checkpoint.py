@@ -261,6 +261,7 @@ def _consolidate_optimizer(
     elementwise: list[set[str]] = []
     pieces: list[list[Piece]] = []
     stateful: list[set[int]] = []
+    piece_values: list[dict[int, dict[str, Any]]] = []
     for m, (u, i) in enumerate(layout["params"]):
         per_rank = [_param_metadata(meta, u, i) for meta in metadata]
         unit_path, name, info = per_rank[0]
@@ -276,22 +277,30 @@ def _consolidate_optimizer(
         ranks = range(1 if metadata[0]["param_metadata"][u]["no_broadcast_optim_state"] else len(states))
         pads = [per_rank[r][2]["padding"] for r in ranks]
         shard_numel = (sum(numels) + sum(pads)) // len(pads)
+        values: dict[int, dict[str, Any]] = {}
         if "views" in layout:
-            full, keys, with_state = _from_views(m, sum(numels), shard_numel, [(states[r], layouts[r]) for r in ranks])
+            full, keys, with_state = _from_views(
+                m, sum(numels), shard_numel, [(states[r], layouts[r]) for r in ranks], values
+            )
         else:
             full, keys = _from_managed_shards(m, shard_numel, [(states[r], pads[k]) for k, r in enumerate(ranks)])
             with_state = set(range(len(numels))) if full else set()
         full_states.append(full)
+        piece_values.append(values)
         elementwise.append(keys)
         stateful.append(with_state)
-    return plain_state_dict(full_states, pieces, layout["orders"], states[0]["param_groups"], elementwise, stateful)
+    return plain_state_dict(
+        full_states, pieces, layout["orders"], states[0]["param_groups"], elementwise, stateful, piece_values
+    )
 
 
 def _from_views(
-    m: int, numel: int, shard_numel: int, ranks: list[tuple[dict[str, Any], dict[str, Any]]]
+    m: int, numel: int, shard_numel: int, ranks: list[tuple[dict[str, Any], dict[str, Any]]],
+    values: dict[int, dict[str, Any]],
 ) -> tuple[dict[str, Any], set[str], set[int]]:
     """Managed parameter ``m``'s whole state, its element-wise keys and the pieces with state, from every rank's
-    views of it (rank ``r``'s view ``[start, stop)`` of its shard is ``[r * shard_numel + start, ...)`` overall)."""
+    views of it (rank ``r``'s view ``[start, stop)`` of its shard is ``[r * shard_numel + start, ...)`` overall);
+    ``values`` gets each piece's own per-parameter values (``step``: a piece frozen for a while lags)."""
     full: dict[str, Any] = {}
     keys: set[str] = set()
     with_state: set[int] = set()
@@ -310,6 +319,7 @@ def _from_views(
                     full[key][at : at + stop - start] = value
                 else:
                     full.setdefault(key, copy.deepcopy(value))
+                    values.setdefault(piece, {}).setdefault(key, value)
     return full, keys, with_state
 
 

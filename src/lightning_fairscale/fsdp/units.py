@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, copying, forward_grads, one_rank, prefetch, recompute, ties
+from lightning_fairscale.fsdp import bookkeeping, copying, forward_grads, one_rank, prefetch, recompute, step_state
+from lightning_fairscale.fsdp import ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -157,6 +158,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
+        step_state.before_forward(self)  # workaround 28: which parameters train now
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
@@ -215,6 +217,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
+        step_state.gathering(self)  # workaround 28: the shards a backward differentiates are its forward's
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
@@ -226,6 +229,9 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         return result
 
     def _use_full_params(self) -> None:
+        if prefetch.in_backward() and not self.has_full_params:  # workaround 28: a second backward through a kept
+            self._rebuild_full_params()  # graph reaches a unit (a root) whose first backward freed its full ones
+            return
         super()._use_full_params()
         if prefetch.in_backward():
             original_params.use_full_views(self)  # workaround 17

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_fairscale.fsdp.backward_hooks import HOOKED
 from lightning_fairscale.fsdp import original_params
+from lightning_fairscale.fsdp.frozen_params import trainable_pieces
 from lightning_fairscale.fsdp.units import fsdp_instances
 
 __all__ = [
@@ -56,8 +57,8 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
         flat_params, flat_data = unit.params[:flat_count], tensors[:flat_count]
         if flat_params:
             unit.module._unflatten_params(external_data=flat_data)
-            for flat, (_, owner, name), frozen in _flat_pieces(flat_params):
-                getattr(owner, name).requires_grad_(flat.requires_grad and not frozen)
+            for _, (_, owner, name), trainable in _flat_pieces(flat_params):
+                getattr(owner, name).requires_grad_(trainable)
             for flat in flat_params:
                 # The flat parameter's gradient hook refers back to its unit through autograd, a cycle that Python's
                 # garbage collector cannot see: without this, every unwrapped unit (and its shards) would live on.
@@ -113,11 +114,10 @@ def _flat_pieces(
     flat_params: Iterable[nn.Parameter],
 ) -> Iterable[tuple[nn.Parameter, tuple[str, nn.Module, str], bool]]:
     """Each original parameter of ``flat_params``: its flat parameter, FairScale's ``(module name, owner, name)``,
-    and whether it was frozen in a unit that also trains (FairScale workaround 11)."""
+    and whether it trains (as the loop left it: :func:`~lightning_fairscale.fsdp.frozen_params.trainable_pieces`)."""
     for flat in flat_params:
         infos = flat._param_infos  # type: ignore[attr-defined]
-        frozen = flat.__dict__.get("_lightning_fairscale_frozen") or [False] * len(infos)
-        yield from ((flat, info, is_frozen) for info, is_frozen in zip(infos, frozen))
+        yield from ((flat, info, trainable) for info, trainable in zip(infos, trainable_pieces(flat)))
 
 
 _FSDP_PARAM_ATTRIBUTES = (

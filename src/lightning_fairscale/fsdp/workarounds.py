@@ -165,4 +165,8 @@ The workarounds, and why each is needed:
 27. **A root gathered by an evaluation forward (all devices).** FairScale does not reshard the root after its forward:
     after one with no backward (validation) it kept its full parameters, and the next forward used them, missing any
     write into the shards in between (weight averaging's swap back): :mod:`~lightning_fairscale.fsdp.gathered`.
+28. **What the loop changes between steps (all devices).** FairScale derives a flat parameter's ``requires_grad`` at
+    build time, and ends a backward only after the root's forward. Freezing or unfreezing the model's parameters
+    (views, workaround 17) or ``toggle_optimizer`` changed nothing, and ``manual_backward`` (inside the root's
+    forward) left units in ``BACKWARD_POST``: :mod:`~lightning_fairscale.fsdp.step_state` owns both, per model.
 """

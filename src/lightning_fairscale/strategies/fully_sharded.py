@@ -302,6 +302,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
         else:
             yield
 
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; one inside the training step (``manual_backward``, which runs inside the root unit's
+        forward) ends as FairScale ends a backward after the forward (``fsdp.step_state``)."""
+        if self._sharded is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self._sharded.backward():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:

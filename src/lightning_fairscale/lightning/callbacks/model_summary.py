@@ -29,6 +29,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from fairscale.nn.misc import FlattenParamsWrapper
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning_fairscale.lightning._compat import _ModuleMode, attached_trainer
+from lightning_fairscale.fsdp.frozen_params import trainable_pieces
 from lightning_fairscale.fsdp.units import fsdp_instances
 from lightning.pytorch.utilities.model_summary.model_summary import (
     NOT_APPLICABLE,
@@ -93,12 +94,11 @@ class ParameterCounts:
                     continue
                 flat.add(id(param))
                 total, offset = sum(param._param_numels), 0
-                # Frozen pieces of a unit that also trains (FairScale workaround 11) count as frozen.
-                frozen = param.__dict__.get("_lightning_fairscale_frozen") or [False] * len(param._param_infos)
+                # Frozen pieces of a unit that also trains (FairScale workarounds 11 and 22) count as frozen.
+                trains = trainable_pieces(param)
                 for piece, ((_, owner, name), numel) in enumerate(zip(param._param_infos, param._param_numels)):
                     local = _local_elements(offset, numel, total, unit.world_size, unit.rank)
-                    trainable = param.requires_grad and not frozen[piece]
-                    self._counts[(id(param), piece)] = _Count(numel, local, trainable)
+                    self._counts[(id(param), piece)] = _Count(numel, local, trains[piece])
                     pieces[(id(owner), name)] = (id(param), piece)
                     self._owned.setdefault(id(owner), []).append((id(param), piece))
                     offset += numel
