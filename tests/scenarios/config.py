@@ -168,6 +168,12 @@ class Scenario(Config):
     # --- faults
     kill: Optional[Kill] = None
     lose: Optional[Lose] = None
+    #: (global step, where): the user's code raises in that step (``train.RaiseInStep``): "forward" (inside the
+    #: model's forward, between layers), "step" (training_step after the model's forward: a NaN guard), "backward"
+    #: (a gradient hook in the middle of the backward), "optimizer" (``on_before_optimizer_step``)
+    fail_at: Optional[tuple[int, str]] = None
+    fail_rank: Optional[int] = None  # only this rank raises (None: every rank)
+    on_exception_dir: Optional[str] = None  # an OnExceptionCheckpoint saving into this folder
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,88 @@
+"""An exception inside a training step (issue 47, item 5): the user's exception reaches the caller unchanged on every
+rank, ``OnExceptionCheckpoint`` writes the last completed step's weights (full or sharded; a sharded one consolidates
+with ``lightning-fairscale-consolidate``), and a later job resumes from it exactly as unsharded training goes on.
+
+One launch (:func:`launch`): for each strategy and place of the exception, a job that fails in step :data:`FAIL_AT`
+(every rank raises the test's ``UserError``), then a job that resumes from its checkpoint to :data:`STEPS`. Lightning's
+own ``"ddp"`` is there too: the reference for what a Lightning user expects of the same run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scenarios.common import max_difference, reference_training
+from scenarios.config import Scenario
+
+from conftest import Jobs, run_jobs
+
+STEPS, FAIL_AT = 6, 3
+BASE = Scenario(steps=STEPS, samples=8)  # Adam, one step per epoch (an exact resume in Lightning)
+
+#: (job prefix, the strategy's fields, whether its checkpoint is a sharded directory)
+STRATEGIES = {
+    "full": ({}, False),
+    "sharded": ({"state_dict_type": "sharded"}, True),
+    "ddp_sharded": ({"strategy_name": "ddp_sharded"}, False),
+    "ddp": ({"strategy_name": "ddp"}, False),
+}
+PLACES = ("step", "forward", "backward", "optimizer")
+CASES = [(kind, where) for kind in STRATEGIES for where in PLACES if kind != "ddp" or where == "step"]
+
+
+def checkpoint_path(folder: Path, kind: str, where: str) -> Path:
+    return folder / f"{kind}-{where}" / "on_exception.ckpt"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("exceptions")
+
+
+@pytest.fixture(scope="module")
+def launch(folder: Path) -> Jobs:
+    failing, resumed = {}, {}
+    for kind, where in CASES:
+        fields, _ = STRATEGIES[kind]
+        config = BASE.replace(**fields)
+        failing[f"fail-{kind}-{where}"] = config.replace(
+            fail_at=(FAIL_AT, where), on_exception_dir=str(checkpoint_path(folder, kind, where).parent)
+        )
+        resumed[f"resume-{kind}-{where}"] = config.replace(
+            ckpt_path=str(checkpoint_path(folder, kind, where)), record_loaded=True
+        )
+    return run_jobs(folder / "launch", {**failing, **resumed}, failing=list(failing))
+
+
+@pytest.mark.parametrize(("kind", "where"), CASES)
+def test_user_exception_reaches_the_caller_unchanged(launch: Jobs, kind: str, where: str) -> None:
+    for error in launch.errors(f"fail-{kind}-{where}"):
+        assert error["type"] == "UserError", error["traceback"][-3000:]
+        assert error["message"] == f"NaN guard: not finite in step {FAIL_AT} ({where})"
+        assert error["trained_batches"] == FAIL_AT
+
+
+@pytest.mark.parametrize(("kind", "where"), CASES)
+def test_checkpoint_holds_the_last_completed_step_and_resumes_exactly(
+    launch: Jobs, folder: Path, kind: str, where: str
+) -> None:
+    resumed = launch[f"resume-{kind}-{where}"]
+    expected_saved = reference_training(FAIL_AT, num_samples=8)
+    assert max_difference(resumed["loaded"], expected_saved) < 1e-5
+    assert resumed["global_step"] == STEPS
+    assert max_difference(resumed["state_dict"], reference_training(STEPS, num_samples=8)) < 1e-5
+
+
+@pytest.mark.parametrize("where", [w for k, w in CASES if k == "sharded"])
+def test_sharded_checkpoint_consolidates(launch: Jobs, folder: Path, tmp_path: Path, where: str) -> None:
+    source = checkpoint_path(folder, "sharded", where)
+    assert source.is_dir()
+    tool = Path(sys.executable).parent / "lightning-fairscale-consolidate"
+    subprocess.run([str(tool), str(source), str(tmp_path / "full.ckpt")], check=True, capture_output=True)
+    consolidated = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert consolidated["global_step"] == FAIL_AT
+    assert max_difference(consolidated["state_dict"], reference_training(FAIL_AT, num_samples=8)) < 1e-5
