@@ -38,7 +38,7 @@ from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import cpu_streams, original_params, saving
+from lightning_fairscale.fsdp import cpu_streams, original_params, recovery, saving
 from lightning_fairscale.fsdp.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
@@ -190,17 +190,31 @@ class WrappedModel:
         return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
 
     # ------------------------------------------------------------------------------------------------------------
+    # After an exception inside a step
+
+    def recover(self) -> bool:
+        """Put the units back as the last completed step left them, if an exception left them in the middle of a
+        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to. Every
+        state dict, checkpoint and ``unshard`` below calls it first."""
+        if not recovery.needs_restore(self.root):
+            return False
+        recovery.restore(self.root)
+        return True
+
+    # ------------------------------------------------------------------------------------------------------------
     # State dicts and checkpoints
 
     def state_dict(self, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
         ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
+        self.recover()
         return saving.module_state_dict(self.root, sharded, is_global_zero)
 
     def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
         with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
         call."""
+        self.recover()
         order = self.order(optimizer)
         return optimizer.state_dict() if sharded else consolidate_state(optimizer, self.layout, order)
 
@@ -224,6 +238,7 @@ class WrappedModel:
     ) -> IncompatibleKeys:
         """Load a full state dict and plain optimizer states into this rank's shards, reading only their slices
         (see :func:`~lightning_fairscale.fsdp.saving.load_full`)."""
+        self.recover()
         return saving.load_full(self, state_dict, strict, optimizers, relax)
 
     def save_sharded(
@@ -233,6 +248,7 @@ class WrappedModel:
     ) -> None:
         """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
         :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
+        self.recover()
         saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
 
     def load_sharded(
@@ -242,6 +258,7 @@ class WrappedModel:
     ) -> tuple[dict[str, Any], IncompatibleKeys]:
         """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
         :func:`~lightning_fairscale.fsdp.saving.load_sharded`)."""
+        self.recover()
         return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
 
     def load_trainer_checkpoint(
@@ -251,6 +268,7 @@ class WrappedModel:
     ) -> dict[str, Any]:
         """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
         :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`)."""
+        self.recover()
         return saving.load_trainer_checkpoint(
             self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version
         )
@@ -264,6 +282,7 @@ class WrappedModel:
         ``meta`` device). The layers lose their activation checkpointing, the process groups and FairScale's CPU
         workarounds are released, and the optimizers re-pointed to the shards are forgotten (their state lived
         there). Returns the unwrapped module."""
+        self.recover()
         root = self.root
         module = unwrapped(root)
         unwrap_module(root, torch.device("cpu"), keep=keep)

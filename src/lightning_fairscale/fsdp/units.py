@@ -162,7 +162,7 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, ties
+from lightning_fairscale.fsdp import bookkeeping, one_rank, prefetch, recovery, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -293,6 +293,8 @@ class FullyShardedDataParallel(_FairScaleFSDP):
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
+        if self._is_root and recovery.needs_restore(self):  # an exception left the last step unfinished
+            recovery.restore(self)
         original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
         try:
             if not self._is_root or self._prefetcher is None:
@@ -302,6 +304,10 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 return super().forward(*args, **kwargs)
             finally:
                 self._prefetcher.forward_ended()
+        except BaseException:
+            if self._is_root and not prefetch.in_backward():
+                recovery.restore(self)  # the user's exception goes on, with the units as the last step left them
+            raise
         finally:
             original_params.show(self)  # workaround 17: the original parameters again
 

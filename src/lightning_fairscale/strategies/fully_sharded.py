@@ -375,6 +375,19 @@ class DDPFullyShardedStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; an exception raised in it (a hook of the user's) leaves the units as the last
+        completed step left them (see :mod:`~lightning_fairscale.fsdp.recovery`) before it goes on, unchanged, to
+        the callbacks' ``on_exception`` (``OnExceptionCheckpoint`` saves there). An exception in the forward (in
+        ``training_step``) is dealt with by the root unit itself."""
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            if self._sharded is not None:
+                self._sharded.recover()
+            raise
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may be gone: teardown must not wait for its shards, and its loss is named.
         self._failed = True

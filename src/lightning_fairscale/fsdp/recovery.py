@@ -1,0 +1,140 @@
+"""The units back in a defined state after an exception inside a step (issue 47, item 5).
+
+An exception raised in the middle of a step (a NaN guard in ``training_step``, a hook raising in the backward, an
+error in the optimizer's closure) leaves FairScale's units where it found them: the root (and the units it was
+computing) in ``FORWARD``, ``BACKWARD_PRE`` or ``BACKWARD_POST``, full parameters gathered (``p.data`` the full
+parameter, not the shard), the modules holding FairScale's views instead of the original parameters (workaround
+17), units gathered ahead or kept for the backward and reductions in flight (workaround 16), a reduce-scatter
+bucket half filled, and gradients of half a backward. FairScale then refuses ``summon_full_params`` (every full
+state dict), and a sharded state dict records the full parameters as this rank's shard: a checkpoint written then
+(``OnExceptionCheckpoint``) failed, or could not be consolidated.
+
+:func:`restore` puts every unit of a root back as the last completed step left it: ``IDLE``, the fp32 shards as
+``p.data``, no full parameters, the original parameters on their modules, nothing gathered ahead or in flight, and
+no gradient of the failed step (as ``zero_grad()`` leaves them: the failed step's backward did not complete, so
+its gradients are not the model's). It starts no collective: it only waits for the asynchronous work this rank
+had started already, which every rank that got as far started too (the ranks run the same collectives in the same
+order), so it cannot wait for a rank that raised earlier (a rank-local exception). The weights are those of the
+last completed step: an exception inside a step stops it before its optimizer step changes a shard.
+
+:func:`needs_restore` says whether a root is in such a state; the units call :func:`restore` when an exception
+leaves the root's forward, the strategies when one leaves a backward, and the engine's state dicts, checkpoints
+and the next root forward call it when the exception was caught elsewhere (a Fabric loop's ``try``/``except``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
+from torch import nn
+
+from lightning_fairscale.fsdp import original_params, prefetch
+
+__all__ = ["needs_restore", "restore"]
+
+
+def _units(root: nn.Module) -> list[Any]:
+    return [m for m in root.modules() if isinstance(m, _FairScaleFSDP)]
+
+
+def needs_restore(root: nn.Module) -> bool:
+    """Whether an exception left ``root`` (a root unit) in the middle of a step, outside a backward (where
+    FairScale's own states are expected): not ``IDLE``, or its end-of-backward callback still due. The root is the
+    first unit a forward enters and a backward reaches, the last one they leave: an unfinished step shows there."""
+    if not isinstance(root, _FairScaleFSDP) or prefetch.in_backward():
+        return False
+    state = root.training_state
+    return state in _IN_A_STEP or bool(getattr(root, "_post_backward_callback_queued", False))
+
+
+_IN_A_STEP = (TrainingState.FORWARD, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+
+
+def restore(root: nn.Module) -> None:
+    """Put every unit of ``root`` (a root unit) back as the last completed step left it (see the module's
+    docstring); local to this rank. Idempotent: a root in a defined state stays as it is, but for gathered-ahead
+    copies and gradients of an unfinished backward."""
+    units = _units(root)
+    if not units:
+        return
+    in_backward = any(unit.training_state in _IN_A_STEP[1:] for unit in units) or bool(
+        getattr(units[0], "_post_backward_callback_queued", False)
+    )
+    _wait_for_streams(units[0])
+    _drain_prefetcher(units[0])
+    _drop_reductions(units[0])
+    for unit in units:
+        _reshard(unit)
+        _drop_gradients(unit, in_backward)
+        unit.training_state = TrainingState.IDLE
+        unit._pre_backward_hook_has_run = False
+    head = units[0]
+    if getattr(head, "_is_root", False):
+        head._post_backward_callback_queued = False
+        registered = getattr(head, "_output_pre_backward_hook_registered", None)
+        if registered is not None:
+            registered.clear()
+    for unit in units:
+        original_params.show(unit)  # workaround 17: the original parameters (the shards' views) again
+
+
+def _wait_for_streams(root: Any) -> None:
+    """On CUDA, let the current stream wait for FairScale's side streams (their copies and reductions)."""
+    for stream in getattr(root, "_streams", {}).values():
+        if isinstance(stream, torch.cuda.Stream):
+            torch.cuda.current_stream().wait_stream(stream)
+
+
+def _drain_prefetcher(root: Any) -> None:
+    """Workaround 16: wait for the gathers this rank started ahead and free them, and what a forward kept."""
+    prefetcher = getattr(root, "_prefetcher", None)
+    if prefetcher is None:
+        return
+    prefetcher._recording = None  # an unfinished forward's order is not the model's
+    prefetcher.pass_ended()
+    prefetcher.release_kept()
+
+
+def _drop_reductions(root: Any) -> None:
+    """The reductions of an unfinished backward: those in flight are waited for (every rank that got as far started
+    them), a bucket's unsent gradients are dropped (sending them would start a collective)."""
+    reducer = getattr(root, "_reducer", None)
+    if reducer is None:
+        return
+    if isinstance(reducer, prefetch.AsyncReduceScatter):
+        reducer.flush()  # its callbacks store the reduced shards, which _drop_gradients then drops
+        return
+    for bucket in getattr(reducer, "buckets", {}).values():
+        if bucket.data.untyped_storage().size() > 0:
+            bucket.data.zero_()
+        bucket.offset = 0
+        bucket.callbacks.clear()
+        bucket.output_shard = torch.zeros_like(bucket.data[0])
+    reducer.teardown()
+
+
+def _reshard(unit: Any) -> None:
+    """Free ``unit``'s full parameters (and fp16 shards) and point its parameters at their fp32 shards."""
+    params = [p for p in unit.params if hasattr(p, "_fp32_shard")]
+    if not params:
+        return
+    if any(getattr(p, "_is_sharded", False) and hasattr(p, "_full_param_padded") for p in params):
+        unit._free_full_params(params)
+    if unit.mixed_precision or unit.move_params_to_cpu:
+        unit._free_fp16_param_shard(params)
+    unit._use_fp32_param_shard(params)
+    unit.has_full_params = False
+
+
+def _drop_gradients(unit: Any, in_backward: bool) -> None:
+    """The gradients of an unfinished backward (``in_backward``): the full ones FairScale had not reduced yet, the
+    reduced shards not yet handed to the optimizer's views. An exception in a forward leaves the gradients of the
+    last completed backward as they are (the views hold theirs)."""
+    if not in_backward:
+        return
+    for param in unit.params:
+        param.__dict__.pop("_saved_grad_shard", None)
+        param.grad = None
