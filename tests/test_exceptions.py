@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from scenarios.common import max_difference, reference_training
-from scenarios.config import Scenario
+from scenarios.config import FabricScenario, Scenario
 
 from conftest import Jobs, run_jobs
 
@@ -32,6 +32,17 @@ STRATEGIES = {
 }
 PLACES = ("step", "forward", "backward", "optimizer")
 CASES = [(kind, where) for kind in STRATEGIES for where in PLACES if kind != "ddp" or where == "step"]
+
+
+#: Fabric: a loop that catches the user's error in step FAIL_AT, saves, and goes on; each strategy and place.
+FABRIC_CASES = [(strategy, where) for strategy in ("fsdp", "sharded") for where in ("forward", "backward")]
+
+
+def fabric_job(folder: Path, strategy: str, where: str) -> FabricScenario:
+    return FabricScenario(
+        strategy=strategy, policy="size", steps=STEPS, samples=8, save_at=FAIL_AT, fail_at=(FAIL_AT, where),
+        save_dir=str(folder / f"fabric-{strategy}-{where}"),
+    )
 
 
 def checkpoint_path(folder: Path, kind: str, where: str) -> Path:
@@ -55,7 +66,8 @@ def launch(folder: Path) -> Jobs:
         resumed[f"resume-{kind}-{where}"] = config.replace(
             ckpt_path=str(checkpoint_path(folder, kind, where)), record_loaded=True
         )
-    return run_jobs(folder / "launch", {**failing, **resumed}, failing=list(failing))
+    fabric = {f"fabric-{strategy}-{where}": fabric_job(folder, strategy, where) for strategy, where in FABRIC_CASES}
+    return run_jobs(folder / "launch", {**failing, **resumed, **fabric}, failing=list(failing))
 
 
 @pytest.mark.parametrize(("kind", "where"), CASES)
@@ -86,3 +98,16 @@ def test_sharded_checkpoint_consolidates(launch: Jobs, folder: Path, tmp_path: P
     consolidated = torch.load(tmp_path / "full.ckpt", weights_only=True)
     assert consolidated["global_step"] == FAIL_AT
     assert max_difference(consolidated["state_dict"], reference_training(FAIL_AT, num_samples=8)) < 1e-5
+
+
+@pytest.mark.parametrize(("strategy", "where"), FABRIC_CASES)
+def test_fabric_loop_saves_and_goes_on_after_the_users_error(launch: Jobs, strategy: str, where: str) -> None:
+    """The loop caught the error in step FAIL_AT and went on: one step fewer than unsharded training of STEPS (every
+    step trains on the same batch here), and the checkpoints it saved after the error resume to STEPS exactly."""
+    result = launch[f"fabric-{strategy}-{where}"]
+    assert max_difference(result["final"], reference_training(STEPS - 1, num_samples=8)) < 1e-5
+    expected = reference_training(STEPS, num_samples=8)
+    kinds = ["full", "sharded"] if strategy == "fsdp" else ["full"]
+    assert sorted(result["resumed"]) == sorted(kinds)
+    for kind in kinds:
+        assert max_difference(result["resumed"][kind], expected) < 1e-5, kind

@@ -227,3 +227,8 @@ class FabricScenario(Config):
     partial_from: Optional[str] = None
     partial_kinds: tuple[str, ...] = ("full", "sharded", "raw", "raw-sharded")
     strict: bool = False  # the partial loads' `strict`
+    #: (step, where): the loop's step ``step`` (0-based) raises the user's error in the model's "forward" (before its
+    #: third layer) or "backward" (a gradient hook on its second layer's output); the loop catches it, saves (with
+    #: ``save_at`` = ``step``: ``full.ckpt`` and, under FSDP, ``sharded.ckpt``, as after a step) and goes on with the
+    #: next step
+    fail_at: Optional[tuple[int, str]] = None

@@ -34,6 +34,7 @@ __all__ = [
     "full_state",
     "load_full_state",
     "reattach_bucketed_gradients",
+    "recover",
     "repoint_schedulers",
     "shard_optimizer",
     "sync_module_states",
@@ -141,6 +142,27 @@ def end_backward(module: ShardedDataParallel) -> None:
         else:
             param.grad.add_(grad)
     module.__dict__[_REDUCED] = not module._should_accumulate_grads
+
+
+@torch.no_grad()
+def recover(module: ShardedDataParallel) -> None:
+    """After an exception in a backward (a hook of the user's): the module as the last completed step left it,
+    local to this rank (issue 47, item 5). The reductions this rank started are waited for (every rank that got as
+    far started them; left in flight, the next backward would run their callbacks over its own gradients), nothing
+    new is sent (a bucket not sent yet is dropped), and the gradients of the unfinished backward are dropped, as
+    ``zero_grad()`` does (a bucketed one is zeroed in its slot): they are not the model's."""
+    while module._work_handles:
+        work = module._work_handles.popleft()
+        work.handle.wait()
+    module.__dict__.pop(_HELD, None)
+    module.__dict__[_REDUCED] = False
+    for param in module._trainable_params:
+        param.grad = None
+    if module._use_buckets:
+        for bucket in module._bucket_list:
+            if bucket.buffer is not None:
+                bucket.buffer.zero_()
+    module._clear_counters()
 
 
 def shard_optimizer(optimizer: Optimizer, broadcast_fp16: bool = False) -> OSS:
