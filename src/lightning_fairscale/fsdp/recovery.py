@@ -24,7 +24,8 @@ and the next root forward call it when the exception was caught elsewhere (a Fab
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
@@ -33,7 +34,9 @@ from torch import nn
 
 from lightning_fairscale.fsdp import original_params, prefetch
 
-__all__ = ["needs_restore", "restore"]
+__all__ = ["needs_restore", "restore", "restoring"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _units(root: nn.Module) -> list[Any]:
@@ -51,6 +54,25 @@ def needs_restore(root: nn.Module) -> bool:
 
 
 _IN_A_STEP = (TrainingState.FORWARD, TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+
+
+def restoring(forward: F) -> F:
+    """A unit's ``forward``: the root's restores its units when an exception leaves it (the user's exception goes
+    on unchanged), and when it begins after a step that an exception left unfinished elsewhere (a backward whose
+    exception a Fabric loop caught)."""
+
+    @functools.wraps(forward)
+    def wrapper(unit: Any, *args: Any, **kwargs: Any) -> Any:
+        if unit._is_root and needs_restore(unit):
+            restore(unit)
+        try:
+            return forward(unit, *args, **kwargs)
+        except BaseException:
+            if unit._is_root and not prefetch.in_backward():
+                restore(unit)
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def restore(root: nn.Module) -> None:

@@ -287,14 +287,13 @@ class FullyShardedDataParallel(_FairScaleFSDP):
     __setattr__ = bookkeeping.set_attribute
     _cast_buffers = bookkeeping.cast_buffers
 
+    @recovery.restoring  # after an exception in a step, the units as the last completed step left them
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
-        if self._is_root and recovery.needs_restore(self):  # an exception left the last step unfinished
-            recovery.restore(self)
         original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
         try:
             if not self._is_root or self._prefetcher is None:
@@ -304,10 +303,6 @@ class FullyShardedDataParallel(_FairScaleFSDP):
                 return super().forward(*args, **kwargs)
             finally:
                 self._prefetcher.forward_ended()
-        except BaseException:
-            if self._is_root and not prefetch.in_backward():
-                recovery.restore(self)  # the user's exception goes on, with the units as the last step left them
-            raise
         finally:
             original_params.show(self)  # workaround 17: the original parameters again
 

@@ -376,10 +376,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward; an exception raised in it (a hook of the user's) leaves the units as the last
-        completed step left them (see :mod:`~lightning_fairscale.fsdp.recovery`) before it goes on, unchanged, to
-        the callbacks' ``on_exception`` (``OnExceptionCheckpoint`` saves there). An exception in the forward (in
-        ``training_step``) is dealt with by the root unit itself."""
+        """Lightning's; after an exception in it the units are as the last completed step left them (before the
+        callbacks' ``on_exception``: ``OnExceptionCheckpoint``), see :mod:`~lightning_fairscale.fsdp.recovery`."""
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except BaseException:

@@ -261,6 +261,19 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             " `fabric.setup_module` returned), and keep every trained module inside that model."
         )
 
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward; an exception raised in it (a hook of the user's) leaves every model set up here as its
+        last completed step left it (see :mod:`~lightning_fairscale.fsdp.recovery`), and goes on unchanged."""
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            for root in list(self._set_up.models):
+                model = self._fsdp_model(root)
+                if model is not None:
+                    model.recover()
+            raise
+
     def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
         """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""
         return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None

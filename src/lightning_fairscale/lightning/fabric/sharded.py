@@ -177,9 +177,13 @@ class DDPShardedStrategy(DDPStrategy):
             oss.begin_backward(model)
         try:
             super().backward(tensor, module, *args, **kwargs)
-        finally:
-            for model in models:
+        except BaseException:
+            for model in models:  # as the last completed step left them; the error goes on (issue 47, item 5)
                 oss.end_backward(model)
+                oss.recover(model)
+            raise
+        for model in models:
+            oss.end_backward(model)
 
     @override
     def clip_gradients_norm(

@@ -376,6 +376,17 @@ class DDPFullyShardedStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's; after an exception in it the units are as the last completed step left them (before the
+        callbacks' ``on_exception``: ``OnExceptionCheckpoint``), see :mod:`~lightning_fairscale.fsdp.recovery`."""
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            if self._sharded is not None:
+                self._sharded.recover()
+            raise
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may be gone: teardown must not wait for its shards, and its loss is named.
         self._failed = True

@@ -58,6 +58,7 @@ from lightning_fairscale.sharded_ddp.engine import (
     load_full_state,
     begin_backward,
     end_backward,
+    recover,
     repoint_schedulers,
     shard_optimizer,
     sync_module_states,
@@ -212,9 +213,13 @@ class DDPShardedStrategy(DDPStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         try:
             self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        finally:
-            if isinstance(self.model, ShardedDataParallel):
+        except BaseException:
+            if isinstance(self.model, ShardedDataParallel):  # as the last completed step left it; the error goes on
                 end_backward(self.model)
+                recover(self.model)
+            raise
+        if isinstance(self.model, ShardedDataParallel):
+            end_backward(self.model)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
