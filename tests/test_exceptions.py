@@ -10,6 +10,7 @@ own ``"ddp"`` is there too: the reference for what a Lightning user expects of t
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -111,3 +112,20 @@ def test_fabric_loop_saves_and_goes_on_after_the_users_error(launch: Jobs, strat
     assert sorted(result["resumed"]) == sorted(kinds)
     for kind in kinds:
         assert max_difference(result["resumed"][kind], expected) < 1e-5, kind
+
+
+def test_rank_local_exception_ends_without_waiting_for_the_timeout(tmp_path: Path) -> None:
+    """Only rank 0 raises (in ``training_step``), with an ``OnExceptionCheckpoint``: rank 1 is still in the step's
+    collectives, so the checkpoint's gathering would wait until the collective timeout (120 s here), as Lightning's
+    ``"ddp"`` waits at its barrier. Rank 0 finds out through the store that it failed alone, skips the save (saying
+    why) and its own exception goes on unchanged; rank 1 then fails at once (its peer is gone)."""
+    name = "rank-local"
+    config = BASE.replace(fail_at=(FAIL_AT, "step"), fail_rank=0, on_exception_dir=str(tmp_path / "ck"), timeout=120)
+    started = time.monotonic()
+    launch = run_jobs(tmp_path / "launch", {name: config}, failing=[name], killed=name, timeout=100)
+    assert time.monotonic() - started < 90
+    (error,) = launch.errors(name, ranks=1)  # rank 0's
+    assert error["type"] == "UserError", error["traceback"][-3000:]
+    assert error["message"] == f"NaN guard: not finite in step {FAIL_AT} (step)"
+    assert "did not raise within" in launch.output(name)
+    assert not (tmp_path / "ck" / "on_exception.ckpt").exists()

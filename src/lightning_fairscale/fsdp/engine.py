@@ -21,6 +21,7 @@ Lightning or calls back into a strategy.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Generator, Iterable, Sequence
 from datetime import timedelta
@@ -194,12 +195,20 @@ class WrappedModel:
 
     def recover(self) -> bool:
         """Put the units back as the last completed step left them, if an exception left them in the middle of a
-        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to. Every
-        state dict, checkpoint and ``unshard`` below calls it first."""
+        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to."""
         if not recovery.needs_restore(self.root):
             return False
         recovery.restore(self.root)
         return True
+
+    def _settle(self) -> None:
+        """Before every state dict, checkpoint and ``unshard`` below: while an exception is being handled (Lightning's
+        ``on_exception``, a Fabric loop's ``except``), the units as the last completed step left them (never in the
+        middle of a step that goes on: FairScale then refuses, as before); after a failed step, a rank that failed
+        alone raises (:func:`~lightning_fairscale.fsdp.recovery.check_failed_together`): nothing can be gathered."""
+        if sys.exc_info()[1] is not None:
+            self.recover()
+        recovery.check_failed_together(self.root)
 
     # ------------------------------------------------------------------------------------------------------------
     # State dicts and checkpoints
@@ -207,14 +216,14 @@ class WrappedModel:
     def state_dict(self, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
         ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
-        self.recover()
+        self._settle()
         return saving.module_state_dict(self.root, sharded, is_global_zero)
 
     def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
         with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
         call."""
-        self.recover()
+        self._settle()
         order = self.order(optimizer)
         return optimizer.state_dict() if sharded else consolidate_state(optimizer, self.layout, order)
 
@@ -238,7 +247,7 @@ class WrappedModel:
     ) -> IncompatibleKeys:
         """Load a full state dict and plain optimizer states into this rank's shards, reading only their slices
         (see :func:`~lightning_fairscale.fsdp.saving.load_full`)."""
-        self.recover()
+        self._settle()
         return saving.load_full(self, state_dict, strict, optimizers, relax)
 
     def save_sharded(
@@ -248,7 +257,7 @@ class WrappedModel:
     ) -> None:
         """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
         :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
-        self.recover()
+        self._settle()
         saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
 
     def load_sharded(
@@ -258,7 +267,7 @@ class WrappedModel:
     ) -> tuple[dict[str, Any], IncompatibleKeys]:
         """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
         :func:`~lightning_fairscale.fsdp.saving.load_sharded`)."""
-        self.recover()
+        self._settle()
         return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
 
     def load_trainer_checkpoint(
@@ -268,7 +277,7 @@ class WrappedModel:
     ) -> dict[str, Any]:
         """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
         :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`)."""
-        self.recover()
+        self._settle()
         return saving.load_trainer_checkpoint(
             self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version
         )
@@ -282,7 +291,7 @@ class WrappedModel:
         ``meta`` device). The layers lose their activation checkpointing, the process groups and FairScale's CPU
         workarounds are released, and the optimizers re-pointed to the shards are forgotten (their state lived
         there). Returns the unwrapped module."""
-        self.recover()
+        self._settle()
         root = self.root
         module = unwrapped(root)
         unwrap_module(root, torch.device("cpu"), keep=keep)

@@ -25,16 +25,29 @@ and the next root forward call it when the exception was caught elsewhere (a Fab
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+import itertools
+import logging
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
+from lightning_fairscale.distributed.torch_private import default_store
 from lightning_fairscale.fsdp import original_params, prefetch
 
-__all__ = ["needs_restore", "restore", "restoring"]
+__all__ = ["check_failed_together", "needs_restore", "restore", "restoring"]
+
+log = logging.getLogger(__name__)
+
+#: How long a rank whose step failed waits, before a collective save, for the other ranks to report theirs.
+AGREE_WAIT_S = 10.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,14 +76,17 @@ def restoring(forward: F) -> F:
 
     @functools.wraps(forward)
     def wrapper(unit: Any, *args: Any, **kwargs: Any) -> Any:
-        if unit._is_root and needs_restore(unit):
-            restore(unit)
+        if unit._is_root and needs_restore(unit) and unit.training_state != TrainingState.FORWARD:
+            restore(unit)  # an unfinished backward (not a forward inside the root's own)
         try:
-            return forward(unit, *args, **kwargs)
+            result = forward(unit, *args, **kwargs)
         except BaseException:
             if unit._is_root and not prefetch.in_backward():
                 restore(unit)
             raise
+        if unit._is_root:
+            _FAILED.pop(unit, None)  # a step is under way again
+        return result
 
     return wrapper  # type: ignore[return-value]
 
@@ -101,6 +117,71 @@ def restore(root: nn.Module) -> None:
             registered.clear()
     for unit in units:
         original_params.show(unit)  # workaround 17: the original parameters (the shards' views) again
+    if root not in _FAILED:
+        _FAILED[root] = _Failure(sys.exc_info()[1], next(_GENERATIONS))
+
+
+@dataclass(eq=False)
+class _Failure:
+    """A root's step that an exception ended (:func:`restore`): the exception, and which failure of this process
+    it is (the ranks that fail alike count alike)."""
+
+    error: Optional[BaseException]
+    generation: int
+    together: Optional[bool] = None
+
+
+_FAILED: weakref.WeakKeyDictionary[nn.Module, _Failure] = weakref.WeakKeyDictionary()
+_GENERATIONS = itertools.count()
+
+
+def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None:
+    """Before a collective call (a state dict, a checkpoint) on ``root`` after its step failed: make sure every rank
+    failed too, through the process group's store (no collective: a rank still in the step would not join one).
+    Each failing rank checks in and waits up to ``wait_s`` seconds for the others (once per failure).
+
+    Raises:
+        BaseException: this rank failed alone (a rank-local exception): the others wait in the step's collectives, so
+            nothing can be gathered, and waiting would last until their timeout. The exception being handled, if it
+            is the step's (the user's, on its way to the caller: ``OnExceptionCheckpoint``), goes on unchanged, else
+            a ``RuntimeError`` that says so; the reason is logged. This rank then ends, and the others fail at once
+            ("Connection closed by peer").
+    """
+    failure = _FAILED.get(root)
+    if failure is None or failure.together or not dist.is_available() or not dist.is_initialized():
+        return
+    missing = _ranks_not_failed(failure.generation, wait_s)
+    failure.together = not missing
+    if failure.together:
+        return
+    rank = dist.get_rank()
+    message = (
+        f"Rank {rank} raised an exception inside a training step that rank(s) {missing} did not raise within"
+        f" {wait_s:g} s: they are still in the step's collectives, so nothing can be gathered or saved now (an"
+        " on-exception checkpoint is skipped). Raise on every rank alike (decide on a NaN from every rank's value)"
+        " to get a checkpoint of the last completed step."
+    )
+    log.error(message)
+    handled = sys.exc_info()[1]
+    if handled is not None and handled is failure.error:
+        raise handled
+    raise RuntimeError(message) from failure.error
+
+
+def _ranks_not_failed(generation: int, wait_s: float) -> list[int]:
+    """The ranks that have not reported failure ``generation`` within ``wait_s`` seconds (after this one did)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size == 1:
+        return []
+    store = default_store()
+    keys = [f"lightning_fairscale/step_failed/{generation}/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.05)
 
 
 def _wait_for_streams(root: Any) -> None:
