@@ -195,10 +195,14 @@ class WrappedModel:
 
     def recover(self) -> bool:
         """Put the units back as the last completed step left them, if an exception left them in the middle of a
-        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to."""
+        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to. While
+        an exception is being handled, an error of the restore itself is logged, not raised in its place."""
         if not recovery.needs_restore(self.root):
             return False
-        recovery.restore(self.root)
+        if sys.exc_info()[1] is not None:
+            recovery.restore_quietly(self.root)
+        else:
+            recovery.restore(self.root)
         return True
 
     def _settle(self) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 from lightning_fairscale.distributed.torch_private import default_store
 from lightning_fairscale.fsdp import original_params, prefetch
 
-__all__ = ["check_failed_together", "needs_restore", "restore", "restoring"]
+__all__ = ["check_failed_together", "needs_restore", "restore", "restore_quietly", "restoring"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def restoring(forward: F) -> F:
             result = forward(unit, *args, **kwargs)
         except BaseException:
             if unit._is_root and not prefetch.in_backward():
-                restore(unit)
+                restore_quietly(unit)
             raise
         if unit._is_root:
             _FAILED.pop(unit, None)  # a step is under way again
@@ -119,6 +119,15 @@ def restore(root: nn.Module) -> None:
         original_params.show(unit)  # workaround 17: the original parameters (the shards' views) again
     if root not in _FAILED:
         _FAILED[root] = _Failure(sys.exc_info()[1], next(_GENERATIONS))
+
+
+def restore_quietly(root: nn.Module) -> None:
+    """:func:`restore` while an exception is on its way: one that the restore itself meets (a collective of a lost
+    rank failing as it is waited for) is logged, never raised in its place."""
+    try:
+        restore(root)
+    except Exception as error:  # the exception being handled is the one the caller must see
+        log.warning("The FSDP units could not be restored after the exception (%s: %s).", type(error).__name__, error)
 
 
 @dataclass(eq=False)
