@@ -35,6 +35,16 @@ PLACES = ("step", "forward", "backward", "optimizer")
 CASES = [(kind, where) for kind in STRATEGIES for where in PLACES if kind != "ddp" or where == "step"]
 
 
+#: The FSDP options that change what a step leaves behind, each with an exception in the backward (full checkpoint):
+#: compute in bf16 (fp16 copies of the shards), the backward gathering ahead before computing (workaround 16's
+#: BACKWARD_PRE mode), activation checkpointing (forwards recomputed inside the backward). Each is compared with the
+#: same training without the exception ("straight-...").
+VARIANTS = {
+    "bf16": {"precision": "bf16-mixed"},
+    "pre": {"backward_prefetch": "BACKWARD_PRE"},
+    "checkpointing": {"checkpointing": True},
+}
+
 #: Fabric: a loop that catches the user's error in step FAIL_AT, saves, and goes on; each strategy and place.
 FABRIC_CASES = [(strategy, where) for strategy in ("fsdp", "sharded") for where in ("forward", "backward")]
 
@@ -67,6 +77,13 @@ def launch(folder: Path) -> Jobs:
         resumed[f"resume-{kind}-{where}"] = config.replace(
             ckpt_path=str(checkpoint_path(folder, kind, where)), record_loaded=True
         )
+    for variant, fields in VARIANTS.items():
+        config = BASE.replace(**fields)
+        resumed[f"straight-{variant}"] = config
+        failing[f"fail-{variant}"] = config.replace(
+            fail_at=(FAIL_AT, "backward"), on_exception_dir=str(folder / variant)
+        )
+        resumed[f"resume-{variant}"] = config.replace(ckpt_path=str(folder / variant / "on_exception.ckpt"))
     fabric = {f"fabric-{strategy}-{where}": fabric_job(folder, strategy, where) for strategy, where in FABRIC_CASES}
     return run_jobs(folder / "launch", {**failing, **resumed, **fabric}, failing=list(failing))
 
@@ -129,3 +146,16 @@ def test_rank_local_exception_ends_without_waiting_for_the_timeout(tmp_path: Pat
     assert error["message"] == f"NaN guard: not finite in step {FAIL_AT} (step)"
     assert "did not raise within" in launch.output(name)
     assert not (tmp_path / "ck" / "on_exception.ckpt").exists()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_options_of_the_units_recover_too(launch: Jobs, variant: str) -> None:
+    """An exception in the backward under each option of :data:`VARIANTS`: the user's exception, and the resumed run
+    ends as the same training without the exception (and, in fp32, as unsharded training)."""
+    for error in launch.errors(f"fail-{variant}"):
+        assert error["type"] == "UserError", error["traceback"][-3000:]
+    resumed, straight = launch[f"resume-{variant}"], launch[f"straight-{variant}"]
+    assert resumed["global_step"] == STEPS
+    assert max_difference(resumed["state_dict"], straight["state_dict"]) < 1e-6
+    if variant != "bf16":
+        assert max_difference(resumed["state_dict"], reference_training(STEPS, num_samples=8)) < 1e-5
