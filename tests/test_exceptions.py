@@ -4,7 +4,9 @@ with ``lightning-fairscale-consolidate``), and a later job resumes from it exact
 
 One launch (:func:`launch`): for each strategy and place of the exception, a job that fails in step :data:`FAIL_AT`
 (every rank raises the test's ``UserError``), then a job that resumes from its checkpoint to :data:`STEPS`. Lightning's
-own ``"ddp"`` is there too: the reference for what a Lightning user expects of the same run.
+own ``"ddp"`` is there too: the reference for what a Lightning user expects of the same run. The same launch runs
+the FSDP options of :data:`VARIANTS` and Fabric loops that catch the error and go on; a rank-local exception has a
+launch of its own (its process group does not survive it).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -27,6 +28,8 @@ from torch.optim import Optimizer
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs
 from lightning_fairscale.distributed import process_exit
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "begin_backward",
@@ -153,7 +156,10 @@ def recover(module: ShardedDataParallel) -> None:
     ``zero_grad()`` does (a bucketed one is zeroed in its slot): they are not the model's."""
     while module._work_handles:
         work = module._work_handles.popleft()
-        work.handle.wait()
+        try:
+            work.handle.wait()
+        except Exception as error:  # a lost rank's: never raised in place of the exception being handled
+            log.warning("A reduction of the failed backward failed too (%s: %s).", type(error).__name__, error)
     module.__dict__.pop(_HELD, None)
     module.__dict__[_REDUCED] = False
     for param in module._trainable_params:
