@@ -171,6 +171,12 @@ class Scenario(Config):
     # --- faults
     kill: Optional[Kill] = None
     lose: Optional[Lose] = None
+    #: (global step, where): the user's code raises in that step (``train.RaiseInStep``): "forward" (inside the
+    #: model's forward, between layers), "step" (training_step after the model's forward: a NaN guard), "backward"
+    #: (a gradient hook in the middle of the backward), "optimizer" (``on_before_optimizer_step``)
+    fail_at: Optional[tuple[int, str]] = None
+    fail_rank: Optional[int] = None  # only this rank raises (None: every rank)
+    on_exception_dir: Optional[str] = None  # an OnExceptionCheckpoint saving into this folder
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -224,6 +230,11 @@ class FabricScenario(Config):
     partial_from: Optional[str] = None
     partial_kinds: tuple[str, ...] = ("full", "sharded", "raw", "raw-sharded")
     strict: bool = False  # the partial loads' `strict`
+    #: (step, where): the loop's step ``step`` (0-based) raises the user's error in the model's "forward" (before its
+    #: third layer) or "backward" (a gradient hook on its second layer's output); the loop catches it, saves (with
+    #: ``save_at`` = ``step``: ``full.ckpt`` and, under FSDP, ``sharded.ckpt``, as after a step) and goes on with the
+    #: next step
+    fail_at: Optional[tuple[int, str]] = None
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -119,6 +119,32 @@ def held_gradients(model: Any) -> int:
     return sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
 
 
+class UserError(RuntimeError):
+    """The user's own error (``fail_at``), which the loop catches."""
+
+
+class Failure:
+    """Raises :class:`UserError` where ``FabricScenario.fail_at`` says, while :attr:`armed`."""
+
+    def __init__(self, model: Any, where: str) -> None:
+        self.armed = False
+        network = model.net  # through Fabric's wrapper and the root unit: the user's network
+        if where == "forward":
+            network[2].register_forward_pre_hook(self.fail)
+        else:
+
+            def on_output(module: Any, inputs: Any, output: torch.Tensor) -> None:
+                if self.armed and output.requires_grad:
+                    output.register_hook(self.fail)
+
+            network[1].register_forward_hook(on_output)
+
+    def fail(self, *_: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise UserError("NaN guard")
+
+
 def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first: int, last: int,
           save: Optional[Any] = None, record: Optional[dict[str, Any]] = None) -> list[float]:
     """Optimizer steps ``first`` (0-based) to ``last`` (excluded) on the global batches ``reference_training`` uses;
@@ -127,15 +153,24 @@ def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first
     batches = list(DataLoader(dataset(config.samples), batch_size=GLOBAL_BATCH))
     rank, world = fabric.global_rank, fabric.world_size
     norms = []
+    failure = Failure(model, config.fail_at[1]) if config.fail_at is not None and save is not None else None
     for step in range(first, last):
-        for micro in range(config.accumulate):
-            x, y = batches[(step * config.accumulate + micro) % len(batches)]
-            x, y = x[rank::world], y[rank::world]  # this rank's slice of the global batch
-            with fabric.no_backward_sync(model, enabled=micro < config.accumulate - 1):
-                loss = nn.functional.mse_loss(model(x), y) / config.accumulate
-                fabric.backward(loss)
-            if record is not None and micro < config.accumulate - 1:
-                record.setdefault("held_gradients", []).append(held_gradients(model))
+        if failure is not None:
+            failure.armed = step == config.fail_at[0]  # type: ignore[index]
+        try:
+            for micro in range(config.accumulate):
+                x, y = batches[(step * config.accumulate + micro) % len(batches)]
+                x, y = x[rank::world], y[rank::world]  # this rank's slice of the global batch
+                with fabric.no_backward_sync(model, enabled=micro < config.accumulate - 1):
+                    loss = nn.functional.mse_loss(model(x), y) / config.accumulate
+                    fabric.backward(loss)
+                if record is not None and micro < config.accumulate - 1:
+                    record.setdefault("held_gradients", []).append(held_gradients(model))
+        except UserError:  # the user's loop skips the step, after saving what the last completed one left
+            assert save is not None
+            save(step)
+            optimizer.zero_grad()
+            continue
         if record is not None:
             record.setdefault("losses", []).append(float(loss) * config.accumulate)  # the last micro-batch's
             record["gradients"] = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
@@ -145,7 +180,7 @@ def train(fabric: Any, model: Any, optimizer: Any, config: FabricScenario, first
             fabric.clip_gradients(model, optimizer, clip_val=config.clip_val)
         optimizer.step()
         optimizer.zero_grad()
-        if save is not None and (step + 1 == config.save_at or config.save_last):
+        if save is not None and config.fail_at is None and (step + 1 == config.save_at or config.save_last):
             save(step + 1)
     return norms
 

@@ -23,6 +23,7 @@ LightningModule = pl.LightningModule
 Trainer = pl.Trainer
 seed_everything = pl.seed_everything
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
+OnExceptionCheckpoint = pl.callbacks.OnExceptionCheckpoint
 ModelSummary = pl.callbacks.ModelSummary
 ModelPruning = pl.callbacks.ModelPruning
 StochasticWeightAveraging = pl.callbacks.StochasticWeightAveraging

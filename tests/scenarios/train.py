@@ -63,6 +63,7 @@ from scenarios.flavor import (  # noqa: E402  (pytorch_lightning or lightning, a
     ModelCheckpoint,
     ModelPruning,
     ModelSummary as PlainModelSummary,
+    OnExceptionCheckpoint,
     StochasticWeightAveraging,
     Trainer,
     seed_everything,
@@ -99,6 +100,48 @@ class LoseRank(Callback):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             print(f"lost rank {self.rank} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), self.signal)
+
+
+class UserError(RuntimeError):
+    """What :class:`RaiseInStep` raises: the user's own exception, which must reach the caller unchanged."""
+
+
+class RaiseInStep(Callback):
+    """The user's code raises :class:`UserError` in training step ``step`` (``trainer.global_step``), on ``rank``
+    (``None``: every rank), at ``where``: "forward" (a forward pre-hook of the network's third layer, the second
+    Block: the forward is half done, units gathered), "step" (a forward hook of the LightningModule: training_step
+    after the model's forward, as a NaN guard on the output), "backward" (a gradient hook on the first Block's
+    output: the backward is half done), "optimizer" (``on_before_optimizer_step``: after the backward)."""
+
+    def __init__(self, step: int, where: str, rank: Optional[int]) -> None:
+        assert where in ("forward", "step", "backward", "optimizer"), where
+        self.step, self.where, self.rank = step, where, rank
+        self.armed = False
+
+    def _raise(self, *_: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise UserError(f"NaN guard: not finite in step {self.step} ({self.where})")
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if self.where == "forward":
+            pl_module.net[2].register_forward_pre_hook(self._raise)
+        elif self.where == "step":
+            pl_module.register_forward_hook(self._raise)
+        elif self.where == "backward":
+
+            def on_output(module: Any, inputs: Any, output: torch.Tensor) -> None:
+                if self.armed and output.requires_grad:
+                    output.register_hook(self._raise)
+
+            pl_module.net[1].register_forward_hook(on_output)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.armed = trainer.global_step == self.step and self.rank in (None, trainer.global_rank)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        if self.where == "optimizer":
+            self._raise()
 
 
 def start_together(strategy: Any, processes: int, out: str) -> None:
@@ -454,6 +497,10 @@ def main(config: Scenario, out: str) -> None:
     if config.throughput:
         callbacks += [ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2),
                       DeviceStatsMonitor()]
+    if config.fail_at is not None:
+        callbacks.append(RaiseInStep(config.fail_at[0], config.fail_at[1], config.fail_rank))
+    if config.on_exception_dir is not None:
+        callbacks.append(OnExceptionCheckpoint(config.on_exception_dir))
     if config.kill is not None:
         callbacks.append(KillDuringSave(config.kill.nth, config.kill.rank, config.kill.how))
     if config.new_modules:
@@ -489,7 +536,7 @@ def main(config: Scenario, out: str) -> None:
         callbacks=callbacks,
         logger=metrics if config.throughput else False,
         log_every_n_steps=1,
-        enable_checkpointing=bool(config.checkpoint_dir),
+        enable_checkpointing=bool(config.checkpoint_dir or config.on_exception_dir),
         enable_progress_bar=False,
         enable_model_summary=config.model_summary,
         limit_val_batches=1.0 if config.eval_after or config.new_modules else 0,

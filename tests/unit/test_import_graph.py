@@ -58,6 +58,7 @@ ENGINE = (
     "fsdp.param_views",
     "fsdp.policies",
     "fsdp.prefetch",
+    "fsdp.recovery",
     "fsdp.resharding",
     "fsdp.saving",
     "fsdp.sharded_checkpoint",

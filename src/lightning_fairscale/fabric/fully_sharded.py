@@ -289,6 +289,19 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         instead = "read or set values outside it (each parameter then holds this rank's shard of it)."
         return model.unsharded_shapes("inside `fabric.strategy.unsharded_shapes(model)`", instead)
 
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward; an exception raised in it (a hook of the user's) leaves every model set up here as its
+        last completed step left it (see :mod:`~lightning_fairscale.fsdp.recovery`), and goes on unchanged."""
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            for root in list(self._set_up.models):
+                model = self._fsdp_model(root)
+                if model is not None:
+                    model.recover()
+            raise
+
     def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
         """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""
         return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None

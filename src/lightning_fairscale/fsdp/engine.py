@@ -21,6 +21,7 @@ Lightning or calls back into a strategy.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Generator, Iterable, Sequence
 from datetime import timedelta
@@ -38,7 +39,7 @@ from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import cpu_streams, original_params, saving, step_state
+from lightning_fairscale.fsdp import cpu_streams, original_params, recovery, saving, step_state
 from lightning_fairscale.fsdp.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
@@ -181,13 +182,16 @@ class WrappedModel:
     def backward(self) -> Generator[None, None, None]:
         """Around every backward the front end runs (``manual_backward`` and automatic optimization alike): one
         inside the root's forward (the Trainer's manual optimization) ends as FairScale ends a backward (see
-        :mod:`~lightning_fairscale.fsdp.step_state`)."""
+        :mod:`~lightning_fairscale.fsdp.step_state`); after an exception in it the units are as the last completed
+        step left them, before the callbacks' ``on_exception`` (``OnExceptionCheckpoint``) runs (see
+        :mod:`~lightning_fairscale.fsdp.recovery`)."""
         state = step_state.of(self.root)
-        if state is None:
-            yield
-            return
-        with state.backward():
-            yield
+        try:
+            with state.backward() if state is not None else contextlib.nullcontext():
+                yield
+        except BaseException:
+            self.recover()
+            raise
 
     def order(self, optimizer: Optimizer) -> GroupOrder:
         """The order of ``optimizer``'s state in checkpoints (see :meth:`repoint`)."""
@@ -223,11 +227,36 @@ class WrappedModel:
         return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
 
     # ------------------------------------------------------------------------------------------------------------
+    # After an exception inside a step
+
+    def recover(self) -> bool:
+        """Put the units back as the last completed step left them, if an exception left them in the middle of a
+        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to. While
+        an exception is being handled, an error of the restore itself is logged, not raised in its place."""
+        if not recovery.needs_restore(self.root):
+            return False
+        if sys.exc_info()[1] is not None:
+            recovery.restore_quietly(self.root)
+        else:
+            recovery.restore(self.root)
+        return True
+
+    def _settle(self) -> None:
+        """Before every state dict, checkpoint and ``unshard`` below: while an exception is being handled (Lightning's
+        ``on_exception``, a Fabric loop's ``except``), the units as the last completed step left them (never in the
+        middle of a step that goes on: FairScale then refuses, as before); after a failed step, a rank that failed
+        alone raises (:func:`~lightning_fairscale.fsdp.recovery.check_failed_together`): nothing can be gathered."""
+        if sys.exc_info()[1] is not None:
+            self.recover()
+        recovery.check_failed_together(self.root)
+
+    # ------------------------------------------------------------------------------------------------------------
     # State dicts and checkpoints
 
     def state_dict(self, sharded: bool, is_global_zero: bool) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, gathered unit by unit and kept on rank 0 only; with
         ``sharded``, this rank's parameter shards (FairScale's ``local_state_dict``). A collective call."""
+        self._settle()
         return saving.module_state_dict(self.root, sharded, is_global_zero)
 
     def filtered_local_state(self, keep: Callable[[str, Any], bool]) -> tuple[dict[str, Any], list[str]]:
@@ -239,6 +268,7 @@ class WrappedModel:
         """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
         with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
         call."""
+        self._settle()
         order = self.order(optimizer)
         return optimizer.state_dict() if sharded else consolidate_state(optimizer, self.layout, order)
 
@@ -262,6 +292,7 @@ class WrappedModel:
     ) -> IncompatibleKeys:
         """Load a full state dict and plain optimizer states into this rank's shards, reading only their slices
         (see :func:`~lightning_fairscale.fsdp.saving.load_full`)."""
+        self._settle()
         return saving.load_full(self, state_dict, strict, optimizers, relax)
 
     def save_sharded(
@@ -271,6 +302,7 @@ class WrappedModel:
     ) -> None:
         """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
         :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
+        self._settle()
         saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
 
     def load_sharded(
@@ -280,6 +312,7 @@ class WrappedModel:
     ) -> tuple[dict[str, Any], IncompatibleKeys]:
         """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
         :func:`~lightning_fairscale.fsdp.saving.load_sharded`)."""
+        self._settle()
         return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
 
     def load_trainer_checkpoint(
@@ -289,6 +322,7 @@ class WrappedModel:
     ) -> dict[str, Any]:
         """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
         :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`, also for ``averaging``)."""
+        self._settle()
         return saving.load_trainer_checkpoint(
             self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version, averaging
         )
@@ -302,6 +336,7 @@ class WrappedModel:
         ``meta`` device). The layers lose their activation checkpointing, the process groups and FairScale's CPU
         workarounds are released, and the optimizers re-pointed to the shards are forgotten (their state lived
         there). Returns the unwrapped module."""
+        self._settle()
         root = self.root
         module = unwrapped(root)
         unwrap_module(root, torch.device("cpu"), keep=keep)

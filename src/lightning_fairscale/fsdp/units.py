@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp import backward_hooks, deprecations, frozen_params, original_params, param_views
-from lightning_fairscale.fsdp import bookkeeping, copying, forward_grads, one_rank, prefetch, recompute, step_state
-from lightning_fairscale.fsdp import ties
+from lightning_fairscale.fsdp import bookkeeping, copying, forward_grads, one_rank, prefetch, recompute, recovery
+from lightning_fairscale.fsdp import step_state, ties
 from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
@@ -149,6 +149,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     __setattr__ = bookkeeping.set_attribute
     _cast_buffers = bookkeeping.cast_buffers
 
+    @recovery.restoring  # after an exception in a step, the units as the last completed step left them
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if recompute.runs_in_backward(self):  # workaround 23: torch's checkpoint recomputes inside the backward
             return recompute.forward(self, args, kwargs)

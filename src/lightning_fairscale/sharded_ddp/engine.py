@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional
@@ -28,6 +29,8 @@ from lightning_fairscale.distributed import collectives
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs
 from lightning_fairscale.sharded_ddp.trainability import Trainability
 from lightning_fairscale.distributed import process_exit
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ShardedDataParallel",

@@ -45,6 +45,7 @@ FairScale workarounds (the list is the docstring of ``lightning_fairscale/fsdp/u
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +57,8 @@ from fairscale.optim import OSS
 from torch import Tensor
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Trainability", "TrainabilityChangeError", "clip_grad_norm", "reattach_bucketed_gradients"]
 
@@ -202,6 +205,30 @@ class Trainability:
         return any(now and not then for now, then in zip(self._mask(), self._derived))
 
     @torch.no_grad()
+    @torch.no_grad()
+    def recover(self) -> None:
+        """After an exception in a backward (a hook of the user's): the wrapper as the last completed step left it,
+        local to this rank (issue 47, item 5). The reductions this rank started are waited for (every rank that got
+        as far started them; left in flight, the next backward would run their callbacks over its own gradients),
+        nothing new is sent (a bucket not sent yet is dropped), and the gradients of the unfinished backward are
+        dropped, as ``zero_grad()`` does (a bucketed one is zeroed in its slot): they are not the model's."""
+        wrapper = self.wrapper
+        while wrapper._work_handles:
+            work = wrapper._work_handles.popleft()
+            try:
+                work.handle.wait()
+            except Exception as error:  # a lost rank's: never raised in place of the exception being handled
+                log.warning("A reduction of the failed backward failed too (%s: %s).", type(error).__name__, error)
+        self._held = []
+        self._reduced = False
+        for param in wrapper._trainable_params:
+            param.grad = None
+        if wrapper._use_buckets:
+            for bucket in wrapper._bucket_list:
+                if bucket.buffer is not None:
+                    bucket.buffer.zero_()
+        wrapper._clear_counters()
+
     def end_backward(self) -> None:
         """After each backward pass: add back what :meth:`begin_backward` set aside (the owner's reduced gradients
         of the earlier micro-batches), and record whether this backward reduced."""

@@ -305,7 +305,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward; one inside the training step (``manual_backward``, which runs inside the root unit's
-        forward) ends as FairScale ends a backward after the forward (``fsdp.step_state``)."""
+        forward) ends as FairScale ends a backward after the forward (``fsdp.step_state``); after an exception in it
+        the units are as the last completed step left them (``fsdp.recovery``)."""
         if self._sharded is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with self._sharded.backward():

@@ -217,6 +217,10 @@ class DDPShardedStrategy(DDPStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         try:
             self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        except BaseException:
+            if self._trainability is not None:  # as the last completed step left it; the error goes on
+                self._trainability.recover()
+            raise
         finally:
             if self._trainability is not None:
                 self._trainability.end_backward()

@@ -188,6 +188,10 @@ class DDPShardedStrategy(DDPStrategy):
             state.begin_backward()
         try:
             super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            for state in states:  # as the last completed step left them; the error goes on (issue 47, item 5)
+                state.recover()
+            raise
         finally:
             for state in states:
                 state.end_backward()
