@@ -40,7 +40,6 @@ from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.hybrid import ProcessGroups
 from lightning_fairscale.fsdp.policies import AutoWrapPolicy
 from lightning_fairscale.plugins.checkpoint_io import (
-    in_background,
     settle_background,
     default_checkpoint_io,
     finish_background,
@@ -56,7 +55,6 @@ from lightning_fairscale.fabric._common import (
     refuse_groups_by_shard_shapes,
 )
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
-from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import param_views
 from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.hybrid import release_groups
@@ -65,6 +63,7 @@ from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_
 from lightning_fairscale.fsdp.saving import Ranks
 from lightning_fairscale.fsdp.summary import memory_figures
 from lightning_fairscale.fsdp.averaging import ShardAveragedModel
+from lightning_fairscale.fabric import _fsdp_parts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -269,25 +268,14 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         default) over this rank's shards of a set-up model: ``update_parameters(module)`` after a step, ``with
         averaged.swapped_in(): ...`` to evaluate or save the average; ``state_dict()`` is its full state dict (rank 0;
         a collective call), which ``load_state_dict`` takes back (see :mod:`lightning_fairscale.fsdp.averaging`)."""
-        root = next((m for m in module.modules() if m in self._set_up.models), None)
-        if root is None:
-            raise ValueError("Pass the model that `fabric.setup` returned: this one is not set up with this strategy.")
-        return ShardAveragedModel(
-            root, functools.partial(self.get_module_state_dict, root), root=root,
-            load_full=functools.partial(self.load_module_state_dict, root), **kwargs,
-        )  # fmt: skip
+        return _fsdp_parts.averaged_model(self, module, **kwargs)
 
     def unsharded_shapes(self, module: Module) -> AbstractContextManager[None]:
         """A context in which the parameters of ``module`` (set up) show their unsharded ``shape``, ``ndim``,
         ``numel()``, names, dtype, device and ``requires_grad`` (1-D shards outside it), and no values, for an
         optimizer's param groups: ``with fabric.strategy.unsharded_shapes(model): optimizer = AdamW([{"params":
         [p for p in model.parameters() if p.ndim >= 2], ...}, ...])``, then ``fabric.setup_optimizers(optimizer)``."""
-        root = getattr(module, "_forward_module", module)  # what `fabric.setup_module` returned, or the unit itself
-        model = self._fsdp_model(getattr(root, "_orig_mod", root))  # compiled by Fabric: the unit inside
-        if model is None:
-            raise ValueError("`unsharded_shapes` takes a model set up with this strategy (`fabric.setup_module`).")
-        instead = "read or set values outside it (each parameter then holds this rank's shard of it)."
-        return model.unsharded_shapes("inside `fabric.strategy.unsharded_shapes(model)`", instead)
+        return _fsdp_parts.unsharded_shapes(self, module)
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
@@ -296,10 +284,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         try:
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:
-            for root in list(self._set_up.models):
-                model = self._fsdp_model(root)
-                if model is not None:
-                    model.recover()
+            _fsdp_parts.recover(self)
             raise
 
     def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
@@ -389,7 +374,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             load_model=self.load_module_state_dict,
             load_optimizer=self._load_optimizer,
             sharded=ShardedFormat(
-                self._saves_sharded, self._save_sharded, self._load_sharded, self._filtered_state,
+                self._saves_sharded, functools.partial(_fsdp_parts.save_sharded, self),
+                functools.partial(_fsdp_parts.load_sharded, self), functools.partial(_fsdp_parts.filtered_state, self),
                 Ranks(self.global_rank).agree,
             ),
         )
@@ -443,38 +429,3 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     def _model_keys(self, module: Module) -> list[str]:
         model = self._fsdp_model(module)
         return model.state_dict_keys() if model is not None else list(module.state_dict())
-
-    def _filtered_state(
-        self, module: Module, keep: Callable[[str, Any], bool]
-    ) -> tuple[dict[str, Any], list[str]]:
-        model = self._fsdp_model(module)
-        assert model is not None
-        return model.filtered_local_state(keep)
-
-    def _save_sharded(
-        self, checkpoint: dict[str, Any], roles: Roles, path: _PATH, module: Module, optimizers: list[Any]
-    ) -> None:
-        model = self._fsdp_model(module)
-        assert model is not None
-        storage, ranks = sharded_storage(self.checkpoint_io), Ranks(self.global_rank)
-        background = in_background(self.checkpoint_io, collective_timeout(self))
-        model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record(), background)
-
-    def _load_sharded(
-        self, path: _PATH, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
-    ) -> dict[str, Any]:
-        model = self._fsdp_model(state[roles.model]) if roles.model else None
-        if model is None:
-            raise ValueError(
-                f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
-                " `fabric.load(path, {'model': model, ...})`."
-            )
-
-        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
-            positions = optimizer_positions(meta, roles, saved, strict)
-            return [(position, state[key]) for position, key in positions]
-
-        storage = sharded_storage(self.checkpoint_io, saving=False)
-        meta, _ = model.load_sharded(Ranks(self.global_rank), storage, path, restored, weights_only, strict)
-        return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
-

@@ -4,7 +4,7 @@
 # No postponed annotations: jsonargparse (LightningCLI) reads the constructor's from `inspect.signature`.
 import contextlib
 import functools
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -60,6 +60,7 @@ from lightning_fairscale.lightning.plugins.checkpoint_io import (
     sharded_storage,
 )
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
+from lightning_fairscale.lightning.strategies import _optimizers
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 
@@ -189,8 +190,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         # trace FairScale's units; their layers are compiled instead, with the same options (workaround 18).
         compiler = take_trainer_compile(self.lightning_module)
         root = wrapped_root(self.model)
-        if root is not None:
-            self._setup_sharded_again(trainer, root, fitting, compiler)
+        if root is not None:  # a stage after another one: the module is still sharded; it stays so (given compiled,
+            self._sharded, self.model = fsdp_engine.wrapped_model(root, compiler), root  # its layers are compiled)
+            _optimizers.for_sharded_stage(self, trainer, fitting, self._sharded)
         else:
             self._setup_unwrapped(trainer, fitting, compiler)
         use_for_model_summaries(trainer)
@@ -214,49 +216,17 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         elif not fitting:  # validate/test/predict of a new module (`trainer.test(NewModule())` after `fit`): none
             own = {id(param) for param in self.model.parameters()}  # of fit's optimizers
-            self._keep_optimizers_of(lambda param: id(param) in own)
+            self.optimizers = _optimizers.kept_of(self.optimizers, lambda param: id(param) in own)
         self.model_to_device()
         # The unit summary goes where Lightning's own messages go (its logger has a handler), once, from rank 0.
         self._sharded = fsdp_engine.wrap_model(
             self.config, self.model, self.root_device, self._groups, self.precision_plugin.precision, rank_zero_info,
-            self._plain_optimizers() if before or not fitting else None, compiler,
+            _optimizers.plain(self.optimizers) if before or not fitting else None, compiler,
         )
         self.model = self._sharded.root
         if fitting and not before:
-            self._configure_sharded_optimizers(trainer)
+            _optimizers.configure_on_sharded(self, trainer, self._sharded)
             self._sharded.forget_originals()
-
-    def _setup_sharded_again(
-        self, trainer: pl.Trainer, root: _FairScaleFSDP, fitting: bool, compiler: Optional[Compiler]
-    ) -> None:
-        """A stage after another one (``validate`` after ``fit``...): the module is still sharded; keep it so. Its
-        parameters are the original ones (views into the shards), which show their unsharded shapes while
-        ``configure_optimizers`` makes the optimizers over them. Given compiled, its layers are compiled (those of a
-        first stage compiled already stay as they are)."""
-        self._sharded = fsdp_engine.wrapped_model(root, compiler)
-        self.model = root
-        if fitting:
-            self._configure_sharded_optimizers(trainer)
-        else:  # the module's own (`validate` after `fit`), not another module's
-            self._keep_optimizers_of(self._sharded.knows)
-
-    def _configure_sharded_optimizers(self, trainer: pl.Trainer) -> None:
-        """``configure_optimizers`` on the sharded module, whose parameters show their unsharded shapes meanwhile
-        (``p.ndim >= 2`` picks the matrices), then the optimizers re-pointed to the shards."""
-        assert self._sharded is not None
-        with self._sharded.unsharded_shapes():
-            self.setup_optimizers(trainer)
-        self._sharded.repoint(*self._plain_optimizers())
-
-    def _keep_optimizers_of(self, owns: Callable[[torch.nn.Parameter], bool]) -> None:
-        """Keep the optimizers that hold a parameter of the stage's module (``owns``); the others, an earlier stage's
-        for another module, are not the stage's to re-point, save or restore."""
-        held = [(o, [p for g in plain_optimizer(o).param_groups for p in g["params"]]) for o in self.optimizers]
-        self.optimizers = [optimizer for optimizer, params in held if any(owns(param) for param in params)]
-
-    def _plain_optimizers(self) -> list[Optimizer]:
-        """The strategy's optimizers, without Lightning's ``LightningOptimizer`` around them."""
-        return [plain_optimizer(optimizer) for optimizer in self.optimizers]
 
     @contextlib.contextmanager
     @override
@@ -290,7 +260,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         Log them from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``.
         """
         assert self.model is not None
-        return memory_figures(self.model, self._plain_optimizers())
+        return memory_figures(self.model, _optimizers.plain(self.optimizers))
 
     @contextlib.contextmanager
     @override
@@ -356,7 +326,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 save_full(io, checkpoint, filepath, storage_options)
             return None
         assert self._sharded is not None
-        background, optimizers = in_background(io, collective_timeout(self)), self._plain_optimizers()
+        background, optimizers = in_background(io, collective_timeout(self)), _optimizers.plain(self.optimizers)
         self._sharded.save_sharded(ranks, sharded_storage(io), checkpoint, filepath, optimizers, background=background)
         return None
 
@@ -389,7 +359,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
             assert self.lightning_module is not None
             return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
         assert self._sharded is not None and self.lightning_module is not None
-        optimizers = self._plain_optimizers() if self._restores_optimizers() else []
+        optimizers = _optimizers.plain(self.optimizers) if _optimizers.restored(self) else []
         read_file = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
         storage, policy = sharded_storage(self.checkpoint_io, saving=False), self.config.lightning_1x_optimizer_state
         return self._sharded.load_trainer_checkpoint(
@@ -397,10 +367,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self.lightning_module.strict_loading, policy, type(self).__name__, pl.__version__,
             averaging=bool(self._averaging),
         )
-
-    def _restores_optimizers(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return bool(self.optimizers) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
