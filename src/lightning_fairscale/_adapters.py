@@ -185,8 +185,23 @@ def config_arguments(config_class: type, arguments: Mapping[str, Any]) -> dict[s
         )
     return {
         **{name: value for name, value in arguments.items() if name in names},
-        "fairscale_kwargs": arguments["kwargs"],
+        "fairscale_kwargs": _without_base_defaults(arguments.get("self"), arguments["kwargs"]),
     }
+
+
+def _without_base_defaults(strategy: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less the arguments of the strategy's Lightning base class that hold that class's default.
+
+    LightningCLI (jsonargparse) reads a strategy's ``**kwargs`` as going to the base class its constructor calls
+    (``DDPStrategy``), and passes that class's own arguments with their defaults (``ddp_comm_hook=None``...):
+    nothing was chosen, so nothing is lost. Such an argument with another value still fails, as any unknown one.
+    """
+    base = next((c for c in type(strategy).__mro__ if not c.__module__.startswith("lightning_fairscale")), object)
+    defaults = {
+        name: p.default for name, p in inspect.signature(base.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    } if base is not object else {}
+    return {name: value for name, value in kwargs.items() if name not in defaults or defaults[name] is not value}
 
 
 def config_property(name: str) -> Any:

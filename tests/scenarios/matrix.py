@@ -383,7 +383,7 @@ def fabric_model(fabric: Any, cell: Cell) -> tuple[Any, Any]:
         net = torch.compile(net, backend="aot_eager")
     # Param groups by shape over layers wrapped by hand: made after `setup_module` (before, over FairScale's flat
     # parameters, our strategy refuses them: see tests/test_unsharded_shapes.py).
-    grouped_by_hand = cell.wrap == "manual" and cell.optimizer == "adamw-groups"
+    grouped_by_hand = cell.wrap == "manual" and cell.optimizer == "adamw-groups" and cell.strategy != "sharded"
     if cell.fabric_setup == "after" or (cell.fabric_setup == "auto" and grouped_by_hand):
         model = fabric.setup_module(net)
         return model, fabric.setup_optimizers(optimizer_after_setup(fabric, model, cell))
