@@ -198,7 +198,7 @@ def _without_base_defaults(strategy: Any, kwargs: Mapping[str, Any]) -> dict[str
     """
     base = next((c for c in type(strategy).__mro__ if not c.__module__.startswith("lightning_fairscale")), object)
     defaults = {
-        name: p.default for name, p in inspect.signature(base.__init__).parameters.items()
+        name: p.default for name, p in inspect.signature(base).parameters.items()
         if p.default is not inspect.Parameter.empty
     } if base is not object else {}
     return {name: value for name, value in kwargs.items() if name not in defaults or defaults[name] is not value}
