@@ -197,10 +197,11 @@ def _without_base_defaults(strategy: Any, kwargs: Mapping[str, Any]) -> dict[str
     nothing was chosen, so nothing is lost. Such an argument with another value still fails, as any unknown one.
     """
     base = next((c for c in type(strategy).__mro__ if not c.__module__.startswith("lightning_fairscale")), object)
-    defaults = {
-        name: p.default for name, p in inspect.signature(base).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    } if base is not object else {}
+    try:
+        parameters = inspect.signature(base).parameters if strategy is not None and base is not object else {}
+    except (TypeError, ValueError):  # a class without a Python signature: nothing to drop
+        parameters = {}
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
     return {name: value for name, value in kwargs.items() if name not in defaults or defaults[name] is not value}
 
 
