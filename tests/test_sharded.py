@@ -418,12 +418,19 @@ def test_registry_names_select_the_strategy(name: str, cls: type) -> None:
         ({"reduce_buffer_size": "8M"}, ValueError, "reduce_buffer_size"),
         ({"sharded_optimizer": None}, TypeError, "configure_optimizers"),
         ({"process_group": None}, TypeError, "process group"),
-        ({"ddp_comm_hook": None}, TypeError, "unexpected argument `ddp_comm_hook`.*reduce_buffer_size"),
+        ({"ddp_comm_hook": print}, TypeError, "unexpected argument `ddp_comm_hook`.*reduce_buffer_size"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         DDPShardedStrategy(**kwargs)
+
+
+def test_lightnings_own_defaults_through_kwargs_are_accepted() -> None:
+    """LightningCLI passes ``DDPStrategy``'s own arguments at their defaults through ``**kwargs``: nothing chosen,
+    nothing lost; another value is refused (above)."""
+    strategy = DDPShardedStrategy(ddp_comm_hook=None, ddp_comm_state=None, model_averaging_period=None)
+    assert strategy.config.fairscale_kwargs == {}
 
 
 def test_multi_node_defaults_bucket_gradients_and_broadcast_fp16() -> None:
