@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Dataset, TensorData
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
 import scenarios.jobs  # noqa: E402
+from scenarios import fabric_train  # noqa: E402
 from models import Block  # noqa: E402
 from scenarios.common import GLOBAL_BATCH, build_network, dataset  # noqa: E402
 from scenarios.config import Config  # noqa: E402
@@ -359,18 +360,9 @@ def run_trainer(cell: Cell, work: Path) -> dict[str, Any]:
 
 
 def fabric_full_state(fabric: Any, model: Any, path: Path) -> dict[str, torch.Tensor]:
-    strategy = fabric.strategy
-    kind = getattr(strategy, "state_dict_type", None)
-    if kind is not None:
-        strategy.state_dict_type = "full"
-    fabric.save(path, {"model": model})
-    if kind is not None:
-        strategy.state_dict_type = kind
-    if hasattr(strategy.checkpoint_io, "wait"):
-        strategy.checkpoint_io.wait()
-    if not fabric.is_global_zero:
-        return {}
-    return clean_state(torch.load(path, weights_only=False)["model"])
+    """The model's full state dict through a full checkpoint file (``fabric_train.full_state_dict``), keys cleaned."""
+    state = fabric_train.full_state_dict(fabric, model, path)
+    return clean_state(state) if fabric.is_global_zero else {}
 
 
 def fabric_model(fabric: Any, cell: Cell) -> tuple[Any, Any]:
