@@ -310,11 +310,11 @@ def step_times(ranks: list[dict[str, Any]], warmup: int, steps: int) -> StepTime
 def held_bytes(module: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, int]:
     """The bytes this rank holds for parameters, gradients and optimizer state, counted by distinct storage.
 
-    :func:`lightning_fairscale.fsdp.summary.memory_figures` counts them (for every implementation alike): a tensor
-    counts with the whole storage it keeps alive, each storage once, so a shard that were a view into a full-size
+    :func:`lightning_fairscale.fsdp.wrapping.summary.memory_figures` counts them (for every implementation alike): a
+    tensor counts with the whole storage it keeps alive, each storage once, so a shard that were a view into a full-size
     buffer would count as the full buffer and the figure cannot look smaller than what is really held.
     """
-    from lightning_fairscale.fsdp.summary import memory_figures
+    from lightning_fairscale.fsdp.wrapping.summary import memory_figures
 
     figures = memory_figures(module, optimizers)
     return {kind: int(figures[f"memory/{kind}_bytes"]) for kind in ("parameters", "gradients", "optimizer_state")}

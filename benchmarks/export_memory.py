@@ -39,7 +39,7 @@ import _common  # noqa: E402
 from _common import Block  # noqa: E402
 from memory_lifecycle import Stack, depth_for, memory_kib, parameter_count  # noqa: E402
 
-from lightning_fairscale.fsdp.export import export_safetensors  # noqa: E402
+from lightning_fairscale.fsdp.state.export import export_safetensors  # noqa: E402
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -6,9 +6,9 @@ batch first) and a final ``LayerNorm``, regresses random targets with Adam in fl
 unit, then the root):
 
 * ``ours``: ``Trainer(strategy=DDPFullyShardedStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}))``;
-  ``ours-sync``: the same with ``lightning_fairscale.fsdp.prefetch.OVERLAP_ON_CPU = False`` (FairScale's synchronous
-  collectives, as before they overlapped on CPU);
-* ``fairscale-loop``: a hand-written loop over ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` (after
+  ``ours-sync``: the same with ``lightning_fairscale.fsdp.patches.prefetch.OVERLAP_ON_CPU = False`` (FairScale's
+  synchronous collectives, as before they overlapped on CPU);
+* ``fairscale-loop``: a hand-written loop over ``lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel`` (after
   ``cpu_streams.install()``) with the strategy's CPU defaults, Adam over the flat shards;
 * ``torch-fsdp-loop``: a hand-written loop over PyTorch's FSDP (``ModuleWrapPolicy``, ``device_id=cpu``);
 * ``ours-sgo``: ``ours`` with ``sharding_strategy="SHARD_GRAD_OP"`` (no all-gather in the backward);
@@ -85,7 +85,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from lightning_fairscale.fsdp import cpu_streams, prefetch, units  # noqa: E402
+from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
+from lightning_fairscale.fsdp.unit import units
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -249,8 +250,8 @@ _TIMED: list[tuple[str, str, str]] = [
     ("fairscale.nn.data_parallel.fully_sharded_data_parallel", "free_storage_", "alloc/free"),
     ("torch.distributed.fsdp._flat_param", "_alloc_storage", "alloc/free"),
     ("torch.distributed.fsdp._flat_param", "_free_storage", "alloc/free"),
-    ("lightning_fairscale.fsdp.prefetch", "_alloc_storage", "alloc/free"),
-    ("lightning_fairscale.fsdp.prefetch", "_free_storage", "alloc/free"),
+    ("lightning_fairscale.fsdp.patches.prefetch", "_alloc_storage", "alloc/free"),
+    ("lightning_fairscale.fsdp.patches.prefetch", "_free_storage", "alloc/free"),
 ]
 #: The engines' hooks (their Python work around the computation: FairScale's and ours, torch FSDP's, DDP's), timed as
 #: one part: (module, class or ``None`` for a module function, attribute).
@@ -264,15 +265,15 @@ _HOOKS: list[tuple[str, Optional[str], str]] = [
                      "_wait_for_previous_optim_step", "_cast_buffers")
     ),
     *(
-        ("lightning_fairscale.fsdp.units", "FullyShardedDataParallel", name)
+        ("lightning_fairscale.fsdp.unit.units", "FullyShardedDataParallel", name)
         for name in ("_rebuild_full_params", "_use_full_params", "_free_full_params", "_post_backward_hook",
                      "_prep_grads_for_backward", "_finish_backward", "_queue_wait_for_post_backward",
                      "_post_reduction_hook")
     ),
-    *(("lightning_fairscale.fsdp.original_params", None, name) for name in ("before_forward", "show", "_hide")),
-    *(("lightning_fairscale.fsdp.prefetch", "Prefetcher", name)
+    *(("lightning_fairscale.fsdp.unit.original_params", None, name) for name in ("before_forward", "show", "_hide")),
+    *(("lightning_fairscale.fsdp.patches.prefetch", "Prefetcher", name)
       for name in ("forward_started", "forward_ended", "rebuild", "after_post_backward", "settle")),
-    *(("lightning_fairscale.fsdp.prefetch", "AsyncReduceScatter", name)
+    *(("lightning_fairscale.fsdp.patches.prefetch", "AsyncReduceScatter", name)
       for name in ("reduce_scatter_async", "settle", "flush")),
     *(
         ("torch.distributed.fsdp._runtime_utils", None, name)

@@ -12,7 +12,7 @@ What runs:
 1. **Integration overhead.** ``Trainer(strategy=DDPFullyShardedStrategy(auto_wrap_policy={Block}))`` ("ours")
    against a hand-written FairScale FSDP loop: ``torch.distributed`` initialised with gloo by hand, one process per
    rank started like Lightning's launcher starts them (``_common.start_ranks``), ``cpu_streams.install()``, each
-   ``Block`` wrapped in ``lightning_fairscale.fsdp.units.FullyShardedDataParallel`` and then the root, with the
+   ``Block`` wrapped in ``lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel`` and then the root, with the
    strategy's default FSDP arguments; Adam over the wrapped parameters. Target: ours at most 5% slower.
 2. **Alternatives**, on the middle size and 2 ranks: Lightning's ``strategy="ddp"``, our ``strategy="ddp_sharded"``
    (OSS + ShardedDataParallel) and a hand-written loop with PyTorch's own FSDP
@@ -70,7 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import Block  # noqa: E402
 
-from lightning_fairscale.fsdp import cpu_streams, units  # noqa: E402
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp.unit import units
 from lightning_fairscale.strategies import DDPFullyShardedStrategy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -24,7 +24,7 @@ from scenarios.common import (
 from scenarios.config import Scenario
 
 from conftest import Jobs, run_jobs
-from lightning_fairscale.fsdp.state_names import clean_path
+from lightning_fairscale.fsdp.unit.state_names import clean_path
 
 ATOL = 1e-5
 
@@ -405,7 +405,7 @@ def test_unit_summary_and_memory_figures_show_the_sharding(runs: Jobs) -> None:
     # Each rank holds about half of the parameters (plus padding), and Adam's two moments for them.
     assert total * 4 / 2 <= memory["memory/parameters_bytes"] <= total * 4 / 2 + 3 * 4
     # Memory is counted by storage: gradient shards that were views into FairScale's reduce-scatter bucket would
-    # count as the whole 12.5 MiB bucket (workaround 8 of fsdp/units.py), not as the shards' 18 KiB.
+    # count as the whole 12.5 MiB bucket (workaround 8 of fsdp/unit/units.py), not as the shards' 18 KiB.
     assert memory["memory/gradients_bytes"] == memory["memory/parameters_bytes"]
     assert 2 * memory["memory/parameters_bytes"] <= memory["memory/optimizer_state_bytes"]
 

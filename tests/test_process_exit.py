@@ -44,8 +44,8 @@ def test_a_run_holds_nothing_it_no_longer_needs(records: tuple[str, list[dict]])
     for rank, record in enumerate(per_rank):
         assert record["trained"]
         # The module stays sharded after fit: its FSDP units (the root, and each Block: it recomputes its activations)
-        # and their gradient reducer (shared; on CPU the asynchronous one of `fsdp.prefetch`) live as long as the
-        # module does, and the second fit reuses them instead of wrapping again. Once the module is released nothing
+        # and their gradient reducer (shared; on CPU the asynchronous one of `fsdp.patches.prefetch`) live as long as
+        # the module does, and the second fit reuses them instead of wrapping again. Once the module is released nothing
         # is left: FairScale alone kept every unit and bucketer (with their buffers and process groups) for the life
         # of the process.
         sharded = strategy == "fsdp_fairscale"

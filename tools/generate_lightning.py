@@ -79,9 +79,9 @@ def bound_modules(imports: dict[str, set[str]]) -> tuple[str, ...]:
 
     Example:
         >>> bound_modules({
-        ...     "fsdp.units": {"torch"},
+        ...     "fsdp.unit.units": {"torch"},
         ...     "strategies": set(),
-        ...     "strategies.ddp": {"pytorch_lightning.strategies", "lightning_fairscale.fsdp.units"},
+        ...     "strategies.ddp": {"pytorch_lightning.strategies", "lightning_fairscale.fsdp.unit.units"},
         ...     "precision": {"lightning_fairscale.strategies.ddp"},
         ... })
         ('precision', 'strategies', 'strategies.ddp')
@@ -111,8 +111,8 @@ def renamed_module(module: str, bound: tuple[str, ...]) -> str:
         'lightning.pytorch.strategies'
         >>> renamed_module("lightning_fairscale.strategies.fully_sharded", bound)
         'lightning_fairscale.lightning.strategies.fully_sharded'
-        >>> renamed_module("lightning_fairscale.fsdp.units", bound)
-        'lightning_fairscale.fsdp.units'
+        >>> renamed_module("lightning_fairscale.fsdp.unit.units", bound)
+        'lightning_fairscale.fsdp.unit.units'
     """
     top, _, rest = module.partition(".")
     if top in RENAMED:

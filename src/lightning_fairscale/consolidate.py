@@ -12,7 +12,7 @@ from a sharded checkpoint directory or a full checkpoint file, what Hugging Face
 (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``): the prefix
 stripped, tied parameters written once; with the model's ``config.json`` beside them, ``from_pretrained(OUT_DIR)``
 loads them. One tensor at a time: the memory of the largest tensor, never of the model
-(:func:`~lightning_fairscale.fsdp.export.export_safetensors`, also the Python function).
+(:func:`~lightning_fairscale.fsdp.state.export.export_safetensors`, also the Python function).
 
 Also runs as ``python -m lightning_fairscale.consolidate``.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from lightning_fairscale.checkpoint.files import CheckpointFileError, find_checkpoint, is_sharded, write_atomically
-from lightning_fairscale.fsdp.export import ExportReport, export_safetensors
-from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
+from lightning_fairscale.fsdp.state.export import ExportReport, export_safetensors
+from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
 
 __all__ = ["ExportReport", "export_safetensors", "main"]
 

@@ -25,7 +25,7 @@ from torch import nn  # noqa: E402
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn  # noqa: E402
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from lightning_fairscale.fsdp.sharded_checkpoint import consolidate  # noqa: E402
+from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate  # noqa: E402
 import scenarios.jobs  # noqa: E402
 from scenarios import common  # noqa: E402
 from scenarios.config import Config  # noqa: E402

@@ -18,7 +18,7 @@ import importlib  # noqa: E402
 import torch  # noqa: E402
 from jsonargparse import ArgumentParser  # noqa: E402
 
-from lightning_fairscale.fsdp.state_names import clean_path  # noqa: E402
+from lightning_fairscale.fsdp.unit.state_names import clean_path  # noqa: E402
 from scenarios.common import RegressionModel  # noqa: E402
 from scenarios.flavor import PACKAGE, Callback, Trainer, register_strategy_names  # noqa: E402
 

@@ -216,7 +216,7 @@ def full_weights(trainer: Any, path: Path) -> tuple[dict[str, torch.Tensor], lis
 
 def compiled_layers(module: nn.Module) -> list[str]:
     """The layers of ``module`` whose ``forward`` the strategy compiled (its regions)."""
-    from lightning_fairscale.fsdp.compile import is_compiled
+    from lightning_fairscale.fsdp.wrapping.compile import is_compiled
 
     return sorted(name for name, layer in module.named_modules() if is_compiled(layer))
 

@@ -36,7 +36,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_fairscale.distributed import collectives  # noqa: E402
-from lightning_fairscale.fsdp.units import fsdp_instances  # noqa: E402
+from lightning_fairscale.fsdp.unit.units import fsdp_instances  # noqa: E402
 from scenarios.common import (  # noqa: E402
     GLOBAL_BATCH,
     Block,

@@ -85,10 +85,10 @@ def live(cls: type) -> int:
 
 def reducers() -> int:
     """The units' gradient reducers alive: FairScale's bucketers, or on CPU (gloo) the asynchronous reducer of
-    ``fsdp.prefetch`` that replaces them."""
+    ``fsdp.patches.prefetch`` that replaces them."""
     from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
 
-    from lightning_fairscale.fsdp.prefetch import AsyncReduceScatter
+    from lightning_fairscale.fsdp.patches.prefetch import AsyncReduceScatter
 
     return live(ReduceScatterBucketer) + live(AsyncReduceScatter)
 
@@ -138,8 +138,8 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
     from fairscale.nn import FullyShardedDataParallel
 
     import lightning_fairscale  # noqa: F401  (registers the strategy names)
-    from lightning_fairscale.fsdp.param_views import views_of
-    from lightning_fairscale.fsdp.unwrapping import wrapped_root
+    from lightning_fairscale.fsdp.unit.param_views import views_of
+    from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
     from scenarios.common import Block, RegressionModel
     from scenarios.flavor import Callback, DDPFullyShardedStrategy, Trainer
 

@@ -34,7 +34,7 @@ from torch.distributed.fsdp.wrap import (  # noqa: E402
 )
 
 import lightning_fairscale  # noqa: E402,F401  (registers the strategy names)
-from lightning_fairscale.fsdp.units import fsdp_instances  # noqa: E402
+from lightning_fairscale.fsdp.unit.units import fsdp_instances  # noqa: E402
 import scenarios.jobs  # noqa: E402
 from scenarios.config import Scenario  # noqa: E402
 from scenarios.common import (  # noqa: E402
@@ -182,7 +182,7 @@ class RecordUnits(Callback):
             for name, m in trainer.strategy.model.named_modules()
             if isinstance(m, FullyShardedDataParallel)
         ]
-        from lightning_fairscale.fsdp.summary import unit_summary
+        from lightning_fairscale.fsdp.wrapping.summary import unit_summary
 
         self.summary = unit_summary(trainer.strategy.model)
 
@@ -411,7 +411,7 @@ def stages_with_new_modules(config: Scenario, trainer: Any) -> tuple[dict[str, A
     }
     if trainer.global_rank == 0:
         if Path(best).is_dir():  # a sharded checkpoint: consolidated into the full one
-            from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
+            from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
 
             state_dict = consolidate(best)["state_dict"]
         else:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.patches import cpu_streams
 from unit.fake_nccl import FakeNccl
 
 

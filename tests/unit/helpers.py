@@ -27,12 +27,12 @@ from fairscale.nn.wrap import enable_wrap
 from models import Block
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.engine import finish_wrapping
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
-from lightning_fairscale.fsdp.optim_state import consolidate_state, load_plain_state
-from lightning_fairscale.fsdp.policies import auto_wrap_policy, wrap_module
-from lightning_fairscale.fsdp.state_names import clean_path
+from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.state.optim_state import consolidate_state, load_plain_state
+from lightning_fairscale.fsdp.wrapping.policies import auto_wrap_policy, wrap_module
+from lightning_fairscale.fsdp.unit.state_names import clean_path
 
 #: Samples per global batch: divisible by the world sizes 1, 2 and 3 the tests use.
 GLOBAL_BATCH = 6

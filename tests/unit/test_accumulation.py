@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.config import FullyShardedConfig, check_settings
-from lightning_fairscale.fsdp.units import fsdp_instances
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.unit.units import fsdp_instances
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 from lightning_fairscale.sharded_ddp import engine as sharded_engine
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 

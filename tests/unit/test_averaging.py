@@ -1,4 +1,4 @@
-"""Weight averaging over a module's own ``parameters()`` (:mod:`lightning_fairscale.fsdp.averaging`), in-process,
+"""Weight averaging over a module's own ``parameters()`` (:mod:`lightning_fairscale.fsdp.state.averaging`), in-process,
 and the refusal of ``StochasticWeightAveraging`` under FSDP (issue 47, item 4)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pytorch_lightning.callbacks import StochasticWeightAveraging, WeightAveragi
 from torch import nn
 from torch.optim.swa_utils import get_ema_avg_fn
 
-from lightning_fairscale.fsdp.averaging import ShardAveragedModel, shard_state
+from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel, shard_state
 from lightning_fairscale.strategies._callbacks import check_callbacks
 
 

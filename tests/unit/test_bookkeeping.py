@@ -1,4 +1,4 @@
-"""fsdp/bookkeeping.py: FairScale's per-step bookkeeping, the same effect for less Python work."""
+"""fsdp/patches/bookkeeping.py: FairScale's per-step bookkeeping, the same effect for less Python work."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 from torch import nn
 
-from lightning_fairscale.fsdp import bookkeeping
-from lightning_fairscale.fsdp import units as fsdp_units
+from lightning_fairscale.fsdp.patches import bookkeeping
+from lightning_fairscale.fsdp.unit import units as fsdp_units
 
 from .helpers import Block, Net, batches, step, wrap
 

@@ -1,6 +1,6 @@
-"""Regional compilation (workaround 18, ``fsdp/compile.py``) in process, on a one-rank gloo group with ``aot_eager``:
-what is compiled, the names and keys, a compile around the units, giving the layers back. The 2-process trainings,
-each form of compile and inductor, are in ``tests/test_compile.py``."""
+"""Regional compilation (workaround 18, ``fsdp/wrapping/compile.py``) in process, on a one-rank gloo group with
+``aot_eager``: what is compiled, the names and keys, a compile around the units, giving the layers back. The 2-process
+trainings, each form of compile and inductor, are in ``tests/test_compile.py``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from models import Block
 from torch import nn
 
-from lightning_fairscale.fsdp.activation_checkpointing import apply_activation_checkpointing
-from lightning_fairscale.fsdp.compile import compile_regions, is_compiled, take_compiled, uncompile_regions
-from lightning_fairscale.fsdp.state_names import clean_path
+from lightning_fairscale.fsdp.wrapping.activation_checkpointing import apply_activation_checkpointing
+from lightning_fairscale.fsdp.wrapping.compile import compile_regions, is_compiled, take_compiled, uncompile_regions
+from lightning_fairscale.fsdp.unit.state_names import clean_path
 
 from .helpers import Net, batches, shard
 
@@ -64,7 +64,7 @@ def test_compiled_layers_train_as_eager_ones_and_keep_their_names(process_group:
 def test_a_model_with_nothing_to_compile_runs_eagerly_with_a_warning(process_group: Any) -> None:
     from lightning_fairscale.fsdp import engine as fsdp_engine
     from lightning_fairscale.fsdp.config import FullyShardedConfig
-    from lightning_fairscale.fsdp.hybrid import ProcessGroups
+    from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
 
     model = nn.Linear(3, 2)
     with pytest.warns(UserWarning, match="no layer outside FSDP's units to compile"):

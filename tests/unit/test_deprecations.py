@@ -1,5 +1,5 @@
-"""Workaround 19 (``lightning_fairscale.fsdp.deprecations``): FairScale's calls that torch deprecates raise no warning
-a user sees, and the same calls in the user's own code still warn."""
+"""Workaround 19 (``lightning_fairscale.fsdp.patches.deprecations``): FairScale's calls that torch deprecates raise no
+warning a user sees, and the same calls in the user's own code still warn."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fairscale.internal import reduce_scatter_bucketer as bucketer_module
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 
 from lightning_fairscale.distributed import collectives
-from lightning_fairscale.fsdp import cpu_streams, deprecations
+from lightning_fairscale.fsdp.patches import cpu_streams, deprecations
 
 from .helpers import Net, batches, shard, step, run_ranks
 

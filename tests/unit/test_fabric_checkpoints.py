@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_fairscale.checkpoint.fabric import FABRIC_KEYS, is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
-from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
+from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 from lightning_fairscale.fabric import DDPFullyShardedStrategy, DDPShardedStrategy
 

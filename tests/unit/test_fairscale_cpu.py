@@ -1,5 +1,5 @@
-"""fsdp/cpu_streams.py, bucketing.py, grad_norm.py and the grad scaler on one rank: the CPU patches, the bucketers,
-global-norm clipping and the sharded grad scaler.
+"""fsdp/patches/cpu_streams.py, bucketing.py, grad_norm.py and the grad scaler on one rank: the CPU patches, the
+bucketers, global-norm clipping and the sharded grad scaler.
 
 (Their behaviour across ranks is in test_multirank.py.)
 """
@@ -18,11 +18,11 @@ from fairscale.internal import reduce_scatter_bucketer as fairscale_bucketer
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams, prefetch
-from lightning_fairscale.fsdp import units as fsdp_units
-from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
-from lightning_fairscale.fsdp.prefetch import AsyncReduceScatter, Prefetcher
-from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_, global_grad_norm
+from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
+from lightning_fairscale.fsdp.unit import units as fsdp_units
+from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
+from lightning_fairscale.fsdp.patches.prefetch import AsyncReduceScatter, Prefetcher
+from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_, global_grad_norm
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 from .helpers import (

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from unit.fake_nccl import FAKE_GPU, FakeNccl
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
-from lightning_fairscale.fsdp.optim import ParameterLayout, repoint_optimizer
-from lightning_fairscale.fsdp.optim_state import consolidate_state
+from lightning_fairscale.fsdp.state.optim import ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.state.optim_state import consolidate_state
 from lightning_fairscale.precision.fully_sharded import FullyShardedMixedPrecisionPlugin, FullyShardedPrecisionPlugin
 from lightning_fairscale.strategies import DDPFullyShardedStrategy
 

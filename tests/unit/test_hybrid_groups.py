@@ -1,5 +1,5 @@
-"""The lifecycle of the strategies' process groups (``fsdp.hybrid``): made once per layout, reused while they live,
-kept by a root unit that stays sharded, destroyed at teardown or when the root is dropped. On a real one-rank gloo
+"""The lifecycle of the strategies' process groups (``fsdp.patches.hybrid``): made once per layout, reused while they
+live, kept by a root unit that stays sharded, destroyed at teardown or when the root is dropped. On a real one-rank gloo
 world: with one rank every layout is ``(1, 1)``, and the groups are real groups torch makes and destroys."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fairscale.distributed import collectives
-from lightning_fairscale.fsdp.hybrid import drop_groups_of, release_groups, sharding_groups
+from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of, release_groups, sharding_groups
 
 TIMEOUT = timedelta(seconds=30)
 

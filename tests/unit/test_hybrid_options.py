@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import ShardingStrategy
 
-from lightning_fairscale.fsdp.hybrid import mesh_request, resolve_mesh, sharding_name
+from lightning_fairscale.fsdp.patches.hybrid import mesh_request, resolve_mesh, sharding_name
 from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
 

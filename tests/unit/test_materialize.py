@@ -11,9 +11,9 @@ import torch.distributed as dist
 from fairscale.nn.wrap import enable_wrap, wrap as fairscale_wrap
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import check_materializable, materialize, to_device_keeping_meta
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.unit.materialize import check_materializable, materialize, to_device_keeping_meta
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import (
     OPTIMIZERS, Block, Net, batches, fsdp_kwargs, parameters_of, run_ranks, shard, small_block, step, wrap,

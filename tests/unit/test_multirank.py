@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fairscale.distributed import collectives, exchanges
-from lightning_fairscale.fsdp import cpu_streams, param_views, prefetch
-from lightning_fairscale.fsdp.bucketing import GlooReduceScatterBucketer
-from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
+from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer
+from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
-from lightning_fairscale.fsdp.optim_state import describe_layout
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.state.optim_state import describe_layout
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 from lightning_fairscale.strategies._lost_ranks import is_collective_failure
 
 from .helpers import (

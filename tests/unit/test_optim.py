@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.optim import ParameterLayout, Piece
-from lightning_fairscale.fsdp.optim_state import load_plain_state, plain_state_dict
-from lightning_fairscale.fsdp.param_views import views_of
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.state.optim import ParameterLayout, Piece
+from lightning_fairscale.fsdp.state.optim_state import load_plain_state, plain_state_dict
+from lightning_fairscale.fsdp.unit.param_views import views_of
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import (
     OPTIMIZERS,

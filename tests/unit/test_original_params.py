@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams
+from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.state_names import clean_path
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.unit.state_names import clean_path
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import fsdp_kwargs, run_ranks, shard, wrap
 

@@ -13,10 +13,11 @@ from torch import Tensor, nn
 
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys
 from lightning_fairscale.checkpoint.files import ShardedStorage
-from lightning_fairscale.fsdp import cpu_streams, engine
-from lightning_fairscale.fsdp.optim import ParameterLayout
-from lightning_fairscale.fsdp.saving import Ranks
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp import engine
+from lightning_fairscale.fsdp.state.optim import ParameterLayout
+from lightning_fairscale.fsdp.state.saving import Ranks
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import OUT_FEATURES, Block, Net, batches, parameters_of, run_ranks, step, wrap
 

@@ -1,4 +1,4 @@
-"""The units after an exception inside a step (:mod:`lightning_fairscale.fsdp.recovery`, issue 47 item 5), on 2
+"""The units after an exception inside a step (:mod:`lightning_fairscale.fsdp.unit.recovery`, issue 47 item 5), on 2
 forked ranks: every unit ``IDLE``, its parameters the fp32 shards with no full parameter held, the original
 parameters on their modules, nothing gathered ahead or reducing (workaround 16), no gradient of the failed backward;
 and training that goes on (the failed step skipped) equals plain training without that step."""
@@ -13,9 +13,10 @@ import torch
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
-from lightning_fairscale.fsdp import cpu_streams, prefetch, recovery
-from lightning_fairscale.fsdp.units import fsdp_instances
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
+from lightning_fairscale.fsdp.unit import recovery
+from lightning_fairscale.fsdp.unit.units import fsdp_instances
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import Block, Net, batches, parameters_of, run_ranks, shard, step
 

@@ -1,5 +1,5 @@
-"""In-process tests of :mod:`lightning_fairscale.fsdp.resharding`: FairScale's chunking, slices from any saved layout,
-and memory-mapped pages given back (seconds, no launched processes)."""
+"""In-process tests of :mod:`lightning_fairscale.fsdp.state.resharding`: FairScale's chunking, slices from any saved
+layout, and memory-mapped pages given back (seconds, no launched processes)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fairscale.fsdp import units
-from lightning_fairscale.fsdp.resharding import SavedShards, copy_overlaps, owned_range, release_pages
+from lightning_fairscale.fsdp.unit import units
+from lightning_fairscale.fsdp.state.resharding import SavedShards, copy_overlaps, owned_range, release_pages
 
 
 def fairscale_shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -17,9 +17,9 @@ from torch import nn
 
 from lightning_fairscale.checkpoint.safetensors import parse_size, plan_files, TensorEntry
 from lightning_fairscale.consolidate import main as consolidate_main
-from lightning_fairscale.fsdp.saving import module_state_dict
-from lightning_fairscale.fsdp.export import export_safetensors
-from lightning_fairscale.fsdp.sharded_checkpoint import split_checkpoint
+from lightning_fairscale.fsdp.state.saving import module_state_dict
+from lightning_fairscale.fsdp.state.export import export_safetensors
+from lightning_fairscale.fsdp.state.sharded_checkpoint import split_checkpoint
 
 from .helpers import WIDTH, Block, shard, small_block, split_by_hand
 from .test_sharded_checkpoint_format import write

@@ -22,8 +22,9 @@ from torch import nn
 
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import activation_checkpointing, cpu_streams
-from lightning_fairscale.fsdp.activation_checkpointing import (
+from lightning_fairscale.fsdp.wrapping import activation_checkpointing
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )

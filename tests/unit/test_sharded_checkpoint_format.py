@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.checkpoint.files import FORMAT_KEY
-from lightning_fairscale.fsdp.sharded_checkpoint import check_fits, check_wrapping, consolidate, split_checkpoint
-from lightning_fairscale.fsdp.state_names import state_aliases
+from lightning_fairscale.fsdp.state.sharded_checkpoint import check_fits, check_wrapping, consolidate, split_checkpoint
+from lightning_fairscale.fsdp.unit.state_names import state_aliases
 
 from .helpers import OPTIMIZERS, Block, Net, Sharded, assert_optimizer_states_equal, assert_tensors_equal, batches
 from .helpers import param_groups, shard, split_by_hand, step, wrap

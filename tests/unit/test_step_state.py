@@ -1,4 +1,4 @@
-"""What the loop changes between steps (FairScale workaround 28, ``lightning_fairscale.fsdp.step_state``), in one
+"""What the loop changes between steps (FairScale workaround 28, ``lightning_fairscale.fsdp.unit.step_state``), in one
 process against the same training of the plain module: ``requires_grad`` flipped after set-up (a unit frozen whole,
 in part, at set-up and unfrozen later), gradients that accumulate across a freeze, a backward that reaches only some
 units, and backward passes inside the root's forward (the Trainer's manual optimization)."""
@@ -15,10 +15,10 @@ from models import Block
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.optim import ParameterLayout
-from lightning_fairscale.fsdp.sharded_checkpoint import consolidate
-from lightning_fairscale.fsdp.units import fsdp_instances
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.state.optim import ParameterLayout
+from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
+from lightning_fairscale.fsdp.unit.units import fsdp_instances
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import (
     Net,

@@ -1,5 +1,5 @@
-"""The sharded model's parameters with their unsharded shapes (:mod:`lightning_fairscale.fsdp.unsharded_shapes`), in
-process: what they show inside the context, the error a use of their values raises, their data restored after (an
+"""The sharded model's parameters with their unsharded shapes (:mod:`lightning_fairscale.fsdp.state.unsharded_shapes`),
+in process: what they show inside the context, the error a use of their values raises, their data restored after (an
 error inside included), an optimizer made inside that trains as the unsharded one, and the marks of param groups
 made outside it."""
 
@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fairscale.fsdp.engine import WrappedModel, finish_wrapping
-from lightning_fairscale.fsdp.optim import ParameterLayout
-from lightning_fairscale.fsdp.state_names import clean_path
-from lightning_fairscale.fsdp.unsharded_shapes import ValuesUnavailableError
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.state.optim import ParameterLayout
+from lightning_fairscale.fsdp.unit.state_names import clean_path
+from lightning_fairscale.fsdp.state.unsharded_shapes import ValuesUnavailableError
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 
 from .helpers import Net, batches, fabric_on_one_process, fsdp_kwargs, small_block, step, wrap
 

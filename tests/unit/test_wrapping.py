@@ -1,5 +1,5 @@
-"""fsdp/policies.py, activation_checkpointing.py, state_names.py and unwrapping.py: auto-wrap policies and their
-controls, validation, names, activation checkpointing, wrap/unwrap."""
+"""fsdp/wrapping/policies.py, activation_checkpointing.py, state_names.py and unwrapping.py: auto-wrap policies and
+their controls, validation, names, activation checkpointing, wrap/unwrap."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
-from lightning_fairscale.fsdp.activation_checkpointing import (
+from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpointing_layer_classes,
     remove_activation_checkpointing,
     validate_layer_classes,
 )
-from lightning_fairscale.fsdp.policies import validate_auto_wrap_policy
-from lightning_fairscale.fsdp.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, state_aliases
-from lightning_fairscale.fsdp.unwrapping import unwrap_module
+from lightning_fairscale.fsdp.wrapping.policies import validate_auto_wrap_policy
+from lightning_fairscale.fsdp.unit.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, state_aliases
+from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import OPTIMIZERS, Block, Net, batches, parameters_of, shard, step, unit_paths, wrap
 
@@ -440,7 +440,7 @@ def test_a_unit_flattens_frozen_and_trainable_parameters_together_and_records_wh
 
 
 def unit_paths_and_units(root: nn.Module) -> list[tuple[str, Any]]:
-    from lightning_fairscale.fsdp.units import named_fsdp_instances
+    from lightning_fairscale.fsdp.unit.units import named_fsdp_instances
 
     return [(clean_path(path + ".").rstrip("."), unit) for path, unit in named_fsdp_instances(root)]
 

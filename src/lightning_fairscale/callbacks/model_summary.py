@@ -28,8 +28,8 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from fairscale.nn.misc import FlattenParamsWrapper
 from pytorch_lightning.callbacks import ModelSummary as ModelSummaryCallback
 from lightning_fairscale._compat import _ModuleMode, attached_trainer
-from lightning_fairscale.fsdp.frozen_params import trainable_pieces
-from lightning_fairscale.fsdp.units import fsdp_instances
+from lightning_fairscale.fsdp.unit.frozen_params import trainable_pieces
+from lightning_fairscale.fsdp.unit.units import fsdp_instances
 from pytorch_lightning.utilities.model_summary.model_summary import (
     NOT_APPLICABLE,
     LayerSummary,

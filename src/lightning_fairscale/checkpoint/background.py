@@ -11,7 +11,7 @@ that write is in place, and after a failed write nothing queued behind it runs (
 is kept until the owner asks for it (:meth:`BackgroundWriter.wait`, :meth:`BackgroundWriter.take_error`).
 
 No Lightning import: the plugin (:class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`) and the
-engine's sharded save (:func:`~lightning_fairscale.fsdp.saving.save_sharded`) share it.
+engine's sharded save (:func:`~lightning_fairscale.fsdp.state.saving.save_sharded`) share it.
 """
 
 from __future__ import annotations

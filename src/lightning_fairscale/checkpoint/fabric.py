@@ -10,7 +10,7 @@ strategies write: the keys of the state, each module and optimizer replaced by i
 * every other object with ``state_dict`` and ``load_state_dict`` (LR schedulers, other modules...) -> its state
   dict; every other value as it is; ``filter`` as ``fabric.save`` defines it.
 
-A sharded checkpoint (``state_dict_type="sharded"``, :mod:`lightning_fairscale.fsdp.sharded_checkpoint`) keeps the
+A sharded checkpoint (``state_dict_type="sharded"``, :mod:`lightning_fairscale.fsdp.state.sharded_checkpoint`) keeps the
 model's and the optimizers' states in each rank's shard, and every other entry in its meta file under its own key; the
 meta file's own record (:data:`~lightning_fairscale.checkpoint.files.FORMAT_KEY`) names the model's and the optimizers'
 keys (:data:`~lightning_fairscale.checkpoint.files.FABRIC_RECORD`).

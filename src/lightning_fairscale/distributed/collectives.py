@@ -212,7 +212,7 @@ def _nbytes(tensor: Tensor) -> int:
 
 #: The collectives of ``torch.distributed`` that :func:`recording_traffic` counts: name -> (kind, payload of the
 #: bound arguments). The underscored ones are the names FairScale calls (routed to the newest names by
-#: :mod:`lightning_fairscale.fsdp.deprecations`), the ``*_single`` ones torch 2.13's.
+#: :mod:`lightning_fairscale.fsdp.patches.deprecations`), the ``*_single`` ones torch 2.13's.
 _RECORDED: dict[str, tuple[str, Callable[[dict[str, Any]], int]]] = {
     "all_gather": ("all_gather", lambda a: _nbytes(a["tensor"]) * len(a["tensor_list"])),
     "all_gather_single": ("all_gather", lambda a: _nbytes(a["output_tensor"])),

@@ -5,7 +5,7 @@ breaks this one file, with an error that names what moved. No other module of th
 name or reads a private attribute of a torch module (``torch._C``, ``torch.distributed.distributed_c10d._...``):
 ``tests/unit/test_import_graph.py`` checks it. Lightning's private names live in :mod:`lightning_fairscale._compat`,
 which imports Lightning; this module is the engine's, the lowest layer, importable without Lightning. (FairScale's
-private attributes are another matter: FairScale is frozen, and ``fsdp/units.py`` lists what we rely on.)
+private attributes are another matter: FairScale is frozen, and ``fsdp/unit/units.py`` lists what we rely on.)
 
 Checked against torch 2.4 to 2.13.
 """

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
-from lightning_fairscale.fsdp.saving import is_sharded_checkpoint
+from lightning_fairscale.fsdp.state.saving import is_sharded_checkpoint
 from lightning_fairscale.mixed_precision.settings import unsupported
 from lightning_fairscale.plugins.checkpoint_io import save_full, sharded_storage
 

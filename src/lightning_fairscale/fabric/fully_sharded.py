@@ -35,10 +35,10 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.compile import compiler_from_options, unwrap_compiled
+from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.hybrid import ProcessGroups
-from lightning_fairscale.fsdp.policies import AutoWrapPolicy
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
+from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
 from lightning_fairscale.plugins.checkpoint_io import (
     settle_background,
     default_checkpoint_io,
@@ -55,14 +55,14 @@ from lightning_fairscale.fabric._common import (
     refuse_groups_by_shard_shapes,
 )
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
-from lightning_fairscale.fsdp import param_views
-from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
-from lightning_fairscale.fsdp.hybrid import release_groups
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel
-from lightning_fairscale.fsdp.materialize import ParamInitFn, to_device_keeping_meta
-from lightning_fairscale.fsdp.saving import Ranks
-from lightning_fairscale.fsdp.summary import memory_figures
-from lightning_fairscale.fsdp.averaging import ShardAveragedModel
+from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.patches.hybrid import release_groups
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
+from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, to_device_keeping_meta
+from lightning_fairscale.fsdp.state.saving import Ranks
+from lightning_fairscale.fsdp.wrapping.summary import memory_figures
+from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
 from lightning_fairscale.fabric import _fsdp_parts
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @override
     def teardown(self) -> None:
         """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
-        still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.hybrid`)."""
+        still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.patches.hybrid`)."""
         if release_groups(self._groups.sharding(), list(self._set_up.models)):
             self._groups = ProcessGroups()
         super().teardown()
@@ -201,7 +201,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Tensors on the root device (the CPU with ``cpu_offload``: offloaded shards start there), or with
         ``empty_init=True`` on the ``meta`` device: each FSDP unit then materialises its part just before sharding
-        it (see :mod:`lightning_fairscale.fsdp.materialize`); ``wrap`` makes FSDP units."""
+        it (see :mod:`lightning_fairscale.fsdp.unit.materialize`); ``wrap`` makes FSDP units."""
         stack = ExitStack()
         if empty_init:
             stack.enter_context(torch.device("meta"))
@@ -267,7 +267,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         """``torch.optim.swa_utils.AveragedModel(module, **kwargs)`` (EMA with ``avg_fn=get_ema_avg_fn(...)``, SWA by
         default) over this rank's shards of a set-up model: ``update_parameters(module)`` after a step, ``with
         averaged.swapped_in(): ...`` to evaluate or save the average; ``state_dict()`` is its full state dict (rank 0;
-        a collective call), which ``load_state_dict`` takes back (see :mod:`lightning_fairscale.fsdp.averaging`)."""
+        a collective call), which ``load_state_dict`` takes back (see
+        :mod:`lightning_fairscale.fsdp.state.averaging`)."""
         return _fsdp_parts.averaged_model(self, module, **kwargs)
 
     def unsharded_shapes(self, module: Module) -> AbstractContextManager[None]:
@@ -280,7 +281,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """Fabric's backward; an exception raised in it (a hook of the user's) leaves every model set up here as its
-        last completed step left it (see :mod:`~lightning_fairscale.fsdp.recovery`), and goes on unchanged."""
+        last completed step left it (see :mod:`~lightning_fairscale.fsdp.unit.recovery`), and goes on unchanged."""
         try:
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:

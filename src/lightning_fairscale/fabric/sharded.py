@@ -42,7 +42,7 @@ from lightning_fairscale.sharded_ddp.trainability import Trainability, clip_grad
 from lightning_fairscale.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 from lightning_fairscale.distributed.collectives import all_agree
-from lightning_fairscale.fsdp.compile import compiler_from_options
+from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options
 from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, settle_background
 
 if TYPE_CHECKING:

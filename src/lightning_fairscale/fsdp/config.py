@@ -30,11 +30,14 @@ from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
-from lightning_fairscale.fsdp.activation_checkpointing import checkpointing_layer_classes, validate_layer_classes
-from lightning_fairscale.fsdp.hybrid import ProcessGroups, mesh_request, sharding_name
-from lightning_fairscale.fsdp.materialize import ParamInitFn, validate_param_init_fn
-from lightning_fairscale.fsdp.policies import AutoWrapPolicy, auto_wrap_policy, validate_auto_wrap_policy
-from lightning_fairscale.fsdp.prefetch import BACKWARD_MODES
+from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
+    checkpointing_layer_classes,
+    validate_layer_classes,
+)
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, mesh_request, sharding_name
+from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, validate_param_init_fn
+from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy, auto_wrap_policy, validate_auto_wrap_policy
+from lightning_fairscale.fsdp.patches.prefetch import BACKWARD_MODES
 from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dtype
 
 __all__ = [
@@ -248,7 +251,7 @@ class FullyShardedConfig:
     @property
     def mesh_request(self) -> Any:
         """What the strategy shards over: ``None`` (every rank), ``"node"`` (hybrid, over the ranks of each node) or
-        ``(replicas, shard_size)`` (see :func:`~lightning_fairscale.fsdp.hybrid.mesh_request`)."""
+        ``(replicas, shard_size)`` (see :func:`~lightning_fairscale.fsdp.patches.hybrid.mesh_request`)."""
         return mesh_request(self.sharding_strategy, self.device_mesh)
 
 
@@ -331,7 +334,7 @@ def offloads_to_cpu(config: FullyShardedConfig, device: torch.device) -> bool:
 
 def wrap_policy(config: FullyShardedConfig, own_units: Iterable[Module] = (), root: Optional[Module] = None) -> Any:
     """FairScale's auto-wrap policy for the config's ``auto_wrap_policy`` (see
-    :func:`~lightning_fairscale.fsdp.policies.auto_wrap_policy`)."""
+    :func:`~lightning_fairscale.fsdp.wrapping.policies.auto_wrap_policy`)."""
     return auto_wrap_policy(
         config.auto_wrap_policy,
         config.min_num_params,
@@ -428,8 +431,8 @@ def _checkpointing_classes(classes: Any, policy: Any) -> tuple[type[Module], ...
 
 def _without_use_orig_params(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` without torch FSDP's ``use_orig_params``, which is what the strategy does anyway (the model's
-    attributes are the parameters the optimizer steps, see ``fsdp.original_params``): ``True`` is accepted, ``False``
-    refused with the reason."""
+    attributes are the parameters the optimizer steps, see ``fsdp.unit.original_params``): ``True`` is accepted,
+    ``False`` refused with the reason."""
     kwargs = dict(kwargs)
     if kwargs.pop("use_orig_params", True) is not True:
         raise ValueError(

@@ -3,12 +3,12 @@
 The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and Fabric's
 (:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
 
-* :func:`set_up_run`: the process groups of a run (:class:`~lightning_fairscale.fsdp.hybrid.ProcessGroups`), made
-  once the default group exists;
+* :func:`set_up_run`: the process groups of a run (:class:`~lightning_fairscale.fsdp.patches.hybrid.ProcessGroups`),
+  made once the default group exists;
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing; the
   result is a :class:`WrappedModel`, the one object a strategy keeps of a sharded model;
 * :class:`WrappedModel`: re-points the optimizers made over the unwrapped module, gives the state dicts in the two
-  checkpoint formats, saves and loads them (:mod:`~lightning_fairscale.fsdp.saving`: into this rank's shards,
+  checkpoint formats, saves and loads them (:mod:`~lightning_fairscale.fsdp.state.saving`: into this rank's shards,
   gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does), and
   gives the model its full parameters back (:meth:`WrappedModel.unshard`).
 
@@ -39,12 +39,14 @@ from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import cpu_streams, original_params, recovery, saving, step_state
-from lightning_fairscale.fsdp.activation_checkpointing import (
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp.unit import original_params, recovery, step_state
+from lightning_fairscale.fsdp.state import saving
+from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from lightning_fairscale.fsdp.compile import Compiler, compile_regions, take_compiled, uncompile_regions
+from lightning_fairscale.fsdp.wrapping.compile import Compiler, compile_regions, take_compiled, uncompile_regions
 from lightning_fairscale.fsdp.config import (
     FullyShardedConfig,
     ProcessGroups,
@@ -52,16 +54,16 @@ from lightning_fairscale.fsdp.config import (
     fsdp_kwargs,
     wrap_policy,
 )
-from lightning_fairscale.fsdp.hybrid import drop_groups_of, resolve_mesh, sharding_groups
-from lightning_fairscale.fsdp.optim import GroupOrder, ParameterLayout, repoint_optimizer
-from lightning_fairscale.fsdp.optim_state import consolidate_state, load_plain_state
-from lightning_fairscale.fsdp.policies import wrap_module
-from lightning_fairscale.fsdp.saving import Ranks, buffer_name
-from lightning_fairscale.fsdp.state_names import apply_aliases, is_wrapped, state_aliases
-from lightning_fairscale.fsdp.summary import unit_summary
-from lightning_fairscale.fsdp.units import FullyShardedDataParallel, fsdp_instances
-from lightning_fairscale.fsdp.unwrapping import forget_root, remember_root, unwrap_module, unwrapped
-from lightning_fairscale.fsdp.unsharded_shapes import param_group_problem, unsharded_shapes
+from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of, resolve_mesh, sharding_groups
+from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.state.optim_state import consolidate_state, load_plain_state
+from lightning_fairscale.fsdp.wrapping.policies import wrap_module
+from lightning_fairscale.fsdp.state.saving import Ranks, buffer_name
+from lightning_fairscale.fsdp.unit.state_names import apply_aliases, is_wrapped, state_aliases
+from lightning_fairscale.fsdp.wrapping.summary import unit_summary
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel, fsdp_instances
+from lightning_fairscale.fsdp.wrapping.unwrapping import forget_root, remember_root, unwrap_module, unwrapped
+from lightning_fairscale.fsdp.state.unsharded_shapes import param_group_problem, unsharded_shapes
 
 __all__ = [
     "WrappedModel",
@@ -105,11 +107,11 @@ class WrappedModel:
     """A model sharded by :func:`wrap_model`: the one object the Trainer's and Fabric's strategies keep of it.
 
     It holds the root unit, where each original parameter went
-    (:class:`~lightning_fairscale.fsdp.optim.ParameterLayout`), the layers that recompute their activations, and for
-    each optimizer re-pointed to its shards (:meth:`repoint`) the order its state is saved in. Everything a front end
-    does with a sharded model goes through it: re-pointing optimizers, state dicts, both checkpoint formats, and giving
-    the model its full parameters back (:meth:`unshard`). What it knows is kept on the root unit, so that every stage
-    and every strategy that takes the sharded model (:func:`wrapped_model`) knows the same.
+    (:class:`~lightning_fairscale.fsdp.state.optim.ParameterLayout`), the layers that recompute their activations, and
+    for each optimizer re-pointed to its shards (:meth:`repoint`) the order its state is saved in. Everything a front
+    end does with a sharded model goes through it: re-pointing optimizers, state dicts, both checkpoint formats, and
+    giving the model its full parameters back (:meth:`unshard`). What it knows is kept on the root unit, so that every
+    stage and every strategy that takes the sharded model (:func:`wrapped_model`) knows the same.
     """
 
     def __init__(
@@ -170,7 +172,7 @@ class WrappedModel:
     ) -> contextlib.AbstractContextManager[None]:
         """A context in which the model's parameters show their unsharded shapes (no values: ``where`` and
         ``instead`` complete the error a use of them raises; the Trainer's words by default), for making an
-        optimizer's param groups over them (see :mod:`~lightning_fairscale.fsdp.unsharded_shapes`)."""
+        optimizer's param groups over them (see :mod:`~lightning_fairscale.fsdp.state.unsharded_shapes`)."""
         return unsharded_shapes(self.layout, where, instead)
 
     def param_group_problem(self, optimizer: Optimizer) -> Optional[str]:
@@ -182,9 +184,9 @@ class WrappedModel:
     def backward(self) -> Generator[None, None, None]:
         """Around every backward the front end runs (``manual_backward`` and automatic optimization alike): one
         inside the root's forward (the Trainer's manual optimization) ends as FairScale ends a backward (see
-        :mod:`~lightning_fairscale.fsdp.step_state`); after an exception in it the units are as the last completed
+        :mod:`~lightning_fairscale.fsdp.unit.step_state`); after an exception in it the units are as the last completed
         step left them, before the callbacks' ``on_exception`` (``OnExceptionCheckpoint``) runs (see
-        :mod:`~lightning_fairscale.fsdp.recovery`)."""
+        :mod:`~lightning_fairscale.fsdp.unit.recovery`)."""
         state = step_state.of(self.root)
         try:
             with state.backward() if state is not None else contextlib.nullcontext():
@@ -231,7 +233,7 @@ class WrappedModel:
 
     def recover(self) -> bool:
         """Put the units back as the last completed step left them, if an exception left them in the middle of a
-        step (see :mod:`~lightning_fairscale.fsdp.recovery`); local to this rank. Returns whether it had to. While
+        step (see :mod:`~lightning_fairscale.fsdp.unit.recovery`); local to this rank. Returns whether it had to. While
         an exception is being handled, an error of the restore itself is logged, not raised in its place."""
         if not recovery.needs_restore(self.root):
             return False
@@ -245,7 +247,8 @@ class WrappedModel:
         """Before every state dict, checkpoint and ``unshard`` below: while an exception is being handled (Lightning's
         ``on_exception``, a Fabric loop's ``except``), the units as the last completed step left them (never in the
         middle of a step that goes on: FairScale then refuses, as before); after a failed step, a rank that failed
-        alone raises (:func:`~lightning_fairscale.fsdp.recovery.check_failed_together`): nothing can be gathered."""
+        alone raises (:func:`~lightning_fairscale.fsdp.unit.recovery.check_failed_together`): nothing can be
+        gathered."""
         if sys.exc_info()[1] is not None:
             self.recover()
         recovery.check_failed_together(self.root)
@@ -261,7 +264,7 @@ class WrappedModel:
 
     def filtered_local_state(self, keep: Callable[[str, Any], bool]) -> tuple[dict[str, Any], list[str]]:
         """This rank's shards of what ``keep(key, value)`` keeps of the model, and the keys kept (a collective call:
-        see :func:`~lightning_fairscale.fsdp.saving.filtered_local_state`)."""
+        see :func:`~lightning_fairscale.fsdp.state.saving.filtered_local_state`)."""
         return saving.filtered_local_state(self.root, self.state_dict_keys(), keep)
 
     def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
@@ -291,7 +294,7 @@ class WrappedModel:
         optimizers: Sequence[tuple[Optimizer, dict[str, Any]]] = (), relax: str = RELAX_FABRIC,
     ) -> IncompatibleKeys:
         """Load a full state dict and plain optimizer states into this rank's shards, reading only their slices
-        (see :func:`~lightning_fairscale.fsdp.saving.load_full`)."""
+        (see :func:`~lightning_fairscale.fsdp.state.saving.load_full`)."""
         self._settle()
         return saving.load_full(self, state_dict, strict, optimizers, relax)
 
@@ -301,7 +304,7 @@ class WrappedModel:
         background: Optional[saving.InBackground] = None,
     ) -> None:
         """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
-        :func:`~lightning_fairscale.fsdp.saving.save_sharded`)."""
+        :func:`~lightning_fairscale.fsdp.state.saving.save_sharded`)."""
         self._settle()
         saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
 
@@ -311,7 +314,7 @@ class WrappedModel:
         weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
     ) -> tuple[dict[str, Any], IncompatibleKeys]:
         """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
-        :func:`~lightning_fairscale.fsdp.saving.load_sharded`)."""
+        :func:`~lightning_fairscale.fsdp.state.saving.load_sharded`)."""
         self._settle()
         return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
 
@@ -321,7 +324,7 @@ class WrappedModel:
         owner: str, version: str, averaging: bool = False,
     ) -> dict[str, Any]:
         """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
-        :func:`~lightning_fairscale.fsdp.saving.load_trainer_checkpoint`, also for ``averaging``)."""
+        :func:`~lightning_fairscale.fsdp.state.saving.load_trainer_checkpoint`, also for ``averaging``)."""
         self._settle()
         return saving.load_trainer_checkpoint(
             self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version, averaging
@@ -363,14 +366,14 @@ def set_up_run(
 def make_process_groups(
     config: FullyShardedConfig, rank: int, world_size: int, num_nodes: int, timeout: Optional[timedelta]
 ) -> ProcessGroups:
-    """FSDP's process groups (see :class:`~lightning_fairscale.fsdp.hybrid.ProcessGroups`): a collective call.
+    """FSDP's process groups (see :class:`~lightning_fairscale.fsdp.patches.hybrid.ProcessGroups`): a collective call.
 
     All ranks create them together; they honour ``timeout``, so a lost rank cannot stall the others. They are closed
     when the interpreter exits (see :mod:`lightning_fairscale.distributed.process_exit`).
     """
     request = config.mesh_request
     mesh = None if request is None else resolve_mesh(request, world_size, num_nodes)
-    # Made once per layout, reused by later stages; see `fsdp.hybrid` for when they are destroyed.
+    # Made once per layout, reused by later stages; see `fsdp.patches.hybrid` for when they are destroyed.
     groups = sharding_groups(mesh, rank, world_size, timeout)
     process_exit.record_groups(*groups.all())
     return groups
@@ -402,7 +405,7 @@ def wrap_model(
     until :meth:`WrappedModel.forget_originals`, the parameters from before wrapping are known (while alive).
     ``describe`` gets the summary of the units (the front end's way to log it).
 
-    ``torch.compile`` (workaround 18, :mod:`~lightning_fairscale.fsdp.compile`): the ``torch.compile``\\ d
+    ``torch.compile`` (workaround 18, :mod:`~lightning_fairscale.fsdp.wrapping.compile`): the ``torch.compile``\\ d
     submodules of ``module`` are unwrapped before wrapping and ``compiler`` is that of a ``torch.compile(module)``
     the front end took off; once wrapped, their layers are compiled, each unit's gather and reshard around them.
     """
@@ -475,7 +478,7 @@ def finish_wrapping(
 ) -> WrappedModel:
     """The sharded model, once ``layout`` knows where its original parameters went: this rank's views of them
     become the attributes of ``root``'s modules again, under their names, tied ones included (workaround 17,
-    :mod:`~lightning_fairscale.fsdp.original_params`), and the :class:`WrappedModel` is kept on ``root``."""
+    :mod:`~lightning_fairscale.fsdp.unit.original_params`), and the :class:`WrappedModel` is kept on ``root``."""
     views, orders = layout.originals(), layout.parameter_names
     for unit in fsdp_instances(root):
         original_params.install(unit, views, orders)

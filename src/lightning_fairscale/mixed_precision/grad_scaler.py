@@ -1,7 +1,7 @@
 """Loss scaling for sharded gradients, whose inf/NaN checks agree across ranks, for both engines.
 
 Each rank sees only its own gradient shards, so an inf or NaN one rank finds must make every rank skip the step and
-back off the scale (workaround 5 of :mod:`lightning_fairscale.fsdp.workarounds`).
+back off the scale (workaround 5 of :mod:`lightning_fairscale.fsdp.patches.workarounds`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def fsdp_grad_scaler(device: str) -> ShardedGradScaler:
 def sharded_grad_scaler(device: str) -> Any:
     """Sharded DDP's loss scaler for fp16, whose inf/NaN checks are combined across ranks: FairScale's
     ``ShardedGradScaler`` on CUDA (OSS keeps gradients on the GPU), the device-generic one of
-    :mod:`lightning_fairscale.fsdp.workarounds` elsewhere."""
+    :mod:`lightning_fairscale.fsdp.patches.workarounds` elsewhere."""
     if device == "cuda":
         from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
 

@@ -109,8 +109,8 @@ def unsupported(strategy: str, plugin: Any, how: str, own: Optional[str] = None)
 
 def true_half_dtype(mixed_precision: bool, compute_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
     """The dtype an FSDP unit holds its parameters, gradients and computations in under true half precision
-    (workaround 13 of :mod:`lightning_fairscale.fsdp.workarounds`): its ``compute_dtype`` when that is fp16 or bf16
-    without mixed precision; ``None`` for any other unit.
+    (workaround 13 of :mod:`lightning_fairscale.fsdp.patches.workarounds`): its ``compute_dtype`` when that is fp16 or
+    bf16 without mixed precision; ``None`` for any other unit.
 
     Example:
         >>> true_half_dtype(False, torch.bfloat16), true_half_dtype(True, torch.bfloat16)

@@ -57,7 +57,7 @@ from lightning_fairscale.checkpoint.files import (
     shard_file_name,
     write_atomically,
 )
-from lightning_fairscale.fsdp.saving import InBackground
+from lightning_fairscale.fsdp.state.saving import InBackground
 
 # The file-level names are re-exported here, where they were first defined.
 __all__ = [

@@ -10,8 +10,8 @@ from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGr
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp import param_views
-from lightning_fairscale.fsdp.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler, fsdp_grad_scaler
 from lightning_fairscale.mixed_precision.settings import (
     SUPPORTED_PRECISION,

@@ -2,8 +2,8 @@
 
 ``configure_optimizers`` runs on the unsharded module before wrapping where it can (auto wrap); where the module is
 sharded already (layers wrapped by hand in ``configure_model``, a stage after another), it runs on the sharded
-module while its parameters show their unsharded shapes (:mod:`lightning_fairscale.fsdp.unsharded_shapes`), and the
-optimizers are re-pointed to the shards after. A stage that does not train keeps only the optimizers of its own
+module while its parameters show their unsharded shapes (:mod:`lightning_fairscale.fsdp.state.unsharded_shapes`), and
+the optimizers are re-pointed to the shards after. A stage that does not train keeps only the optimizers of its own
 module: a new module after ``fit`` gets none of the fit's.
 """
 

@@ -4,7 +4,7 @@
 The callback makes its ``AveragedModel`` in ``setup``, before the strategy shards the module: a deep copy with the
 full shapes, which ``update_parameters`` cannot pair with the sharded module's parameters (this rank's slices of
 the flat shards). Once the module is sharded, the strategy gives each such callback an average over this rank's
-shards instead (:class:`~lightning_fairscale.fsdp.averaging.ShardAveragedModel`, with the same ``avg_fn``,
+shards instead (:class:`~lightning_fairscale.fsdp.state.averaging.ShardAveragedModel`, with the same ``avg_fn``,
 ``multi_avg_fn``, ``use_buffers`` and device), and the full copy is freed. Everything else is the callback's own
 code, unchanged: it updates the average after each step, swaps it in for validation and back, copies it into the
 module at the end of ``fit``, and saves it in checkpoints as under ``"ddp"`` (the averaged weights under
@@ -30,8 +30,8 @@ from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
 from torch import nn
 
 from lightning_fairscale.lightning._compat import set_weight_averaging_model, weight_averaging_model
-from lightning_fairscale.fsdp.averaging import ShardAveragedModel
-from lightning_fairscale.fsdp.gathered import drop_full_params
+from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
+from lightning_fairscale.fsdp.unit.gathered import drop_full_params
 
 __all__ = ["drop_stale_full_params", "release", "shard"]
 
@@ -72,7 +72,7 @@ def release(callbacks: Iterable[WeightAveraging]) -> list[WeightAveraging]:
 def drop_stale_full_params(callbacks: list[WeightAveraging], root: Optional[nn.Module]) -> None:
     """At the end of validation, after ``WeightAveraging`` swapped the module's own weights back into the shards: no
     unit of ``root`` may keep the average it gathered for validation (workaround 27, see
-    :func:`~lightning_fairscale.fsdp.gathered.drop_full_params`). Training frees every unit's full parameters in its
-    backward, so validation starts gathering from the shards."""
+    :func:`~lightning_fairscale.fsdp.unit.gathered.drop_full_params`). Training frees every unit's full parameters in
+    its backward, so validation starts gathering from the shards."""
     if callbacks and root is not None:
         drop_full_params(root)

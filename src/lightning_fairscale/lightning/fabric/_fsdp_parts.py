@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 from lightning_fairscale.lightning._compat import collective_timeout
 from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.averaging import ShardAveragedModel
-from lightning_fairscale.fsdp.saving import Ranks
+from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
+from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.lightning.plugins.checkpoint_io import in_background, sharded_storage
 
 __all__ = ["averaged_model", "filtered_state", "load_sharded", "recover", "save_sharded", "unsharded_shapes"]

@@ -52,8 +52,8 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
 
     Parameters, gradients and optimizer state stay in FP32; the forward pass runs under ``torch.autocast``. For fp16
     the loss is scaled by a sharded grad scaler (FairScale's ``ShardedGradScaler`` on CUDA, the device-generic one
-    of :mod:`lightning_fairscale.fsdp.workarounds` elsewhere): its inf/NaN checks are combined across ranks, so all
-    ranks skip the same steps, which a plain ``GradScaler`` would not do with sharded gradients. bf16 needs no
+    of :mod:`lightning_fairscale.fsdp.patches.workarounds` elsewhere): its inf/NaN checks are combined across ranks, so
+    all ranks skip the same steps, which a plain ``GradScaler`` would not do with sharded gradients. bf16 needs no
     scaler.
 
     Args:

@@ -41,16 +41,16 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config
 from lightning_fairscale.fsdp import engine as fsdp_engine
-from lightning_fairscale.fsdp.compile import Compiler
+from lightning_fairscale.fsdp.wrapping.compile import Compiler
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.hybrid import ProcessGroups
-from lightning_fairscale.fsdp.hybrid import release_groups
-from lightning_fairscale.fsdp.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
-from lightning_fairscale.fsdp.policies import AutoWrapPolicy
-from lightning_fairscale.fsdp.saving import Ranks
-from lightning_fairscale.fsdp.state_names import is_wrapped
-from lightning_fairscale.fsdp.summary import memory_figures
-from lightning_fairscale.fsdp.unwrapping import wrapped_root
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
+from lightning_fairscale.fsdp.patches.hybrid import release_groups
+from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
+from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
+from lightning_fairscale.fsdp.state.saving import Ranks
+from lightning_fairscale.fsdp.unit.state_names import is_wrapped
+from lightning_fairscale.fsdp.wrapping.summary import memory_figures
+from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
 from lightning_fairscale.lightning.plugins.checkpoint_io import (
     in_background,
     settle_background,
@@ -234,7 +234,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``
         (FairScale keeps offloaded shards there, and the units ``configure_model`` wraps are sharded where they are
         made); with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does: each FSDP unit
-        then materialises its part just before sharding it (see :mod:`lightning_fairscale.fsdp.materialize`)."""
+        then materialises its part just before sharding it (see :mod:`lightning_fairscale.fsdp.unit.materialize`)."""
         if empty_init:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -276,8 +276,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward; one inside the training step (``manual_backward``, which runs inside the root unit's
-        forward) ends as FairScale ends a backward after the forward (``fsdp.step_state``); after an exception in it
-        the units are as the last completed step left them (``fsdp.recovery``)."""
+        forward) ends as FairScale ends a backward after the forward (``fsdp.unit.step_state``); after an exception in
+        it the units are as the last completed step left them (``fsdp.unit.recovery``)."""
         if self._sharded is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with self._sharded.backward():
@@ -342,7 +342,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
         Either kind of checkpoint loads without gathering anything: a full file is memory-mapped and each rank reads
         the slices of each parameter that it owns, unit by unit; a sharded directory saved by any number of
-        processes is read the same way from the saved shards (see :mod:`lightning_fairscale.fsdp.resharding`).
+        processes is read the same way from the saved shards (see :mod:`lightning_fairscale.fsdp.state.resharding`).
 
         With ``LightningModule.strict_loading = False``, the model's parameters and buffers that the checkpoint lacks
         keep their values and its other entries are ignored (a warning names them); shapes must still match.
@@ -400,7 +400,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         strategy does, the module and the optimizers stay on their device: FairScale keeps references to the
         parameter shards that moving them would break. A module still on the meta device (the stage failed before
         wrapping it) is not moved either: it has no data to move. The process groups go with the sharded module
-        (see :mod:`lightning_fairscale.fsdp.hybrid`): destroyed here when no module is kept sharded over them.
+        (see :mod:`lightning_fairscale.fsdp.patches.hybrid`): destroyed here when no module is kept sharded over them.
         Checkpoints written in the background are in place when it returns (after a failed stage, those that can
         still complete).
         """

@@ -1,0 +1,212 @@
+"""The model's own parameters while it is sharded: torch FSDP's ``use_orig_params=True`` for FairScale's units.
+
+FairScale flattens a unit's parameters into one flat parameter, deletes them from their modules and leaves plain
+tensor views of the *full* flat parameter in their place, made at the unit's last forward: between steps
+``layer.weight`` is a stale view whose storage FairScale has freed (reading it fails, or reads freed memory), not
+the tensor the optimizer steps, of the wrong dtype under true half precision, and without a ``.grad``; and
+``model.parameters()`` lists FairScale's flat parameters, which cannot be deep-copied.
+
+Here each original parameter is an ``nn.Parameter`` attribute of its module again, under its own name, and is the
+very parameter the optimizer holds (:mod:`lightning_fairscale.fsdp.unit.param_views`): between steps a 1-D view of the
+elements of this rank's shard that belong to it (empty when the rank holds none), in the shard's dtype, with its
+slice of the gradient shard as ``.grad`` after a synchronising backward. A parameter reachable under several names
+(tied embeddings) is one parameter under all of them. While a unit computes (its forward; its backward, where
+activation checkpointing recomputes it) its modules hold FairScale's views of the full parameters, as torch's FSDP
+does. The flat parameters are out of ``model.parameters()``; FairScale's own state-dict and summon code sees them
+again inside :func:`fairscale_layout` (torch's FSDP registers its flat parameter the same way, only while it needs
+it).
+
+:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` switches a unit at the start and end of its
+forward and at its pre-backward; :func:`install` puts the originals in place once the optimizers' views exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torch import nn
+
+__all__ = [
+    "OriginalSlots",
+    "before_forward",
+    "fairscale_layout",
+    "forget",
+    "install",
+    "is_installed",
+    "is_installed_on",
+    "show",
+    "use_full_views",
+]
+
+#: The attribute of a unit that holds its :class:`OriginalSlots`.
+_SLOTS = "_lightning_fairscale_originals"
+
+
+@dataclass(eq=False)
+class OriginalSlots:
+    """Where one unit's original parameters live: each ``(owner module, name) -> parameter`` (tied names included),
+    the order of each owner's parameters as the user's module registered them, and the unit's flat parameters (by
+    their names in FairScale's wrapper)."""
+
+    params: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
+    owners: list[tuple[nn.Module, list[str]]] = field(default_factory=list)
+    flat: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    #: Whether the originals are the modules' attributes now (else FairScale's views are).
+    shown: bool = False
+    #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
+    depth: int = 0
+    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``.
+    views: dict[tuple[int, str], Any] = field(default_factory=dict)
+
+
+def _slots(unit: nn.Module) -> Optional[OriginalSlots]:
+    return unit.__dict__.get(_SLOTS)
+
+
+def _installed_units(root: nn.Module) -> list[nn.Module]:
+    """The units of ``root`` (itself included) that :func:`install` gave their original parameters."""
+    return [unit for unit in root.modules() if _slots(unit) is not None]
+
+
+def is_installed_on(unit: nn.Module) -> bool:
+    """Whether :func:`install` gave ``unit`` (itself) its original parameters."""
+    return _slots(unit) is not None
+
+
+def is_installed(root: nn.Module) -> bool:
+    """Whether :func:`install` gave ``root``'s units their original parameters."""
+    return bool(_installed_units(root))
+
+
+def install(
+    unit: Any, originals: dict[tuple[int, str], nn.Parameter], orders: dict[int, list[str]]
+) -> None:
+    """Make ``originals`` (``(id(owner), name) -> parameter``, for every original parameter of ``unit``'s flat
+    parameters) the attributes of their modules, tied names included, in the order ``orders`` records for each
+    owner (``id(owner) -> names``; an owner it lacks keeps FairScale's order), and hide the flat parameters."""
+    if _slots(unit) is not None:  # installed already (the unit belongs to a model wrapped before)
+        show(unit)
+        return
+    slots = OriginalSlots()
+    names: dict[int, list[str]] = {}
+    owners: dict[int, nn.Module] = {}
+    for flat in unit.params[: unit._num_flatten_params]:
+        for _, owner, name in flat._param_infos:
+            slots.params[(id(owner), name)] = originals[(id(owner), name)]
+            owners[id(owner)] = owner
+            names.setdefault(id(owner), []).append(name)
+        for _, _, owner, name, source, source_name in flat._shared_param_infos:
+            slots.params[(id(owner), name)] = originals[(id(source), source_name)]
+            owners[id(owner)] = owner
+            names.setdefault(id(owner), []).append(name)
+    for key, owner in owners.items():
+        order = [n for n in orders.get(key, []) if n in names[key] or n in owner._parameters]
+        order += [n for n in names[key] if n not in order]
+        slots.owners.append((owner, order))
+    wrapper = unit.module
+    slots.flat = [(name, getattr(wrapper, name)) for name in wrapper.flat_param_names[: unit._num_flatten_params]]
+    unit.__dict__[_SLOTS] = slots
+    show(unit)
+
+
+def show(unit: nn.Module) -> None:
+    """The original parameters become ``unit``'s modules' attributes (FairScale's views of the full parameters, if
+    any, are dropped: autograd keeps what it needs of them); its flat parameters leave ``parameters()``."""
+    slots = _slots(unit)
+    if slots is None or slots.shown or slots.depth:
+        return
+    wrapper: Any = unit.module
+    for name, _ in slots.flat:
+        wrapper._parameters.pop(name, None)
+    for owner, order in slots.owners:
+        current = owner._parameters
+        attributes = owner.__dict__
+        for name in order:
+            view = attributes.pop(name, None)  # FairScale's plain view, kept for the backward
+            if view is not None:
+                slots.views[(id(owner), name)] = view
+        if not current:  # the usual case: every parameter of the module is an original one (fast path)
+            current.update((name, slots.params[(id(owner), name)]) for name in order)
+            continue
+        rebuilt: dict[str, Optional[nn.Parameter]] = {}
+        for name in order:
+            if (id(owner), name) in slots.params:
+                rebuilt[name] = slots.params[(id(owner), name)]
+            elif name in current:
+                rebuilt[name] = current[name]
+        rebuilt.update((n, p) for n, p in current.items() if n not in rebuilt)
+        current.clear()
+        current.update(rebuilt)
+    slots.shown = True
+
+
+def _hide(unit: nn.Module, register_flat: bool) -> None:
+    """Take the original parameters out of ``unit``'s modules (FairScale sets its views there); with
+    ``register_flat``, register the flat parameters with FairScale's wrapper again."""
+    slots = _slots(unit)
+    if slots is None:
+        return
+    if slots.shown:
+        for owner, order in slots.owners:
+            for name in order:
+                if (id(owner), name) in slots.params:
+                    owner._parameters.pop(name, None)
+        slots.shown = False
+    if register_flat:
+        wrapper: Any = unit.module
+        for name, flat in slots.flat:
+            wrapper._parameters[name] = flat
+
+
+def before_forward(unit: nn.Module) -> None:
+    """Before ``unit``'s forward: FairScale's wrapper sets its views of the full parameters."""
+    _hide(unit, register_flat=False)
+
+
+def use_full_views(unit: Any) -> None:
+    """In ``unit``'s backward (its full parameters gathered again): its modules hold FairScale's views of them from
+    its forward, so that a layer that recomputes its forward (activation checkpointing) computes with the full
+    parameters. Those views, not new ones: FairScale's gradient hook is on the gradient accumulator the forward's
+    views lead to, which torch replaces when the flat parameter's dtype changes (under mixed precision, at every
+    switch between the fp32 shard and the fp16 full parameter)."""
+    slots = _slots(unit)
+    if slots is None:
+        return
+    _hide(unit, register_flat=False)
+    for owner, order in slots.owners:
+        for name in order:
+            view = slots.views.get((id(owner), name))
+            if view is not None:
+                owner.__dict__[name] = view
+
+
+@contextlib.contextmanager
+def fairscale_layout(root: nn.Module) -> Iterator[None]:
+    """Inside this context ``root``'s units are as FairScale made them (flat parameters registered, no original
+    parameters on the modules), for FairScale's state dicts, loading and ``summon_full_params``; the originals come
+    back at the end."""
+    units = _installed_units(root)
+    for unit in units:
+        slots = _slots(unit)
+        assert slots is not None
+        slots.depth += 1
+        if slots.depth == 1:
+            _hide(unit, register_flat=True)
+    try:
+        yield
+    finally:
+        for unit in units:
+            slots = _slots(unit)
+            assert slots is not None
+            slots.depth -= 1
+            show(unit)
+
+
+def forget(root: nn.Module) -> None:
+    """Put ``root``'s units back in FairScale's layout for good (before unwrapping them)."""
+    for unit in _installed_units(root):
+        _hide(unit, register_flat=True)
+        del unit.__dict__[_SLOTS]

@@ -1,0 +1,249 @@
+"""The original parameters, as the optimizer sees them under flattening: views into this rank's flat shards.
+
+FairScale's FSDP replaces the parameters of a unit by one flat parameter and keeps a shard of it on each rank. An
+optimizer over the flat shards would give every parameter of a unit the same hyperparameters and the same
+``requires_grad``. PyTorch's FSDP solves this with ``use_orig_params=True``; FairScale never did. We do it here.
+
+Each rank's optimizer holds one *view parameter* per original parameter that overlaps this rank's shard: a 1-D
+``nn.Parameter`` whose data is the overlapping slice of the flat shard, and whose ``.grad`` is the same slice of the
+flat gradient shard. The optimizer updates the shard in place through it, with the hyperparameters of the original
+parameter's param group. A frozen parameter's view never gets a gradient, so the optimizer keeps no state for it and
+never changes it.
+
+The flat parameter's gradient is FairScale's: its reduce-scatter sets it at the end of a synchronising backward
+(:func:`share_gradients` then hands its slices to the views), and it accumulates into it when it is not ``None`` at
+the next backward. What the user does to the views' gradients decides what happens to it
+(:func:`take_back_gradients`): ``optimizer.zero_grad()`` (views' gradients ``None``) frees it, so that the next
+backward starts afresh, exactly as for the original parameters of an unsharded model.
+
+The functions here are called by :class:`lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` at the
+start and the end of each backward; the views are made by :class:`lightning_fairscale.fsdp.state.optim.ParameterLayout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ParamView",
+    "attach",
+    "forget",
+    "gets_gradient",
+    "has_views",
+    "mark_has_views",
+    "mark_norm_group",
+    "norm_group",
+    "repoint_data",
+    "share_gradients",
+    "share_local_gradients",
+    "take_back_gradients",
+    "trainable_views",
+    "views_of",
+]
+
+#: The attribute of a flat (or sharded) parameter that lists its views on this rank.
+_VIEWS = "_lightning_fairscale_views"
+#: Set on a flat parameter while its gradient is the one shared with its views (after a synchronising backward).
+_SHARED = "_lightning_fairscale_grad_shared"
+#: On a flat parameter: the gradient tensor given to each of its views (by ``id`` of the view), to tell them from
+#: gradients the backward computed for the views themselves.
+_GIVEN = "_lightning_fairscale_given_grads"
+#: Set on an optimizer that holds views: the process group over which the norm of its gradients is taken.
+_NORM_GROUP = "_lightning_fairscale_norm_group"
+#: Set on the root FSDP unit of a model whose optimizers hold views (on every rank alike, even one holding none).
+_HAS_VIEWS = "_lightning_fairscale_has_views"
+
+
+@dataclass(eq=False)
+class ParamView:
+    """The part of original parameter ``piece`` of ``managed`` that this rank holds.
+
+    ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
+    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad`` when its
+    unit last computed (at set-up, then before each forward of the unit:
+    :mod:`~lightning_fairscale.fsdp.unit.step_state`).
+    """
+
+    param: nn.Parameter
+    piece: int
+    start: int
+    stop: int
+    trainable: bool
+
+
+def _shard(managed: nn.Parameter) -> Tensor:
+    """The 1-D shard of ``managed`` that the optimizer updates (FairScale's ``_fp32_shard`` once initialised)."""
+    shard = getattr(managed, "_fp32_shard", None)
+    return (shard if shard is not None else managed.data).view(-1)
+
+
+def attach(managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool) -> ParamView:
+    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``."""
+    data = _shard(managed)[start:stop]
+    view = ParamView(nn.Parameter(data, requires_grad=trainable), piece, start, stop, trainable)
+    managed.__dict__.setdefault(_VIEWS, []).append(view)
+    return view
+
+
+def forget(managed: nn.Parameter) -> None:
+    """Unregister every view of ``managed`` (a new layout of the same model makes its own: the optimizers of an
+    earlier stage, which hold the old ones, are gone or no longer stepped)."""
+    managed.__dict__.pop(_VIEWS, None)
+    managed.__dict__.pop(_SHARED, None)
+    managed.__dict__.pop(_GIVEN, None)
+
+
+def views_of(managed: nn.Parameter) -> list[ParamView]:
+    """The views registered with ``managed`` on this rank."""
+    return managed.__dict__.get(_VIEWS, [])
+
+
+def gets_gradient(view: ParamView) -> bool:
+    """Whether ``view`` is given its slice of the flat gradient: it trained when its unit last computed
+    (``trainable``, kept up to date by :mod:`~lightning_fairscale.fsdp.unit.step_state`) and it still does, as an
+    unsharded parameter gets a gradient only if it required one in the forward and still does in the backward."""
+    return view.trainable and view.param.requires_grad
+
+
+def trainable_views(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The view parameters of trainable original parameters among the views of ``params`` (flat parameters)."""
+    return [view.param for managed in params for view in views_of(managed) if gets_gradient(view)]
+
+
+@torch.no_grad()
+def take_back_gradients(managed: nn.Parameter) -> None:
+    """Before a backward: make ``managed.grad`` reflect what was done to its views' gradients since they got them.
+
+    All dropped (``zero_grad()``): the flat gradient is dropped, the backward starts afresh. Some dropped (an
+    optimizer over part of the unit zeroed its own): their slices are zeroed. Otherwise (accumulating over
+    synchronising backwards, or ``zero_grad(set_to_none=False)``, which zeroes the shared slices in place) the flat
+    gradient is kept, and FairScale accumulates into it. A view's gradient is dropped when it is no longer the one
+    it was given: ``None``, or one the backward has begun computing for the view itself (a term on the model's
+    parameters outside its forward, whose gradient reaches the view before this unit's backward starts). A view
+    frozen since (``requires_grad=False``) keeps the gradient it holds, as a frozen parameter of an unsharded model
+    does, but apart from the flat gradient: nothing accumulates into it (workaround 28).
+    """
+    if not managed.__dict__.pop(_SHARED, False) or managed.grad is None:
+        return
+    given = managed.__dict__.get(_GIVEN, {})
+    views = [view for view in views_of(managed) if view.start < view.stop]
+    kept = []
+    for view in views:
+        if not _holds_given(view, given):
+            continue
+        if view.param.requires_grad:
+            kept.append(view)
+        else:
+            view.param.grad = view.param.grad.clone()  # type: ignore[union-attr]
+    if not kept:
+        managed.grad = None
+        return
+    flat = managed.grad.view(-1)
+    for view in views:
+        if view not in kept:
+            flat[view.start : view.stop].zero_()
+
+
+def _holds_given(view: ParamView, given: dict[int, Any]) -> bool:
+    ref = given.get(id(view.param))
+    return view.param.grad is not None and ref is not None and view.param.grad is ref()
+
+
+def mark_norm_group(optimizer: Any, group: Any) -> None:
+    """Record on ``optimizer`` the group its gradients' norm is taken over (every rank records the same, also one
+    that holds no view of its parameters: all ranks must take part in the same collective)."""
+    optimizer.__dict__[_NORM_GROUP] = group
+
+
+def norm_group(optimizer: Any) -> Any:
+    """The group recorded by :func:`mark_norm_group` (``None``: the default group)."""
+    return getattr(optimizer, "__dict__", {}).get(_NORM_GROUP)
+
+
+def mark_has_views(root: nn.Module) -> None:
+    """Record that the optimizers of ``root``'s model hold views (so its gradient holders are views, on every rank)."""
+    root.__dict__[_HAS_VIEWS] = True
+
+
+def has_views(root: nn.Module) -> bool:
+    """Whether :func:`mark_has_views` was called for ``root``."""
+    return bool(root.__dict__.get(_HAS_VIEWS))
+
+
+@torch.no_grad()
+def repoint_data(managed: nn.Parameter) -> None:
+    """Point every view of ``managed`` at its current shard (FairScale replaces it with a pinned copy at its lazy
+    initialisation when shards live in CPU memory)."""
+    shard = _shard(managed)
+    for view in views_of(managed):
+        view.param.data = shard[view.start : view.stop]
+
+
+def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tensor) -> None:
+    """Add into ``flat`` (the flat gradient shard) what the backward gave the views themselves: a term computed on
+    the model's parameters outside its forward (``sum(p.pow(2).sum() for p in model.parameters())``) reaches the
+    views, not FairScale's flat parameter. A gradient this module gave a view (its slice of FairScale's gradient, to
+    which autograd adds in place when accumulating) is FairScale's already. Each rank holds its slice of such a term's
+    gradient whole: no reduction, as for an unsharded model's parameter."""
+    given = managed.__dict__.get(_GIVEN, {})
+    for view in views:
+        own = view.param.grad
+        if own is None or not gets_gradient(view) or view.start == view.stop or _holds_given(view, given):
+            continue
+        flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
+
+
+def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
+    view.param.grad = grad
+    # Weakly: the gradient is freed with the view's reference to it (`zero_grad()`), as FairScale's is.
+    managed.__dict__.setdefault(_GIVEN, {})[id(view.param)] = weakref.ref(grad)
+
+
+@torch.no_grad()
+def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
+    """After a backward that did not synchronise (``no_sync``, accumulating): give each trainable view its slice of
+    this rank's own gradient, not reduced yet (FairScale holds it unsharded until the synchronising backward), as
+    DDP's parameters hold theirs in ``no_sync``. Its dtype must be the view's (under mixed precision it is the compute
+    dtype: the views then get none until the synchronising backward). Changing them changes nothing: the
+    synchronising backward reduces FairScale's gradient and gives the views its shard."""
+    grad = managed.grad
+    shard = _shard(managed)
+    if grad is None or grad.dtype != shard.dtype:
+        return
+    flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
+    offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
+    for view in views_of(managed):
+        if gets_gradient(view) and view.start < view.stop:
+            _give(managed, view, flat[offset + view.start : offset + view.stop])
+
+
+@torch.no_grad()
+def share_gradients(managed: nn.Parameter) -> None:
+    """After a synchronising backward: point every view at the current shard, and give the trainable ones their
+    slice of the flat gradient shard (a view: clipping or unscaling them changes the flat gradient too)."""
+    views = views_of(managed)
+    if not views:
+        return
+    repoint_data(managed)
+    if managed.__dict__.get(_SHARED):
+        # Given already, and not taken back since: this backward did not reach the unit (its gradient is the last
+        # one's, which the views may have dropped since: not given again).
+        return
+    shard = _shard(managed)
+    grad = managed.grad
+    shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
+    if shares:
+        _add_own_gradients(managed, views, grad.view(-1))  # type: ignore[union-attr]
+    for view in views:
+        # A view of no element of this shard gets no gradient (as torch FSDP's original parameters outside the
+        # shard): an optimizer then keeps no state for it.
+        if gets_gradient(view) and shares and view.start < view.stop:
+            _give(managed, view, grad.view(-1)[view.start : view.stop])  # type: ignore[union-attr]
+    if shares:
+        managed.__dict__[_SHARED] = True

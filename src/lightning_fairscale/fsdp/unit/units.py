@@ -1,0 +1,362 @@
+"""FairScale 0.4.13's ``FullyShardedDataParallel`` as this package builds its units.
+
+FairScale's FSDP was written for CUDA and NCCL. It runs unchanged on GPUs, but on a CPU process group (gloo) it
+fails in several places, and some of its bugs hit every device. FairScale is frozen, so the fixes live in this
+package, each bounded: the CPU-only ones (1 to 3, in :mod:`~lightning_fairscale.fsdp.patches.cpu_streams` and
+:mod:`~lightning_fairscale.fsdp.patches.bucketing`) change nothing on a CUDA device, the others say where they apply,
+and no installed file is edited. :class:`FullyShardedDataParallel` here is the unit class every other module uses.
+
+The workarounds, numbered, and why each is needed: :mod:`lightning_fairscale.fsdp.patches.workarounds`.
+
+Use :class:`FullyShardedDataParallel` wherever FairScale's class would be used: it is a subclass; on CUDA it differs
+by the workarounds above that say "all devices".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from fairscale.internal.containers import apply_to_tensors
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
+from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
+from torch import Tensor, nn
+
+from lightning_fairscale.distributed import exchanges
+from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank, prefetch
+from lightning_fairscale.fsdp.unit import copying, frozen_params, original_params, param_views, recompute, recovery
+from lightning_fairscale.fsdp.unit import step_state, ties
+from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
+from lightning_fairscale.fsdp.patches.cpu_streams import _CPU_STREAM
+from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
+from lightning_fairscale.fsdp.patches.hybrid import replicate_gradient
+from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, materialize, validate_param_init_fn
+from lightning_fairscale.mixed_precision.settings import true_half_dtype
+
+__all__ = ["FullyShardedDataParallel", "fsdp_instances", "named_fsdp_instances"]
+
+
+def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def cast(x: Tensor) -> Tensor:
+        if x.dtype is not torch.float32:
+            return x
+        y = x.to(dtype)
+        if x.is_leaf:
+            y.requires_grad = x.requires_grad
+        return y
+
+    with torch.no_grad():
+        return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+
+
+_FSDP_SIGNATURE = inspect.signature(_FairScaleFSDP.__init__)
+
+
+def _unit_device(arguments: dict[str, Any]) -> torch.device:
+    """Where a unit built with FairScale's ``arguments`` keeps its parameters before sharding: the compute device,
+    or the CPU when it keeps its shards there (``cpu_offload``)."""
+    if arguments.get("move_params_to_cpu") or arguments.get("cpu_offload"):
+        return torch.device("cpu")
+    device = arguments.get("compute_device")
+    if device is None:  # FairScale's default: the current CUDA device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
+    """FairScale's ``FullyShardedDataParallel`` that also runs on CPU with gloo, and computes in bf16 when asked.
+
+    On CUDA it differs from FairScale's class by the workarounds of this module's list marked "all devices". On CPU
+    it uses no-op streams too (while :mod:`~lightning_fairscale.fsdp.patches.cpu_streams` holds them), a gloo-compatible
+    reduce-scatter bucketer, a device-agnostic :meth:`clip_grad_norm_` and collectives that overlap the computation.
+
+    A module built on the ``meta`` device is materialised here, just before FairScale flattens and shards it: its
+    meta tensors become real ones on the unit's device, initialised by each module's ``reset_parameters()`` or by
+    ``param_init_fn`` (the one argument FairScale's class does not take; see
+    :mod:`lightning_fairscale.fsdp.unit.materialize`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *args: Any,
+        param_init_fn: Optional[ParamInitFn] = None,
+        replica_group: Any = None,
+        backward_prefetch: Optional[str] = "BACKWARD_POST",
+        **kwargs: Any,
+    ):
+        deprecations.install()  # workaround 19, before FairScale's first call
+        if not has_meta_tensors(module):
+            self._build(module, *args, **kwargs)
+        else:
+            arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+            device = _unit_device(arguments)
+            # Replicas must be initialised alike too: the random state comes from one rank of the whole world.
+            group = None if replica_group is not None else arguments.get("process_group")
+            # Inside `init_module(empty_init=True)` the default device is `meta`: what is made here must be real.
+            with torch.device(device):
+                materialize(module, device, validate_param_init_fn(param_init_fn), group)
+                self._build(module, *args, **kwargs)
+        #: Hybrid sharding (workaround 14): the ranks holding the same shard in the other replicas, or ``None``.
+        self.replica_group = replica_group
+        #: When a root's backward on CPU gathers the next unit ahead (workaround 16): ``"BACKWARD_POST"``,
+        #: ``"BACKWARD_PRE"`` or ``None`` (``prefetch.BACKWARD_MODES``).
+        self.backward_prefetch = backward_prefetch
+
+    def _build(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """FairScale's ``__init__``, with frozen and trainable parameters allowed in one unit (workaround 11)."""
+        ties.check_not_split(module)
+        own = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if not hasattr(p, "_is_sharded")]
+        frozen = frozen_params.unfreeze_own_parameters(module)
+        try:
+            self._build_in_dtype(module, *args, **kwargs)
+        finally:
+            for param in frozen.values():
+                param.requires_grad_(False)
+        frozen_params.record_frozen(self, frozen)
+        ties.record_flattened(self, own)
+
+    def _build_in_dtype(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """FairScale's ``__init__``, also over parameters in true half precision (workaround 13)."""
+        arguments = _FSDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+        arguments.pop("self")
+        half = true_half_dtype(arguments.get("mixed_precision", False), arguments.get("compute_dtype"))
+        if half is None:
+            super().__init__(**arguments)
+            return
+        # FairScale's check sees fp32 parameters; the unit then holds them in `half`.
+        own = [p for p in arguments["module"].parameters() if not hasattr(p, "_is_sharded")]
+        for param in own:
+            param.data = param.data.float()
+        super().__init__(**{**arguments, "compute_dtype": torch.float32})
+        for param in {id(p): p for p in [*own, *self.params]}.values():  # the flat parameters and the originals
+            param.data = param.data.to(half)
+        self.compute_dtype = half
+        self.buffer_dtype = arguments.get("buffer_dtype") or half
+
+    #: The CPU prefetcher of this unit's root (workaround 16), ``None`` where it does not apply (CUDA).
+    _prefetcher: Optional[prefetch.Prefetcher] = None
+
+    # Workaround 18: dynamo never traces a unit (FairScale's parameter swaps and collectives), it runs it eagerly;
+    # the compiled regions inside run compiled (`torch.compiler.disable` gives each compiled function called from
+    # it its own compiler back). A skipped call, not a graph break: a `fullgraph=True` compile around a unit works.
+    __call__ = torch.compiler.disable(_FairScaleFSDP.__call__)
+
+    # FairScale's per-step bookkeeping, for less Python work (the same effect).
+    __setattr__ = bookkeeping.set_attribute
+    _cast_buffers = bookkeeping.cast_buffers
+
+    @recovery.restoring  # after an exception in a step, the units as the last completed step left them
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if recompute.runs_in_backward(self):  # workaround 23: torch's checkpoint recomputes inside the backward
+            return recompute.forward(self, args, kwargs)
+        with recompute.state_restored_on_error(self):  # workaround 23
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
+            self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
+        step_state.before_forward(self)  # workaround 28: which parameters train now
+        computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
+        if computes_in_bf16 and self._is_root:  # the root: inputs enter here
+            args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
+        original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
+        try:
+            with forward_grads.gradients_set_aside(self.params):  # workaround 26: what dynamo may trace
+                if not self._is_root or self._prefetcher is None:
+                    return super().forward(*args, **kwargs)
+                self._prefetcher.forward_started()  # workaround 16
+                try:
+                    return super().forward(*args, **kwargs)
+                finally:
+                    self._prefetcher.forward_ended()
+        finally:
+            original_params.show(self)  # workaround 17: the original parameters again
+
+    def named_modules(  # type: ignore[override]
+        self, memo: Optional[set[nn.Module]] = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """``nn.Module.named_modules``, but once the unit holds the original parameters (workaround 17) its wrappers
+        (this unit and FairScale's ``FlattenParamsWrapper``) take the path of the module they wrap, so that
+        ``model.named_parameters()`` names the parameters as the unwrapped model does."""
+        if not original_params.is_installed_on(self):
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+            return
+        memo = set() if memo is None else memo
+        wrapper = self._fsdp_wrapped_module
+        for module in (self, wrapper):
+            if module not in memo:
+                if remove_duplicate:
+                    memo.add(module)
+                yield prefix, module
+        yield from wrapper.module.named_modules(memo, prefix, remove_duplicate)
+
+    def _setup_streams(self) -> None:
+        if len(self._streams) > 0 or not self._is_root:
+            return
+        super()._setup_streams()
+        if self.compute_device.type == "cpu" and not self._streams:
+            # No CUDA: FairScale created no streams, but indexes ``self._streams`` on every forward and backward.
+            for name in ("fp32_to_fp16", "all_gather", "post_backward"):
+                self._streams[name] = _CPU_STREAM
+        # Replaces FairScale's bucketer (unused so far) everywhere it was shared (workarounds 3, 9 and 16).
+        gloo = exchanges.is_gloo(self.process_group_reduce_scatter)
+        overlaps = gloo and self.compute_device.type == "cpu" and prefetch.OVERLAP_ON_CPU
+        bucketer = GlooReduceScatterBucketer if gloo else ReduceScatterBucketer
+        reducer: Any = bucketer(self.bucket_cap_mb)
+        prefetcher = None
+        if overlaps:
+            reducer, prefetcher = prefetch.overlap(self.backward_prefetch, self.bucket_cap_mb)
+        self._reducer = reducer
+        for module in fsdp_instances(self):
+            module._streams = self._streams
+            module._reducer = reducer
+            module._prefetcher = prefetcher
+
+    def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
+        one_rank.forget_freed_half_params(self)  # workaround 21
+        step_state.gathering(self)  # workaround 28: the shards a backward differentiates are its forward's
+        if self._prefetcher is None or force_full_precision:
+            if self._prefetcher is not None:
+                self._prefetcher.settle(self)
+            result = super()._rebuild_full_params(force_full_precision)
+        else:
+            result = self._prefetcher.rebuild(self, super()._rebuild_full_params)  # workaround 16
+        if prefetch.in_backward() and not force_full_precision:
+            original_params.use_full_views(self)  # workaround 17: a recomputed forward sees the full parameters
+        return result
+
+    def _use_full_params(self) -> None:
+        if prefetch.in_backward() and not self.has_full_params:  # workaround 28: a second backward through a kept
+            self._rebuild_full_params()  # graph reaches a unit (a root) whose first backward freed its full ones
+            return
+        super()._use_full_params()
+        if prefetch.in_backward():
+            original_params.use_full_views(self)  # workaround 17
+
+    def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        if self._prefetcher is not None:
+            if params is None and self.training_state == TrainingState.FORWARD and self._prefetcher.keeps(self):
+                return  # workaround 16: the forward's last units keep them for their backward (what fits)
+            self._prefetcher.settle(self)  # gloo may still be writing into them (workaround 16)
+        super()._free_full_params(params)
+        if self._prefetcher is not None:
+            self._prefetcher.freed(self)  # workaround 16: no longer kept
+
+    def _queue_wait_for_post_backward(self) -> None:
+        begins = not self._post_backward_callback_queued  # FairScale calls it at every firing of the root's hook
+        super()._queue_wait_for_post_backward()
+        if begins and self._prefetcher is not None:
+            self._prefetcher.backward_started()  # workaround 16: the root's backward begins
+
+    def _register_post_backward_hooks(self) -> None:
+        backward_hooks.register_post_backward_hooks(self)  # workaround 20
+
+    def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
+        super()._post_backward_hook(param, *unused)
+        if self._prefetcher is not None:
+            self._prefetcher.after_post_backward(self)  # workaround 16
+
+    def _prep_grads_for_backward(self) -> None:
+        for param in self.params:  # workaround 12
+            param_views.take_back_gradients(param)
+        super()._prep_grads_for_backward()
+
+    def _wait_for_post_backward(self) -> None:
+        # FairScale checks each unit's state by its `parameters()`, which must be its flat ones there (workaround 17);
+        # the original parameters come back at the end of the context.
+        with original_params.fairscale_layout(self):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        super()._wait_for_post_backward()
+        for unit in fsdp_instances(self):  # workaround 12
+            for param in unit.params:
+                if self._require_backward_grad_sync:
+                    param_views.share_gradients(param)
+                else:
+                    param_views.share_local_gradients(param, unit.rank)
+        frozen_params.reshard_frozen(self)  # workaround 15
+        if self._prefetcher is not None:  # workaround 16: nothing gathered ahead or kept outlives the backward
+            self._prefetcher.pass_ended()
+            self._prefetcher.release_kept()
+
+    def load_local_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        """FairScale's ``load_local_state_dict``, also before the first forward (workaround 7)."""
+        for unit in fsdp_instances(self):
+            for param in unit.params:
+                unit._init_param_attributes(param)
+        with original_params.fairscale_layout(self):  # workaround 17
+            return super().load_local_state_dict(state_dict, strict)
+
+    # FairScale's state dicts and `summon_full_params` see the units as FairScale made them (workaround 17).
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with original_params.fairscale_layout(self):
+            return super().state_dict(*args, **kwargs)
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with original_params.fairscale_layout(self):
+            return super().local_state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with original_params.fairscale_layout(self):
+            return super().load_state_dict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, volatile: bool = False) -> Iterator[None]:
+        if self._prefetcher is not None:
+            self._prefetcher.release_kept()  # workaround 16: gathered again, from the shards as they are now
+        with original_params.fairscale_layout(self), super().summon_full_params(recurse, volatile):
+            yield
+
+    def _post_reduction_hook(self, param: torch.nn.Parameter, reduced_grad: Tensor) -> None:
+        """FairScale's hook, given a compact copy of a shard that is a view into a bucket's buffer (workaround 8),
+        averaged over the replicas first under hybrid sharding (workaround 14); on one rank, the parameter then holds
+        the gradient FairScale cast to its dtype (workaround 21)."""
+        if reduced_grad.untyped_storage().nbytes() > reduced_grad.numel() * reduced_grad.element_size():
+            reduced_grad = reduced_grad.clone()
+        if self.replica_group is not None:
+            replicate_gradient(reduced_grad, self.replica_group)
+        super()._post_reduction_hook(param, reduced_grad)
+        one_rank.keep_cast_gradient(self, param, reduced_grad)  # workaround 21
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> Tensor:
+        """Clip the gradients of all shards by their global norm, like :func:`torch.nn.utils.clip_grad_norm_`.
+
+        Must be called on the root instance, on all ranks. On CUDA this is FairScale's own implementation, unless an
+        optimizer holds the original parameters' views (then frozen parameters are left out, as unsharded).
+        """
+        if self.compute_device.type == "cuda" and not param_views.has_views(self):
+            return super().clip_grad_norm_(max_norm, norm_type)
+        self._lazy_init()
+        assert self._is_root, "clip_grad_norm_ must be called on the root FullyShardedDataParallel instance"
+        return clip_grad_norm_(self.gradient_holders(), max_norm, norm_type, group=self.process_group)
+
+    def gradient_holders(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients are the model's, with a gradient: the trainable original parameters' views
+        where the model's optimizers hold views (frozen parameters' elements excluded; decided alike on every rank,
+        also one that holds no trainable view), else FSDP's own parameters."""
+        own = [param for unit in fsdp_instances(self) for param in unit.params]
+        holders = param_views.trainable_views(own) if param_views.has_views(self) else own
+        return [p for p in holders if p.grad is not None]
+
+    def _init_param_attributes(self, p: torch.nn.Parameter) -> None:
+        super()._init_param_attributes(p)
+        param_views.repoint_data(p)  # FairScale may have replaced the shard (a pinned copy): views follow it
+
+
+def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:
+    """Every FairScale FSDP instance in ``module`` (itself included), outermost first: the one scan for the FSDP
+    units of a module that the package uses."""
+    return (unit for _, unit in named_fsdp_instances(module))
+
+
+def named_fsdp_instances(module: torch.nn.Module) -> Iterator[tuple[str, _FairScaleFSDP]]:
+    """:func:`fsdp_instances` with each unit's path in ``module`` (``""`` for ``module`` itself, wrapper names
+    included: ``lightning_fairscale.fsdp.unit.state_names.clean_path`` removes them)."""
+    return ((path, m) for path, m in module.named_modules() if isinstance(m, _FairScaleFSDP))
