@@ -26,7 +26,8 @@ from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
-from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank, prefetch
+from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank
+from lightning_fairscale.fsdp.patches import prefetch
 from lightning_fairscale.fsdp.unit import copying, frozen_params, original_params, param_views, recompute, recovery
 from lightning_fairscale.fsdp.unit import step_state, ties
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
