@@ -85,6 +85,9 @@ def run_script(
     """
     env = clean_env(TEST_LIGHTNING_PACKAGE=package)
     command = [sys.executable, *args]
+    # The scenario scripts only (not a script that checks what a fresh process imports); torchrun starts its own.
+    if FORK_SERVER and launcher != "torchrun" and Path(args[0]).parent == TESTS / "scenarios":
+        return _forked_run(command, cwd, env, ranks, nodes, launcher, timeout, expect_ok)
     processes, outputs = [], []
     try:
         for start, start_env in _starts(command, env, ranks, nodes, launcher):
@@ -120,6 +123,104 @@ def run_script(
         raise AssertionError(f"{args} did not end within {timeout} s:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{args} exited with {codes}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+#: Whether the ranks of ``"env"`` launches are forked from a server that imported torch and Lightning once
+#: (``tests/forkserver.py``); ``LF_TESTS_FORK_SERVER=0`` starts each with ``subprocess.Popen`` instead.
+FORK_SERVER = os.environ.get("LF_TESTS_FORK_SERVER", "1") != "0"
+_SERVERS: dict[str, tuple[subprocess.Popen, str]] = {}
+
+
+def _fork_server(package: str) -> str:
+    """The socket of the fork server for ``package`` (started at the first call: ~5 s, once per session)."""
+    if package in _SERVERS and _SERVERS[package][0].poll() is None:
+        return _SERVERS[package][1]
+    path = os.path.join(tempfile.mkdtemp(prefix="lf-forkserver-"), "socket")
+    server = subprocess.Popen(
+        [sys.executable, str(TESTS / "forkserver.py"), path], cwd=TESTS, env=clean_env(TEST_LIGHTNING_PACKAGE=package),
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the fork server did not start (exit code {server.poll()})")
+        time.sleep(0.05)
+    _SERVERS[package] = (server, path)
+    return path
+
+
+def pytest_sessionfinish() -> None:
+    for server, _ in _SERVERS.values():
+        server.kill()
+        server.wait()
+
+
+def _forked_run(
+    command: list[str], cwd: Path, env: dict[str, str], ranks: int, nodes: int, launcher: str, timeout: float,
+    expect_ok: bool,
+) -> subprocess.CompletedProcess:
+    """:func:`run_script`, each process it starts forked by the fork server (``tests/forkserver.py``); the ranks
+    Lightning's launcher starts from them are its own ``subprocess`` calls, as in a user's run."""
+    folder = Path(tempfile.mkdtemp(prefix="lf-ranks-"))
+    starts = _starts(command, env, ranks, nodes, launcher)
+    files = [(folder / f"{rank}.out", folder / f"{rank}.err") for rank in range(len(starts))]
+    codes: dict[int, int] = {}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(_fork_server(env["TEST_LIGHTNING_PACKAGE"]))
+        buffer = b""
+
+        def message(wait: float) -> Optional[dict[str, Any]]:
+            nonlocal buffer
+            sock.settimeout(max(wait, 0.01))
+            while b"\n" not in buffer:
+                try:
+                    data = sock.recv(1 << 16)
+                except (TimeoutError, socket.timeout):
+                    return None
+                if not data:
+                    raise AssertionError("the fork server ended during a launch")
+                buffer += data
+            line, buffer = buffer.split(b"\n", 1)
+            return json.loads(line)
+
+        pids = []
+        for (start, start_env), (out, err) in zip(starts, files):
+            request = {"argv": start[1:], "cwd": str(cwd), "env": start_env, "stdout": str(out), "stderr": str(err)}
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            started = message(60)
+            assert started is not None, "the fork server did not answer"
+            pids.append(started["started"])
+        deadline, timed_out = time.monotonic() + timeout, False
+        while len(codes) < len(pids):
+            left = deadline - time.monotonic()
+            if left <= 0 and timed_out:
+                raise AssertionError(f"{command[1:]}: ranks {pids} did not end after SIGKILL")
+            if left <= 0:
+                timed_out, deadline = True, time.monotonic() + 30
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                continue
+            ended = message(left)
+            if ended is not None:
+                codes[ended["pid"]] = ended["code"]
+        # A rank left behind (its peer was killed) must not outlive the test: whatever it started goes too.
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    stdout = "".join(out.read_text() if out.exists() else "" for out, _ in files)
+    stderr = "".join(err.read_text() if err.exists() else "" for _, err in files)
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    code = next((codes[pid] for pid in pids if codes[pid] != 0), 0)
+    proc = subprocess.CompletedProcess(command, code, stdout, stderr)
+    if timed_out:
+        raise AssertionError(f"{command[1:]} did not end within {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    if expect_ok and code != 0:
+        exits = [codes[pid] for pid in pids]
+        raise AssertionError(f"{command[1:]} exited with {exits}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return proc
 
 

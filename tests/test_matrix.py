@@ -138,6 +138,9 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         cell = Cell(**row)
         jobs[f"cell{index:02d}"] = cell
         jobs[f"cell{index:02d}-ref"] = cell.replace(reference=True)
+    # The exclusions (test_excluded_combinations_fail_with_what_to_do) in the same launch: each records its error.
+    for i, combination in enumerate(EXCLUDED):
+        jobs[f"excluded{i}"] = Cell(**{**PLAINEST, **dict(combination)})
     return run_jobs(folder, jobs, script=MATRIX_SCRIPT, timeout=900)  # type: ignore[arg-type]
 
 
@@ -164,11 +167,9 @@ def test_cell_equals_ddp(matrix: Jobs, index: int) -> None:
         assert ours["metric"] == pytest.approx(reference["metric"], rel=1e-4 if tol < 1e-3 else 0.05)
 
 
-def test_excluded_combinations_fail_with_what_to_do(tmp_path: Path) -> None:
+def test_excluded_combinations_fail_with_what_to_do(matrix: Jobs) -> None:
     """Each exclusion, on the plainest cell otherwise, stops with its error (every rank alike: the cell's result
     records rank 0's), which says what to do."""
-    jobs = {f"excluded{i}": Cell(**{**PLAINEST, **dict(combination)}) for i, combination in enumerate(EXCLUDED)}
-    result = run_jobs(tmp_path, jobs, script=MATRIX_SCRIPT)  # type: ignore[arg-type]
     for i, (why, error_type, words) in enumerate(EXCLUDED.values()):
-        error = result[f"excluded{i}"].get("error", "")
+        error = matrix[f"excluded{i}"].get("error", "")
         assert error.startswith(f"{error_type}: ") and words in error, (why, error)
