@@ -148,38 +148,54 @@ def check_spawn_start_method(start_method: str) -> None:
 
 
 class _StrategyOptions:
-    """What both option mixins share: a change of option is a checked copy of the config, refused after setup for an
-    option that the run has already used.
+    """What both option mixins share: the strategy's config, replaced by a checked copy when an option is set, and
+    kept from changing, after setup, where the run has already used it.
 
-    The strategy calls :meth:`_fix_options` when it is set up (``setup_environment``: ``trainer.fit``...,
-    ``fabric.launch()``): from then on its process groups exist, its options were checked against the device and the
-    precision, and its model is wrapped with them, so a new value of most options would do nothing (or, checked no
-    more, train something else than asked). Those raise at once, saying what to do; the options in
-    :attr:`_CHANGEABLE`, which the strategy reads where it uses them (when saving, when loading), may change at any
-    time.
+    The strategy calls :meth:`_fix_options` when it is set up (its ``setup_environment``: ``trainer.fit``...,
+    ``fabric.launch()``). From then on its process groups exist, its options were checked against the device and the
+    precision, and its model is wrapped with them: a new value of most options would do nothing (or, not checked
+    again, train something else than asked). Setting one raises at once, saying what to do, whether through its
+    property or by replacing ``strategy.config``; the options of :attr:`_CHANGEABLE`, which the strategy reads each
+    time it uses them (at each save, at each load), may change at any time.
     """
 
     #: The options that may change after setup: the strategy reads them each time it uses them.
     _CHANGEABLE: ClassVar[frozenset[str]] = frozenset()
-    #: Set when the strategy is set up (see :meth:`_fix_options`); a class default until then.
+    #: Set when the strategy is set up (see :meth:`_fix_options`); the class's ``False`` until then.
     _options_fixed: bool = False
-    config: Any
+    #: The config (see the subclasses' ``config`` property).
+    _options_config: Any
 
     def _fix_options(self) -> None:
-        """From now on, an option not in :attr:`_CHANGEABLE` cannot change (called by ``setup_environment``)."""
+        """From now on, only the options of :attr:`_CHANGEABLE` may change (called by ``setup_environment``)."""
         self._options_fixed = True
+
+    def _set_config(self, config: Any) -> None:
+        """Make ``config`` the strategy's; after setup, it may differ from the current one in :attr:`_CHANGEABLE`
+        only."""
+        if self._options_fixed:
+            current = self._options_config
+            fixed = [f.name for f in dataclasses.fields(config) if f.name not in self._CHANGEABLE | {"owner"}]
+            changed = [name for name in fixed if _differs(getattr(config, name), getattr(current, name))]
+            if changed:
+                owner, names = type(self).__name__, ", ".join(f"`{name}`" for name in changed)
+                raise RuntimeError(
+                    f"{owner}: {names} cannot change once the strategy is set up (`trainer.fit`/`validate`/..., or"
+                    f" `fabric.launch()`): its process groups, its checks and its wrapped model were made with the"
+                    f" old value, which a new one would not change. Pass it when making the strategy"
+                    f" (`{owner}({changed[0]}=...)`) or set it before the run starts; for another run, make a new"
+                    f" strategy. After setup only {', '.join(f'`{n}`' for n in sorted(self._CHANGEABLE))} may change."
+                )
+        self._options_config = config
 
     def _set_option(self, name: str, value: Any) -> None:
         """Set option ``name``: the config becomes a copy with ``value``, checked as the constructor checks it."""
-        owner = type(self).__name__
-        if self._options_fixed and name not in self._CHANGEABLE:
-            raise RuntimeError(
-                f"`{owner}.{name}` cannot change once the strategy is set up (`trainer.fit`/`validate`/..., or"
-                f" `fabric.launch()`): its process groups, its checks and its wrapped model were made with the old"
-                f" value, which the new one would not change. Pass it when making the strategy"
-                f" (`{owner}({name}=...)`) or set it before the run starts; for another run, make a new strategy."
-            )
-        self.config = dataclasses.replace(self.config, **{name: value})
+        self._set_config(dataclasses.replace(self._options_config, **{name: value}))
+
+
+def _differs(new: Any, old: Any) -> bool:
+    """Whether an option's new value is another than its old one (``==`` where it is not the same object)."""
+    return new is not old and bool(new != old)
 
 
 class FullyShardedOptions(_StrategyOptions):
@@ -194,7 +210,16 @@ class FullyShardedOptions(_StrategyOptions):
     """
 
     _CHANGEABLE = frozenset({"state_dict_type", "lightning_1x_optimizer_state"})
-    config: FullyShardedConfig
+
+    @property
+    def config(self) -> FullyShardedConfig:
+        """All the options, checked and frozen; a checked copy (``dataclasses.replace``) may replace it, before setup,
+        or after it where only ``state_dict_type`` and ``lightning_1x_optimizer_state`` differ."""
+        return self._options_config
+
+    @config.setter
+    def config(self, config: FullyShardedConfig) -> None:
+        self._set_config(config)
 
     @property
     def cpu_offload(self) -> bool:
@@ -401,7 +426,16 @@ class ShardedDDPOptions(_StrategyOptions):
     """
 
     _CHANGEABLE = frozenset({"lightning_1x_optimizer_state"})
-    config: ShardedDDPConfig
+
+    @property
+    def config(self) -> ShardedDDPConfig:
+        """All the options, checked and frozen; a checked copy (``dataclasses.replace``) may replace it, before setup,
+        or after it where only ``lightning_1x_optimizer_state`` differs."""
+        return self._options_config
+
+    @config.setter
+    def config(self, config: ShardedDDPConfig) -> None:
+        self._set_config(config)
 
     @property
     def find_unused_parameters(self) -> bool:
