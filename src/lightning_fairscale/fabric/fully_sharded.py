@@ -63,7 +63,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
-    passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``.
+    passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``. The
+    options are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`), fixed at launch.
 
     * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
       strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``

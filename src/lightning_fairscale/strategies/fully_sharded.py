@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
-    Shards parameters, gradients and optimizer state (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo). The options are
-    checked once into :attr:`config` (a frozen :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`, which
-    details them) and are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`).
+    Lightning 1.x's strategy: shards parameters, gradients and optimizer state (ZeRO stage 3), on GPUs and CPUs. The
+    options are checked once into :attr:`config` (a frozen :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`,
+    which details them) and are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`).
 
     Args:
         accelerator: the accelerator; the Trainer sets it.

@@ -86,7 +86,8 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     hyperparameters, LR schedulers follow them, and the module is wrapped in FairScale's ``ShardedDataParallel``
     while fitting (validation, test and predict run on the plain module). Checkpoints hold the model's and a plain
     optimizer's state dicts, consolidated on rank 0, so they load without FairScale and resume on any number of
-    processes. Runs on GPUs (NCCL) and on CPUs (gloo).
+    processes. Runs on GPUs (NCCL) and on CPUs (gloo). The options are kept in :attr:`config` and are typed properties
+    (:class:`~lightning_fairscale._adapters.ShardedDDPOptions`), fixed at setup but ``lightning_1x_optimizer_state``.
 
     Args:
         accelerator: the accelerator; the Trainer sets it.
