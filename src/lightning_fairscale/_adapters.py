@@ -1,34 +1,47 @@
-"""What the Trainer's and Fabric's strategies share about their constructors and names, without importing Lightning.
+"""What the Trainer's and Fabric's strategies share about their constructors, options and names, without importing
+Lightning.
 
 Each strategy of ours subclasses one Lightning class (the Trainer's or Fabric's ``DDPStrategy``) and holds its
 engine's configuration (:class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`,
 :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig`) as ``strategy.config``. Its constructor takes the
 arguments of both: :func:`lightning_arguments` are those its Lightning base class gets, :func:`config_arguments` those
-of the configuration. :func:`config_property` gives the strategy its options as attributes, and
+of the configuration. :class:`FullyShardedOptions` and :class:`ShardedDDPOptions` give the strategy its options as
+typed properties (a mixin after Lightning's class: it adds names Lightning does not have, and overrides nothing), and
 :func:`register_strategies` its names in a Lightning registry.
 
-This is adapter knowledge (the names of Lightning's arguments), kept apart from the engine; it imports no Lightning
-module, so that the Trainer's adapters (``strategies/``, which need ``pytorch_lightning``), Fabric's (``fabric/``) and
-their ``lightning`` flavour (:mod:`lightning_fairscale.lightning`) share this one module.
+This is adapter knowledge (the names of Lightning's arguments, when a strategy is set up), kept apart from the engine;
+it imports no Lightning module, so that the Trainer's adapters (``strategies/``, which need ``pytorch_lightning``),
+Fabric's (``fabric/``) and their ``lightning`` flavour (:mod:`lightning_fairscale.lightning`) share this one module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
-import textwrap
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Union
+
+import torch
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
+from torch.nn import Module
+
+from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.unit.materialize import ParamInitFn
+from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
+from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "LIGHTNING_ARGUMENTS",
+    "FullyShardedOptions",
+    "ShardedDDPOptions",
     "check_spawn_start_method",
     "config_arguments",
-    "config_property",
     "lightning_arguments",
     "register_strategies",
-    "strategy_options",
 ]
 
 #: The arguments of Lightning's ``DDPStrategy`` (the Trainer's and Fabric's alike) that the strategies take too.
@@ -44,96 +57,6 @@ _BASE_ARGUMENTS = (
 #: Every argument of a strategy's constructor that goes to Lightning, not to its configuration: those of
 #: ``DDPStrategy`` and the precision plugin, as ``precision_plugin`` (the Trainer's name) or ``precision`` (Fabric's).
 LIGHTNING_ARGUMENTS = (*_BASE_ARGUMENTS, "precision_plugin", "precision")
-
-
-#: The ``Args:`` entries of Lightning's arguments, for the Trainer's strategies and for Fabric's.
-_LIGHTNING_DOCS = {
-    "accelerator": "the accelerator; {front_end} sets it.",
-    "parallel_devices": "the devices of this node; {front_end} sets them.",
-    "cluster_environment": "the cluster environment; {front_end} sets it.",
-    "checkpoint_io": "the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`, which\n"
-    "    writes each checkpoint file, and each sharded checkpoint directory, atomically).",
-    "process_group_backend": '``"nccl"``, ``"gloo"``... (default: from the device).',
-    "timeout": "how long collectives wait for the other ranks before failing.",
-    "start_method": '``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.',
-}
-_PRECISION_DOCS = {
-    "Trainer": {
-        "precision_plugin": "the precision plugin; the Trainer's ``precision`` flag chooses it.",
-        "precision": "another name for ``precision_plugin`` (Fabric's).",
-    },
-    "Fabric": {
-        "precision": "the precision plugin; Fabric's ``precision`` flag chooses it.",
-        "precision_plugin": "another name for ``precision`` (the Trainer's).",
-    },
-}
-
-Strategy = TypeVar("Strategy", bound=type)
-
-
-def strategy_options(config_class: type, front_end: Literal["Trainer", "Fabric"]) -> Callable[[Strategy], Strategy]:
-    """A class decorator that gives a strategy its options, declared once in ``config_class``: a
-    :func:`config_property` for each field, and the ``Args:`` section of its docstring.
-
-    The strategy's docstring lists in ``Args:`` only what is its own (``**kwargs``...); the section it gets holds
-    an entry for every argument of its constructor, in the constructor's order: its own, else the configuration's
-    (the ``Args:`` of ``config_class``'s docstring), else Lightning's, as the Trainer's or Fabric's strategies take
-    them. A constructor argument nobody documents is an error here, at import.
-    """
-
-    def decorate(strategy: Strategy) -> Strategy:
-        for field in dataclasses.fields(config_class):
-            if field.name not in ("fairscale_kwargs", "owner") and field.name not in vars(strategy):
-                setattr(strategy, field.name, config_property(field.name))
-        lightning = {
-            name: text.format(front_end=front_end)
-            for name, text in {**_LIGHTNING_DOCS, **_PRECISION_DOCS[front_end]}.items()
-        }
-        known = {**lightning, **_args_entries(config_class.__doc__ or ""), **_args_entries(strategy.__doc__ or "")}
-        parameters = list(inspect.signature(strategy.__init__).parameters.values())[1:]  # type: ignore[misc]
-        names = [("**" if p.kind is inspect.Parameter.VAR_KEYWORD else "") + p.name for p in parameters]
-        undocumented = [name for name in names if name not in known]
-        if undocumented:
-            raise TypeError(f"{strategy.__qualname__}: no `Args:` entry for {undocumented}.")
-        entries = "\n".join(f"{name}: {known[name]}" for name in names)
-        strategy.__doc__ = _with_args_section(strategy.__doc__ or "", entries)
-        return strategy
-
-    return decorate
-
-
-def _args_entries(doc: str) -> dict[str, str]:
-    """The entries of the ``Args:`` section of a Google-style docstring: name (``**kwargs`` with its stars) ->
-    its text, continuation lines indented by four spaces."""
-    section = _args_section(inspect.cleandoc(doc))
-    entries: dict[str, str] = {}
-    name = None
-    for line in textwrap.dedent(section).splitlines():
-        match = re.match(r"^(\**\w+): ?(.*)$", line)
-        if match:
-            name = match.group(1)
-            entries[name] = match.group(2)
-        elif name is not None and line.strip():
-            entries[name] += "\n" + line
-    return entries
-
-
-def _args_section(doc: str) -> str:
-    """The lines of the ``Args:`` section of a docstring cleaned by ``inspect.cleandoc`` (empty when it has none)."""
-    match = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n(?=[ \t]))*)", doc, flags=re.MULTILINE)
-    return match.group(1) if match else ""
-
-
-def _with_args_section(doc: str, entries: str) -> str:
-    """``doc`` (a class docstring) with its ``Args:`` section made of ``entries``, indented as the section was."""
-    clean = inspect.cleandoc(doc)
-    body = textwrap.indent(entries, "    ") + "\n"
-    if _args_section(clean) or "\nArgs:\n" in f"\n{clean}\n":
-        clean = re.sub(r"^Args:\n((?:[ \t]+.*\n?|\n(?=[ \t]))*)", lambda _: "Args:\n" + body, clean, count=1,
-                       flags=re.MULTILINE)
-    else:
-        clean = f"{clean}\n\nArgs:\n{body}"
-    return clean
 
 
 def lightning_arguments(arguments: Mapping[str, Any], precision_name: str) -> dict[str, Any]:
@@ -205,19 +128,6 @@ def _without_base_defaults(strategy: Any, kwargs: Mapping[str, Any]) -> dict[str
     return {name: value for name, value in kwargs.items() if name not in defaults or defaults[name] is not value}
 
 
-def config_property(name: str) -> Any:
-    """A property of a strategy that reads its ``config.<name>``; setting it gives the strategy a copy of the config
-    with the new value, checked as the constructor checks it (``strategy.state_dict_type = "sharded"``)."""
-
-    def get(strategy: Any) -> Any:
-        return getattr(strategy.config, name)
-
-    def set_(strategy: Any, value: Any) -> None:
-        strategy.config = dataclasses.replace(strategy.config, **{name: value})
-
-    return property(get, set_, doc=f"The strategy's ``config.{name}``.")
-
-
 def register_strategies(
     registry: Any, strategy: type, names: Iterable[str], description: str, **init_params: Any
 ) -> None:
@@ -235,3 +145,323 @@ def check_spawn_start_method(start_method: str) -> None:
             "`DDPSpawnShardedStrategy` starts its processes with multiprocessing; for `start_method='popen'` use"
             " `DDPShardedStrategy` (`strategy='ddp_sharded'`)."
         )
+
+
+class _StrategyOptions:
+    """What both option mixins share: the strategy's config, replaced by a checked copy when an option is set, and
+    kept from changing, after setup, where the run has already used it.
+
+    The strategy calls :meth:`_fix_options` when it is set up (its ``setup_environment``: ``trainer.fit``...,
+    ``fabric.launch()``). From then on its process groups exist, its options were checked against the device and the
+    precision, and its model is wrapped with them: a new value of most options would do nothing (or, not checked
+    again, train something else than asked). Setting one raises at once, saying what to do, whether through its
+    property or by replacing ``strategy.config``; the options of :attr:`_CHANGEABLE`, which the strategy reads each
+    time it uses them (at each save, at each load), may change at any time.
+    """
+
+    #: The options that may change after setup: the strategy reads them each time it uses them.
+    _CHANGEABLE: ClassVar[frozenset[str]] = frozenset()
+    #: Set when the strategy is set up (see :meth:`_fix_options`); the class's ``False`` until then.
+    _options_fixed: bool = False
+    #: The config (see the subclasses' ``config`` property).
+    _options_config: Any
+
+    def _fix_options(self) -> None:
+        """From now on, only the options of :attr:`_CHANGEABLE` may change (called by ``setup_environment``)."""
+        self._options_fixed = True
+
+    def _set_config(self, config: Any) -> None:
+        """Make ``config`` the strategy's; after setup, it may differ from the current one in :attr:`_CHANGEABLE`
+        only."""
+        if self._options_fixed:
+            current = self._options_config
+            fixed = [f.name for f in dataclasses.fields(config) if f.name not in self._CHANGEABLE | {"owner"}]
+            changed = [name for name in fixed if _differs(getattr(config, name), getattr(current, name))]
+            if changed:
+                owner, names = type(self).__name__, ", ".join(f"`{name}`" for name in changed)
+                raise RuntimeError(
+                    f"{owner}: {names} cannot change once the strategy is set up (`trainer.fit`/`validate`/..., or"
+                    f" `fabric.launch()`): its process groups, its checks and its wrapped model were made with the"
+                    f" old value, which a new one would not change. Pass it when making the strategy"
+                    f" (`{owner}({changed[0]}=...)`) or set it before the run starts; for another run, make a new"
+                    f" strategy. After setup only {', '.join(f'`{n}`' for n in sorted(self._CHANGEABLE))} may change."
+                )
+        self._options_config = config
+
+    def _set_option(self, name: str, value: Any) -> None:
+        """Set option ``name``: the config becomes a copy with ``value``, checked as the constructor checks it."""
+        self._set_config(dataclasses.replace(self._options_config, **{name: value}))
+
+
+def _differs(new: Any, old: Any) -> bool:
+    """Whether an option's new value is another than its old one (``==`` where it is not the same object)."""
+    return new is not old and bool(new != old)
+
+
+class FullyShardedOptions(_StrategyOptions):
+    """The options of ``DDPFullyShardedStrategy`` (the Trainer's and Fabric's), as typed properties.
+
+    Each reads the strategy's :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` (``strategy.config``) and
+    setting one makes a checked copy of it. Before setup every option may change; after it only ``state_dict_type``
+    (read at each save: ``strategy.state_dict_type = "full"`` before a last ``save_checkpoint`` writes one full file)
+    and ``lightning_1x_optimizer_state`` (read at each load). The others raise: the process groups
+    (``sharding_strategy``, ``device_mesh``), the checks against the device and precision and the FSDP units made
+    when the model is wrapped (all the others) use them once, at setup.
+    """
+
+    _CHANGEABLE = frozenset({"state_dict_type", "lightning_1x_optimizer_state"})
+
+    @property
+    def config(self) -> FullyShardedConfig:
+        """All the options, checked and frozen; a checked copy (``dataclasses.replace``) may replace it, before setup,
+        or after it where only ``state_dict_type`` and ``lightning_1x_optimizer_state`` differ."""
+        return self._options_config
+
+    @config.setter
+    def config(self, config: FullyShardedConfig) -> None:
+        self._set_config(config)
+
+    @property
+    def cpu_offload(self) -> bool:
+        """Keep the FP32 parameter shards on the CPU (CUDA only). Fixed at setup."""
+        return self.config.cpu_offload
+
+    @cpu_offload.setter
+    def cpu_offload(self, value: Union[bool, CPUOffload]) -> None:
+        self._set_option("cpu_offload", value)
+
+    @property
+    def flatten_parameters(self) -> bool:
+        """Flatten each unit's parameters into one contiguous tensor. Fixed at setup."""
+        return self.config.flatten_parameters
+
+    @flatten_parameters.setter
+    def flatten_parameters(self, value: bool) -> None:
+        self._set_option("flatten_parameters", value)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Free full parameters after the forward pass (as given: the ZeRO-2 sharding strategies keep them whatever
+        it says). Fixed at setup."""
+        return self.config.reshard_after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self._set_option("reshard_after_forward", value)
+
+    @property
+    def move_grads_to_cpu(self) -> Optional[bool]:
+        """Move gradient shards to the CPU after reduction (``None``: as ``cpu_offload``). Fixed at setup."""
+        return self.config.move_grads_to_cpu
+
+    @move_grads_to_cpu.setter
+    def move_grads_to_cpu(self, value: Optional[bool]) -> None:
+        self._set_option("move_grads_to_cpu", value)
+
+    @property
+    def fp32_reduce_scatter(self) -> Optional[bool]:
+        """Reduce-scatter gradients in FP32 under mixed precision. Fixed at setup."""
+        return self.config.fp32_reduce_scatter
+
+    @fp32_reduce_scatter.setter
+    def fp32_reduce_scatter(self, value: Optional[bool]) -> None:
+        self._set_option("fp32_reduce_scatter", value)
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the full parameters in computation (``None``: from the precision). Fixed at setup."""
+        return self.config.compute_dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, value: Optional[torch.dtype]) -> None:
+        self._set_option("compute_dtype", value)
+
+    @property
+    def bucket_cap_mb(self) -> int:
+        """The size of the reduce-scatter buckets in MB (``<= 0``: no buckets). Fixed at setup."""
+        return self.config.bucket_cap_mb
+
+    @bucket_cap_mb.setter
+    def bucket_cap_mb(self, value: int) -> None:
+        self._set_option("bucket_cap_mb", value)
+
+    @property
+    def min_num_params(self) -> int:
+        """Auto wrap by size: a module with at least this many unwrapped parameters becomes its own unit. Fixed at
+        setup."""
+        return self.config.min_num_params
+
+    @min_num_params.setter
+    def min_num_params(self, value: float) -> None:  # Lightning 1.x's default was `1e8`
+        self._set_option("min_num_params", value)
+
+    @property
+    def state_dict_to_cpu(self) -> bool:
+        """Return full state dicts on the CPU instead of the compute device. Fixed at setup."""
+        return self.config.state_dict_to_cpu
+
+    @state_dict_to_cpu.setter
+    def state_dict_to_cpu(self, value: bool) -> None:
+        self._set_option("state_dict_to_cpu", value)
+
+    @property
+    def auto_wrap_policy(self) -> Optional[AutoWrapPolicy]:
+        """Which submodules become units (``None``: by size, ``min_num_params``). Fixed at setup."""
+        return self.config.auto_wrap_policy
+
+    @auto_wrap_policy.setter
+    def auto_wrap_policy(self, value: Optional[AutoWrapPolicy]) -> None:
+        self._set_option("auto_wrap_policy", value)
+
+    @property
+    def exclude_wrap_modules(self) -> Optional[tuple[type[Module], ...]]:
+        """Layer classes that never become units themselves under auto wrap. Fixed at setup."""
+        return self.config.exclude_wrap_modules
+
+    @exclude_wrap_modules.setter
+    def exclude_wrap_modules(self, value: Optional[Iterable[type[Module]]]) -> None:
+        self._set_option("exclude_wrap_modules", value)
+
+    @property
+    def force_leaf_modules(self) -> Optional[tuple[type[Module], ...]]:
+        """Layer classes that auto wrap does not descend into. Fixed at setup."""
+        return self.config.force_leaf_modules
+
+    @force_leaf_modules.setter
+    def force_leaf_modules(self, value: Optional[Iterable[type[Module]]]) -> None:
+        self._set_option("force_leaf_modules", value)
+
+    @property
+    def activation_checkpointing(self) -> tuple[type[Module], ...]:
+        """The layer classes whose activations are recomputed in the backward pass. Fixed at setup."""
+        return self.config.activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, value: Optional[Union[type[Module], list[type[Module]]]]) -> None:
+        self._set_option("activation_checkpointing", value)
+
+    @property
+    def activation_checkpointing_offload(self) -> bool:
+        """Keep the checkpointed layers' inputs in CPU memory until backward. Fixed at setup."""
+        return self.config.activation_checkpointing_offload
+
+    @activation_checkpointing_offload.setter
+    def activation_checkpointing_offload(self, value: bool) -> None:
+        self._set_option("activation_checkpointing_offload", value)
+
+    @property
+    def state_dict_type(self) -> Literal["full", "sharded"]:
+        """``"full"`` (one checkpoint file, gathered on rank 0) or ``"sharded"`` (one file per rank). Read at each
+        save: may change at any time."""
+        return self.config.state_dict_type
+
+    @state_dict_type.setter
+    def state_dict_type(self, value: Literal["full", "sharded"]) -> None:
+        self._set_option("state_dict_type", value)
+
+    @property
+    def lightning_1x_optimizer_state(self) -> OptimizerStatePolicy:
+        """Resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` or ``"reset"``. Read at each load:
+        may change at any time."""
+        return self.config.lightning_1x_optimizer_state
+
+    @lightning_1x_optimizer_state.setter
+    def lightning_1x_optimizer_state(self, value: OptimizerStatePolicy) -> None:
+        self._set_option("lightning_1x_optimizer_state", value)
+
+    @property
+    def param_init_fn(self) -> Optional[ParamInitFn]:
+        """Initialises the modules of a model built on the ``meta`` device, unit by unit. Fixed at setup."""
+        return self.config.param_init_fn
+
+    @param_init_fn.setter
+    def param_init_fn(self, value: Optional[ParamInitFn]) -> None:
+        self._set_option("param_init_fn", value)
+
+    @property
+    def sharding_strategy(self) -> str:
+        """``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"_HYBRID_SHARD_ZERO2"``. Fixed at setup."""
+        return self.config.sharding_strategy
+
+    @sharding_strategy.setter
+    def sharding_strategy(self, value: Union[str, ShardingStrategy]) -> None:
+        self._set_option("sharding_strategy", value)
+
+    @property
+    def device_mesh(self) -> Optional[tuple[int, int]]:
+        """Under hybrid sharding, ``(replicas, shard_size)`` (``None``: one replica per node). Fixed at setup."""
+        return self.config.device_mesh
+
+    @device_mesh.setter
+    def device_mesh(self, value: Optional[Union[tuple[int, int], DeviceMesh]]) -> None:
+        self._set_option("device_mesh", value)
+
+    @property
+    def backward_prefetch(self) -> Optional[str]:
+        """When the backward on CPU gathers the next unit: ``"BACKWARD_POST"``, ``"BACKWARD_PRE"`` or ``None``.
+        Fixed at setup."""
+        return self.config.backward_prefetch
+
+    @backward_prefetch.setter
+    def backward_prefetch(self, value: Optional[Union[str, BackwardPrefetch]]) -> None:
+        self._set_option("backward_prefetch", value)
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Reduce-scatter after every micro-batch when accumulating, instead of FairScale's ``no_sync``. Fixed at
+        setup (checked against the device then, and one way of accumulating for the whole run)."""
+        return self.config.sync_each_batch
+
+    @sync_each_batch.setter
+    def sync_each_batch(self, value: bool) -> None:
+        self._set_option("sync_each_batch", value)
+
+
+class ShardedDDPOptions(_StrategyOptions):
+    """The options of ``DDPShardedStrategy`` (the Trainer's and Fabric's), as typed properties.
+
+    Each reads the strategy's :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig` (``strategy.config``)
+    and setting one makes a checked copy of it. After setup only ``lightning_1x_optimizer_state`` (read at each load)
+    may change; the others raise.
+    """
+
+    _CHANGEABLE = frozenset({"lightning_1x_optimizer_state"})
+
+    @property
+    def config(self) -> ShardedDDPConfig:
+        """All the options, checked and frozen; a checked copy (``dataclasses.replace``) may replace it, before setup,
+        or after it where only ``lightning_1x_optimizer_state`` differs."""
+        return self._options_config
+
+    @config.setter
+    def config(self, config: ShardedDDPConfig) -> None:
+        self._set_config(config)
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Only ``False``: ``ShardedDataParallel`` has no search for unused parameters. Fixed at setup."""
+        return self.config.find_unused_parameters
+
+    @find_unused_parameters.setter
+    def find_unused_parameters(self, value: bool) -> None:
+        self._set_option("find_unused_parameters", value)
+
+    @property
+    def lightning_1x_optimizer_state(self) -> OptimizerStatePolicy:
+        """Resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` or ``"reset"``. Read at each load:
+        may change at any time."""
+        return self.config.lightning_1x_optimizer_state
+
+    @lightning_1x_optimizer_state.setter
+    def lightning_1x_optimizer_state(self, value: OptimizerStatePolicy) -> None:
+        self._set_option("lightning_1x_optimizer_state", value)
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``. Fixed at
+        setup (one way of accumulating for the whole run)."""
+        return self.config.sync_each_batch
+
+    @sync_each_batch.setter
+    def sync_each_batch(self, value: bool) -> None:
+        self._set_option("sync_each_batch", value)

@@ -27,11 +27,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale._adapters import (
+    ShardedDDPOptions,
     check_spawn_start_method,
     config_arguments,
     lightning_arguments,
     register_strategies,
-    strategy_options,
 )
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -51,12 +51,12 @@ if TYPE_CHECKING:
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy"]
 
 
-@strategy_options(ShardedDDPConfig, "Fabric")
-class DDPShardedStrategy(DDPStrategy):
+class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
 
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric
-    passes its precision plugin as ``precision``. Registered as ``"ddp_sharded"``.
+    passes its precision plugin as ``precision``. Registered as ``"ddp_sharded"``. The options are typed properties
+    (:class:`~lightning_fairscale._adapters.ShardedDDPOptions`), fixed at launch but ``lightning_1x_optimizer_state``.
 
     * ``fabric.setup(model, optimizer, scheduler=...)`` (together: ``ShardedDataParallel`` needs the optimizers):
       each optimizer is rebuilt as ``fairscale.optim.OSS`` and returned in its place, and the LR scheduler given is
@@ -71,6 +71,19 @@ class DDPShardedStrategy(DDPStrategy):
       save killed midway leaves the previous checkpoint of that path intact.
 
     Args:
+        accelerator: the accelerator; Fabric sets it.
+        parallel_devices: the devices of this node; Fabric sets them.
+        cluster_environment: the cluster environment; Fabric sets it.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`).
+        precision_plugin: another name for ``precision`` (the Trainer's).
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters.
+        precision: the precision plugin; Fabric's ``precision`` flag chooses it.
+        lightning_1x_optimizer_state: resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` (default)
+            or ``"reset"``, as in ``DDPFullyShardedStrategy``.
+        sync_each_batch: reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``.
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``reduce_fp16``. The strategy follows
             parameters frozen or unfrozen and eval/train switches itself (see
@@ -105,8 +118,7 @@ class DDPShardedStrategy(DDPStrategy):
     ) -> None:
         config = ShardedDDPConfig(**config_arguments(ShardedDDPConfig, locals()), owner=type(self).__name__)
         super().__init__(**lightning_arguments(locals(), "precision"))
-        #: The options: everything the user chose but Lightning's arguments, checked.
-        self.config = config
+        self.config = config  # the options (see `ShardedDDPOptions`)
         #: The models set up, wrapped (``ShardedDataParallel``) or plain (set up without optimizers).
         self._set_up: SetUp[None] = SetUp()
         #: For each wrapped model, what it derived from its trainable parameters, kept up to date.
@@ -144,6 +156,7 @@ class DDPShardedStrategy(DDPStrategy):
         """Lightning's set-up (the default process group), and its clean-up at exit."""
         with process_exit.closing_at_exit(self):
             super().setup_environment()
+        self._fix_options()
 
     @override
     def setup_module_and_optimizers(
@@ -286,6 +299,11 @@ class DDPShardedStrategy(DDPStrategy):
 class DDPSpawnShardedStrategy(DDPShardedStrategy):
     """:class:`DDPShardedStrategy` that starts its processes with ``torch.multiprocessing`` (``"spawn"``):
     ``fabric.launch(function)`` runs ``function`` in each. Registered as ``"ddp_sharded_spawn"``.
+
+    Args:
+        *args: the arguments of :class:`DDPShardedStrategy`, in its order.
+        start_method: ``"spawn"`` (the default), ``"fork"`` or ``"forkserver"``; not ``"popen"``.
+        **kwargs: the arguments of :class:`DDPShardedStrategy`.
 
     Example:
         >>> DDPSpawnShardedStrategy()._start_method

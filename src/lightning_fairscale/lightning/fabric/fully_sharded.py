@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning_fairscale.lightning._compat import collective_timeout
-from lightning_fairscale.lightning._compat import fabric_precision_property
-from lightning_fairscale.lightning._compat import _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning_fairscale.lightning._compat import _PATH, fabric_compile_options
+from lightning_fairscale.lightning._compat import _PATH, _Sharded, collective_timeout, fabric_compile_options
+from lightning_fairscale.lightning._compat import fabric_precision_property
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffload
@@ -31,34 +29,22 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale._adapters import config_arguments, lightning_arguments, register_strategies, strategy_options
+from lightning_fairscale._adapters import FullyShardedOptions, config_arguments, lightning_arguments
+from lightning_fairscale._adapters import register_strategies
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import config as fsdp_config
-from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp import config as fsdp_config, engine as fsdp_engine
 from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
-from lightning_fairscale.lightning.plugins.checkpoint_io import (
-    settle_background,
-    default_checkpoint_io,
-    finish_background,
-    sharded_storage,
-)
-from lightning_fairscale.lightning.fabric._common import (
-    FabricCheckpoints,
-    NoBackwardSync,
-    SetUp,
-    ShardedFormat,
-    checked_norm,
-    fabric_precision,
-    refuse_groups_by_shard_shapes,
-)
+from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, finish_background, settle_background
+from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
+from lightning_fairscale.lightning.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, ShardedFormat, checked_norm
+from lightning_fairscale.lightning.fabric._common import fabric_precision, refuse_groups_by_shard_shapes
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
-from lightning_fairscale.fsdp.patches.hybrid import release_groups
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, to_device_keeping_meta
 from lightning_fairscale.fsdp.state.saving import Ranks
@@ -73,13 +59,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DDPFullyShardedStrategy"]
 
-@strategy_options(FullyShardedConfig, "Fabric")
-class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
+class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     """Fully Sharded Data Parallel training with FairScale, for Fabric (``Fabric(strategy=...)``).
 
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
-    passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``.
+    passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``. The
+    options are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`), fixed at launch.
 
     * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
       strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``
@@ -97,6 +83,37 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
       ``state_dict_type="full"`` one file gathered on rank 0, ``"sharded"`` one file per rank, gathering nothing.
 
     Args:
+        accelerator: the accelerator; Fabric sets it.
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only), a bool or torch's ``CPUOffload``.
+        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
+        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+        move_grads_to_cpu: move gradient shards to the CPU after reduction (default: as ``cpu_offload``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision.
+        compute_dtype: the dtype of the full parameters in computation (default: from the precision).
+        bucket_cap_mb: the size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        min_num_params: auto wrap by size: a module with this many unwrapped parameters becomes its own unit.
+        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
+        parallel_devices: the devices of this node; Fabric sets them.
+        cluster_environment: the cluster environment; Fabric sets it.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`).
+        precision_plugin: another name for ``precision`` (the Trainer's).
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        auto_wrap_policy: which submodules become units: layer classes, FairScale's or torch's policy.
+        exclude_wrap_modules: layer classes that never become units themselves under auto wrap.
+        force_leaf_modules: layer classes auto wrap does not descend into.
+        activation_checkpointing: a layer class, or a list, whose activations are recomputed in backward.
+        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        state_dict_type: ``"full"`` (one checkpoint file, gathered on rank 0) or ``"sharded"`` (a file per rank).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        precision: the precision plugin; Fabric's ``precision`` flag chooses it.
+        lightning_1x_optimizer_state: resuming a Lightning 1.x checkpoint's optimizer state: ``"error"``/``"reset"``.
+        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``.
+        param_init_fn: initialises the modules of a model built on the ``meta`` device, unit by unit.
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"``... or torch's enum.
+        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` or torch's 2-D ``DeviceMesh``.
+        backward_prefetch: when the backward on CPU gathers the next unit (torch's ``BackwardPrefetch`` or its name).
+        sync_each_batch: reduce-scatter after every micro-batch when accumulating, instead of ``no_sync``.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -144,8 +161,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
         super().__init__(**lightning_arguments(locals(), "precision"))
-        #: The options: everything the user chose but Lightning's arguments, checked.
-        self.config = config
+        self.config = config  # the options (see `FullyShardedOptions`)
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
         #: The root units of the models set up, and the sharded model each optimizer was re-pointed to.
@@ -178,6 +194,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
             self.config, self.root_device, self.precision.precision, self.global_rank, self.world_size,
             self.num_nodes, collective_timeout(self),
         )
+        self._fix_options()
         if self.config.state_dict_type == "sharded":
             sharded_storage(self.checkpoint_io)  # fail before training, not at the first save
 

@@ -5,7 +5,6 @@
 import contextlib
 import functools
 from collections.abc import Generator, Iterable, Mapping
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -23,42 +22,27 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale._adapters import config_arguments, lightning_arguments, register_strategies, strategy_options
-from lightning_fairscale.lightning._compat import (
-    _PATH,
-    _optimizers_to_device,
-    attached_trainer,
-    collective_timeout,
-    layer_sync_plugin,
-    plain_optimizer,
-    precision_plugin_property,
-    take_trainer_compile,
-)
+from lightning_fairscale._adapters import FullyShardedOptions, config_arguments, lightning_arguments
+from lightning_fairscale._adapters import register_strategies
+from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device, precision_plugin_property, take_trainer_compile
+from lightning_fairscale.lightning._compat import attached_trainer, collective_timeout, layer_sync_plugin, plain_optimizer
 from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.lightning.callbacks import weight_averaging
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import config as fsdp_config
-from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp import config as fsdp_config, engine as fsdp_engine
 from lightning_fairscale.fsdp.wrapping.compile import Compiler
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
-from lightning_fairscale.fsdp.patches.hybrid import release_groups
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 from lightning_fairscale.fsdp.wrapping.summary import memory_figures
 from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
-from lightning_fairscale.lightning.plugins.checkpoint_io import (
-    in_background,
-    settle_background,
-    default_checkpoint_io,
-    finish_background,
-    save_full,
-    sharded_storage,
-)
+from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, finish_background, in_background
+from lightning_fairscale.lightning.plugins.checkpoint_io import save_full, settle_background, sharded_storage
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.strategies import _optimizers
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
@@ -68,26 +52,50 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-@strategy_options(FullyShardedConfig, "Trainer")
-class DDPFullyShardedStrategy(DDPStrategy):
+class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
-    Shards parameters, gradients and optimizer state across processes (ZeRO stage 3). The arguments are those of
-    Lightning 1.x's ``DDPFullyShardedStrategy``, plus ``auto_wrap_policy``; any other keyword goes to FairScale's
-    ``FullyShardedDataParallel``. Runs on GPUs (NCCL) and on CPUs (gloo).
-
-    The arguments other than Lightning's are checked once, here, and kept in :attr:`config` (a frozen
-    :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`); the strategy's attributes of the same names read
-    it (setting one replaces the config by a checked copy).
+    Lightning 1.x's strategy: shards parameters, gradients and optimizer state (ZeRO stage 3), on GPUs and CPUs. The
+    options are checked once into :attr:`config` (a frozen :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`,
+    which details them) and are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`).
 
     Args:
+        accelerator: the accelerator; the Trainer sets it.
+        cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only), a bool or torch's ``CPUOffload``.
+        flatten_parameters: flatten each unit's parameters into one contiguous tensor (faster).
+        reshard_after_forward: free full parameters after the forward pass, gathering them again for backward.
+        move_grads_to_cpu: move gradient shards to the CPU after reduction (default: as ``cpu_offload``).
+        fp32_reduce_scatter: reduce-scatter gradients in FP32 under mixed precision.
+        compute_dtype: the dtype of the full parameters in computation (default: from the precision).
+        bucket_cap_mb: the size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing.
+        min_num_params: auto wrap by size: a module with this many unwrapped parameters becomes its own unit.
+        state_dict_to_cpu: return full state dicts on the CPU instead of the compute device.
+        parallel_devices: the devices of this node; the Trainer sets them.
+        cluster_environment: the cluster environment; the Trainer sets it.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`).
+        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        auto_wrap_policy: which submodules become units: layer classes, FairScale's or torch's policy.
+        exclude_wrap_modules: layer classes that never become units themselves under auto wrap.
+        force_leaf_modules: layer classes auto wrap does not descend into.
+        activation_checkpointing: a layer class, or a list, whose activations are recomputed in backward.
+        activation_checkpointing_offload: keep the checkpointed layers' inputs in CPU memory until backward.
+        state_dict_type: ``"full"`` (one checkpoint file, gathered on rank 0) or ``"sharded"`` (a file per rank).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        precision: another name for ``precision_plugin`` (Fabric's).
+        lightning_1x_optimizer_state: resuming a Lightning 1.x checkpoint's optimizer state: ``"error"``/``"reset"``.
+        activation_checkpointing_policy: Lightning ``FSDPStrategy``'s name for ``activation_checkpointing``.
+        param_init_fn: initialises the modules of a model built on the ``meta`` device, unit by unit.
+        sharding_strategy: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"``... or torch's enum.
+        device_mesh: under hybrid sharding, ``(replicas, shard_size)`` or torch's 2-D ``DeviceMesh``.
+        backward_prefetch: when the backward on CPU gathers the next unit (torch's ``BackwardPrefetch`` or its name).
+        sync_each_batch: reduce-scatter after every micro-batch when accumulating, instead of ``no_sync``.
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
-        >>> from lightning_fairscale.strategies import DDPFullyShardedStrategy
-        >>> strategy = DDPFullyShardedStrategy(min_num_params=1_000_000, bucket_cap_mb=50)
-        >>> strategy.min_num_params, strategy.config.bucket_cap_mb
-        (1000000, 50)
+        >>> DDPFullyShardedStrategy(min_num_params=1_000_000, bucket_cap_mb=50).min_num_params
+        1000000
     """
 
     strategy_name = "fsdp_fairscale"
@@ -129,8 +137,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
         super().__init__(**lightning_arguments(locals(), "precision_plugin"))
-        #: The options: everything the user chose but Lightning's arguments, checked.
-        self.config = config
+        self.config = config  # the options (see `FullyShardedOptions`)
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
         #: The sharded model (the engine's object), while the module is wrapped.
@@ -140,17 +147,15 @@ class DDPFullyShardedStrategy(DDPStrategy):
         self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
 
     # ------------------------------------------------------------------------------------------------------------
-    # FSDP configuration (an option's property comes with `strategy_options`)
+    # FSDP configuration (the options' properties come with `FullyShardedOptions`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with the Trainer's registry, where free:
-        Lightning's own ``"fsdp"`` stays Lightning's."""
+        """Register ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"`` with the Trainer's registry, where free."""
         names = ("fsdp_fairscale", "ddp_fully_sharded")
         register_strategies(strategy_registry, cls, names, "FairScale's Fully Sharded Data Parallel")
 
     precision_plugin = precision_plugin_property(FullyShardedPrecisionPlugin, fully_sharded_precision_plugin)
-
     checkpoint_io = default_checkpoint_io(DDPStrategy)
 
     def fsdp_kwargs(self) -> dict[str, Any]:
@@ -162,7 +167,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     # Lightning annotates the generator-based context manager its own implementation returns; callers only enter it.
     @override
-    def model_sharded_context(self) -> AbstractContextManager:  # type: ignore[override]
+    def model_sharded_context(self) -> contextlib.AbstractContextManager:  # type: ignore[override]
         """Inside this context, ``fairscale.nn.wrap`` and ``torch.distributed.fsdp.wrap.wrap`` make FSDP units."""
         precision = self.precision_plugin.precision
         return fsdp_engine.wrapping_context(self.config, self.root_device, self._groups, precision)
@@ -177,6 +182,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
             self.config, self.root_device, self.precision_plugin.precision, self.global_rank, self.world_size,
             self.num_nodes, collective_timeout(self),
         )
+        self._fix_options()
         if self.config.state_dict_type == "sharded":
             sharded_storage(self.checkpoint_io)  # fail before training, not at the first save
 
@@ -255,10 +261,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         to_device_keeping_meta(self.model, device)
 
     def memory_figures(self) -> dict[str, float]:
-        """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA).
-
-        Log them from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``.
-        """
+        """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA); log them
+        from the LightningModule, e.g. ``self.log_dict(self.trainer.strategy.memory_figures())``."""
         assert self.model is not None
         return memory_figures(self.model, _optimizers.plain(self.optimizers))
 

@@ -43,11 +43,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale._adapters import (
+    ShardedDDPOptions,
     check_spawn_start_method,
     config_arguments,
     lightning_arguments,
     register_strategies,
-    strategy_options,
 )
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
@@ -78,8 +78,7 @@ from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
 
-@strategy_options(ShardedDDPConfig, "Trainer")
-class DDPShardedStrategy(DDPStrategy):
+class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Lightning 2.x.
 
     Lightning 1.x's ``DDPShardedStrategy``: the optimizers that ``configure_optimizers`` returns (any
@@ -87,9 +86,23 @@ class DDPShardedStrategy(DDPStrategy):
     hyperparameters, LR schedulers follow them, and the module is wrapped in FairScale's ``ShardedDataParallel``
     while fitting (validation, test and predict run on the plain module). Checkpoints hold the model's and a plain
     optimizer's state dicts, consolidated on rank 0, so they load without FairScale and resume on any number of
-    processes. Runs on GPUs (NCCL) and on CPUs (gloo).
+    processes. Runs on GPUs (NCCL) and on CPUs (gloo). The options are kept in :attr:`config` and are typed properties
+    (:class:`~lightning_fairscale._adapters.ShardedDDPOptions`), fixed at setup but ``lightning_1x_optimizer_state``.
 
     Args:
+        accelerator: the accelerator; the Trainer sets it.
+        parallel_devices: the devices of this node; the Trainer sets them.
+        cluster_environment: the cluster environment; the Trainer sets it.
+        checkpoint_io: the checkpoint IO plugin (default: :class:`~lightning_fairscale.ShardedCheckpointIO`).
+        precision_plugin: the precision plugin; the Trainer's ``precision`` flag chooses it.
+        process_group_backend: ``"nccl"``, ``"gloo"``... (default: from the device).
+        timeout: how long collectives wait for the other ranks before failing.
+        start_method: ``"popen"`` (re-run the script for each rank, the default) or ``"spawn"``/``"fork"``.
+        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters.
+        precision: another name for ``precision_plugin`` (Fabric's).
+        lightning_1x_optimizer_state: resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` (default)
+            or ``"reset"``, as in ``DDPFullyShardedStrategy``.
+        sync_each_batch: reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``.
         **kwargs: passed to FairScale's ``ShardedDataParallel``, e.g. ``reduce_buffer_size`` (default: ``0`` on one
             node, ``2**23`` elements on several), ``broadcast_buffers``, ``reduce_fp16``. The strategy follows
             parameters frozen or unfrozen and eval/train switches itself (see
@@ -125,13 +138,12 @@ class DDPShardedStrategy(DDPStrategy):
     ) -> None:
         config = ShardedDDPConfig(**config_arguments(ShardedDDPConfig, locals()), owner=type(self).__name__)
         super().__init__(**lightning_arguments(locals(), "precision_plugin"))
-        #: The options: everything the user chose but Lightning's arguments, checked.
-        self.config = config
+        self.config = config  # the options (see `ShardedDDPOptions`)
         #: What the wrapped model derived from its trainable parameters, kept up to date (while fitting).
         self._trainability: Optional[Trainability] = None
 
     # ------------------------------------------------------------------------------------------------------------
-    # Configuration (an option's property comes with `strategy_options`)
+    # Configuration (the options' properties come with `ShardedDDPOptions`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -310,6 +322,7 @@ class DDPShardedStrategy(DDPStrategy):
         check_sharded_ddp_callbacks(trainer_callbacks(self), type(self).__name__)  # before any process group
         with process_exit.closing_at_exit(self):
             super().setup_environment()
+        self._fix_options()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -376,6 +389,11 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
     them. Otherwise nothing is gathered, and that checkpoint holds no optimizer state (saving it warns; resuming it
     continues with a fresh optimizer state and a warning). The same holds for ``DDPShardedStrategy`` with
     ``start_method="spawn"`` or ``"fork"``.
+
+    Args:
+        *args: the arguments of :class:`DDPShardedStrategy`, in its order.
+        start_method: ``"spawn"`` (the default), ``"fork"`` or ``"forkserver"``; not ``"popen"``.
+        **kwargs: the arguments of :class:`DDPShardedStrategy`.
 
     Example:
         >>> DDPSpawnShardedStrategy()._start_method
