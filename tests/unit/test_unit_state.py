@@ -70,7 +70,10 @@ def test_nothing_of_ours_is_written_into_flat_parameters_user_modules_or_the_opt
     assert [sorted(set(vars(param)) - FAIRSCALE_FLAT) for param in flat] == [[]] * len(flat)
     regions = set(map(id, wrapped.checkpointed)) | {id(model.inp), id(model.out)}  # compiled or checkpointed
     own_forward = [{"forward"} if id(m) in regions else set() for m in modules]  # what compiling/checkpointing is
-    added = [(type(m).__name__, set(vars(m)) - before[id(m)] - FAIRSCALE_MODULE - f) for m, f in zip(modules, own_forward)]
+    added = [
+        (type(m).__name__, set(vars(m)) - before[id(m)] - FAIRSCALE_MODULE - own)
+        for m, own in zip(modules, own_forward)
+    ]
     assert [(name, keys) for name, keys in added if keys] == []
     assert set(vars(optimizer)) == set(vars(reference_optimizer))
 
