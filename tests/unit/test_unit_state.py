@@ -63,7 +63,9 @@ def test_nothing_of_ours_is_written_into_flat_parameters_user_modules_or_the_opt
     assert unit_state.of(root).has_views and unit_state.of(root).wrapped is not None
     flat = [param for unit in units for param in unit.params]
     assert all(views_of(param) for param in flat)
-    assert unit_state.flat_state(root.params[0]).frozen == [True, False, False, False]
+    states = [state for unit in units for state in unit_state.flat_states(unit)]
+    assert all(state is not None and state.views and state.hooked for state in states)
+    assert unit_state.flat_states(root)[0].frozen == [True, False, False, False]  # type: ignore[union-attr]
     assert wrapped_root(model) is root and norm_group(optimizer) is root.process_group
     # ... and nothing of ours in their objects.
     assert all(not name.startswith(MARKER) for unit in units for name in vars(unit))

@@ -6,7 +6,7 @@ unit (:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` is 
 it); a unit of FairScale's own class (wrapped by hand) gets one from a map keyed weakly by the unit. What we know
 about a flat parameter is its :class:`FlatState`, in a map keyed weakly by the parameter (by identity: a tensor's
 ``==`` compares values), held here: it is found from the parameter alone, as the optimizer's views and the model
-summary find it.
+summary find it, and from its unit (:func:`flat_states`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["FlatState", "UnitState", "flat_state", "forget_flat", "of", "peek", "peek_flat"]
+__all__ = ["FlatState", "UnitState", "flat_state", "flat_states", "forget_flat", "of", "peek", "peek_flat"]
 
 
 @dataclass(eq=False)
@@ -97,3 +97,9 @@ def forget_flat(flat: nn.Parameter) -> None:
     """Drop everything recorded for ``flat`` (its unit is unwrapped: the gradient accumulator in its record holds
     the unit's hook, which refers back to the unit)."""
     _FLATS.pop(flat, None)
+
+
+def flat_states(unit: nn.Module) -> list[Optional[FlatState]]:
+    """The state of each of ``unit``'s own parameters (FairScale's ``unit.params``: flat ones first), ``None`` for one
+    that has none: what we know about a unit's flat parameters, from the unit."""
+    return [_FLATS.get(param) for param in getattr(unit, "params", [])]
