@@ -196,4 +196,4 @@ def test_checkpoint_wrappers_are_removed_by_their_mark_and_a_users_forward_stays
     assert apply_activation_checkpointing(model, (Block,)) == [model.blocks[0]]
     remove_activation_checkpointing(model)  # finds them itself: any strategy (or Trainer) can unwrap
     assert "forward" not in vars(model.blocks[0]) and vars(model.blocks[1])["forward"] == own_forward
-    assert not any(activation_checkpointing._MARK in vars(m) for m in model.modules())
+    assert not any(m in activation_checkpointing._CHECKPOINTED for m in model.modules())

@@ -40,7 +40,7 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp.patches import cpu_streams
-from lightning_fairscale.fsdp.unit import original_params, recovery, step_state
+from lightning_fairscale.fsdp.unit import original_params, recovery, step_state, unit_state
 from lightning_fairscale.fsdp.state import saving
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -110,8 +110,9 @@ class WrappedModel:
     (:class:`~lightning_fairscale.fsdp.state.optim.ParameterLayout`), the layers that recompute their activations, and
     for each optimizer re-pointed to its shards (:meth:`repoint`) the order its state is saved in. Everything a front
     end does with a sharded model goes through it: re-pointing optimizers, state dicts, both checkpoint formats, and
-    giving the model its full parameters back (:meth:`unshard`). What it knows is kept on the root unit, so that every
-    stage and every strategy that takes the sharded model (:func:`wrapped_model`) knows the same.
+    giving the model its full parameters back (:meth:`unshard`). What it knows is kept in the root unit's state
+    (:class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`), so that every stage and every strategy that takes
+    the sharded model (:func:`wrapped_model`) knows the same.
     """
 
     def __init__(
@@ -121,12 +122,13 @@ class WrappedModel:
         self.root = root
         self._record = _Record(layout, list(checkpointed))
         self._record.originals.update({id(param): param for param in originals})
-        root.__dict__[_WRAPPED] = self._record
+        unit_state.of(root).wrapped = self._record
 
     @classmethod
     def of(cls, root: FullyShardedDataParallel) -> Optional[WrappedModel]:
         """The sharded model whose root unit is ``root``, if it is one (see :func:`wrapped_model`)."""
-        record = root.__dict__.get(_WRAPPED)
+        state = unit_state.peek(root)
+        record = state.wrapped if state is not None else None
         if record is None:
             return None
         model = cls.__new__(cls)
@@ -348,7 +350,7 @@ class WrappedModel:
         uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
         cpu_streams.release(root)  # the sharded model's hold on the CPU workarounds ends with it
-        root.__dict__.pop(_WRAPPED, None)
+        unit_state.of(root).wrapped = None
         return module
 
 
@@ -448,10 +450,6 @@ def wrap_model(
     return model
 
 
-#: The attribute of a root unit that holds what its :class:`WrappedModel` knows (a `_Record`).
-_WRAPPED = "_lightning_fairscale_wrapped"
-
-
 def wrapped_model(root: Module, compiler: Optional[Compiler] = None) -> WrappedModel:
     """The :class:`WrappedModel` of ``root`` (:func:`finish_wrapping`): one per sharded model, whichever stage or
     strategy set it up, so that every stage's optimizers hold the same original parameters. With ``compiler`` (the
@@ -469,7 +467,8 @@ def wrapped_model(root: Module, compiler: Optional[Compiler] = None) -> WrappedM
 
 def is_set_up(module: Module) -> bool:
     """Whether ``module`` is the root unit of a model :func:`wrap_model` (or :func:`wrapped_model`) set up."""
-    return isinstance(module, FullyShardedDataParallel) and _WRAPPED in module.__dict__
+    state = unit_state.peek(module) if isinstance(module, FullyShardedDataParallel) else None
+    return state is not None and state.wrapped is not None
 
 
 def finish_wrapping(

@@ -16,34 +16,40 @@ larger than half the bucket: the 18.9 M model's layers in ``benchmarks/speed.py`
 :func:`register_post_backward_hooks` registers FairScale's hook as FairScale does, unless the same unit's hook is on
 that accumulator already (all hooks of one accumulator run together, once all of its gradients are summed: one
 suffices, in every case FairScale's docstring lists: a module called twice in a forward, activation checkpointing,
-forward-forward-backward-backward under ``no_sync``, parameters shared between units).
+forward-forward-backward-backward under ``no_sync``, parameters shared between units). Which hooks are on it is noted
+in the flat parameter's record of ours, which the unit layer keeps and passes in: nothing is written into the
+parameter.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-__all__ = ["HOOKED", "register_post_backward_hooks"]
-
-#: The attribute of a flat parameter holding its gradient accumulator and the units whose hooks are on it.
-HOOKED = "_lightning_fairscale_hooked"
+__all__ = ["HookRecord", "register_post_backward_hooks"]
 
 
-def register_post_backward_hooks(unit: Any) -> None:
-    """FairScale's ``_register_post_backward_hooks`` for ``unit``, with at most one hook of it per accumulator."""
+class HookRecord(Protocol):
+    """Where a flat parameter's gradient accumulator is noted with the ``id`` of each unit whose hook is on it."""
+
+    hooked: Optional[tuple[Any, set[int]]]
+
+
+def register_post_backward_hooks(unit: Any, record_of: Callable[[torch.nn.Parameter], HookRecord]) -> None:
+    """FairScale's ``_register_post_backward_hooks`` for ``unit``, with at most one hook of it per accumulator
+    (``record_of``: each flat parameter's record, where the hooks on its accumulator are noted)."""
     if not torch.is_grad_enabled():
         return  # FairScale registers none then either
     for param in unit.params:
         if not param.requires_grad:
             continue
         grad_acc = param.expand_as(param).grad_fn.next_functions[0][0]  # its accumulator, as FairScale finds it
-        hooked = getattr(param, HOOKED, None)
+        record = record_of(param)
+        hooked = record.hooked
         if hooked is None or hooked[0] is not grad_acc:
-            hooked = (grad_acc, set[int]())
-            setattr(param, HOOKED, hooked)
+            hooked = record.hooked = (grad_acc, set[int]())
         if id(unit) in hooked[1]:
             continue
         handle = grad_acc.register_hook(functools.partial(unit._post_backward_hook, param))

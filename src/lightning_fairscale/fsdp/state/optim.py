@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.unit.units import named_fsdp_instances
 from lightning_fairscale.fsdp.unit.param_views import ParamView
+from lightning_fairscale.fsdp.unit.frozen_params import frozen_pieces
 from lightning_fairscale.fsdp.state.resharding import local_range
 from lightning_fairscale.fsdp.unit.state_names import clean_path
 
@@ -116,9 +117,7 @@ class ParameterLayout:
             flat_count = unit._num_flatten_params
             for managed in unit.params[:flat_count]:
                 pieces, offset = [], 0
-                frozen = managed.__dict__.get("_lightning_fairscale_frozen") or [not managed.requires_grad] * len(
-                    managed._param_infos
-                )
+                frozen = frozen_pieces(managed) or [not managed.requires_grad] * len(managed._param_infos)
                 for (module_name, owner, name), numel, shape, is_frozen in zip(
                     managed._param_infos, managed._param_numels, managed._param_shapes, frozen
                 ):

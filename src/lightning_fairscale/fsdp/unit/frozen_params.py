@@ -2,19 +2,22 @@
 
 FairScale flattens a unit's parameters into one flat parameter, with one ``requires_grad``, and asserts that they
 all agree. A unit that owns frozen and trainable parameters is built with all of them trainable
-(:func:`unfreeze_own_parameters`), and which pieces were frozen is noted on each flat parameter
-(:func:`record_frozen`): the optimizer's views of those pieces keep ``requires_grad=False``
-(:mod:`lightning_fairscale.fsdp.unit.param_views`), so nothing updates them.
+(:func:`unfreeze_own_parameters`), and which pieces were frozen is noted for each flat parameter
+(:func:`record_frozen`, in its :class:`~lightning_fairscale.fsdp.unit.unit_state.FlatState`): the optimizer's views
+of those pieces keep ``requires_grad=False`` (:mod:`lightning_fairscale.fsdp.unit.param_views`), so nothing updates
+them.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 
-from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.unit import param_views, unit_state
 
-__all__ = ["record_frozen", "reshard_frozen", "trainable_pieces", "unfreeze_own_parameters"]
+__all__ = ["frozen_pieces", "record_frozen", "reshard_frozen", "trainable_pieces", "unfreeze_own_parameters"]
 
 
 def unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Parameter]:
@@ -35,14 +38,14 @@ def unfreeze_own_parameters(module: torch.nn.Module) -> dict[tuple[int, str], to
 
 
 def record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.Parameter]) -> None:
-    """Note which pieces of each flat parameter of ``unit`` were frozen (``_lightning_fairscale_frozen``), and
+    """Note which pieces of each flat parameter of ``unit`` were frozen (its ``FlatState.frozen``), and
     freeze a parameter whose pieces all were (a unit's unflattened parameters keep their own flag)."""
     if not frozen:
         return
     flat_count = unit._num_flatten_params
     for flat in unit.params[:flat_count]:
         pieces = [(id(owner), name) in frozen for _, owner, name in flat._param_infos]
-        flat.__dict__["_lightning_fairscale_frozen"] = pieces
+        unit_state.flat_state(flat).frozen = pieces
         if all(pieces):
             flat.requires_grad_(False)
     for param in unit.params[flat_count:]:
@@ -63,6 +66,13 @@ def reshard_frozen(root: _FairScaleFSDP) -> None:
     root._use_fp32_param_shard(frozen)
 
 
+def frozen_pieces(flat: torch.nn.Parameter) -> Optional[list[bool]]:
+    """Which original parameters of ``flat`` were frozen when its unit was built (:func:`record_frozen`), ``None``
+    when none was recorded (a unit whose parameters all agreed)."""
+    state = unit_state.peek_flat(flat)
+    return state.frozen if state is not None else None
+
+
 def trainable_pieces(flat: torch.nn.Parameter) -> list[bool]:
     """Whether each original parameter of ``flat`` (a flat parameter) trains: as its view says now (the model's
     parameter, which the loop may have frozen or unfrozen since set-up: workaround 28), else as it did at set-up."""
@@ -70,5 +80,5 @@ def trainable_pieces(flat: torch.nn.Parameter) -> list[bool]:
     views = {view.piece: view for view in param_views.views_of(flat)}
     if len(views) == len(infos):
         return [views[k].param.requires_grad for k in range(len(infos))]
-    frozen = flat.__dict__.get("_lightning_fairscale_frozen") or [False] * len(infos)
+    frozen = frozen_pieces(flat) or [False] * len(infos)
     return [flat.requires_grad and not is_frozen for is_frozen in frozen]

@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_fairscale.fsdp.unit import unit_state
+
 __all__ = [
     "OriginalSlots",
     "before_forward",
@@ -41,15 +43,12 @@ __all__ = [
     "use_full_views",
 ]
 
-#: The attribute of a unit that holds its :class:`OriginalSlots`.
-_SLOTS = "_lightning_fairscale_originals"
-
-
 @dataclass(eq=False)
 class OriginalSlots:
     """Where one unit's original parameters live: each ``(owner module, name) -> parameter`` (tied names included),
     the order of each owner's parameters as the user's module registered them, and the unit's flat parameters (by
-    their names in FairScale's wrapper)."""
+    their names in FairScale's wrapper). Kept in the unit's
+    :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`."""
 
     params: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
     owners: list[tuple[nn.Module, list[str]]] = field(default_factory=list)
@@ -63,7 +62,10 @@ class OriginalSlots:
 
 
 def _slots(unit: nn.Module) -> Optional[OriginalSlots]:
-    return unit.__dict__.get(_SLOTS)
+    """``unit``'s slots (kept in its :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`), ``None`` when
+    :func:`install` did not give it its original parameters (or ``unit`` is not a unit)."""
+    state = unit_state.peek(unit)
+    return state.originals if state is not None else None
 
 
 def _installed_units(root: nn.Module) -> list[nn.Module]:
@@ -108,7 +110,7 @@ def install(
         slots.owners.append((owner, order))
     wrapper = unit.module
     slots.flat = [(name, getattr(wrapper, name)) for name in wrapper.flat_param_names[: unit._num_flatten_params]]
-    unit.__dict__[_SLOTS] = slots
+    unit_state.of(unit).originals = slots
     show(unit)
 
 
@@ -209,4 +211,4 @@ def forget(root: nn.Module) -> None:
     """Put ``root``'s units back in FairScale's layout for good (before unwrapping them)."""
     for unit in _installed_units(root):
         _hide(unit, register_flat=True)
-        del unit.__dict__[_SLOTS]
+        unit_state.of(unit).originals = None

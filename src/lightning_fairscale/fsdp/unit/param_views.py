@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fairscale.fsdp.unit import unit_state
+
 __all__ = [
     "ParamView",
     "attach",
@@ -47,17 +49,9 @@ __all__ = [
     "views_of",
 ]
 
-#: The attribute of a flat (or sharded) parameter that lists its views on this rank.
-_VIEWS = "_lightning_fairscale_views"
-#: Set on a flat parameter while its gradient is the one shared with its views (after a synchronising backward).
-_SHARED = "_lightning_fairscale_grad_shared"
-#: On a flat parameter: the gradient tensor given to each of its views (by ``id`` of the view), to tell them from
-#: gradients the backward computed for the views themselves.
-_GIVEN = "_lightning_fairscale_given_grads"
-#: Set on an optimizer that holds views: the process group over which the norm of its gradients is taken.
-_NORM_GROUP = "_lightning_fairscale_norm_group"
-#: Set on the root FSDP unit of a model whose optimizers hold views (on every rank alike, even one holding none).
-_HAS_VIEWS = "_lightning_fairscale_has_views"
+#: Each optimizer that holds views -> the process group over which the norm of its gradients is taken (weakly: it
+#: lives with the optimizer; nothing of ours is written into it).
+_NORM_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -87,21 +81,22 @@ def attach(managed: nn.Parameter, piece: int, start: int, stop: int, trainable: 
     """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``."""
     data = _shard(managed)[start:stop]
     view = ParamView(nn.Parameter(data, requires_grad=trainable), piece, start, stop, trainable)
-    managed.__dict__.setdefault(_VIEWS, []).append(view)
+    unit_state.flat_state(managed).views.append(view)
     return view
 
 
 def forget(managed: nn.Parameter) -> None:
     """Unregister every view of ``managed`` (a new layout of the same model makes its own: the optimizers of an
     earlier stage, which hold the old ones, are gone or no longer stepped)."""
-    managed.__dict__.pop(_VIEWS, None)
-    managed.__dict__.pop(_SHARED, None)
-    managed.__dict__.pop(_GIVEN, None)
+    state = unit_state.peek_flat(managed)
+    if state is not None:
+        state.views, state.grad_shared, state.given = [], False, {}
 
 
 def views_of(managed: nn.Parameter) -> list[ParamView]:
     """The views registered with ``managed`` on this rank."""
-    return managed.__dict__.get(_VIEWS, [])
+    state = unit_state.peek_flat(managed)
+    return state.views if state is not None else []
 
 
 def gets_gradient(view: ParamView) -> bool:
@@ -129,9 +124,13 @@ def take_back_gradients(managed: nn.Parameter) -> None:
     frozen since (``requires_grad=False``) keeps the gradient it holds, as a frozen parameter of an unsharded model
     does, but apart from the flat gradient: nothing accumulates into it (workaround 28).
     """
-    if not managed.__dict__.pop(_SHARED, False) or managed.grad is None:
+    state = unit_state.peek_flat(managed)
+    if state is None or not state.grad_shared:
         return
-    given = managed.__dict__.get(_GIVEN, {})
+    state.grad_shared = False
+    if managed.grad is None:
+        return
+    given = state.given
     views = [view for view in views_of(managed) if view.start < view.stop]
     kept = []
     for view in views:
@@ -156,24 +155,28 @@ def _holds_given(view: ParamView, given: dict[int, Any]) -> bool:
 
 
 def mark_norm_group(optimizer: Any, group: Any) -> None:
-    """Record on ``optimizer`` the group its gradients' norm is taken over (every rank records the same, also one
-    that holds no view of its parameters: all ranks must take part in the same collective)."""
-    optimizer.__dict__[_NORM_GROUP] = group
+    """Record the group ``optimizer``'s gradients' norm is taken over (every rank records the same, also one that
+    holds no view of its parameters: all ranks must take part in the same collective)."""
+    _NORM_GROUPS[optimizer] = group
 
 
 def norm_group(optimizer: Any) -> Any:
     """The group recorded by :func:`mark_norm_group` (``None``: the default group)."""
-    return getattr(optimizer, "__dict__", {}).get(_NORM_GROUP)
+    try:
+        return _NORM_GROUPS.get(optimizer)
+    except TypeError:  # an object that cannot be referred to weakly was never recorded
+        return None
 
 
 def mark_has_views(root: nn.Module) -> None:
     """Record that the optimizers of ``root``'s model hold views (so its gradient holders are views, on every rank)."""
-    root.__dict__[_HAS_VIEWS] = True
+    unit_state.of(root).has_views = True
 
 
 def has_views(root: nn.Module) -> bool:
     """Whether :func:`mark_has_views` was called for ``root``."""
-    return bool(root.__dict__.get(_HAS_VIEWS))
+    state = unit_state.peek(root)
+    return state is not None and state.has_views
 
 
 @torch.no_grad()
@@ -191,7 +194,8 @@ def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tens
     views, not FairScale's flat parameter. A gradient this module gave a view (its slice of FairScale's gradient, to
     which autograd adds in place when accumulating) is FairScale's already. Each rank holds its slice of such a term's
     gradient whole: no reduction, as for an unsharded model's parameter."""
-    given = managed.__dict__.get(_GIVEN, {})
+    state = unit_state.peek_flat(managed)
+    given = state.given if state is not None else {}
     for view in views:
         own = view.param.grad
         if own is None or not gets_gradient(view) or view.start == view.stop or _holds_given(view, given):
@@ -202,7 +206,7 @@ def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tens
 def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
     view.param.grad = grad
     # Weakly: the gradient is freed with the view's reference to it (`zero_grad()`), as FairScale's is.
-    managed.__dict__.setdefault(_GIVEN, {})[id(view.param)] = weakref.ref(grad)
+    unit_state.flat_state(managed).given[id(view.param)] = weakref.ref(grad)
 
 
 @torch.no_grad()
@@ -231,7 +235,8 @@ def share_gradients(managed: nn.Parameter) -> None:
     if not views:
         return
     repoint_data(managed)
-    if managed.__dict__.get(_SHARED):
+    state = unit_state.flat_state(managed)
+    if state.grad_shared:
         # Given already, and not taken back since: this backward did not reach the unit (its gradient is the last
         # one's, which the views may have dropped since: not given again).
         return
@@ -246,4 +251,4 @@ def share_gradients(managed: nn.Parameter) -> None:
         if gets_gradient(view) and shares and view.start < view.stop:
             _give(managed, view, grad.view(-1)[view.start : view.stop])  # type: ignore[union-attr]
     if shares:
-        managed.__dict__[_SHARED] = True
+        state.grad_shared = True

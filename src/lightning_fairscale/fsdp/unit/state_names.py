@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fairscale.fsdp.unit.units import fsdp_instances, named_fsdp_instances
+from lightning_fairscale.fsdp.unit.instances import fsdp_instances, named_fsdp_instances
 
 __all__ = [
     "add_aliases",

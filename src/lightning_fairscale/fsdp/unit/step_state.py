@@ -52,6 +52,7 @@ from torch import nn
 
 from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.unit import original_params, param_views
+from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 
 __all__ = ["StepState", "adopt", "before_forward", "gathering", "of"]
 
@@ -189,8 +190,6 @@ class StepState:
 
 
 def _units(root: nn.Module) -> list[Any]:
-    from lightning_fairscale.fsdp.unit.units import fsdp_instances
-
     return list(fsdp_instances(root))
 
 

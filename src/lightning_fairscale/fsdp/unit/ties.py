@@ -21,11 +21,10 @@ from typing import Any, Callable
 
 from torch import nn
 
+from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit.state_names import clean_path
+
 __all__ = ["check_not_split", "keep_ties_together", "record_flattened", "tie_counts"]
-
-#: The attribute of a unit that records the parameters it flattened: ``id -> (weak reference, name)``.
-_FLATTENED = "_lightning_fairscale_flattened"
-
 
 def tie_counts(module: nn.Module) -> Counter[int]:
     """How many names each tied parameter of ``module`` has (by ``id``; untied parameters are left out)."""
@@ -59,13 +58,13 @@ def check_not_split(module: nn.Module) -> None:
     Raises:
         ValueError: naming the parameter's two names, and what to do.
     """
-    # Imported here: the names module scans for units, whose class calls this one.
-    from lightning_fairscale.fsdp.unit.state_names import clean_path
-
     flattened = {}
     for path, unit in module.named_modules():
+        state = unit_state.peek(unit)
+        if state is None:
+            continue
         prefix = clean_path(path + ".") if path else ""
-        for key, (ref, name) in unit.__dict__.get(_FLATTENED, {}).items():
+        for key, (ref, name) in state.flattened.items():
             flattened[key] = (ref, prefix + name)
     if not flattened:
         return
@@ -84,5 +83,6 @@ def check_not_split(module: nn.Module) -> None:
 
 
 def record_flattened(unit: nn.Module, params: list[tuple[str, nn.Parameter]]) -> None:
-    """Note the parameters ``unit`` flattened (weakly: nothing is kept alive), for :func:`check_not_split`."""
-    unit.__dict__[_FLATTENED] = {id(p): (weakref.ref(p), name) for name, p in params}
+    """Note the parameters ``unit`` flattened (in its state, weakly: nothing is kept alive), for
+    :func:`check_not_split`."""
+    unit_state.of(unit).flattened = {id(p): (weakref.ref(p), name) for name, p in params}

@@ -29,7 +29,8 @@ from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank
 from lightning_fairscale.fsdp.patches import prefetch
 from lightning_fairscale.fsdp.unit import copying, frozen_params, original_params, param_views, recompute, recovery
-from lightning_fairscale.fsdp.unit import step_state, ties
+from lightning_fairscale.fsdp.unit import step_state, ties, unit_state
+from lightning_fairscale.fsdp.unit.instances import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.patches.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
@@ -90,6 +91,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         **kwargs: Any,
     ):
         deprecations.install()  # workaround 19, before FairScale's first call
+        # What we know about this unit and its flat parameters (nothing of ours is written into FairScale's objects).
+        object.__setattr__(self, unit_state.ATTRIBUTE, unit_state.UnitState())
         if not has_meta_tensors(module):
             self._build(module, *args, **kwargs)
         else:
@@ -254,7 +257,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             self._prefetcher.backward_started()  # workaround 16: the root's backward begins
 
     def _register_post_backward_hooks(self) -> None:
-        backward_hooks.register_post_backward_hooks(self)  # workaround 20
+        backward_hooks.register_post_backward_hooks(self, unit_state.flat_state)  # workaround 20
 
     def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
         super()._post_backward_hook(param, *unused)
@@ -350,14 +353,3 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         super()._init_param_attributes(p)
         param_views.repoint_data(p)  # FairScale may have replaced the shard (a pinned copy): views follow it
 
-
-def fsdp_instances(module: torch.nn.Module) -> Iterator[_FairScaleFSDP]:
-    """Every FairScale FSDP instance in ``module`` (itself included), outermost first: the one scan for the FSDP
-    units of a module that the package uses."""
-    return (unit for _, unit in named_fsdp_instances(module))
-
-
-def named_fsdp_instances(module: torch.nn.Module) -> Iterator[tuple[str, _FairScaleFSDP]]:
-    """:func:`fsdp_instances` with each unit's path in ``module`` (``""`` for ``module`` itself, wrapper names
-    included: ``lightning_fairscale.fsdp.unit.state_names.clean_path`` removes them)."""
-    return ((path, m) for path, m in module.named_modules() if isinstance(m, _FairScaleFSDP))

@@ -20,8 +20,9 @@ from torch.utils.checkpoint import checkpoint
 from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 
-#: The attribute of a layer checkpointed here: the ``forward`` :func:`apply_activation_checkpointing` gave it.
-_MARK = "_lightning_fairscale_checkpointed_forward"
+#: Each layer checkpointed here -> the ``forward`` :func:`apply_activation_checkpointing` gave it (weakly keyed: it
+#: lives with the layer, and the ``forward`` refers to the layer weakly; nothing of ours is written into the layer).
+_CHECKPOINTED: weakref.WeakKeyDictionary[nn.Module, CheckpointedForward] = weakref.WeakKeyDictionary()
 
 __all__ = [
     "CheckpointedForward",
@@ -112,7 +113,7 @@ def apply_activation_checkpointing(
         if isinstance(submodule, classes) and "forward" not in submodule.__dict__:
             patch_batchnorm(submodule)  # its batch norms update their statistics once, not again when recomputed
             submodule.forward = CheckpointedForward(submodule, offload_to_cpu)
-            submodule.__dict__[_MARK] = submodule.__dict__["forward"]
+            _CHECKPOINTED[submodule] = submodule.__dict__["forward"]
             checkpointed.append(submodule)
     return checkpointed
 
@@ -167,7 +168,7 @@ def _is_checkpointed(module: nn.Module) -> bool:
     torch_wrapper = type(module).__name__ == "CheckpointWrapper" and type(module).__module__.startswith("torch.")
     forward = getattr(module.__dict__.get("forward"), "func", None)  # FairScale's partial over its function
     patched = getattr(forward, "__name__", "") == "_checkpointed_forward"
-    return torch_wrapper or (patched and _MARK not in module.__dict__)
+    return torch_wrapper or (patched and module not in _CHECKPOINTED)
 
 
 def remove_activation_checkpointing(module: nn.Module) -> None:
@@ -178,6 +179,6 @@ def remove_activation_checkpointing(module: nn.Module) -> None:
     the module (``unshard_module()`` after a second ``fit`` with another Trainer) gives it back without wrappers.
     """
     for submodule in module.modules():
-        forward = submodule.__dict__.pop(_MARK, None)
+        forward = _CHECKPOINTED.pop(submodule, None)
         if forward is not None and submodule.__dict__.get("forward") is forward:
             del submodule.__dict__["forward"]

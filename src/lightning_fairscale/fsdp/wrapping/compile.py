@@ -34,6 +34,7 @@ through the views as in eager mode.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -58,8 +59,9 @@ __all__ = [
 #: ``torch.compile(backend=...)`` without a model, which returns one).
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
-#: The attribute of a region compiled here: its ``forward`` before (``None``: its class's), to give it back.
-_MARK = "_lightning_fairscale_compiled_from"
+#: Each region compiled here -> its ``forward`` before (``None``: its class's), to give it back (weakly keyed: it
+#: lives with the region; nothing of ours is written into the user's module).
+_COMPILED_FROM: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def compiler_from_options(options: dict[str, Any]) -> Compiler:
@@ -157,7 +159,7 @@ def _inside_compiled(region: nn.Module, compiled: Sequence[nn.Module]) -> bool:
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_regions` compiled ``module``'s ``forward``."""
-    return _MARK in module.__dict__
+    return module in _COMPILED_FROM
 
 
 def _compile_forward(region: nn.Module, compiler: Compiler) -> None:
@@ -170,16 +172,16 @@ def _compile_forward(region: nn.Module, compiler: Compiler) -> None:
         region.forward = own.with_inner(compiler(own.inner))
     else:
         region.forward = compiler(region.forward)
-    region.__dict__[_MARK] = own
+    _COMPILED_FROM[region] = own
 
 
 def uncompile_regions(module: nn.Module) -> None:
     """Give every region of ``module`` that :func:`compile_regions` compiled its ``forward`` back (before the
     activation checkpointing is removed, which recognises its own ``forward``)."""
     for submodule in module.modules():
-        if _MARK not in submodule.__dict__:
+        if submodule not in _COMPILED_FROM:
             continue
-        own = submodule.__dict__.pop(_MARK)
+        own = _COMPILED_FROM.pop(submodule)
         if own is None:
             del submodule.__dict__["forward"]
         else:

@@ -4,6 +4,7 @@ unit a LightningModule keeps between stages."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Optional
 
@@ -11,8 +12,7 @@ import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
 
-from lightning_fairscale.fsdp.patches.backward_hooks import HOOKED
-from lightning_fairscale.fsdp.unit import original_params
+from lightning_fairscale.fsdp.unit import original_params, unit_state
 from lightning_fairscale.fsdp.unit.frozen_params import trainable_pieces
 from lightning_fairscale.fsdp.unit.units import fsdp_instances
 
@@ -89,25 +89,27 @@ def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[int, list[tup
     return owners
 
 
-#: The attribute of a LightningModule that holds its root FSDP unit while the module stays sharded between stages.
-_ROOT_ATTRIBUTE = "_lightning_fairscale_root"
+#: Each LightningModule kept sharded between stages -> its root FSDP unit. Keyed weakly, but the root holds the
+#: module it wraps, so an entry lives until :func:`forget_root` (the module is unsharded), as the module's sharded
+#: parameters must: they live in the root's flat parameters.
+_ROOTS: weakref.WeakKeyDictionary[nn.Module, _FairScaleFSDP] = weakref.WeakKeyDictionary()
 
 
 def remember_root(module: nn.Module, root: _FairScaleFSDP) -> None:
     """Record that ``module`` is wrapped by ``root``, so that a later stage (``validate`` after ``fit``...) reuses
     the sharded model instead of gathering and wrapping it again. Not a submodule: ``root`` contains ``module``."""
-    object.__setattr__(module, _ROOT_ATTRIBUTE, root)
+    _ROOTS[module] = root
 
 
 def wrapped_root(module: nn.Module) -> Optional[_FairScaleFSDP]:
     """The root unit that wraps ``module`` (see :func:`remember_root`), or ``None`` when it is not wrapped."""
-    root = module.__dict__.get(_ROOT_ATTRIBUTE)
+    root = _ROOTS.get(module)
     return root if isinstance(root, _FairScaleFSDP) and unwrapped(root) is module else None
 
 
 def forget_root(module: nn.Module) -> None:
     """Undo :func:`remember_root` (after unwrapping)."""
-    module.__dict__.pop(_ROOT_ATTRIBUTE, None)
+    _ROOTS.pop(module, None)
 
 
 def _flat_pieces(
@@ -130,7 +132,6 @@ _FSDP_PARAM_ATTRIBUTES = (
     "_cpu_grad",
     "_shard_bwd_hook",
     "_saved_grad_shard",
-    HOOKED,  # workaround 20's record of the accumulator: it holds the unit's hook, a cycle through autograd
 )
 
 
@@ -138,6 +139,8 @@ def _forget_fsdp_attributes(param: nn.Parameter) -> None:
     for name in _FSDP_PARAM_ATTRIBUTES:
         if hasattr(param, name):
             delattr(param, name)
+    # What we knew of it: workaround 20's record of the accumulator holds the unit's hook, a cycle through autograd.
+    unit_state.forget_flat(param)
 
 
 def unwrapped(unit: _FairScaleFSDP) -> nn.Module:

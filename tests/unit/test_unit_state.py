@@ -1,0 +1,85 @@
+"""What the package knows about units, flat parameters, the user's modules and optimizers lives in objects of its own
+(``fsdp.unit.unit_state`` and its owners' weak maps): nothing of ours is written into objects we do not own."""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit.instances import fsdp_instances
+from lightning_fairscale.fsdp.unit.param_views import norm_group, views_of
+from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
+
+from .helpers import Block, Net, batches
+
+#: What FairScale itself writes into a flat parameter's ``__dict__`` (its flattening and sharding).
+FAIRSCALE_FLAT = {
+    "_fp16_shard", "_fp32_shard", "_is_sharded", "_orig_size", "_param_infos", "_param_numels", "_param_shapes",
+    "_shard_bwd_hook", "_shared_param_infos", "_full_param_padded", "_cpu_grad", "_saved_grad_shard",
+}  # fmt: skip
+#: What FairScale's ``FlattenParamsWrapper`` writes into the modules it flattens.
+FAIRSCALE_MODULE = {"_unflattened_param_views"}
+MARKER = "_lightning" + "_fairscale"
+
+
+def _train(root: nn.Module, optimizer: torch.optim.Optimizer, clip: bool) -> None:
+    for x, y in batches(2):
+        nn.functional.mse_loss(root(x), y).backward()
+        if clip:
+            root.clip_grad_norm_(1.0)  # type: ignore[operator]
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_nothing_of_ours_is_written_into_flat_parameters_user_modules_or_the_optimizer(
+    process_group: dist.ProcessGroup,
+) -> None:
+    model = Net()
+    model.inp.weight.requires_grad_(False)  # the root unit flattens frozen and trainable parameters (workaround 11)
+    modules = list(model.modules())
+    before = {id(m): set(vars(m)) for m in modules}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    reference = Net()  # the same optimizer over an unsharded model: the attributes torch gives it
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _train(reference, reference_optimizer, clip=False)
+
+    config = FullyShardedConfig(auto_wrap_policy={Block}, activation_checkpointing=Block, bucket_cap_mb=1)
+    groups = fsdp_engine.make_process_groups(config, rank=0, world_size=1, num_nodes=1, timeout=timedelta(60))
+    compiler = functools.partial(torch.compile, backend="eager")
+    wrapped = fsdp_engine.wrap_model(config, model, torch.device("cpu"), groups, "32-true", None, [optimizer], compiler)
+    root = wrapped.root
+    _train(root, optimizer, clip=True)
+
+    # What we know is known, from our side: the state of every unit and flat parameter, the root, the norm group.
+    units = list(fsdp_instances(root))
+    assert len(units) == 3 and all(isinstance(unit_state.peek(unit), unit_state.UnitState) for unit in units)
+    assert unit_state.of(root).has_views and unit_state.of(root).wrapped is not None
+    flat = [param for unit in units for param in unit.params]
+    assert all(views_of(param) for param in flat)
+    states = [state for unit in units for state in unit_state.flat_states(unit)]
+    assert all(state is not None and state.views and state.hooked for state in states)
+    assert unit_state.flat_states(root)[0].frozen == [True, False, False, False]  # type: ignore[union-attr]
+    assert wrapped_root(model) is root and norm_group(optimizer) is root.process_group
+    # ... and nothing of ours in their objects.
+    assert all(not name.startswith(MARKER) for unit in units for name in vars(unit))
+    assert [sorted(set(vars(param)) - FAIRSCALE_FLAT) for param in flat] == [[]] * len(flat)
+    regions = set(map(id, wrapped.checkpointed)) | {id(model.inp), id(model.out)}  # compiled or checkpointed
+    own_forward = [{"forward"} if id(m) in regions else set() for m in modules]  # what compiling/checkpointing is
+    added = [
+        (type(m).__name__, set(vars(m)) - before[id(m)] - FAIRSCALE_MODULE - own)
+        for m, own in zip(modules, own_forward)
+    ]
+    assert [(name, keys) for name, keys in added if keys] == []
+    assert set(vars(optimizer)) == set(vars(reference_optimizer))
+
+    # Unsharded: the records go with the units; the user's modules are as they were.
+    module = wrapped.unshard(keep=True)
+    assert module is model and wrapped_root(model) is None
+    assert all(set(vars(m)) - FAIRSCALE_MODULE <= before[id(m)] for m in modules)
