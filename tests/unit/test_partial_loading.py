@@ -15,6 +15,7 @@ from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKey
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp import engine
+from lightning_fairscale.fsdp.state.checkpoints import Files, TrainerLayout
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
@@ -70,7 +71,8 @@ def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None) 
     if optimizer is not None:
         checkpoint["optimizer_states"] = [optimizer.state_dict()]
     optimizers = [optimizer] if optimizer is not None else []
-    model.save_sharded(ranks, ShardedStorage(), {**checkpoint, "global_step": 3}, path, optimizers)
+    layout = TrainerLayout(version="2.6.0", owner="DDPFullyShardedStrategy")
+    model.save(Files(ranks, ShardedStorage()), path, {**checkpoint, "global_step": 3}, layout, optimizers)
 
 
 def load_sharded(model: engine.WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:

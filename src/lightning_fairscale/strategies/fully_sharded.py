@@ -46,6 +46,7 @@ from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
 from lightning_fairscale.fsdp.patches.hybrid import release_groups
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
+from lightning_fairscale.fsdp.state.checkpoints import Files, TrainerLayout
 from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 from lightning_fairscale.fsdp.wrapping.summary import memory_figures
@@ -325,9 +326,13 @@ class DDPFullyShardedStrategy(DDPStrategy):
                 save_full(io, checkpoint, filepath, storage_options)
             return None
         assert self._sharded is not None
-        background, optimizers = in_background(io, collective_timeout(self)), _optimizers.plain(self.optimizers)
-        self._sharded.save_sharded(ranks, sharded_storage(io), checkpoint, filepath, optimizers, background=background)
+        files = Files(ranks, sharded_storage(io), in_background(io, collective_timeout(self)))
+        self._sharded.save(files, filepath, checkpoint, self._layout(), _optimizers.plain(self.optimizers))
         return None
+
+    def _layout(self) -> TrainerLayout:  # the Trainer's file layout, for the checkpoint service
+        policy, averaging = self.config.lightning_1x_optimizer_state, bool(self._averaging)
+        return TrainerLayout(pl.__version__, type(self).__name__, policy, averaging)
 
     @property
     @override
@@ -360,12 +365,9 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self._sharded is not None and self.lightning_module is not None
         optimizers = _optimizers.plain(self.optimizers) if _optimizers.restored(self) else []
         read_file = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        storage, policy = sharded_storage(self.checkpoint_io, saving=False), self.config.lightning_1x_optimizer_state
-        return self._sharded.load_trainer_checkpoint(
-            Ranks(self.global_rank), storage, checkpoint_path, read_file, optimizers, weights_only,
-            self.lightning_module.strict_loading, policy, type(self).__name__, pl.__version__,
-            averaging=bool(self._averaging),
-        )
+        files = Files(Ranks(self.global_rank), sharded_storage(self.checkpoint_io, saving=False))
+        return self._sharded.load(files, checkpoint_path, self._layout(), self.lightning_module.strict_loading,
+                                  weights_only, optimizers=optimizers, read_file=read_file)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

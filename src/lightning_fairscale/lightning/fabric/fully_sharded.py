@@ -47,10 +47,8 @@ from lightning_fairscale.lightning.plugins.checkpoint_io import (
     sharded_storage,
 )
 from lightning_fairscale.lightning.fabric._common import (
-    FabricCheckpoints,
     NoBackwardSync,
     SetUp,
-    ShardedFormat,
     checked_norm,
     fabric_precision,
     refuse_groups_by_shard_shapes,
@@ -345,7 +343,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         the previous one is complete), then copies what it writes and returns."""
         if self.config.state_dict_type != "sharded":
             settle_background(self.checkpoint_io, Ranks(self.global_rank).agree, wait=False)
-        self._checkpoints().save(path, state, storage_options, filter)
+        _fsdp_parts.save(self, path, state, storage_options, filter)
 
     @override
     def load_checkpoint(
@@ -363,24 +361,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
         keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
         left as they are. Checkpoints still being written in the background are written first, on every rank."""
         settle_background(self.checkpoint_io, Ranks(self.global_rank).agree)
-        return self._checkpoints().load(path, state, strict, weights_only)
-
-    def _checkpoints(self) -> FabricCheckpoints:
-        return FabricCheckpoints(
-            self.checkpoint_io,
-            self.is_global_zero,
-            is_ours=self._is_ours,
-            model_state=self._model_state,
-            optimizer_state=self._optimizer_state,
-            model_keys=self._model_keys,
-            load_model=self.load_module_state_dict,
-            load_optimizer=self._load_optimizer,
-            sharded=ShardedFormat(
-                self._saves_sharded, functools.partial(_fsdp_parts.save_sharded, self),
-                functools.partial(_fsdp_parts.load_sharded, self), functools.partial(_fsdp_parts.filtered_state, self),
-                Ranks(self.global_rank).agree,
-            ),
-        )
+        return _fsdp_parts.load(self, path, state, strict, weights_only)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -415,9 +396,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded):
 
     def _is_ours(self, module: Module) -> bool:
         return self._fsdp_model(module) is not None
-
-    def _saves_sharded(self, module: Module) -> bool:
-        return self.config.state_dict_type == "sharded" and self._is_ours(module)
 
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
         model = self._fsdp_model(module)
