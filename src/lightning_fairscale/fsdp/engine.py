@@ -299,7 +299,8 @@ class WrappedModel:
         """Load a sharded checkpoint directory saved by any number of processes into this rank's shards, with the
         keys it and the model did not share (see :func:`~lightning_fairscale.fsdp.state.saving.load_sharded`)."""
         self._settle()
-        return saving.load_sharded(ranks, storage, path, self.for_checkpoints(), optimizers, weights_only, strict, relax)
+        model = self.for_checkpoints()
+        return saving.load_sharded(ranks, storage, path, model, optimizers, weights_only, strict, relax)
 
     # ------------------------------------------------------------------------------------------------------------
     # The end of sharding
