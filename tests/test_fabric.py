@@ -498,10 +498,9 @@ def test_a_trainer_checkpoint_maps_by_position_and_names_its_rest() -> None:
     saved = {"state_dict": {k: v + 1 for k, v in model.state_dict().items()}, "optimizer_states": [
         optimizer.state_dict()], "lr_schedulers": [], "global_step": 7, "loops": {}, "pytorch-lightning_version": "2.6"}
     state = {"model": model, "opt": optimizer, "global_step": 0}
-    loaded: dict[str, Any] = {}
-    rest = restore(saved, state, Roles.of(state, lambda m: False), True,
-                   lambda m, sd: loaded.setdefault("model", sd), lambda o, st: loaded.setdefault("opt", st))
-    assert loaded["model"] is saved["state_dict"] and loaded["opt"] is saved["optimizer_states"][0]
+    rest, loads = restore(saved, state, Roles.of(state, lambda m: False), True)
+    assert [(obj, id(value)) for obj, value in loads] == [
+        (model, id(saved["state_dict"])), (optimizer, id(saved["optimizer_states"][0]))]
     assert state["global_step"] == 7 and rest == {"loops": {}, "pytorch-lightning_version": "2.6"}
     with pytest.raises(KeyError, match="strict=False"):
-        restore(saved, {**state, "epoch": 1}, Roles.of(state, lambda m: False), True, None, None)
+        restore(saved, {**state, "epoch": 1}, Roles.of(state, lambda m: False), True, loaded=True)

@@ -15,11 +15,16 @@ from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKey
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp import engine
+from lightning_fairscale.checkpoint.fabric import Roles
+from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
+from lightning_fairscale.fsdp.state import checkpoints
+from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files, TrainerLayout
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
-from .helpers import OUT_FEATURES, Block, Net, batches, parameters_of, run_ranks, step, wrap
+from .helpers import OUT_FEATURES, Block, Net, assert_optimizer_states_equal, batches, parameters_of, run_ranks, step
+from .helpers import wrap
 
 #: What `PartialNet` lacks of `Net`'s state dict, and what it has more.
 GONE = ["blocks.0.norm.weight", "blocks.0.norm.bias"]
@@ -70,7 +75,8 @@ def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None) 
     if optimizer is not None:
         checkpoint["optimizer_states"] = [optimizer.state_dict()]
     optimizers = [optimizer] if optimizer is not None else []
-    model.save_sharded(ranks, ShardedStorage(), {**checkpoint, "global_step": 3}, path, optimizers)
+    layout = TrainerLayout(version="2.6.0", owner="DDPFullyShardedStrategy")
+    model.save(Files(ranks, ShardedStorage()), path, {**checkpoint, "global_step": 3}, layout, optimizers)
 
 
 def load_sharded(model: engine.WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:
@@ -173,6 +179,32 @@ def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(proces
                 load_sharded(partial, tmp_path / name, strict=False, optimizer=fresh_optimizer)
             assert fresh_optimizer.state_dict()["param_groups"][0]["params"] == list(range(count))  # views of all
             assert not fresh_optimizer.state_dict()["state"]
+
+
+def test_the_checkpoint_service_takes_plain_values_in_fabrics_layout(process_group: None, tmp_path: Path) -> None:
+    """The checkpoint service alone, fed plain values (no strategy): ``fabric.save``'s state in Fabric's layout, the
+    roles recorded with it, then into another model and optimizer, the state's other entries restored in place."""
+    source = Net(seed=0)
+    optimizer = torch.optim.Adam(source.parameters(), lr=0.1)
+    model = wrapped(source, {Block})
+    model.repoint(optimizer)
+    step(model.root, optimizer, batches(1)[0])
+    state = {"model": model.root, "optimizer": optimizer, "step": 3}
+    files, path = Files(this_rank(), ShardedStorage()), tmp_path / "ck"
+    checkpoints.save(model.for_checkpoints(), files, path, state, FabricLayout(Roles.of(state, lambda m: True)))
+    meta = files.storage.load_meta(path)
+    assert meta[FORMAT_KEY][FABRIC_RECORD] == {"model": "model", "optimizers": ["optimizer"]} and meta["step"] == 3
+
+    target_module = Net(seed=1)
+    fresh = torch.optim.Adam(target_module.parameters(), lr=0.1)
+    target = wrapped(target_module, {Block})
+    target.repoint(fresh)
+    into = {"model": target.root, "optimizer": fresh, "step": 0}
+    layout = FabricLayout(Roles.of(into, lambda m: True))
+    rest = checkpoints.load(target.for_checkpoints(), files, path, layout, True, False, state=into)
+    assert rest == {} and into["step"] == 3
+    assert_optimizer_states_equal(target.optimizer_state(fresh, False), model.optimizer_state(optimizer, False), 0)
+    assert_parameters(target, parameters_of(unwrap_module(model.root)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

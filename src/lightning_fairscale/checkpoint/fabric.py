@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -52,6 +52,7 @@ from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
 __all__ = [
     "FABRIC_KEYS",
     "VERSION_KEY",
+    "Restored",
     "Roles",
     "convert",
     "is_trainer_layout",
@@ -110,19 +111,16 @@ class Roles:
 def convert(
     state: Mapping[str, Any],
     roles: Roles,
-    model_state: Callable[[Module], dict[str, Any]],
-    optimizer_state: Callable[[Optimizer], dict[str, Any]],
+    states: Mapping[str, dict[str, Any]],
     filter: Optional[Mapping[str, Callable[[str, Any], bool]]] = None,
 ) -> dict[str, Any]:
-    """What ``fabric.save`` writes of ``state``: its objects replaced by their state dicts (the model's and the
-    optimizers' through the strategy: collective calls), and ``filter`` applied as Fabric applies it (an entry that
-    keeps none of its items is left out)."""
+    """What ``fabric.save`` writes of ``state``: the model's and the optimizers' entries replaced by their states in
+    ``states`` (by key: what the strategy made of them, full or this rank's shard), every other stateful object by its
+    state dict, and ``filter`` applied as Fabric applies it (an entry that keeps none of its items is left out)."""
     converted: dict[str, Any] = {}
     for key, value in state.items():
-        if key == roles.model:
-            value = model_state(value)
-        elif key in roles.optimizers:
-            value = optimizer_state(value)
+        if key == roles.model or key in roles.optimizers:
+            value = states[key]
         elif _stateful(value):  # other modules, LR schedulers...
             value = value.state_dict()
         if filter and key in filter and isinstance(value, dict):
@@ -143,50 +141,45 @@ def is_trainer_layout(checkpoint: Mapping[str, Any]) -> bool:
 # Loading in Fabric
 
 
-def restore(
-    checkpoint: dict[str, Any],
-    state: dict[str, Any],
-    roles: Roles,
-    strict: bool,
-    load_model: Optional[Callable[[Module, dict[str, Any]], None]],
-    load_optimizer: Optional[Callable[[Optimizer, dict[str, Any]], None]],
-) -> dict[str, Any]:
-    """Restore ``state`` from ``checkpoint`` (either layout) in place, as ``fabric.load`` does; returns what was not
-    restored.
+class Restored(NamedTuple):
+    """What :func:`restore` leaves to the strategy: the checkpoint's entries the state did not ask for (``rest``),
+    and the states of the model and the optimizers to load, each with its object, in the state's order (``loads``:
+    the strategy loads them into its shards, the model with ``strict``)."""
 
-    ``load_model`` and ``load_optimizer`` load the model's and the optimizers' states; ``None`` when the strategy
-    has loaded them already (from the shards of a sharded checkpoint, whose meta dict is ``checkpoint``). Other
-    modules load with ``strict``, other objects with ``load_state_dict``; plain values replace the state's.
+    rest: dict[str, Any]
+    loads: list[tuple[Any, dict[str, Any]]]
+
+
+def restore(
+    checkpoint: dict[str, Any], state: dict[str, Any], roles: Roles, strict: bool, loaded: bool = False
+) -> Restored:
+    """Restore ``state`` from ``checkpoint`` (either layout) in place, as ``fabric.load`` does, but for the model and
+    the optimizers, whose states come back to load (:class:`Restored`); ``loaded``: the strategy has loaded them
+    already (from the shards of a sharded checkpoint, whose meta dict is ``checkpoint``). Other modules load with
+    ``strict``, other objects with ``load_state_dict``; plain values replace the state's.
 
     Raises:
         KeyError: with ``strict``, an entry of ``state`` is not in the checkpoint.
     """
     checkpoint = _from_trainer_layout(checkpoint, roles, strict) if is_trainer_layout(checkpoint) else dict(checkpoint)
-    loaded = set()
-    if load_model is None:
-        loaded.add(roles.model)
-    if load_optimizer is None:
-        loaded.update(roles.optimizers)
-    missing = [key for key in state if key not in checkpoint and key not in loaded]
+    ours = {roles.model, *roles.optimizers} - {None}
+    missing = [key for key in state if key not in checkpoint and not (loaded and key in ours)]
     if missing and strict:
         raise KeyError(f"The requested state has an entry {missing[0]!r} that the checkpoint does not.{_STRICT_HINT}")
+    loads = []
     for key, obj in list(state.items()):
-        if key in loaded or key not in checkpoint:
+        if (loaded and key in ours) or key not in checkpoint:
             continue
         value = checkpoint.pop(key)
-        if key == roles.model:
-            assert load_model is not None
-            load_model(obj, value)
-        elif key in roles.optimizers:
-            assert load_optimizer is not None
-            load_optimizer(obj, value)
+        if key in ours:
+            loads.append((obj, value))
         elif isinstance(obj, Module):
             obj.load_state_dict(value, strict=strict)
         elif _stateful(obj):
             obj.load_state_dict(value)
         else:
             state[key] = value
-    return checkpoint
+    return Restored(checkpoint, loads)
 
 
 def _from_trainer_layout(checkpoint: Mapping[str, Any], roles: Roles, strict: bool) -> dict[str, Any]:

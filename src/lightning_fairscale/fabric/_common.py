@@ -1,13 +1,13 @@
 """What the Fabric strategies share, as values they hold and functions they call (no base class of theirs): the
-models and optimizers they set up (:class:`SetUp`), ``fabric.save``/``fabric.load`` of Fabric's checkpoints and the
-Trainer's (:class:`FabricCheckpoints`), skipping the gradient synchronization, the check of the clipped norm, and
-the precision plugins they accept."""
+models and optimizers they set up (:class:`SetUp`), writing and reading the full files of ``fabric.save`` and
+``fabric.load`` (:func:`write_full`, :func:`read_full`; the sharded format is the engine's checkpoint service,
+:mod:`lightning_fairscale.fsdp.state.checkpoints`), skipping the gradient synchronization, the check of the clipped
+norm, and the precision plugins they accept."""
 
 from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
 import torch
@@ -20,18 +20,19 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.checkpoint.fabric import Roles, convert, model_state_of, restore
-from lightning_fairscale.fsdp.state.saving import is_sharded_checkpoint
+from lightning_fairscale.checkpoint.fabric import Restored, Roles, convert, model_state_of, restore
 from lightning_fairscale.mixed_precision.settings import unsupported
+from lightning_fairscale.fsdp.state.saving import is_sharded_checkpoint
 from lightning_fairscale.plugins.checkpoint_io import save_full, sharded_storage
 
 __all__ = [
-    "FabricCheckpoints",
     "NoBackwardSync",
     "SetUp",
-    "ShardedFormat",
     "checked_norm",
     "fabric_precision",
+    "read_full",
+    "refuse_sharded",
+    "write_full",
 ]
 
 #: What a strategy records of each optimizer it set up.
@@ -54,159 +55,59 @@ class SetUp(Generic[Record]):
         return type(self), ()
 
 
-@dataclass(frozen=True)
-class ShardedFormat:
-    """A strategy's sharded checkpoint format (a directory of one shard per rank), for :class:`FabricCheckpoints`."""
-
-    #: Whether ``fabric.save`` writes this model (one the strategy set up) in the sharded format.
-    saves: Callable[[Module], bool]
-    #: ``save(checkpoint, roles, path, model, optimizers)``: write the converted state (each rank its shard).
-    save: Callable[[dict[str, Any], Roles, _PATH, Module, list[Any]], None]
-    #: ``load(path, state, roles, strict, weights_only)``: restore ``state``; returns what it did not ask for.
-    load: Callable[[_PATH, dict[str, Any], Roles, bool, Optional[bool]], dict[str, Any]]
-    #: ``filtered(model, keep)``: this rank's shards of what ``keep(key, value)`` keeps of the model, and the keys
-    #: kept (the same on every rank); ``None``: the format cannot filter.
-    filtered: Optional[Callable[[Module, Callable[[str, Any], bool]], tuple[dict[str, Any], list[str]]]] = None
-    #: Whether a decision holds on every rank (a collective call), so that a filter decides alike everywhere.
-    agree: Callable[[bool], bool] = lambda decision: decision
+def write_full(
+    io: Any, is_global_zero: bool, path: _PATH, state: dict[str, Any], roles: Roles, states: dict[str, dict[str, Any]],
+    storage_options: Optional[Any] = None, filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+) -> None:
+    """``fabric.save`` of a full checkpoint: the state's keys, the model and the optimizers replaced by their full
+    states (``states``, by key: what the strategy gathered, collectively), every other stateful object by its state
+    dict (see :func:`~lightning_fairscale.checkpoint.fabric.convert`), in one file written by rank 0 with the plugin
+    ``io`` (atomically with :class:`~lightning_fairscale.ShardedCheckpointIO`; in the background where it saves
+    there)."""
+    converted = convert(state, roles, states, filter)
+    if is_global_zero:
+        save_full(io, converted, path, storage_options)
 
 
-@dataclass(frozen=True)
-class FabricCheckpoints:
-    """``fabric.save`` and ``fabric.load`` for a strategy, from how it reads and writes the states of what it set up
-    (a strategy builds one from its methods when it saves or loads; see :mod:`lightning_fairscale.checkpoint.fabric`
-    for the layout).
+def refuse_sharded(io: Any, path: _PATH) -> None:
+    """A strategy without the sharded format refuses a sharded checkpoint directory, naming the command that makes
+    one file of it."""
+    if is_sharded_checkpoint(sharded_storage(io, saving=False), path):
+        raise ValueError(
+            f"{path} is a sharded checkpoint (of `DDPFullyShardedStrategy`): consolidate it into one file first"
+            " (`lightning-fairscale-consolidate`) to load it with this strategy."
+        )
+
+
+def read_full(
+    io: Any, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]], roles: Optional[Roles],
+    model_keys: Optional[list[str]], strict: bool, weights_only: Optional[bool],
+) -> Restored:
+    """``fabric.load`` of a full file (Fabric's or the Trainer's) read with the plugin ``io``: the state's other
+    entries restored in place; the model's and the optimizers' states returned with their objects, for the strategy
+    to load (see :func:`~lightning_fairscale.checkpoint.fabric.restore`).
+
+    Args:
+        io: the strategy's CheckpointIO plugin.
+        path: the file.
+        state: ``fabric.load``'s state; ``None`` or empty: the whole file is returned. A module or an optimizer
+            (``fabric.load_raw``): the file is its state (a module's: the model's entry of a checkpoint, in either
+            layout, or the file itself).
+        roles: the roles of a dict ``state`` (:meth:`~lightning_fairscale.checkpoint.fabric.Roles.of`).
+        model_keys: the keys of a module ``state``'s state dict (unwrapped), known without gathering anything.
+        strict: ``fabric.load``'s ``strict``.
+        weights_only: passed to ``torch.load``.
     """
-
-    #: The strategy's CheckpointIO plugin, and whether this process is rank 0 (it writes a full checkpoint).
-    io: Any
-    is_global_zero: bool
-    #: Whether a module is a model the strategy set up.
-    is_ours: Callable[[Module], bool]
-    #: ``model_state(module, sharded)``, ``optimizer_state(optimizer, sharded)``: full (on rank 0) or this rank's
-    #: shard; collective calls.
-    model_state: Callable[[Module, bool], dict[str, Any]]
-    optimizer_state: Callable[[Optimizer, bool], dict[str, Any]]
-    #: The keys of the state dict of a module (unwrapped), known without gathering anything.
-    model_keys: Callable[[Module], list[str]]
-    #: ``load_model(module, state_dict, strict)`` and ``load_optimizer(optimizer, state)``: full states.
-    load_model: Callable[[Module, dict[str, Any], bool], None]
-    load_optimizer: Callable[[Optimizer, dict[str, Any]], None]
-    #: The sharded format, for a strategy that has one.
-    sharded: Optional[ShardedFormat] = None
-
-    def save(
-        self,
-        path: _PATH,
-        state: dict[str, Any],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
-    ) -> None:
-        """``strategy.save_checkpoint``: the state's keys, each module and optimizer replaced by its full state
-        dict, in one file written by rank 0; or in the sharded format, gathering nothing."""
-        roles = Roles.of(state, self.is_ours)
-        model = state[roles.model] if roles.model else None
-        sharded = self.sharded if model is not None and self.sharded is not None and self.sharded.saves(model) else None
-        if sharded is not None and filter:
-            self._save_filtered(sharded, path, state, roles, filter)
-            return
-        converted = convert(
-            state,
-            roles,
-            lambda module: self.model_state(module, sharded is not None),
-            lambda optimizer: self.optimizer_state(optimizer, sharded is not None),
-            filter,
-        )
-        if sharded is not None:
-            assert model is not None
-            sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
-        elif self.is_global_zero:
-            save_full(self.io, converted, path, storage_options)  # in the background where the plugin saves there
-
-    def _save_filtered(
-        self, sharded: ShardedFormat, path: _PATH, state: dict[str, Any], roles: Roles,
-        filter: dict[str, Callable[[str, Any], bool]],
-    ) -> None:
-        """A sharded save with ``filter``, as Lightning's FSDPStrategy filters: the model's keys (by the unwrapped
-        module's names, recorded with the checkpoint), and the top-level keys of every other entry. An optimizer's
-        sharded state is kept whole or left out: its state is laid out over the views of every parameter."""
-        if sharded.filtered is None:
-            raise ValueError("`fabric.save(..., filter=...)` cannot filter this strategy's sharded checkpoints.")
-        assert roles.model is not None
-        model = state[roles.model]
-        keep_model = filter.get(roles.model)
-        model_state: Optional[dict[str, Any]] = None
-        if keep_model is not None:
-            model_state, roles.kept = sharded.filtered(model, keep_model)
-        others = {key: keep for key, keep in filter.items() if key != roles.model}
-        converted = convert(
-            state,
-            roles,
-            lambda module: model_state if model_state is not None else self.model_state(module, True),
-            lambda optimizer: self.optimizer_state(optimizer, True),
-            others,
-        )
-        for key in [key for key in roles.optimizers if key in filter]:
-            # Decided on every rank alike (a filter may look at this rank's values): a rank alone must not raise.
-            kept = sorted(converted.get(key, {}))
-            whole = kept == sorted(self.optimizer_state(state[key], True))
-            if sharded.agree(not kept):  # the filter kept none of it anywhere: left out, as Fabric leaves it out
-                roles.optimizers.remove(key)
-            elif not sharded.agree(whole):
-                raise ValueError(
-                    f"`fabric.save(..., filter=...)` keeps part of the optimizer state {key!r} (here {kept}), but a"
-                    " sharded optimizer state is kept whole or not at all, and alike on every rank. Keep all of it or"
-                    " none, or save a full checkpoint."
-                )
-        sharded.save(converted, roles, path, model, [state[key] for key in roles.optimizers])
-
-    def load(
-        self,
-        path: _PATH,
-        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
-        strict: bool = True,
-        weights_only: Optional[bool] = None,
-    ) -> dict[str, Any]:
-        """``strategy.load_checkpoint``: restore ``state`` from a checkpoint (Fabric's or the Trainer's, full or
-        sharded); returns what the state did not ask for."""
-        io = self.io
-        if is_sharded_checkpoint(sharded_storage(io, saving=False), path):
-            return self._load_sharded(path, state, strict, weights_only)
-        if not state:
-            return io.load_checkpoint(path, weights_only=weights_only)
-        if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
-            file = io.load_checkpoint(path, weights_only=weights_only)
-            self.load_model(state, dict(model_state_of(file, self.model_keys(state))), strict)
-            return {}
-        if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
-            self.load_optimizer(state, io.load_checkpoint(path, weights_only=weights_only))
-            return {}
-        checkpoint = io.load_checkpoint(path, weights_only=weights_only)
-
-        def load_model(module: Module, state_dict: dict[str, Any]) -> None:
-            self.load_model(module, state_dict, strict)
-
-        return restore(checkpoint, state, Roles.of(state, self.is_ours), strict, load_model, self.load_optimizer)
-
-    def _load_sharded(
-        self, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]], strict: bool,
-        weights_only: Optional[bool],
-    ) -> dict[str, Any]:
-        if self.sharded is None:
-            raise ValueError(
-                f"{path} is a sharded checkpoint (of `DDPFullyShardedStrategy`): consolidate it into one file first"
-                " (`lightning-fairscale-consolidate`) to load it with this strategy."
-            )
-        if isinstance(state, Module) and self.is_ours(state):  # `fabric.load_raw`: the model's part
-            self.sharded.load(path, {"model": state}, Roles(model="model"), strict, weights_only)
-            return {}
-        if not isinstance(state, dict) or not state:
-            raise ValueError(
-                f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
-                " `fabric.load(path, {'model': model, ...})` or `fabric.load_raw(path, model)`. To read it whole,"
-                " consolidate it first: `lightning-fairscale-consolidate`."
-            )
-        return self.sharded.load(path, state, Roles.of(state, self.is_ours), strict, weights_only)
+    file = io.load_checkpoint(path, weights_only=weights_only)
+    if not state:
+        return Restored(file, [])
+    if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
+        assert model_keys is not None
+        return Restored({}, [(state, dict(model_state_of(file, model_keys)))])
+    if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
+        return Restored({}, [(state, file)])
+    assert roles is not None
+    return restore(file, state, roles, strict)
 
 
 def checked_norm(norm: Tensor, norm_type: Union[float, int], error_if_nonfinite: bool) -> Tensor:

@@ -39,8 +39,8 @@ from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_group
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
 from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, finish_background, settle_background
 from lightning_fairscale.plugins.checkpoint_io import sharded_storage
-from lightning_fairscale.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, ShardedFormat, checked_norm
-from lightning_fairscale.fabric._common import fabric_precision, refuse_groups_by_shard_shapes
+from lightning_fairscale.fabric._common import NoBackwardSync, SetUp, checked_norm, fabric_precision
+from lightning_fairscale.fabric._common import refuse_groups_by_shard_shapes
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
@@ -361,7 +361,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         the previous one is complete), then copies what it writes and returns."""
         if self.config.state_dict_type != "sharded":
             settle_background(self.checkpoint_io, Ranks(self.global_rank).agree, wait=False)
-        self._checkpoints().save(path, state, storage_options, filter)
+        _fsdp_parts.save(self, path, state, storage_options, filter)
 
     @override
     def load_checkpoint(
@@ -379,24 +379,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
         left as they are. Checkpoints still being written in the background are written first, on every rank."""
         settle_background(self.checkpoint_io, Ranks(self.global_rank).agree)
-        return self._checkpoints().load(path, state, strict, weights_only)
-
-    def _checkpoints(self) -> FabricCheckpoints:
-        return FabricCheckpoints(
-            self.checkpoint_io,
-            self.is_global_zero,
-            is_ours=self._is_ours,
-            model_state=self._model_state,
-            optimizer_state=self._optimizer_state,
-            model_keys=self._model_keys,
-            load_model=self.load_module_state_dict,
-            load_optimizer=self._load_optimizer,
-            sharded=ShardedFormat(
-                self._saves_sharded, functools.partial(_fsdp_parts.save_sharded, self),
-                functools.partial(_fsdp_parts.load_sharded, self), functools.partial(_fsdp_parts.filtered_state, self),
-                Ranks(self.global_rank).agree,
-            ),
-        )
+        return _fsdp_parts.load(self, path, state, strict, weights_only)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -431,9 +414,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
 
     def _is_ours(self, module: Module) -> bool:
         return self._fsdp_model(module) is not None
-
-    def _saves_sharded(self, module: Module) -> bool:
-        return self.config.state_dict_type == "sharded" and self._is_ours(module)
 
     def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
         model = self._fsdp_model(module)

@@ -8,9 +8,10 @@ The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing; the
   result is a :class:`WrappedModel`, the one object a strategy keeps of a sharded model;
 * :class:`WrappedModel`: re-points the optimizers made over the unwrapped module, gives the state dicts in the two
-  checkpoint formats, saves and loads them (:mod:`~lightning_fairscale.fsdp.state.saving`: into this rank's shards,
-  gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does), and
-  gives the model its full parameters back (:meth:`WrappedModel.unshard`).
+  checkpoint formats, saves and loads checkpoints through the checkpoint service
+  (:mod:`~lightning_fairscale.fsdp.state.checkpoints`, fed plain values: into this rank's shards, gathering nothing;
+  with strict loading off, what fits, reporting the keys that did not as ``torch`` does), and gives the model its
+  full parameters back (:meth:`WrappedModel.unshard`).
 
 They take the strategy's :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` and what the run adds (the
 device, the precision, the process groups, the ranks, the checkpoint's
@@ -35,13 +36,12 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys, resumable_optimizer_states
-from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
+from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.unit import original_params, recovery, step_state, unit_state
-from lightning_fairscale.fsdp.state import saving
+from lightning_fairscale.fsdp.state import checkpoints, saving
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
@@ -58,8 +58,8 @@ from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of, resolve_mesh
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.fsdp.state.optim_state import consolidate_state, load_plain_state
 from lightning_fairscale.fsdp.wrapping.policies import wrap_module
-from lightning_fairscale.fsdp.state.saving import Ranks, buffer_name
-from lightning_fairscale.fsdp.unit.state_names import apply_aliases, is_wrapped, state_aliases
+from lightning_fairscale.fsdp.state.saving import Ranks, ShardedModel
+from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 from lightning_fairscale.fsdp.wrapping.summary import unit_summary
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.wrapping.unwrapping import forget_root, remember_root, unwrap_module, unwrapped
@@ -199,12 +199,12 @@ class WrappedModel:
 
     def order(self, optimizer: Optimizer) -> GroupOrder:
         """The order of ``optimizer``'s state in checkpoints (see :meth:`repoint`)."""
-        if optimizer not in self._record.orders:
-            raise ValueError(
-                f"The {type(optimizer).__name__} was not set up with the sharded model: pass it to the strategy"
-                " (`configure_optimizers`, `fabric.setup` or `fabric.setup_optimizers`) before saving or loading it."
-            )
-        return self._record.orders[optimizer]
+        return self.for_checkpoints().order(optimizer)
+
+    def for_checkpoints(self) -> ShardedModel:
+        """What the checkpoint service needs of this model, as plain values: the root unit, where the original
+        parameters went, and the order of each re-pointed optimizer's state."""
+        return ShardedModel(self.root, self.layout, self._record.orders)
 
     def forget_originals(self) -> None:
         """Stop answering for the parameters from before wrapping, once the optimizers hold the views: from here on
@@ -216,19 +216,6 @@ class WrappedModel:
         """Load the state of a plain optimizer over the unwrapped module into ``optimizer``'s views (this rank's
         slices only)."""
         load_plain_state(state, optimizer, self.layout, self.order(optimizer))
-
-    def resumable_states(
-        self, checkpoint: dict[str, Any], optimizers: Sequence[Optimizer], policy: OptimizerStatePolicy, owner: str
-    ) -> list[dict[str, Any]]:
-        """The optimizer states of a full checkpoint (the Trainer's ``optimizer_states``) in the layout of plain
-        optimizers over the unwrapped module, for :meth:`load_full`; Lightning 1.x's are adopted as ``policy`` says
-        (see :mod:`lightning_fairscale.checkpoint.legacy`; ``owner`` names the strategy in its messages)."""
-        if not optimizers:
-            return []
-        managed = self.layout.managed
-        # The pieces' shapes: what a plain optimizer over the unwrapped module holds (Lightning 1.x's differ).
-        shapes = [[[managed[m].pieces[k].shape for m, k in group] for group in self.order(opt)] for opt in optimizers]
-        return resumable_optimizer_states(checkpoint, optimizers, shapes, policy, owner, rank_zero_warn)
 
     # ------------------------------------------------------------------------------------------------------------
     # After an exception inside a step
@@ -264,11 +251,6 @@ class WrappedModel:
         self._settle()
         return saving.module_state_dict(self.root, sharded, is_global_zero)
 
-    def filtered_local_state(self, keep: Callable[[str, Any], bool]) -> tuple[dict[str, Any], list[str]]:
-        """This rank's shards of what ``keep(key, value)`` keeps of the model, and the keys kept (a collective call:
-        see :func:`~lightning_fairscale.fsdp.state.saving.filtered_local_state`)."""
-        return saving.filtered_local_state(self.root, self.state_dict_keys(), keep)
-
     def optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
         """The full state of ``optimizer`` in the layout of a plain optimizer, on rank 0 (``{}`` on the other ranks);
         with ``sharded``, this rank's state over its views, as it is (its layout is saved beside it). A collective
@@ -279,17 +261,7 @@ class WrappedModel:
 
     def state_dict_keys(self) -> list[str]:
         """The keys of the unwrapped module's state dict, known without gathering anything."""
-        return list(self.expected_shapes())
-
-    def expected_shapes(self) -> dict[str, Any]:
-        """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
-        root = self.root
-        shapes: dict[str, Any] = {p.name: p.shape for m in self.layout.managed.values() for p in m.pieces}
-        for path, module in root.named_modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and name not in module._non_persistent_buffers_set:  # as `state_dict` has them
-                    shapes[buffer_name(f"{path}.{name}" if path else name)] = buffer.shape
-        return apply_aliases(shapes, state_aliases(root))
+        return list(saving.expected_shapes(self.for_checkpoints()))
 
     def load_full(
         self, state_dict: dict[str, Any], strict: bool,
@@ -298,39 +270,39 @@ class WrappedModel:
         """Load a full state dict and plain optimizer states into this rank's shards, reading only their slices
         (see :func:`~lightning_fairscale.fsdp.state.saving.load_full`)."""
         self._settle()
-        return saving.load_full(self, state_dict, strict, optimizers, relax)
+        return saving.load_full(self.for_checkpoints(), state_dict, strict, optimizers, relax)
 
-    def save_sharded(
-        self, ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any,
-        optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
-        background: Optional[saving.InBackground] = None,
+    def save(
+        self, files: checkpoints.Files, path: Any, content: dict[str, Any], layout: checkpoints.Layout,
+        optimizers: Sequence[Optimizer] = (),
     ) -> None:
-        """Write a sharded checkpoint directory, with ``background`` on a writer's thread (see
-        :func:`~lightning_fairscale.fsdp.state.saving.save_sharded`)."""
+        """Write a sharded checkpoint directory in the strategy's file layout (see
+        :func:`~lightning_fairscale.fsdp.state.checkpoints.save`)."""
         self._settle()
-        saving.save_sharded(ranks, storage, checkpoint, path, self, optimizers, fabric, background)
+        checkpoints.save(self.for_checkpoints(), files, path, content, layout, optimizers)
+
+    def load(
+        self, files: checkpoints.Files, path: Any, layout: checkpoints.Layout, strict: bool,
+        weights_only: Optional[bool], state: Optional[dict[str, Any]] = None, optimizers: Sequence[Optimizer] = (),
+        read_file: Optional[Callable[[], dict[str, Any]]] = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint in the strategy's file layout into this rank's shards; returns what the strategy
+        restores itself (see :func:`~lightning_fairscale.fsdp.state.checkpoints.load`)."""
+        self._settle()
+        return checkpoints.load(
+            self.for_checkpoints(), files, path, layout, strict, weights_only, state, optimizers, read_file
+        )
 
     def load_sharded(
         self, ranks: Ranks, storage: ShardedStorage, path: Any,
         optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
         weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
     ) -> tuple[dict[str, Any], IncompatibleKeys]:
-        """Load a sharded checkpoint directory saved by any number of processes into this rank's shards (see
-        :func:`~lightning_fairscale.fsdp.state.saving.load_sharded`)."""
+        """Load a sharded checkpoint directory saved by any number of processes into this rank's shards, with the
+        keys it and the model did not share (see :func:`~lightning_fairscale.fsdp.state.saving.load_sharded`)."""
         self._settle()
-        return saving.load_sharded(ranks, storage, path, self, optimizers, weights_only, strict, relax)
-
-    def load_trainer_checkpoint(
-        self, ranks: Ranks, storage: ShardedStorage, path: Any, read_file: Callable[[], dict[str, Any]],
-        optimizers: Sequence[Optimizer], weights_only: Optional[bool], strict: bool, policy: OptimizerStatePolicy,
-        owner: str, version: str, averaging: bool = False,
-    ) -> dict[str, Any]:
-        """The Trainer's checkpoint of either format loaded into the shards; returns the rest of it (see
-        :func:`~lightning_fairscale.fsdp.state.saving.load_trainer_checkpoint`, also for ``averaging``)."""
-        self._settle()
-        return saving.load_trainer_checkpoint(
-            self, ranks, storage, path, read_file, optimizers, weights_only, strict, policy, owner, version, averaging
-        )
+        model = self.for_checkpoints()
+        return saving.load_sharded(ranks, storage, path, model, optimizers, weights_only, strict, relax)
 
     # ------------------------------------------------------------------------------------------------------------
     # The end of sharding

@@ -31,13 +31,14 @@ from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config, engine as fsdp_engine
-from lightning_fairscale.fsdp.wrapping.compile import Compiler
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
+from lightning_fairscale.fsdp.state.checkpoints import Files, TrainerLayout
 from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
+from lightning_fairscale.fsdp.wrapping.compile import Compiler
 from lightning_fairscale.fsdp.wrapping.summary import memory_figures
 from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
 from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, finish_background, in_background
@@ -236,10 +237,9 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """Lightning's (tensors on the root device, in the precision's dtype), but on the CPU with ``cpu_offload``
-        (FairScale keeps offloaded shards there, and the units ``configure_model`` wraps are sharded where they are
-        made); with ``empty_init=True`` on the ``meta`` device, as Lightning's ``FSDPStrategy`` does: each FSDP unit
-        then materialises its part just before sharding it (see :mod:`lightning_fairscale.fsdp.unit.materialize`)."""
+        """Lightning's (the root device, the precision's dtype), but on the CPU with ``cpu_offload`` (FairScale keeps
+        offloaded shards there; units are sharded where made); with ``empty_init=True`` on the ``meta`` device, as
+        Lightning's ``FSDPStrategy``: each unit materialises its part before sharding it (``fsdp.unit.materialize``)."""
         if empty_init:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -252,9 +252,8 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        # With `cpu_offload` FairScale keeps the parameter shards in CPU memory (and asserts that they are there): a
-        # module the user moved to the GPU goes back first. Buffers go to the GPU when FSDP first runs. Tensors on the
-        # meta device stay there: each unit materialises its own when it wraps them.
+        # With `cpu_offload` FairScale keeps (and asserts) the shards in CPU memory: a module moved to the GPU goes
+        # back first; buffers go to the GPU when FSDP first runs; meta tensors stay (each unit materialises its own).
         offload = fsdp_config.offloads_to_cpu(self.config, self.root_device)
         device = torch.device("cpu") if offload else self.root_device
         to_device_keeping_meta(self.model, device)
@@ -329,9 +328,13 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
                 save_full(io, checkpoint, filepath, storage_options)
             return None
         assert self._sharded is not None
-        background, optimizers = in_background(io, collective_timeout(self)), _optimizers.plain(self.optimizers)
-        self._sharded.save_sharded(ranks, sharded_storage(io), checkpoint, filepath, optimizers, background=background)
+        files = Files(ranks, sharded_storage(io), in_background(io, collective_timeout(self)))
+        self._sharded.save(files, filepath, checkpoint, self._layout(), _optimizers.plain(self.optimizers))
         return None
+
+    def _layout(self) -> TrainerLayout:  # the Trainer's file layout, for the checkpoint service
+        policy, averaging = self.config.lightning_1x_optimizer_state, bool(self._averaging)
+        return TrainerLayout(pl.__version__, type(self).__name__, policy, averaging)
 
     @property
     @override
@@ -364,12 +367,9 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         assert self._sharded is not None and self.lightning_module is not None
         optimizers = _optimizers.plain(self.optimizers) if _optimizers.restored(self) else []
         read_file = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        storage, policy = sharded_storage(self.checkpoint_io, saving=False), self.config.lightning_1x_optimizer_state
-        return self._sharded.load_trainer_checkpoint(
-            Ranks(self.global_rank), storage, checkpoint_path, read_file, optimizers, weights_only,
-            self.lightning_module.strict_loading, policy, type(self).__name__, pl.__version__,
-            averaging=bool(self._averaging),
-        )
+        files = Files(Ranks(self.global_rank), sharded_storage(self.checkpoint_io, saving=False))
+        return self._sharded.load(files, checkpoint_path, self._layout(), self.lightning_module.strict_loading,
+                                  weights_only, optimizers=optimizers, read_file=read_file)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -7,38 +7,35 @@ and loaded by any other (:func:`load_sharded`), gathering nothing. Every phase o
 an agreement of all ranks (:func:`together`): a failure on one rank fails every rank, and the previous checkpoint
 stays as it was. The files themselves are a :class:`~lightning_fairscale.checkpoint.files.ShardedStorage`'s.
 
-The strategies call these through :class:`~lightning_fairscale.fsdp.engine.WrappedModel`.
+Everything here takes plain values: the sharded model as a :class:`ShardedModel` (its root unit, where its
+parameters went, the order of each optimizer's state), this rank as :class:`Ranks`, the files as a
+:class:`~lightning_fairscale.checkpoint.files.ShardedStorage`. The checkpoint service
+(:mod:`~lightning_fairscale.fsdp.state.checkpoints`) calls these for the Trainer's and Fabric's file layouts; the engine
+(:class:`~lightning_fairscale.fsdp.engine.WrappedModel`) calls the service.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_fairscale.checkpoint.checks import (
-    RELAX_TRAINER,
-    restores_optimizer_states,
     RELAX_FABRIC,
     IncompatibleKeys,
     check_state_dict_fits,
     report_partial_load,
 )
 from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, snapshot
-from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.files import ShardedStorage
-from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed.collectives import all_agree, all_gather_object
-from lightning_fairscale.fsdp.state.optim import managed_params
-from lightning_fairscale.fsdp.state.optim_state import load_view_states, managed_positions
+from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, managed_params
+from lightning_fairscale.fsdp.state.optim_state import load_plain_state, load_view_states, managed_positions
 from lightning_fairscale.fsdp.state.resharding import SavedShards, load_full_state_dict
-from lightning_fairscale.fsdp.state.averaging import shard_state
 from lightning_fairscale.fsdp.state.sharded_checkpoint import (
-    CURRENT_MODEL_STATE,
     FABRIC_RECORD,
     FORMAT_KEY,
     check_fits,
@@ -46,27 +43,50 @@ from lightning_fairscale.fsdp.state.sharded_checkpoint import (
     split_checkpoint,
     wrapped_alike,
 )
-from lightning_fairscale.fsdp.unit.state_names import add_aliases, apply_aliases, clean_path
+from lightning_fairscale.fsdp.unit.state_names import add_aliases, apply_aliases, clean_path, state_aliases
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrapped
-
-if TYPE_CHECKING:
-    from lightning_fairscale.fsdp.engine import WrappedModel
 
 __all__ = [
     "InBackground",
     "Ranks",
+    "ShardedModel",
     "buffer_name",
+    "expected_shapes",
     "filtered_local_state",
     "is_sharded_checkpoint",
     "load_full",
     "load_sharded",
-    "load_trainer_checkpoint",
     "module_state_dict",
     "save_sharded",
     "shard_writer",
     "together",
 ]
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """What a save or a load needs of a sharded model: its root unit, where each original parameter went, and the
+    order of each re-pointed optimizer's state in checkpoints: plain values, which the engine's
+    :class:`~lightning_fairscale.fsdp.engine.WrappedModel` gives (``for_checkpoints``)."""
+
+    root: FullyShardedDataParallel
+    layout: ParameterLayout
+    #: The optimizers re-pointed to the shards, and the order of each one's state (held weakly by the engine).
+    orders: Mapping[Optimizer, GroupOrder]
+
+    def order(self, optimizer: Optimizer) -> GroupOrder:
+        """The order of ``optimizer``'s state in checkpoints.
+
+        Raises:
+            ValueError: the optimizer was not re-pointed to this model's shards.
+        """
+        if optimizer not in self.orders:
+            raise ValueError(
+                f"The {type(optimizer).__name__} was not set up with the sharded model: pass it to the strategy"
+                " (`configure_optimizers`, `fabric.setup` or `fabric.setup_optimizers`) before saving or loading it."
+            )
+        return self.orders[optimizer]
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,17 @@ def filtered_local_state(
     return state, kept
 
 
+def expected_shapes(model: ShardedModel) -> dict[str, Any]:
+    """The keys and shapes of the unwrapped module's state dict, known without gathering anything."""
+    root = model.root
+    shapes: dict[str, Any] = {p.name: p.shape for m in model.layout.managed.values() for p in m.pieces}
+    for path, module in root.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:  # as `state_dict` has them
+                shapes[buffer_name(f"{path}.{name}" if path else name)] = buffer.shape
+    return apply_aliases(shapes, state_aliases(root))
+
+
 def is_sharded_checkpoint(storage: ShardedStorage, path: Any) -> bool:
     """Whether ``path`` is a sharded checkpoint directory (one that a crash left half-replaced included)."""
     return storage.is_sharded(storage.recover(Path(str(path))))
@@ -167,7 +198,7 @@ class InBackground:
 
 
 def save_sharded(
-    ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any, model: WrappedModel,
+    ranks: Ranks, storage: ShardedStorage, checkpoint: dict[str, Any], path: Any, model: ShardedModel,
     optimizers: Sequence[Optimizer], fabric: Optional[dict[str, Any]] = None,
     background: Optional[InBackground] = None,
 ) -> None:
@@ -246,7 +277,7 @@ def buffer_name(name: str) -> str:
 
 
 def load_full(
-    model: WrappedModel, state_dict: dict[str, Any], strict: bool,
+    model: ShardedModel, state_dict: dict[str, Any], strict: bool,
     optimizers: Sequence[tuple[Optimizer, dict[str, Any]]] = (), relax: str = RELAX_FABRIC,
 ) -> IncompatibleKeys:
     """Load a full state dict (the unwrapped module's keys) and plain optimizer states into this rank's shards;
@@ -255,7 +286,7 @@ def load_full(
     Only the slices this rank owns are read, unit by unit, so a memory-mapped checkpoint is never read whole.
 
     Args:
-        model: the wrapped model.
+        model: the sharded model.
         state_dict: the full state dict.
         strict: whether missing and unexpected keys are errors (shapes that differ always are). Without it, the
             model's parameters and buffers that the state dict lacks keep their values, and its other entries are
@@ -265,17 +296,17 @@ def load_full(
         relax: how to turn strict loading off, the end of the error that a strict load raises (see
             :func:`~lightning_fairscale.checkpoint.checks.check_state_dict_fits`).
     """
-    keys = check_state_dict_fits(state_dict, model.expected_shapes(), strict, relax)
+    keys = check_state_dict_fits(state_dict, expected_shapes(model), strict, relax)
     layout = model.layout
     load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
-    for optimizer, state in optimizers:
-        model.load_optimizer_state(optimizer, state)
+    for optimizer, state in optimizers:  # this rank's slices of a plain optimizer's state
+        load_plain_state(state, optimizer, layout, model.order(optimizer))
     report_partial_load(keys)
     return keys
 
 
 def load_sharded(
-    ranks: Ranks, storage: ShardedStorage, path: Any, model: WrappedModel,
+    ranks: Ranks, storage: ShardedStorage, path: Any, model: ShardedModel,
     optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
     weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC, key: str = "state_dict",
 ) -> tuple[dict[str, Any], IncompatibleKeys]:
@@ -286,7 +317,7 @@ def load_sharded(
         ranks: this process's global rank and the agreement of all ranks.
         storage: where the checkpoint's files are (see :class:`~lightning_fairscale.checkpoint.files.ShardedStorage`).
         path: the checkpoint directory.
-        model: the wrapped model.
+        model: the sharded model.
         optimizers: given the meta dict and the number of optimizer states saved, the optimizers to restore (re-pointed
             to the model's shards), each with the position of its state in the checkpoint; raises when they do not
             fit.
@@ -294,7 +325,8 @@ def load_sharded(
         strict: whether missing and unexpected keys are errors, as for :func:`load_full`. Without it the model may
             also be wrapped otherwise than the saved one: its parameters are then found by name.
         relax: as for :func:`load_full`.
-        key: the shards' model state to load: ``"state_dict"``, or :data:`CURRENT_MODEL_STATE` (saved beside it by
+        key: the shards' model state to load: ``"state_dict"``, or
+            :data:`~lightning_fairscale.fsdp.state.sharded_checkpoint.CURRENT_MODEL_STATE` (saved beside it by
             Lightning's ``WeightAveraging``).
     """
     meta = storage.load_meta(path, weights_only=weights_only)
@@ -315,7 +347,7 @@ def load_sharded(
         pieces = shards.pieces(aliases)
         saved = {name: piece.shape for name, piece in pieces.items() if kept is None or name in kept}
         saved.update(apply_aliases({k: v.shape for k, v in shards.buffers(buffer_name).items()}, aliases))
-        found.append(check_state_dict_fits(saved, model.expected_shapes(), strict, relax))
+        found.append(check_state_dict_fits(saved, expected_shapes(model), strict, relax))
         alike = wrapped_alike(shards.file(0), model.root)
         if alike and kept is None:
             shards.load_into(model.root)
@@ -341,60 +373,6 @@ def load_sharded(
     meta.pop(FORMAT_KEY)
     report_partial_load(found[0])
     return meta, found[0]
-
-
-def load_trainer_checkpoint(
-    model: WrappedModel, ranks: Ranks, storage: ShardedStorage, path: Any, read_file: Callable[[], dict[str, Any]],
-    optimizers: Sequence[Optimizer], weights_only: Optional[bool], strict: bool, policy: OptimizerStatePolicy,
-    owner: str, version: str, averaging: bool = False,
-) -> dict[str, Any]:
-    """The Trainer's ``load_checkpoint`` of a sharded model: a checkpoint (a sharded directory, or a full file that
-    ``read_file`` reads with the strategy's CheckpointIO plugin) loaded into ``model``'s shards and ``optimizers``
-    (those to restore: none outside ``fit``), gathering nothing; returns the rest of it (loops, callbacks, LR
-    schedulers) for Lightning to restore.
-
-    A Fabric checkpoint is read in the Trainer's layout (``version``: Lightning's, recorded in it; see
-    :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`), a Lightning 1.x one's optimizer states as
-    ``policy`` says (``owner`` names the strategy in the messages). ``strict`` is ``LightningModule.strict_loading``.
-
-    With ``averaging`` (Lightning's ``WeightAveraging`` averages this rank's shards: see
-    :mod:`~lightning_fairscale.fsdp.state.averaging`), the model ends with the checkpoint's
-    :data:`CURRENT_MODEL_STATE` where it has one (its ``state_dict`` is then the averaged weights), and the returned
-    checkpoint holds both as this rank's slices (:func:`~lightning_fairscale.fsdp.state.averaging.shard_state`): the
-    averaged (or only) weights under ``state_dict``, the model's own under :data:`CURRENT_MODEL_STATE`, for the
-    callback to load as it does under unsharded training.
-    """
-    if is_sharded_checkpoint(storage, path):
-
-        def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
-            if not optimizers or not restores_optimizer_states(saved, len(optimizers), rank_zero_warn):
-                return []
-            return list(enumerate(optimizers))
-
-        has_current = averaging and CURRENT_MODEL_STATE in storage.load_meta(path, weights_only=weights_only).get(
-            FORMAT_KEY, {}
-        ).get("model_states", ())
-        meta, _ = load_sharded(ranks, storage, path, model, restored, weights_only, strict, RELAX_TRAINER)
-        if averaging:
-            meta["state_dict"] = shard_state(unwrapped(model.root))
-        if has_current:
-            load_sharded(ranks, storage, path, model, lambda *_: [], weights_only, strict, RELAX_TRAINER,
-                         key=CURRENT_MODEL_STATE)
-            meta[CURRENT_MODEL_STATE] = shard_state(unwrapped(model.root), persistent_only=True)
-        return meta if is_trainer_layout(meta) else to_trainer_layout(meta, version, model_keys=None)
-    checkpoint = read_file()
-    if not is_trainer_layout(checkpoint):
-        checkpoint = to_trainer_layout(checkpoint, version, model.state_dict_keys())
-    states = model.resumable_states(checkpoint, optimizers, policy, owner)
-    load_full(model, checkpoint.pop("state_dict"), strict, list(zip(optimizers, states)), RELAX_TRAINER)
-    checkpoint.pop("optimizer_states", None)
-    if averaging:
-        current = checkpoint.pop(CURRENT_MODEL_STATE, None)
-        checkpoint["state_dict"] = shard_state(unwrapped(model.root))
-        if current is not None:
-            load_full(model, current, strict, (), RELAX_TRAINER)
-            checkpoint[CURRENT_MODEL_STATE] = shard_state(unwrapped(model.root), persistent_only=True)
-    return checkpoint
 
 
 def _check_no_optimizer_state(saved: dict[str, Any], path: Any) -> None:

@@ -1,7 +1,8 @@
 # Generated from lightning_fairscale/fabric/_fsdp_parts.py by `make lightning`: do not edit.
 """Parts of Fabric's FSDP strategy (:class:`lightning_fairscale.fabric.DDPFullyShardedStrategy`) that are plain
-functions over it: the sharded checkpoint's save and load (the ``ShardedFormat`` of its ``FabricCheckpoints``), a
-filtered sharded save, the average over the shards, the unsharded shapes for an optimizer made after set-up, and the
+functions over it: ``fabric.save`` and ``fabric.load`` (the sharded format through the engine's checkpoint service,
+:mod:`lightning_fairscale.fsdp.state.checkpoints`, in Fabric's file layout; full files through the strategy's
+CheckpointIO plugin), the average over the shards, the unsharded shapes for an optimizer made after set-up, and the
 units' recovery after an exception in a backward. Kept apart so that the strategy's class holds its hooks and
 settings (`make lightning` copies this module for the unified package too).
 """
@@ -11,19 +12,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale.lightning._compat import collective_timeout
-from lightning_fairscale.checkpoint.fabric import Roles, optimizer_positions, restore
+from lightning_fairscale.checkpoint.fabric import Roles
+from lightning_fairscale.lightning.fabric._common import read_full, write_full
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
-from lightning_fairscale.fsdp.state.saving import Ranks
+from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files
+from lightning_fairscale.fsdp.state.saving import Ranks, is_sharded_checkpoint
 from lightning_fairscale.lightning.plugins.checkpoint_io import in_background, sharded_storage
 
-__all__ = ["averaged_model", "filtered_state", "load_sharded", "recover", "save_sharded", "unsharded_shapes"]
+__all__ = ["averaged_model", "load", "recover", "save", "unsharded_shapes"]
 
 
 def _model(module: Any) -> Optional[fsdp_engine.WrappedModel]:
@@ -31,43 +34,73 @@ def _model(module: Any) -> Optional[fsdp_engine.WrappedModel]:
     return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None
 
 
-def filtered_state(strategy: Any, module: Module, keep: Callable[[str, Any], bool]) -> tuple[dict[str, Any], list[str]]:
-    """This rank's sharded state of ``module`` with the keys ``keep`` keeps (``fabric.save(..., filter=...)``)."""
-    model = _model(module)
-    assert model is not None
-    return model.filtered_local_state(keep)
-
-
-def save_sharded(
-    strategy: Any, checkpoint: dict[str, Any], roles: Roles, path: Any, module: Module, optimizers: list[Any]
+def save(
+    strategy: Any, path: Any, state: dict[str, Any], storage_options: Optional[Any],
+    filter: Optional[dict[str, Callable[[str, Any], bool]]],
 ) -> None:
-    """Every rank writes its shard of the checkpoint directory ``path`` (in the background with such a plugin)."""
-    model = _model(module)
-    assert model is not None
+    """``fabric.save``: with ``state_dict_type="sharded"``, every rank writes its shard of the checkpoint directory
+    ``path`` through the checkpoint service (in the background with such a plugin), gathering nothing; else the full
+    states, gathered on rank 0, in one file."""
+    roles = Roles.of(state, strategy._is_ours)
+    model = _model(state[roles.model]) if roles.model else None
     io = strategy.checkpoint_io
-    background = in_background(io, collective_timeout(strategy))
-    ranks, storage = Ranks(strategy.global_rank), sharded_storage(io)
-    model.save_sharded(ranks, storage, checkpoint, path, optimizers, roles.record(), background)
+    if model is not None and strategy.config.state_dict_type == "sharded":
+        files = Files(Ranks(strategy.global_rank), sharded_storage(io), in_background(io, collective_timeout(strategy)))
+        model.save(files, path, state, FabricLayout(roles, filter))
+        return
+    states = {  # collective calls, in the state's order on every rank
+        key: strategy._model_state(value, False) if key == roles.model else strategy._optimizer_state(value, False)
+        for key, value in state.items()
+        if key == roles.model or key in roles.optimizers
+    }
+    write_full(io, strategy.is_global_zero, path, state, roles, states, storage_options, filter)
 
 
-def load_sharded(
-    strategy: Any, path: Any, state: dict[str, Any], roles: Roles, strict: bool, weights_only: Optional[bool]
+def load(
+    strategy: Any, path: Any, state: Optional[Union[Module, Optimizer, dict[str, Any]]], strict: bool,
+    weights_only: Optional[bool],
 ) -> dict[str, Any]:
-    """Load a sharded checkpoint directory into the set-up model (and optimizers) of ``state``; the rest returned."""
+    """``fabric.load``: restore ``state`` from a checkpoint (Fabric's or the Trainer's, full or sharded); returns what
+    the state did not ask for."""
+    io = strategy.checkpoint_io
+    storage = sharded_storage(io, saving=False)
+    if is_sharded_checkpoint(storage, path):
+        return _load_sharded(strategy, Files(Ranks(strategy.global_rank), storage), path, state, strict, weights_only)
+    roles = Roles.of(state, strategy._is_ours) if isinstance(state, dict) and state else None
+    keys = strategy._model_keys(state) if isinstance(state, Module) else None
+    restored = read_full(io, path, state, roles, keys, strict, weights_only)
+    for obj, value in restored.loads:
+        if isinstance(obj, Optimizer):
+            strategy._load_optimizer(obj, value)
+        else:
+            strategy.load_module_state_dict(obj, value, strict)
+    return restored.rest
+
+
+def _load_sharded(
+    strategy: Any, files: Files, path: Any, state: Optional[Union[Module, Optimizer, dict[str, Any]]], strict: bool,
+    weights_only: Optional[bool],
+) -> dict[str, Any]:
+    """A sharded checkpoint directory into the set-up model (and optimizers) of ``state``; the rest returned."""
+    if isinstance(state, Module) and strategy._is_ours(state):  # `fabric.load_raw`: the model's part
+        model = _model(state)
+        assert model is not None
+        model.load(files, path, FabricLayout(Roles(model="model")), strict, weights_only, state={"model": state})
+        return {}
+    if not isinstance(state, dict) or not state:
+        raise ValueError(
+            f"{path} is a sharded checkpoint: it loads into a model set up with this strategy, as"
+            " `fabric.load(path, {'model': model, ...})` or `fabric.load_raw(path, model)`. To read it whole,"
+            " consolidate it first: `lightning-fairscale-consolidate`."
+        )
+    roles = Roles.of(state, strategy._is_ours)
     model = _model(state[roles.model]) if roles.model else None
     if model is None:
         raise ValueError(
             f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
             " `fabric.load(path, {'model': model, ...})`."
         )
-
-    def restored(meta: dict[str, Any], saved: int) -> list[tuple[int, Optimizer]]:
-        positions = optimizer_positions(meta, roles, saved, strict)
-        return [(position, state[key]) for position, key in positions]
-
-    storage = sharded_storage(strategy.checkpoint_io, saving=False)
-    meta, _ = model.load_sharded(Ranks(strategy.global_rank), storage, path, restored, weights_only, strict)
-    return restore(meta, state, roles, strict, load_model=None, load_optimizer=None)
+    return model.load(files, path, FabricLayout(roles), strict, weights_only, state=state)
 
 
 def averaged_model(strategy: Any, module: Module, **kwargs: Any) -> ShardAveragedModel:

@@ -40,7 +40,16 @@ from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.trainability import Trainability, clip_grad_norm
-from lightning_fairscale.lightning.fabric._common import FabricCheckpoints, NoBackwardSync, SetUp, checked_norm, fabric_precision
+from lightning_fairscale.checkpoint.fabric import Roles
+from lightning_fairscale.lightning.fabric._common import (
+    NoBackwardSync,
+    SetUp,
+    checked_norm,
+    fabric_precision,
+    read_full,
+    refuse_sharded,
+    write_full,
+)
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
 from lightning_fairscale.distributed.collectives import all_agree
 from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options
@@ -242,7 +251,13 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         """Save the state as Lightning's Fabric strategies do (see :mod:`lightning_fairscale.checkpoint.fabric`): the
         state's keys, each module and optimizer replaced by its full state dict (each OSS optimizer's consolidated,
         a collective call), in one file written by rank 0."""
-        self._checkpoints().save(path, state, storage_options, filter)
+        roles = Roles.of(state, self._is_ours)
+        states = {  # collective calls (each OSS optimizer's), in the state's order on every rank
+            key: self.get_module_state_dict(value) if key == roles.model else self.get_optimizer_state(value)
+            for key, value in state.items()
+            if key == roles.model or key in roles.optimizers
+        }
+        write_full(self.checkpoint_io, self.is_global_zero, path, state, roles, states, storage_options, filter)
 
     @override
     def load_checkpoint(
@@ -259,19 +274,16 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         ``strict=False`` the entries of ``state`` that the checkpoint lacks are left as they are. A checkpoint still
         being written in the background is written first."""
         settle_background(self.checkpoint_io, all_agree)
-        return self._checkpoints().load(path, state, strict, weights_only)
-
-    def _checkpoints(self) -> FabricCheckpoints:
-        return FabricCheckpoints(
-            self.checkpoint_io,
-            self.is_global_zero,
-            is_ours=self._is_ours,
-            model_state=lambda module, sharded: self.get_module_state_dict(module),
-            optimizer_state=lambda optimizer, sharded: self.get_optimizer_state(optimizer),
-            model_keys=lambda module: list(_unwrap(module).state_dict()),
-            load_model=self.load_module_state_dict,
-            load_optimizer=self._load_optimizer,
-        )
+        refuse_sharded(self.checkpoint_io, path)
+        roles = Roles.of(state, self._is_ours) if isinstance(state, dict) and state else None
+        keys = list(_unwrap(state).state_dict()) if isinstance(state, Module) else None
+        restored = read_full(self.checkpoint_io, path, state, roles, keys, strict, weights_only)
+        for obj, value in restored.loads:
+            if isinstance(obj, Optimizer):
+                self._load_optimizer(obj, value)
+            else:
+                self.load_module_state_dict(obj, value, strict)
+        return restored.rest
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
