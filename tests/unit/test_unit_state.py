@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 from datetime import timedelta
 
 import torch
@@ -83,3 +85,21 @@ def test_nothing_of_ours_is_written_into_flat_parameters_user_modules_or_the_opt
     module = wrapped.unshard(keep=True)
     assert module is model and wrapped_root(model) is None
     assert all(set(vars(m)) - FAIRSCALE_MODULE <= before[id(m)] for m in modules)
+
+
+def test_a_sharded_module_holds_its_root_and_both_are_freed_with_it(process_group: dist.ProcessGroup) -> None:
+    """A module kept sharded between stages finds its root again, which lives as long as the module does (the next
+    stage reuses it) and no longer: dropped without unsharding, module and root are freed (no map of ours keeps
+    them), also when it never trained (an evaluation loop over many checkpoints)."""
+    config = FullyShardedConfig(auto_wrap_policy={Block})
+    groups = fsdp_engine.make_process_groups(config, rank=0, world_size=1, num_nodes=1, timeout=timedelta(60))
+    model = Net()
+    wrapped = fsdp_engine.wrap_model(config, model, torch.device("cpu"), groups, "32-true", None, [], None)
+    root = weakref.ref(wrapped.root)
+    del wrapped
+    gc.collect()
+    assert wrapped_root(model) is root() is not None  # the module alone keeps its root
+    module = weakref.ref(model)
+    del model
+    gc.collect()
+    assert module() is None and root() is None

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_fairscale.fsdp.unit import original_params, unit_state
 from lightning_fairscale.fsdp.unit.frozen_params import trainable_pieces
@@ -89,27 +90,44 @@ def _owners(module: nn.Module, params: list[nn.Parameter]) -> dict[int, list[tup
     return owners
 
 
-#: Each LightningModule kept sharded between stages -> its root FSDP unit. Keyed weakly, but the root holds the
-#: module it wraps, so an entry lives until :func:`forget_root` (the module is unsharded), as the module's sharded
-#: parameters must: they live in the root's flat parameters.
-_ROOTS: weakref.WeakKeyDictionary[nn.Module, _FairScaleFSDP] = weakref.WeakKeyDictionary()
+class _RootKeeper:
+    """What makes a LightningModule kept sharded between stages hold its root unit: a state-dict pre-hook of the
+    module's that does nothing when called. The module's parameters live in the root's flat parameters, so the root
+    must live as long as the module and no longer: held by a map of ours, module and root (which holds the module)
+    would live for the rest of the process; held by the module (torch's public hook registry, not an attribute of
+    ours), the pair is freed with the module, by the garbage collector. Removed by :func:`forget_root`."""
+
+    def __init__(self, root: _FairScaleFSDP) -> None:
+        self.root = root
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        return None
+
+
+#: Each LightningModule kept sharded -> its root unit (weakly: the module holds it, see :class:`_RootKeeper`) and the
+#: handle that removes the keeper.
+_ROOTS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, RemovableHandle]] = weakref.WeakKeyDictionary()
 
 
 def remember_root(module: nn.Module, root: _FairScaleFSDP) -> None:
     """Record that ``module`` is wrapped by ``root``, so that a later stage (``validate`` after ``fit``...) reuses
     the sharded model instead of gathering and wrapping it again. Not a submodule: ``root`` contains ``module``."""
-    _ROOTS[module] = root
+    forget_root(module)
+    _ROOTS[module] = (weakref.ref(root), module.register_state_dict_pre_hook(_RootKeeper(root)))
 
 
 def wrapped_root(module: nn.Module) -> Optional[_FairScaleFSDP]:
     """The root unit that wraps ``module`` (see :func:`remember_root`), or ``None`` when it is not wrapped."""
-    root = _ROOTS.get(module)
+    entry = _ROOTS.get(module)
+    root = entry[0]() if entry is not None else None
     return root if isinstance(root, _FairScaleFSDP) and unwrapped(root) is module else None
 
 
 def forget_root(module: nn.Module) -> None:
     """Undo :func:`remember_root` (after unwrapping)."""
-    _ROOTS.pop(module, None)
+    entry = _ROOTS.pop(module, None)
+    if entry is not None:
+        entry[1].remove()
 
 
 def _flat_pieces(
