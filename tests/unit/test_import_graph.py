@@ -410,6 +410,9 @@ def _defined_private_names(tree: ast.Module) -> set[str]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
             if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
                 found.add(node.args[1].value)
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):  # ``self.__x``: ``_Class__x``
+        inside = _defined_private_names(ast.Module(body=cls.body, type_ignores=[]))
+        found.update(f"_{cls.name.lstrip('_')}{name}" for name in inside if name.startswith("__"))
     return {name for name in found if _private(name)}
 
 
@@ -505,7 +508,8 @@ def test_the_fairscale_private_list_is_what_the_package_uses() -> None:
 
     FairScale's private names: every name starting with ``_`` (not ``__x__``) that FairScale's installed sources
     define: at a module's top level, in a class body (a method, a class attribute), or stored on any object
-    (``self._is_root = ...``, ``p._fp32_shard = ...``, ``setattr``). Less torch's: the names of the torch classes
+    (``self._is_root = ...``, ``p._fp32_shard = ...``, ``setattr``), a ``__x`` of a class ``C`` under its mangled name
+    ``_C__x``. Less torch's: the names of the torch classes
     FairScale's extend (``nn.Module``, ``Optimizer``, ``GradScaler``, ``autograd.Function``, ``Tensor``: their ``dir``
     and what their methods store), which are torch's and ``torch_private``'s concern; less Lightning's attributes
     (``_compat.PRIVATE_ATTRIBUTES``).

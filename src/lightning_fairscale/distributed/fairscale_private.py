@@ -125,5 +125,9 @@ PRIVATE_ATTRIBUTES: dict[str, PrivateAttribute] = {
     "_trainable_params": PrivateAttribute(_SDP, "read: the parameters it reduces"),
     "_use_buckets": PrivateAttribute(_SDP, "read: whether gradients are bucketed"),
     "_work_handles": PrivateAttribute(_SDP, "read and drained: the pending reductions (a deque)"),
+    # OSS.
+    "_OSS__local_params": PrivateAttribute(
+        "OSS", "written (None): its cached list of the gradients it clips, listed again at the next call (25)"
+    ),
     "_params": PrivateAttribute("GradBucket (fairscale.nn.misc.param_bucket)", "read: the parameters of a bucket"),
 }
