@@ -395,7 +395,6 @@ def test_cpu_offload_on_a_cpu_run_warns_and_trains_normally(runs: Jobs) -> None:
     assert max_difference(result["state_dict"], reference_training(2, "adam")) < ATOL
 
 
-@pytest.mark.workaround(8)
 def test_unit_summary_and_memory_figures_show_the_sharding(runs: Jobs) -> None:
     result = runs["summary"]
     summary = result["summary"]

@@ -712,7 +712,6 @@ def test_clipping_by_norm_equals_torch_on_the_unsharded_gradients(ranks: list[An
     assert expected["norm"] > CLIP, "the clip value should bite"
 
 
-@pytest.mark.workaround(8)
 def test_gradient_shards_do_not_pin_the_reduce_scatter_buckets(ranks: list[Any]) -> None:
     for result in ranks:
         assert len(result["grad_bytes"]) == 3

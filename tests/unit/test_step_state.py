@@ -69,7 +69,6 @@ def train_both(schedule: list[tuple[str, ...]], frozen_at_setup: tuple[str, ...]
     return sharded, reference, plain, norms
 
 
-@pytest.mark.workaround(28)
 def test_freezing_and_unfreezing_after_set_up_trains_as_unsharded() -> None:
     sharded, reference, plain, norms = train_both(SCHEDULE, clip=True)
     # Each original parameter keeps its own Adam state, `step` included (a Block frozen for a step lags behind).

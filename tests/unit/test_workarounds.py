@@ -13,10 +13,11 @@ from fairscale.nn import checkpoint_wrapper
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
 from lightning_fairscale.fsdp.patches.workarounds import WORKAROUNDS, table
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import apply_activation_checkpointing
 
-from .helpers import Block, Net, batches, wrap
+from .helpers import Block, Net, batches, run_ranks, wrap
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -64,6 +65,31 @@ def test_the_module_docstring_holds_the_table() -> None:
 
     assert workarounds.__doc__ is not None and table() in workarounds.__doc__
     assert table().count("\n   * - ") == len(WORKAROUNDS) + 1  # the header and one row each
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Workaround 8: gradient shards reduced through FairScale's bucket are views into its buffer.
+
+
+def _gradient_storage(rank: int, world_size: int) -> list[tuple[int, int]]:
+    cpu_streams.install()  # workaround 1, in this forked rank only (the engine holds it while a model lives)
+    root = wrap(Net(), policy={Block})  # each unit far below the 1 MB bucket: reduced together
+    x, y = (t[rank::world_size] for t in batches(1)[0])  # this rank's share of the batch
+    nn.functional.mse_loss(root(x), y).backward()
+    flat = [p for unit in root.modules() if isinstance(unit, type(root)) for p in unit.params]
+    return [(p.grad.untyped_storage().nbytes(), p.grad.numel() * p.grad.element_size()) for p in flat]
+
+
+@pytest.mark.workaround(8)
+def test_gradient_shards_reduced_in_a_bucket_hold_only_their_own_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through FairScale's (gloo) bucketer, as on CUDA (the CPU's overlapping reducer is turned off): each unit's
+    gradient shard holds its own bytes, not the bucket's whole buffer (1 MB)."""
+    monkeypatch.setattr(prefetch, "OVERLAP_ON_CPU", False)  # the forked ranks inherit it
+    for storages in run_ranks(_gradient_storage, 2, tmp_path):
+        assert len(storages) == 3
+        assert all(storage == own for storage, own in storages), storages
 
 
 # ------------------------------------------------------------------------------------------------------------------

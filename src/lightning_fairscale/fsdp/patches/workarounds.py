@@ -167,8 +167,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         " bucket's buffer is freed as soon as it has been read. Shards reduced on their own are kept as they are.",
         "fsdp.unit.units",
         (
-            "tests/unit/test_multirank.py::test_gradient_shards_do_not_pin_the_reduce_scatter_buckets",
-            "tests/test_fully_sharded.py::test_unit_summary_and_memory_figures_show_the_sharding",
+            "tests/unit/test_workarounds.py::test_gradient_shards_reduced_in_a_bucket_hold_only_their_own_memory",
         ),
     ),
     Workaround(
@@ -473,7 +472,6 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ":mod:`~lightning_fairscale.fsdp.unit.step_state` owns both, per model.",
         "fsdp.unit.step_state",
         (
-            "tests/unit/test_step_state.py::test_freezing_and_unfreezing_after_set_up_trains_as_unsharded",
             "tests/unit/test_step_state.py::test_a_unit_frozen_at_set_up_trains_once_unfrozen",
             "tests/unit/test_step_state.py::test_backward_passes_inside_the_roots_forward_train_as_unsharded",
         ),
