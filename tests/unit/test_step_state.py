@@ -81,7 +81,6 @@ def test_freezing_and_unfreezing_after_set_up_trains_as_unsharded() -> None:
     assert_tensors_equal(parameters_of(unwrap_module(sharded.root)), parameters_of(reference))
 
 
-@pytest.mark.workaround(11)
 def test_a_frozen_parameter_gets_no_gradient_and_no_update() -> None:
     model = Net()
     sharded = shard(model, torch.optim.Adam(model.parameters(), lr=0.05), policy={Block})

@@ -47,9 +47,7 @@ _UNIT = ":class:`FullyShardedDataParallel`"
 #: The workarounds, by number.
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
-        1,
-        "CUDA streams",
-        "CPU",
+        1, "CUDA streams", "CPU",
         "FSDP overlaps communication with computation on ``torch.cuda.Stream`` objects and calls"
         " ``torch.cuda.current_stream()``, ``torch.cuda.stream(...)`` and ``torch.cuda.synchronize()``"
         " unconditionally, which raise on a machine without CUDA. CPU work is executed in program order, so streams"
@@ -60,14 +58,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         " as it lives (:func:`~lightning_fairscale.fsdp.patches.cpu_streams.hold_while_alive`; ``unshard_module()``"
         " ends the hold at once), and undone with the last one: FairScale's module then has its own ``torch`` again.",
         "fsdp.patches.cpu_streams",
-        (
-            "tests/unit/test_fairscale_cpu.py::test_install_gives_fsdp_a_torch_whose_streams_do_nothing",
-        ),
+        ("tests/unit/test_fairscale_cpu.py::test_install_gives_fsdp_a_torch_whose_streams_do_nothing",),
     ),
     Workaround(
-        2,
-        "``Tensor.record_stream`` on CPU tensors",
-        "CPU",
+        2, "``Tensor.record_stream`` on CPU tensors", "CPU",
         "FSDP records its CUDA streams on gradient and parameter buffers so the caching allocator does not reuse them"
         " early. PyTorch has no CPU kernel for ``aten::record_stream`` (it raises ``NotImplementedError``). CPU memory"
         " is not stream-ordered, so recording is meaningless there.",
@@ -77,9 +71,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_fairscale_cpu.py::test_record_stream_on_a_cpu_tensor_does_nothing",),
     ),
     Workaround(
-        3,
-        "Reduce-scatter buckets on gloo",
-        "gloo",
+        3, "Reduce-scatter buckets on gloo", "gloo",
         "FairScale's ``ReduceScatterBucketer`` hands a 2-D ``(world_size, n)`` tensor to ``_reduce_scatter_base``."
         " NCCL accepts that; gloo checks ``output.numel() * world_size == input.shape[0]`` and aborts.",
         ":class:`~lightning_fairscale.fsdp.patches.bucketing.GlooReduceScatterBucketer` passes the same memory as a 1-D"
@@ -94,9 +86,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        4,
-        "``clip_grad_norm_`` calls ``.cuda()``",
-        "CPU; the plugins' clipping: all devices",
+        4, "``clip_grad_norm_`` calls ``.cuda()``", "CPU; the plugins' clipping: all devices",
         "FSDP's ``clip_grad_norm_`` calls ``.cuda()`` on the local norm.",
         f"{_UNIT} computes the global norm on the gradients' own device when the module computes on CPU, and defers"
         " to FairScale on CUDA. The precision plugins clip with"
@@ -114,9 +104,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        5,
-        "fp16 loss scaling",
-        "FSDP: all devices; sharded DDP: off CUDA",
+        5, "fp16 loss scaling", "FSDP: all devices; sharded DDP: off CUDA",
         "FairScale's ``ShardedGradScaler`` disables itself when CUDA is not available, and for gradients in CPU memory"
         " it all-reduces a CUDA copy of the inf/NaN flags and then drops the result.",
         ":class:`~lightning_fairscale.mixed_precision.grad_scaler.ShardedGradScaler` is PyTorch's device-generic"
@@ -132,9 +120,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        6,
-        "bf16 compute",
-        "all devices",
+        6, "bf16 compute", "all devices",
         "With ``mixed_precision=True`` FairScale casts float32 inputs of the root module to fp16, whatever"
         " ``compute_dtype`` is, which breaks bf16 compute.",
         f"{_UNIT} (its ``forward``) casts them to the unit's ``compute_dtype`` first, which FairScale then leaves"
@@ -143,9 +129,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_fairscale_cpu.py::test_bf16_compute_really_computes_in_bf16",),
     ),
     Workaround(
-        7,
-        "Loading a sharded state before the first forward",
-        "all devices",
+        7, "Loading a sharded state before the first forward", "all devices",
         "``load_local_state_dict`` ends by freeing every unit's full parameters, which reads an attribute that inner"
         " units create only in their first forward, so resuming from a sharded checkpoint fails with"
         " ``AttributeError: _full_param_padded``.",
@@ -155,9 +139,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_multirank.py::test_consolidated_state_and_parameters_equal_plain_training",),
     ),
     Workaround(
-        8,
-        "Gradient shards that pin reduce-scatter buckets",
-        "all devices",
+        8, "Gradient shards that pin reduce-scatter buckets", "all devices",
         "Gradients of units smaller than ``bucket_cap_mb`` are reduce-scattered together through a bucket, and"
         " FairScale keeps each reduced shard as a *view* into that bucket's output buffer, which is then replaced by a"
         " new one. Until the next ``zero_grad`` every flushed buffer stays alive whole, unused tail included: through"
@@ -166,14 +148,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ":meth:`FullyShardedDataParallel._post_reduction_hook` keeps a compact copy of such a shard instead, so a"
         " bucket's buffer is freed as soon as it has been read. Shards reduced on their own are kept as they are.",
         "fsdp.unit.units",
-        (
-            "tests/unit/test_workarounds.py::test_gradient_shards_reduced_in_a_bucket_hold_only_their_own_memory",
-        ),
+        ("tests/unit/test_workarounds.py::test_gradient_shards_reduced_in_a_bucket_hold_only_their_own_memory",),
     ),
     Workaround(
-        9,
-        "Reduce-scatter bucketers that live forever",
-        "all devices",
+        9, "Reduce-scatter bucketers that live forever", "all devices",
         "FairScale caches ``ReduceScatterBucketer._get_shard_size`` with ``functools.lru_cache`` on the method, so the"
         " cache holds every bucketer ever used, with its bucket buffers (``bucket_cap_mb`` per dtype) and its process"
         " group, for the rest of the process: each ``fit`` leaked its buffers, and gloo's threads outlived the process"
@@ -187,9 +165,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        10,
-        "Pinned memory",
-        "CPU",
+        10, "Pinned memory", "CPU",
         "``cpu_offload``/``move_grads_to_cpu`` pin host memory, which needs CUDA. Offloading to the CPU from the CPU"
         " has no effect anyway.",
         "The strategy turns both off on CPU runs with a warning (see"
@@ -201,9 +177,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        11,
-        "Frozen and trainable parameters in one unit",
-        "all devices",
+        11, "Frozen and trainable parameters in one unit", "all devices",
         "FairScale flattens a unit's parameters into one tensor with one ``requires_grad`` and asserts that they all"
         " agree.",
         f"{_UNIT} flattens them as trainable and records which original parameters were frozen (``requires_grad`` of"
@@ -212,15 +186,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         " computes a gradient for the frozen elements too (as PyTorch's FSDP with ``use_orig_params=True`` does);"
         " nothing uses it.",
         "fsdp.unit.frozen_params",
-        (
-            "tests/unit/test_multirank.py::test_adamw_groups_across_units_and_a_frozen_weight_equal_plain_training",
-            "tests/unit/test_step_state.py::test_a_frozen_parameter_gets_no_gradient_and_no_update",
-        ),
+        ("tests/unit/test_multirank.py::test_adamw_groups_across_units_and_a_frozen_weight_equal_plain_training",),
     ),
     Workaround(
-        12,
-        "Optimizers over the original parameters",
-        "all devices",
+        12, "Optimizers over the original parameters", "all devices",
         "FairScale's optimizer must hold the flat parameters (``model.parameters()``): an optimizer over the original"
         " parameters gets no gradient, and its ``zero_grad`` does not reach the flat gradient, which FairScale"
         " accumulates into.",
@@ -236,9 +205,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        13,
-        "Pure bf16 parameters",
-        "all devices",
+        13, "Pure bf16 parameters", "all devices",
         "FairScale trains a model held in fp16 (``mixed_precision=False``, ``compute_dtype=torch.float16``), but its"
         " constructor refuses any other parameter dtype than fp16 or fp32 (\"Expecting FP16 param type in FP32 & MP"
         " modes\"), although nothing after that check depends on the dtype (flattening, sharding, all-gathers,"
@@ -253,9 +220,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_fairscale_cpu.py::test_a_true_half_precision_unit_holds_and_computes_in_its_dtype",),
     ),
     Workaround(
-        14,
-        "Hybrid sharding",
-        "all devices",
+        14, "Hybrid sharding", "all devices",
         "FairScale shards over one process group and has no notion of replicas.",
         "A unit given a ``replica_group`` (the ranks that hold the same shard on the other nodes) shards within its"
         " ``process_group`` and, in :meth:`FullyShardedDataParallel._post_reduction_hook`, which FairScale calls for"
@@ -271,9 +236,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        15,
-        "A frozen root stays gathered",
-        "all devices",
+        15, "A frozen root stays gathered", "all devices",
         "FairScale frees a unit's full parameters after the backward in the post-backward hook of each parameter,"
         " which never fires for a parameter that does not require gradients; it frees every other unit's at the end"
         " of the backward, but not the root's (it may keep them from the forward to the backward on purpose). So a"
@@ -291,9 +254,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        16,
-        "Collectives that wait on CPU",
-        "CPU (gloo)",
+        16, "Collectives that wait on CPU", "CPU (gloo)",
         "Without CUDA streams every all-gather and reduce-scatter ran synchronously, by gloo's slow collectives.",
         "On CPU with gloo, a root's units gather the next units' parameters (what fits in ``bucket_cap_mb``, at least"
         " one) while the current one computes its forward; the forward's last units (the last one, and those before"
@@ -313,9 +274,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        17,
-        "The model's own parameters",
-        "all devices",
+        17, "The model's own parameters", "all devices",
         "FairScale deletes a unit's parameters from their modules and leaves stale views of the full flat parameter in"
         " their place (freed memory between steps), and ``model.parameters()`` gives its flat parameters.",
         "As torch FSDP's ``use_orig_params=True``, each original parameter is put back, under its names (tied ones:"
@@ -330,9 +289,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        18,
-        "``torch.compile``",
-        "all devices",
+        18, "``torch.compile``", "all devices",
         "Dynamo cannot trace a unit (FairScale swaps ``param.data`` between shard and full parameter, resizes storages"
         " and runs collectives): every backend failed at the first step. FairScale declared compile unsupported.",
         "The user's compile is taken as \"compile my layers\" (regional compilation): compiled submodules are"
@@ -344,9 +301,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_compile.py::test_compiled_layers_train_as_eager_ones_and_keep_their_names",),
     ),
     Workaround(
-        19,
-        "Deprecation warnings from FairScale's calls",
-        "all devices",
+        19, "Deprecation warnings from FairScale's calls", "all devices",
         "FairScale calls ``dist._all_gather_base``, ``dist._reduce_scatter_base`` and ``Tensor.storage()``, which torch"
         " deprecates with a warning on every rank that the user can do nothing about.",
         "FairScale's modules get a view of ``torch.distributed`` with the current names of those collectives (no"
@@ -360,22 +315,16 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        20,
-        "Post-backward hooks that pile up",
-        "all devices",
+        20, "Post-backward hooks that pile up", "all devices",
         "FairScale adds its post-backward hook to each flat parameter's gradient accumulator in every forward and keeps"
         " the accumulator alive, so after ``k`` steps the hook ran ``k`` times per backward (idempotent, but a cost"
         " that grew with the run, and on CPU it undid workaround 16's overlap from the second step on).",
         "One hook per accumulator (``_register_post_backward_hooks``).",
         "fsdp.patches.backward_hooks",
-        (
-            "tests/unit/test_multirank.py::test_each_units_post_backward_hook_runs_once_a_step_not_once_more_every_step",
-        ),
+        ("tests/unit/test_multirank.py::test_each_units_post_backward_hook_runs_once_a_step_not_once_more_every_step",),
     ),
     Workaround(
-        21,
-        "Mixed precision on one rank",
-        "all devices",
+        21, "Mixed precision on one rank", "all devices",
         "With ``mixed_precision=True`` and nothing sharded (one rank), FairScale left the flat parameter's gradient in"
         " the compute dtype (the optimizer's fp32 views refused it at the first backward), and freed the half"
         " parameter after a ``no_sync`` backward that the root then computed with (``Trainer(devices=1,"
@@ -391,9 +340,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        22,
-        "Checkpointing that recomputes something else",
-        "all devices",
+        22, "Checkpointing that recomputes something else", "all devices",
         "FairScale's ``checkpoint_wrapper`` recomputed a layer without the CPU's autocast (and under CUDA's in fp16"
         " whatever the forward's dtype), and gave a Hugging Face GPT-2 layer 1% of its attention's gradients: wrong"
         " gradients without an error (found by the feature matrix).",
@@ -403,9 +350,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_workarounds.py::test_activation_checkpointing_recomputes_under_the_forwards_autocast",),
     ),
     Workaround(
-        23,
-        "The model's own checkpointing around a unit",
-        "all devices",
+        23, "The model's own checkpointing around a unit", "all devices",
         "torch's non-reentrant checkpoint (Hugging Face's ``gradient_checkpointing_enable``) calls a unit's forward"
         " again inside the backward; FairScale took it for a new forward, left the unit ``FORWARD`` and the backward"
         " failed (found by the feature matrix).",
@@ -414,9 +359,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_workarounds.py::test_a_unit_inside_torchs_checkpoint_recomputes_and_trains_as_unsharded",),
     ),
     Workaround(
-        24,
-        "ShardedDataParallel's detection of trainability changes",
-        "sharded DDP, all devices",
+        24, "ShardedDataParallel's detection of trainability changes", "sharded DDP, all devices",
         "It read the wrapper's ``training`` flag, which Lightning's validation leaves ``False``: every step after a"
         " validation inside ``fit`` reduced no gradient; it re-armed its per-backward state in ``forward`` only"
         " (manual optimization's second backward failed).",
@@ -429,9 +372,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
-        25,
-        "OSS's list of the gradients it clips",
-        "sharded DDP, all devices",
+        25, "OSS's list of the gradients it clips", "sharded DDP, all devices",
         "``OSS.clip_grad_norm`` keeps the list of its first call: a layer frozen then was left out of every later"
         " norm.",
         ":func:`~lightning_fairscale.sharded_ddp.trainability.clip_grad_norm` forgets the list before each call.",
@@ -439,9 +380,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/unit/test_trainability.py::test_clip_grad_norm_counts_parameters_frozen_at_the_first_call",),
     ),
     Workaround(
-        26,
-        "Gradient shards beside gathered parameters",
-        "all devices",
+        26, "Gradient shards beside gathered parameters", "all devices",
         "A compile after the first step (an evaluation, a batch of another size) failed: dynamo copied a flat"
         " parameter's gradient shard onto a fake tensor of its gathered size.",
         "A unit's forward sets the shards aside"
@@ -450,9 +389,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/test_compile.py::test_the_plainest_form_trains_and_validates_as_eager_unsharded_training",),
     ),
     Workaround(
-        27,
-        "A root gathered by an evaluation forward",
-        "all devices",
+        27, "A root gathered by an evaluation forward", "all devices",
         "FairScale does not reshard the root after its forward: after one with no backward (validation) it kept its"
         " full parameters, and the next forward used them, missing any write into the shards in between (weight"
         " averaging's swap back).",
@@ -462,9 +399,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("tests/test_weight_averaging.py::test_validation_swaps_the_average_in_and_out",),
     ),
     Workaround(
-        28,
-        "What the loop changes between steps",
-        "all devices",
+        28, "What the loop changes between steps", "all devices",
         "FairScale derives a flat parameter's ``requires_grad`` at build time, and ends a backward only after the"
         " root's forward. Freezing or unfreezing the model's parameters (views, workaround 17) or"
         " ``toggle_optimizer`` changed nothing, and ``manual_backward`` (inside the root's forward) left units in"
@@ -488,17 +423,9 @@ def _cell(text: str, first: str) -> str:
 def table(workarounds: tuple[Workaround, ...] = WORKAROUNDS) -> str:
     """The workarounds as a reStructuredText ``list-table``: number, title and devices, what FairScale does, our
     fix, module and tests."""
-    rows = [
-        ".. list-table::",
-        "   :header-rows: 1",
-        "   :widths: 3 12 30 35 20",
-        "",
-        _cell("No.", "* - "),
-        _cell("Workaround", "  - "),
-        _cell("What FairScale does", "  - "),
-        _cell("Our fix", "  - "),
-        _cell("Module; tests", "  - "),
-    ]
+    header = ("No.", "Workaround", "What FairScale does", "Our fix", "Module; tests")
+    rows = [".. list-table::", "   :header-rows: 1", "   :widths: 3 12 30 35 20", ""]
+    rows += [_cell(text, "  - " if i else "* - ") for i, text in enumerate(header)]
     for w in workarounds:
         files: dict[str, list[str]] = {}
         for test in w.tests:
