@@ -1,10 +1,11 @@
 """The table of FairScale workarounds (``fsdp/patches/workarounds.py``) and the tests marked with its numbers; and
-the in-process tests of the workarounds no other unit test covers (22, 23)."""
+the in-process tests of the workarounds no other unit test covers (8, 14, 22, 23, 27)."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from fairscale.nn import checkpoint_wrapper
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
+from lightning_fairscale.fsdp.patches import cpu_streams, hybrid, prefetch
 from lightning_fairscale.fsdp.patches.workarounds import WORKAROUNDS, table
+from lightning_fairscale.fsdp.unit import gathered
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import apply_activation_checkpointing
 
 from .helpers import Block, Net, batches, run_ranks, wrap
@@ -90,6 +92,66 @@ def test_gradient_shards_reduced_in_a_bucket_hold_only_their_own_memory(
     for storages in run_ranks(_gradient_storage, 2, tmp_path):
         assert len(storages) == 3
         assert all(storage == own for storage, own in storages), storages
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Workaround 14: hybrid sharding, which FairScale does not know.
+
+
+def _hybrid_state(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    cpu_streams.install()  # workaround 1, in this forked rank only
+    all_gather, reduce_scatter, replicas = hybrid.hybrid_groups((2, 1), rank, timeout=timedelta(seconds=30))
+    root = wrap(
+        Net(), policy={Block}, process_group=all_gather, process_group_reduce_scatter=reduce_scatter,
+        replica_group=replicas,
+    )
+    optimizer = torch.optim.SGD(root.parameters(), lr=0.1)
+    for batch in batches(2):
+        x, y = (t[rank::world_size] for t in batch)  # this rank's half of the global batch
+        nn.functional.mse_loss(root(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with root.summon_full_params():
+        return {name: value.clone() for name, value in root.state_dict().items()}
+
+
+@pytest.mark.workaround(14)
+def test_two_replicas_of_one_shard_each_train_as_unsharded(tmp_path: Path) -> None:
+    """Two ranks, each its own shard group and the two of them replicas: two SGD steps give plain training's
+    parameters on the whole batch (each rank's gradient averaged over the replicas)."""
+    plain = Net()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x, y in batches(2):
+        nn.functional.mse_loss(plain(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for state in run_ranks(_hybrid_state, 2, tmp_path):
+        for (name, want), got in zip(plain.state_dict().items(), state.values()):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Workaround 27: FairScale keeps the root gathered after a forward without a backward (an evaluation).
+
+
+def _output_after_the_shards_change(rank: int, world_size: int) -> torch.Tensor:
+    cpu_streams.install()  # workaround 1, in this forked rank only
+    root = wrap(Net(), policy={Block})
+    x, y = (t[rank::world_size] for t in batches(1)[0])
+    nn.functional.mse_loss(root(x), y).backward()  # a training step's forward and backward: everything set up
+    with torch.no_grad():
+        root(x)  # an evaluation: the root keeps its full parameters
+        for param in root.params:  # the root's own parameters (``inp``, ``out``) written in their shards, as weight
+            param._fp32_shard.zero_()  # averaging's swap does
+        gathered.drop_full_params(root)
+        return root(x)
+
+
+@pytest.mark.workaround(27)
+def test_a_forward_after_an_evaluation_sees_what_was_written_into_the_shards(tmp_path: Path) -> None:
+    """The root's ``out`` layer zeroed in its shards after an evaluation's forward: the next forward gives zeros."""
+    for output in run_ranks(_output_after_the_shards_change, 2, tmp_path):
+        assert torch.equal(output, torch.zeros_like(output)), output
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -231,6 +231,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         " the same gradients.",
         "fsdp.patches.hybrid",
         (
+            "tests/unit/test_workarounds.py::test_two_replicas_of_one_shard_each_train_as_unsharded",
             "tests/test_hybrid_sharding.py::test_hybrid_under_torchrun_equals_unsharded_training",
             "tests/test_hybrid_sharding.py::test_one_all_reduce_of_the_gradient_shards_crosses_the_nodes_per_step",
         ),
@@ -396,7 +397,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "The full parameters a unit still holds between steps are freed"
         " (:func:`~lightning_fairscale.fsdp.unit.gathered.drop_full_params`), so the next forward gathers the shards.",
         "fsdp.unit.gathered",
-        ("tests/test_weight_averaging.py::test_validation_swaps_the_average_in_and_out",),
+        (
+            "tests/unit/test_workarounds.py::test_a_forward_after_an_evaluation_sees_what_was_written_into_the_shards",
+            "tests/test_weight_averaging.py::test_validation_swaps_the_average_in_and_out",
+        ),
     ),
     Workaround(
         28, "What the loop changes between steps", "all devices",
