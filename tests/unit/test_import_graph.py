@@ -553,5 +553,6 @@ def test_only_the_fairscale_private_module_imports_private_fairscale_names() -> 
         if relative.parts[0] == "lightning" or relative == FAIRSCALE_PRIVATE:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            offenders += [f"{relative}:{node.lineno}: {name}" for name in _private_fairscale_import(node)]  # type: ignore[attr-defined]
+            line = getattr(node, "lineno", 0)
+            offenders += [f"{relative}:{line}: {name}" for name in _private_fairscale_import(node)]
     assert not offenders, offenders
