@@ -77,6 +77,7 @@ def test_a_compiled_model_trains_as_eager_unsharded_training_with_its_own_keys(r
 
 
 @pytest.mark.parametrize("name", ["plain", "plain-net", "whole-inductor"])
+@pytest.mark.workaround(26)
 def test_the_plainest_form_trains_and_validates_as_eager_unsharded_training(runs: Jobs, name: str) -> None:
     """Issue 48 item 1 (workaround 26): without activation checkpointing, a validation after each step compiles the
     layers again while the gradient shards are held; each validation loss and the trained weights are eager

@@ -108,6 +108,7 @@ def _assert_half_of_16_bytes_per_parameter(memory: dict[str, float], state_dict:
     assert sum(memory[f"memory/{kind}_bytes"] for kind in kinds) == pytest.approx(16 * total / 2, rel=0.03)
 
 
+@pytest.mark.workaround(14)
 def test_hybrid_under_torchrun_equals_unsharded_training(jobs: Jobs) -> None:
     _assert_hybrid_training(jobs["hybrid"], "TorchElasticEnvironment", steps=3)
 
@@ -169,6 +170,7 @@ def test_each_rank_holds_half_of_the_model(jobs: Jobs) -> None:
         assert hybrid[key] == pytest.approx(2 * full[key], rel=0.05), key
 
 
+@pytest.mark.workaround(14)
 def test_one_all_reduce_of_the_gradient_shards_crosses_the_nodes_per_step(jobs: Jobs) -> None:
     """The bytes all-reduced over the replica group: this rank's gradient shards (fp32), once per optimizer step,
     also with accumulation (the accumulating backwards reduce nothing)."""

@@ -170,6 +170,7 @@ def test_fsdp_kwargs_follow_the_precision(precision: str, options: dict[str, Any
         assert "compute_dtype" not in kwargs  # FairScale's default: the parameters' dtype
 
 
+@pytest.mark.workaround(10)
 def test_fsdp_kwargs_follow_the_device() -> None:
     config = FullyShardedConfig(cpu_offload=True, state_dict_to_cpu=False)
     on_gpu, on_cpu = (fsdp_kwargs(config, device, ProcessGroups(), "32-true") for device in (GPU, CPU))
@@ -220,6 +221,7 @@ def test_a_backward_prefetch_other_than_the_default_warns_on_cuda() -> None:
         check_settings(FullyShardedConfig(backward_prefetch="BACKWARD_PRE"), torch.device("cuda", 0), "32-true")
 
 
+@pytest.mark.workaround(10)
 def test_options_that_do_nothing_on_the_cpu_warn() -> None:
     with pytest.warns(UserWarning, match=r"`DDPFullyShardedStrategy\(cpu_offload=True\)` has no effect .* CPU"):
         check_settings(FullyShardedConfig(cpu_offload=True), CPU, "32-true")

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from fairscale.internal import reduce_scatter_bucketer as bucketer_module
@@ -43,6 +44,7 @@ def _train_and_call_them_ourselves(rank: int, world_size: int) -> dict[str, list
     return {"ours": ours, "users": users}
 
 
+@pytest.mark.workaround(19)
 def test_training_raises_no_deprecation_warning_and_the_users_calls_still_warn(tmp_path: Path) -> None:
     """Two ranks (gloo) train a wrapped model: FSDP's all-gathers, its reduce-scatters, its storage calls; with every
     warning recorded ("always"), none is a deprecation. The user's own ``_all_gather_base`` and ``.storage()`` then
@@ -54,6 +56,7 @@ def test_training_raises_no_deprecation_warning_and_the_users_calls_still_warn(t
         assert "_all_gather_base" in users and "TypedStorage is deprecated" in users, (rank, users)
 
 
+@pytest.mark.workaround(19)
 def test_fairscale_calls_the_current_collectives() -> None:
     """FairScale's modules see ``_all_gather_base``/``_reduce_scatter_base`` as torch's current functions, and every
     other name of ``torch.distributed`` as torch's own."""

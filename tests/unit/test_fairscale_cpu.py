@@ -37,6 +37,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches 
 
 
 @no_cuda
+@pytest.mark.workaround(1)
 def test_install_gives_fsdp_a_torch_whose_streams_do_nothing() -> None:
     patched = fsdp_module.torch
     cpu_streams.install()  # idempotent
@@ -55,12 +56,14 @@ def test_install_gives_fsdp_a_torch_whose_streams_do_nothing() -> None:
 
 
 @no_cuda
+@pytest.mark.workaround(2)
 def test_record_stream_on_a_cpu_tensor_does_nothing() -> None:
     tensor = torch.arange(4.0)
     assert tensor.record_stream(fsdp_module.torch.cuda.current_stream()) is None
     assert torch.equal(tensor, torch.arange(4.0))
 
 
+@pytest.mark.workaround(16)
 def test_fsdp_on_cpu_gloo_shares_one_async_reducer_and_one_prefetcher() -> None:
     root = wrap(Net(), policy={Block})
     step(root, torch.optim.SGD(root.parameters(), lr=0.1), batches(1)[0])
@@ -92,6 +95,7 @@ def test_each_forward_runs_fairscales_lazy_initialisation_once_per_unit(monkeypa
     assert calls == [root, *blocks]  # FairScale's forwards only
 
 
+@pytest.mark.workaround(3)
 def test_fsdp_on_gloo_without_overlap_uses_one_shared_gloo_bucketer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefetch, "OVERLAP_ON_CPU", False)
     root = wrap(Net(), policy={Block})
@@ -101,6 +105,7 @@ def test_fsdp_on_gloo_without_overlap_uses_one_shared_gloo_bucketer(monkeypatch:
     assert all(unit._reducer is root._reducer and unit._prefetcher is None for unit in units)
 
 
+@pytest.mark.workaround(3)
 def test_gloo_bucketer_equals_a_plain_reduce_scatter_on_one_rank() -> None:
     bucketer, results = GlooReduceScatterBucketer(bucket_cap_mb=1), []
     small, large = torch.randn(5), torch.randn(300_000)  # the large one does not fit a 1 MB bucket: sent at once
@@ -117,6 +122,7 @@ def test_gloo_bucketer_equals_a_plain_reduce_scatter_on_one_rank() -> None:
     assert all(torch.equal(r, e) for r, e in zip(results, expected))
 
 
+@pytest.mark.workaround(3)
 def test_fairscales_bucketer_fails_on_gloo_where_ours_works() -> None:
     """Why GlooReduceScatterBucketer exists: gloo refuses FairScale's 2-d bucket input."""
     tensor = torch.randn(5)
@@ -130,6 +136,7 @@ def test_fairscales_bucketer_fails_on_gloo_where_ours_works() -> None:
 
 
 @pytest.mark.parametrize("bucketer", [ReduceScatterBucketer, GlooReduceScatterBucketer])
+@pytest.mark.workaround(9)
 def test_our_bucketers_are_freed_with_their_last_reference(bucketer: type) -> None:
     ours = bucketer(bucket_cap_mb=1)
     assert ours._get_shard_size(4, 2) == 2**20 // 4 // 2
@@ -151,6 +158,7 @@ def test_fairscales_bucketer_is_kept_alive_by_its_cache() -> None:
 
 
 @pytest.mark.parametrize(("cap", "element_size", "shards"), [(25, 4, 2), (1, 2, 3), (3, 8, 7), (0, 4, 2), (-1, 4, 2)])
+@pytest.mark.workaround(9)
 def test_shard_sizes_are_fairscales(cap: int, element_size: int, shards: int) -> None:
     theirs = fairscale_bucketer.ReduceScatterBucketer(cap)
     try:
@@ -175,6 +183,7 @@ def with_grads(grads: list[torch.Tensor]) -> list[nn.Parameter]:
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
 @pytest.mark.parametrize("max_norm", [0.1, 1e4], ids=["clipped", "unclipped"])
+@pytest.mark.workaround(4)
 def test_clip_grad_norm_equals_torchs(norm_type: float, max_norm: float) -> None:
     grads = gradients()
     ours, theirs = with_grads(grads), with_grads(grads)
@@ -189,11 +198,13 @@ def test_clip_grad_norm_equals_torchs(norm_type: float, max_norm: float) -> None
     assert changed == (max_norm == 0.1)
 
 
+@pytest.mark.workaround(4)
 def test_global_grad_norm_of_nothing_is_zero() -> None:
     assert global_grad_norm([], 2.0).item() == 0.0
     assert global_grad_norm([], math.inf).item() == 0.0
 
 
+@pytest.mark.workaround(4)
 def test_fsdp_clip_grad_norm_on_cpu_equals_torch_on_the_plain_model() -> None:
     model, reference = Net(), Net()
     root = wrap(model, policy={Block})
@@ -225,6 +236,7 @@ def scaled_steps(scaler: Any, poison: list[bool]) -> tuple[dict[str, torch.Tenso
     return parameters_of(model), scales
 
 
+@pytest.mark.workaround(5)
 def test_sharded_grad_scaler_on_one_rank_equals_torchs_grad_scaler() -> None:
     poison = [False, True, False, True, True]
     ours = scaled_steps(ShardedGradScaler(device="cpu", init_scale=2.0**8), poison)
@@ -245,6 +257,7 @@ def test_sharded_grad_scaler_disabled_does_not_scale() -> None:
     assert all(torch.equal(params[n], v) for n, v in parameters_of(model).items())
 
 
+@pytest.mark.workaround(6)
 def test_bf16_compute_really_computes_in_bf16() -> None:
     """FairScale casts the root's float32 inputs to fp16 whatever compute_dtype is; ours casts to compute_dtype."""
     root = wrap(Net(), policy={Block}, mixed_precision=True, compute_dtype=torch.bfloat16)
@@ -256,6 +269,7 @@ def test_bf16_compute_really_computes_in_bf16() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.workaround(21)
 def test_mixed_precision_on_one_rank_trains_the_fp32_parameters_with_fp32_gradients(dtype: torch.dtype) -> None:
     """Workaround 21: on one rank FairScale left the flat parameter's gradient in the compute dtype, which the
     optimizer's fp32 views refused at the first backward. The steps equal a half copy's gradients applied in fp32."""
@@ -272,6 +286,7 @@ def test_mixed_precision_on_one_rank_trains_the_fp32_parameters_with_fp32_gradie
 
 
 @pytest.mark.parametrize("no_sync", [False, True], ids=["sync-each-batch", "no-sync"])
+@pytest.mark.workaround(21)
 def test_mixed_precision_on_one_rank_accumulates(no_sync: bool) -> None:
     """Workaround 21 with accumulation: reducing every micro-batch (``sync_each_batch=True``), the second backward
     adds its half gradient to the fp32 one the first left; in ``no_sync`` (Lightning's default), the half gradients
@@ -305,6 +320,7 @@ def test_fairscale_alone_refuses_a_model_held_in_bf16(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("built_in", ["half", "fp32"], ids=["converted-before", "fp32-model"])
 @pytest.mark.parametrize("flatten", [False, True], ids=["unflattened", "flattened"])
+@pytest.mark.workaround(13)
 def test_a_true_half_precision_unit_holds_and_computes_in_its_dtype(
     dtype: torch.dtype, built_in: str, flatten: bool
 ) -> None:

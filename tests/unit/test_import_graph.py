@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +31,7 @@ ENGINE = (
     "distributed",
     "distributed.collectives",
     "distributed.exchanges",
+    "distributed.fairscale_private",
     "distributed.process_exit",
     "distributed.torch_private",
     "fsdp",
@@ -399,3 +403,174 @@ def test_the_package_keeps_small_files_and_few_top_level_modules() -> None:
     assert sizes["strategies/fully_sharded.py"] < 450 and sizes["fabric/fully_sharded.py"] < 450
     assert not {name: size for name, size in sizes.items() if size > 500}
     assert len([path for path in SOURCE.glob("*.py")]) <= 6
+
+
+#: The one module that imports FairScale's private names and lists the private attributes of FairScale's objects
+#: that the package uses (the engine's lowest layer, beside ``torch_private``).
+FAIRSCALE_PRIVATE = Path("distributed") / "fairscale_private.py"
+
+
+def _defined_private_names(tree: ast.Module) -> set[str]:
+    """The private names a module defines: at its top level (functions, classes, assignments), in a class body
+    (methods, class attributes), or as an attribute it stores on any object (``self._x = ...``, ``p._x = ...``,
+    ``setattr(obj, "_x", ...)``)."""
+    found = set()
+    for body in [tree.body] + [node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                found.add(node.args[1].value)
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):  # ``self.__x``: ``_Class__x``
+        inside = _defined_private_names(ast.Module(body=cls.body, type_ignores=[]))
+        found.update(f"_{cls.name.lstrip('_')}{name}" for name in inside if name.startswith("__"))
+    return {name for name in found if _private(name)}
+
+
+def _torch_private_names() -> set[str]:
+    """The private names of the torch classes FairScale's classes extend (a module's ``_parameters``, an optimizer's
+    ``_opt_called``, a scaler's ``_enabled``...): torch's, which the torch test above covers."""
+    import torch
+
+    written = (torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, torch.autograd.Function)
+    names = {name for cls in (*written, torch.Tensor) for name in dir(cls) if _private(name)}
+    for cls in written:  # and what their methods store (a tensor's attributes are all in its ``dir``)
+        tree = ast.parse(Path(inspect.getfile(cls)).read_text())
+        (body,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__]
+        names |= _defined_private_names(ast.Module(body=[body], type_ignores=[]))
+    return names
+
+
+def fairscale_private_names() -> set[str]:
+    """Every private name FairScale's installed sources define, less torch's and Lightning's."""
+    spec = importlib.util.find_spec("fairscale")
+    assert spec is not None and spec.origin is not None
+    names: set[str] = set()
+    for path in Path(spec.origin).parent.rglob("*.py"):
+        names |= _defined_private_names(ast.parse(path.read_text()))
+    return names - _torch_private_names() - PRIVATE_ATTRIBUTES
+
+
+def _fairscale_members(path: Path, tree: ast.Module) -> dict[ast.ClassDef, set[str]]:
+    """The classes of one of our modules that extend a FairScale class (directly or through one of ours), each with
+    the names the FairScale classes among its bases define (their ``vars``). A class's bases are evaluated in the
+    imported module's namespace; one made inside a function on a local base counts as extending none."""
+    dotted = ".".join(("lightning_fairscale", *path.relative_to(SOURCE).with_suffix("").parts))
+    namespace = vars(importlib.import_module(dotted.removesuffix(".__init__")))
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            members: set[str] = set()
+            for base in node.bases:
+                try:
+                    value = eval(compile(ast.Expression(base), str(path), "eval"), namespace)  # noqa: S307
+                except NameError:
+                    continue
+                mro = value.__mro__ if isinstance(value, type) else ()
+                members.update(*(vars(c) for c in mro if c.__module__.split(".")[0] == "fairscale"))
+            if members:
+                found[node] = members
+    return found
+
+
+def _class_body_names(node: ast.ClassDef) -> set[str]:
+    """The methods and class attributes a class's body defines (annotations alone define nothing)."""
+    names = {m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assigned = [t for m in node.body if isinstance(m, ast.Assign) for t in m.targets]
+    return names | {t.id for t in assigned if isinstance(t, ast.Name)}
+
+
+def fairscale_private_uses() -> dict[str, set[str]]:
+    """Where the package uses FairScale's private names: name -> {"path:line"} (the rule: see the test below)."""
+    names = fairscale_private_names()
+    uses: dict[str, set[str]] = {}
+    for path in SOURCE.rglob("*.py"):
+        relative = path.relative_to(SOURCE)
+        if relative.parts[0] == "lightning" or relative == FAIRSCALE_PRIVATE:
+            continue
+        tree = ast.parse(path.read_text())
+        fairscale_classes = _fairscale_members(path, tree)
+        ours: dict[ast.AST, set[str]] = {}  # a method's ``self``/``cls`` -> the names that are ours on it
+        found: list[tuple[str, ast.AST]] = []
+        for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+            own = _class_body_names(cls)
+            if cls in fairscale_classes:  # FairScale's object: its own methods and attributes are FairScale's
+                found += [(name, cls) for name in own & names & fairscale_classes[cls]]  # overrides
+                own -= fairscale_classes[cls]
+            else:  # our object: nothing on ``self`` is FairScale's (it is ours, torch's or Lightning's)
+                own = names
+            for method in cls.body:
+                if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.args.args:
+                    first = method.args.args[0].arg
+                    ours.update({n: own for n in ast.walk(method) if isinstance(n, ast.Name) and n.id == first})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in names and node.attr not in ours.get(node.value, ()):
+                found.append((node.attr, node))
+            elif isinstance(node, ast.Constant) and node.value in names:  # getattr(unit, "_is_root"), lists of names
+                found.append((node.value, node))
+        for name, node in found:
+            uses.setdefault(name, set()).add(f"{relative}:{getattr(node, 'lineno', 0)}")
+    return uses
+
+
+def test_the_fairscale_private_list_is_what_the_package_uses() -> None:
+    """``distributed/fairscale_private.py``'s ``PRIVATE_ATTRIBUTES`` lists exactly the private FairScale names the
+    package uses.
+
+    FairScale's private names: every name starting with ``_`` (not ``__x__``) that FairScale's installed sources
+    define: at a module's top level, in a class body (a method, a class attribute), or stored on any object
+    (``self._is_root = ...``, ``p._fp32_shard = ...``, ``setattr``), a ``__x`` of a class ``C`` under its mangled name
+    ``_C__x``. Less torch's: the names of the torch classes
+    FairScale's extend (``nn.Module``, ``Optimizer``, ``GradScaler``, ``autograd.Function``, ``Tensor``: their ``dir``
+    and what their methods store), which are torch's and ``torch_private``'s concern; less Lightning's attributes
+    (``_compat.PRIVATE_ATTRIBUTES``).
+
+    A use, in any module of ours (less the generated ``lightning/`` and ``fairscale_private.py`` itself): an
+    attribute ``obj._x`` (read, written, called, deleted), a string ``"_x"`` (``getattr``, ``__dict__`` keys, lists of
+    attribute names), or a method or class attribute ``_x`` of a class of ours that extends a FairScale class which
+    defines ``_x`` (an override). A name both ours and FairScale's: ``self._x`` (the first argument of a method) is
+    never counted in a class of ours that extends no FairScale class (its attributes are ours, torch's or
+    Lightning's), nor, in one that extends a FairScale class, when the class defines ``_x`` itself and no FairScale
+    class among its bases does (a method of ours, e.g. our unit's ``_forward``); a module-level ``_x`` of ours is a
+    name, not an attribute, and never counted.
+    """
+    from lightning_fairscale.distributed.fairscale_private import PRIVATE_ATTRIBUTES as LISTED
+
+    used = fairscale_private_uses()
+    unlisted = {name: sorted(where) for name, where in used.items() if name not in LISTED}
+    assert not unlisted, f"FairScale private names used but not in fairscale_private.PRIVATE_ATTRIBUTES: {unlisted}"
+    assert sorted(set(LISTED) - set(used)) == [], "listed in fairscale_private.PRIVATE_ATTRIBUTES but no longer used"
+
+
+def _private_fairscale_import(node: ast.AST) -> list[str]:
+    """What ``node`` imports from FairScale that is private: a ``_`` name or module, or anything of
+    ``fairscale.internal`` (FairScale's helpers, outside its API)."""
+    def private_module(module: str) -> bool:
+        parts = module.split(".")
+        return parts[0] == "fairscale" and (parts[1:2] == ["internal"] or any(map(_private, parts)))
+
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if private_module(alias.name)]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "fairscale":
+        module = node.module or ""
+        return [f"{module}.{a.name}" for a in node.names if private_module(f"{module}.{a.name}") or _private(a.name)]
+    return []
+
+
+def test_only_the_fairscale_private_module_imports_private_fairscale_names() -> None:
+    offenders = []
+    for path in SOURCE.rglob("*.py"):
+        relative = path.relative_to(SOURCE)
+        if relative.parts[0] == "lightning" or relative == FAIRSCALE_PRIVATE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            line = getattr(node, "lineno", 0)
+            offenders += [f"{relative}:{line}: {name}" for name in _private_fairscale_import(node)]
+    assert not offenders, offenders

@@ -46,6 +46,7 @@ def test_full_precision_becomes_the_strategys_plugin(strategy: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["fsdp", "sharded"])
 @pytest.mark.parametrize(("precision", "scaler"), [("16-mixed", ShardedGradScaler), ("bf16-mixed", type(None))])
+@pytest.mark.workaround(5)
 def test_mixed_precision_gets_a_sharded_scaler_for_fp16_only(strategy: str, precision: str, scaler: type) -> None:
     lightnings = MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
     plugin = SELECT[strategy](lightnings)
@@ -163,6 +164,7 @@ def plain_gradients() -> nn.Module:
 @pytest.mark.parametrize(
     "plugin", [FullyShardedPrecisionPlugin(), FullyShardedMixedPrecisionPlugin("bf16-mixed", "cpu")], ids=["32", "bf16"]
 )
+@pytest.mark.workaround(4)
 def test_fsdp_plugins_clip_by_the_norm_of_all_shards(plugin: Precision) -> None:
     model, reference = Net(), plain_gradients()
     sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
@@ -194,6 +196,7 @@ def test_sharded_plugins_clip_through_oss_and_plain_optimizers(plugin: Precision
         assert any(not torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain_gradients().parameters()))
 
 
+@pytest.mark.workaround(21)
 def test_fabric_on_one_process_trains_in_bf16_mixed_precision() -> None:
     """``Fabric(devices=1, precision="bf16-mixed")`` with the FSDP strategy (workaround 21: it failed at the first
     backward): the steps equal a bf16 copy's gradients applied to the fp32 parameters."""

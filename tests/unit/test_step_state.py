@@ -99,6 +99,7 @@ def test_a_frozen_parameter_gets_no_gradient_and_no_update() -> None:
     assert unit.params[0].grad is None
 
 
+@pytest.mark.workaround(28)
 def test_a_unit_frozen_at_set_up_trains_once_unfrozen() -> None:
     schedule = [("blocks.0",), (), ()]
     sharded, reference, plain, _ = train_both(schedule, frozen_at_setup=("blocks.0",))
@@ -157,6 +158,7 @@ def gan_step(model: nn.Module, g_opt: Any, d_opt: Any, x: Tensor, z: Tensor, bac
 
 
 @pytest.mark.parametrize("detach", [True, False])
+@pytest.mark.workaround(28)
 def test_backward_passes_inside_the_roots_forward_train_as_unsharded(detach: bool) -> None:
     model, reference = TwoUnits(), TwoUnits()
     g_opt = torch.optim.Adam(model.generator.parameters(), lr=0.05)

@@ -34,6 +34,7 @@ def _backward(wrapper: ShardedDataParallel, trainability: Trainability, seed: in
     trainability.end_backward()
 
 
+@pytest.mark.workaround(24)
 def test_a_model_left_in_training_mode_under_an_eval_wrapper_is_reduced(process_group: Any) -> None:
     """Workaround 24: Lightning's validation sets the wrapper to eval and restores the LightningModule only."""
     wrapper, trainability, _ = _wrapped()
@@ -67,6 +68,7 @@ def test_freezing_is_followed_in_the_next_forward_with_a_graph_only(process_grou
     assert len(wrapper._grad_hooks) == 2 and wrapper.module[0].weight.grad is None
 
 
+@pytest.mark.workaround(24)
 def test_a_second_backward_after_one_forward_reduces_too(process_group: Any) -> None:
     """Workaround 24: FairScale arms its end-of-backward flush in the forward pass only."""
     wrapper, trainability, _ = _wrapped()
@@ -97,6 +99,7 @@ def test_close_removes_the_hooks(process_group: Any) -> None:
     assert not wrapper._forward_pre_hooks and not wrapper._forward_hooks
 
 
+@pytest.mark.workaround(25)
 def test_clip_grad_norm_counts_parameters_frozen_at_the_first_call(process_group: Any) -> None:
     """Workaround 25: OSS keeps the list of gradients of its first ``clip_grad_norm`` call."""
     wrapper, trainability, optimizer = _wrapped()

@@ -4,8 +4,8 @@ torch may rename or remove a private name in any release; reaching them all thro
 breaks this one file, with an error that names what moved. No other module of the package imports a private torch
 name or reads a private attribute of a torch module (``torch._C``, ``torch.distributed.distributed_c10d._...``):
 ``tests/unit/test_import_graph.py`` checks it. Lightning's private names live in :mod:`lightning_fairscale._compat`,
-which imports Lightning; this module is the engine's, the lowest layer, importable without Lightning. (FairScale's
-private attributes are another matter: FairScale is frozen, and ``fsdp/unit/units.py`` lists what we rely on.)
+which imports Lightning; this module is the engine's, the lowest layer, importable without Lightning. FairScale's
+private names and attributes live beside it, in :mod:`~lightning_fairscale.distributed.fairscale_private`.
 
 Checked against torch 2.4 to 2.13.
 """

@@ -11,7 +11,7 @@ changed, and refuses the one change that cannot be followed (between micro-batch
 to be reduced) with what to do. It also holds the state of a step's micro-batches under ``sync_each_batch``
 (:meth:`Trainability.begin_backward`).
 
-FairScale workarounds (the list is the docstring of ``lightning_fairscale/fsdp/unit/units.py``):
+FairScale workarounds (the numbered table is :mod:`lightning_fairscale.fsdp.patches.workarounds`):
 
 24. **ShardedDataParallel's detection of trainability changes (all devices).** FairScale re-derives in its
     ``forward`` when it sees a change, and misses or mishandles these:

@@ -1,2 +1,2 @@
-"""FairScale 0.4.13's gaps, one module per workaround (the numbered list in :mod:`.workarounds`): the lowest
+"""FairScale 0.4.13's gaps, one module per workaround (the numbered table in :mod:`.workarounds`): the lowest
 layer of the FSDP engine, which imports nothing else of it."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fairscale.internal import reduce_scatter_bucketer as _rs_bucketer
 from torch import Tensor
 
 from lightning_fairscale.distributed import collectives
+from lightning_fairscale.distributed.fairscale_private import reduce_scatter_bucketer as _rs_bucketer
 
 __all__ = [
     "GlooReduceScatterBucketer",

@@ -28,10 +28,10 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
-from fairscale.internal import reduce_scatter_bucketer as _bucketer_module
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as _fsdp_module
 
 from lightning_fairscale.distributed.collectives import current_name
+from lightning_fairscale.distributed.fairscale_private import reduce_scatter_bucketer as _bucketer_module
 
 __all__ = [
     "FAIRSCALE_MODULES",

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
-from fairscale.internal.containers import apply_to_tensors
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import Tensor, nn
 
 from lightning_fairscale.distributed import exchanges
+from lightning_fairscale.distributed.fairscale_private import apply_to_tensors
 from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank
 from lightning_fairscale.fsdp.patches import prefetch
 from lightning_fairscale.fsdp.unit import copying, frozen_params, original_params, param_views, recompute, recovery
