@@ -404,8 +404,9 @@ def test_unit_summary_and_memory_figures_show_the_sharding(runs: Jobs) -> None:
     memory = result["memory"]
     # Each rank holds about half of the parameters (plus padding), and Adam's two moments for them.
     assert total * 4 / 2 <= memory["memory/parameters_bytes"] <= total * 4 / 2 + 3 * 4
-    # Memory is counted by storage: gradient shards that were views into FairScale's reduce-scatter bucket would
-    # count as the whole 12.5 MiB bucket (workaround 8 of fsdp/unit/units.py), not as the shards' 18 KiB.
+    # Memory is counted by storage: a gradient shard that were a view into a reduce-scatter bucket would count as
+    # the whole 12.5 MiB bucket, not as the shard's 18 KiB (on CPU the overlapping reducer of workaround 16 makes
+    # compact shards; workaround 8's own test is in tests/unit/test_workarounds.py).
     assert memory["memory/gradients_bytes"] == memory["memory/parameters_bytes"]
     assert 2 * memory["memory/parameters_bytes"] <= memory["memory/optimizer_state_bytes"]
 
