@@ -43,12 +43,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale._adapters import (
-    ShardedDDPOptions,
     check_spawn_start_method,
     config_arguments,
     lightning_arguments,
     register_strategies,
 )
+from lightning_fairscale._adapters.options import ShardedDDPOptions
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
@@ -87,7 +87,8 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     while fitting (validation, test and predict run on the plain module). Checkpoints hold the model's and a plain
     optimizer's state dicts, consolidated on rank 0, so they load without FairScale and resume on any number of
     processes. Runs on GPUs (NCCL) and on CPUs (gloo). The options are kept in :attr:`config` and are typed properties
-    (:class:`~lightning_fairscale._adapters.ShardedDDPOptions`), fixed at setup but ``lightning_1x_optimizer_state``.
+    (:class:`~lightning_fairscale._adapters.options.ShardedDDPOptions`), fixed at setup but
+    ``lightning_1x_optimizer_state``.
 
     Args:
         accelerator: the accelerator; the Trainer sets it.
