@@ -27,7 +27,8 @@ from scenarios.sharded_train import CASES, MATRIX_WEIGHT_DECAY, VECTOR_LR_FACTOR
 from conftest import TESTS, run_script
 from lightning_fairscale.precision.sharded import ShardedMixedPrecisionPlugin
 from lightning_fairscale.strategies import DDPShardedStrategy, DDPSpawnShardedStrategy
-from lightning_fairscale.strategies.sharded import _EndOfFit, _SpawnLauncher, _writes_optimizer_states, shard_optimizer
+from lightning_fairscale.strategies._spawned_fit import EndOfFit, SpawnLauncher, writes_optimizer_states
+from lightning_fairscale.strategies.sharded import shard_optimizer
 
 ATOL = 1e-5
 SCRIPT = TESTS / "scenarios" / "sharded_train.py"
@@ -376,15 +377,15 @@ def test_a_spawned_fit_gathers_the_optimizer_state_at_its_end_only_if_its_checkp
     kwargs: dict[str, Any], gathers: bool
 ) -> None:
     trainer = Trainer(strategy="ddp_sharded_spawn", accelerator="cpu", devices=2, logger=False, **kwargs)
-    assert _writes_optimizer_states(trainer) is gathers
+    assert writes_optimizer_states(trainer) is gathers
 
 
 @pytest.mark.parametrize("strategy", ["ddp_sharded_spawn", DDPShardedStrategy(start_method="fork")])
 def test_processes_started_after_fit_get_no_end_of_fit_state(strategy: Any) -> None:
     """``validate`` or ``test`` after a spawned ``fit`` pickle the launcher into new processes: without the state."""
     launcher = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False).strategy.launcher
-    assert isinstance(launcher, _SpawnLauncher)
-    launcher.end_of_fit = _EndOfFit({"global_step": 2}, optimizer_state_left_out=False)
+    assert isinstance(launcher, SpawnLauncher)
+    launcher.end_of_fit = EndOfFit({"global_step": 2}, optimizer_state_left_out=False)
     assert pickle.loads(pickle.dumps(launcher)).end_of_fit is None
     assert launcher.end_of_fit is not None
 

@@ -89,9 +89,9 @@ ENGINE = (
     "sharded_ddp.trainability",
 )
 
-#: The adapters' shared knowledge of Lightning's arguments and registries, which imports no Lightning either, so that
-#: the Trainer's adapters, Fabric's and their ``lightning`` flavour share it.
-ADAPTERS_WITHOUT_LIGHTNING = ("_adapters",)
+#: The adapters' shared knowledge of Lightning's arguments and registries, and the options' typed properties, which
+#: import no Lightning either, so that the Trainer's adapters, Fabric's and their ``lightning`` flavour share them.
+ADAPTERS_WITHOUT_LIGHTNING = ("_adapters", "_adapters.options")
 
 
 def _module_file(name: str) -> Path:
@@ -156,8 +156,8 @@ def test_an_engine_module_imports_no_lightning_module(name: str) -> None:
 
 
 #: The engine's folders, lowest first: a folder imports only folders of lower layers, so there is no cycle between
-#: them. The adapters (``strategies``, ``fabric``, ``precision``,
-#: ``plugins``, ``callbacks``) sit above all of them; the command-line tools (``consolidate``, ``convert_1x``) too.
+#: them. The adapters (``strategies``, ``fabric``, ``precision``, ``plugins``, ``callbacks``, and ``_adapters``, what
+#: they share) sit above all of them; the command-line tools (``consolidate``, ``convert_1x``) too.
 LAYERS = (("distributed",), ("mixed_precision",), ("checkpoint",), ("fsdp", "sharded_ddp"))
 
 
@@ -173,7 +173,7 @@ def _folder_imports(folder: str) -> set[str]:
 def test_the_engine_folders_are_layers_without_cycles() -> None:
     rank = {folder: level for level, folders in enumerate(LAYERS) for folder in folders}
     assert set(rank) == {p.name for p in SOURCE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} - {
-        "strategies", "fabric", "precision", "plugins", "callbacks", "lightning"
+        "strategies", "fabric", "precision", "plugins", "callbacks", "lightning", "_adapters"
     }, "a new folder: place it in LAYERS (engine) or among the adapters"
     for folder, level in rank.items():
         above = sorted(name for name in _folder_imports(folder) if rank.get(name, len(LAYERS)) >= level)

@@ -1,4 +1,4 @@
-"""The strategies' options (``_adapters.FullyShardedOptions``, ``_adapters.ShardedDDPOptions``): typed properties
+"""The strategies' options (``_adapters.options.FullyShardedOptions``, ``ShardedDDPOptions``): typed properties
 that mypy sees, written in the source with their docstrings; before setup each may change, after it only those the
 strategy reads at each use (``state_dict_type``, ``lightning_1x_optimizer_state``), the others raise at once.
 
@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fairscale import _adapters, fabric, strategies
+from lightning_fairscale import fabric, strategies
+from lightning_fairscale._adapters import options
 
 from .helpers import fabric_on_one_process
 
@@ -60,7 +61,7 @@ def test_a_strategy_is_lightnings_class_and_the_mixin_adds_names_lightning_does_
     option (so the mixin changes nothing of Lightning's behaviour); the Trainer's ``isinstance`` checks hold."""
     mro = strategy_class.__mro__
     lightning = [c for c in mro[:-1] if c.__module__.split(".")[0] != "lightning_fairscale"]
-    mixin = next(c for c in mro if c.__module__ == _adapters.__name__)
+    mixin = next(c for c in mro if c.__module__ == options.__name__)
     assert mro.index(lightning[0]) < mro.index(mixin) and issubclass(strategy_class, lightning[0])
     ours = {name for klass in mixin.__mro__[:-1] for name in vars(klass) if not name.startswith("__")}
     theirs = {name for klass in lightning for name in dir(klass)} | set(vars(lightning[0]()))

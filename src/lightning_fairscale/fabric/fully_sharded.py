@@ -28,8 +28,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale._adapters import FullyShardedOptions, config_arguments, lightning_arguments
-from lightning_fairscale._adapters import register_strategies
+from lightning_fairscale._adapters import config_arguments, lightning_arguments, register_strategies
+from lightning_fairscale._adapters.options import FullyShardedOptions
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import config as fsdp_config, engine as fsdp_engine
@@ -64,7 +64,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
     passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``. The
-    options are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`), fixed at launch.
+    options are typed properties (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`), fixed at launch.
 
     * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
       strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``

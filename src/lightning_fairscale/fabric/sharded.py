@@ -27,12 +27,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale._adapters import (
-    ShardedDDPOptions,
     check_spawn_start_method,
     config_arguments,
     lightning_arguments,
     register_strategies,
 )
+from lightning_fairscale._adapters.options import ShardedDDPOptions
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
@@ -65,7 +65,8 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
 
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric
     passes its precision plugin as ``precision``. Registered as ``"ddp_sharded"``. The options are typed properties
-    (:class:`~lightning_fairscale._adapters.ShardedDDPOptions`), fixed at launch but ``lightning_1x_optimizer_state``.
+    (:class:`~lightning_fairscale._adapters.options.ShardedDDPOptions`), fixed at launch but
+    ``lightning_1x_optimizer_state``.
 
     * ``fabric.setup(model, optimizer, scheduler=...)`` (together: ``ShardedDataParallel`` needs the optimizers):
       each optimizer is rebuilt as ``fairscale.optim.OSS`` and returned in its place, and the LR scheduler given is

@@ -21,8 +21,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale._adapters import FullyShardedOptions, config_arguments, lightning_arguments
-from lightning_fairscale._adapters import register_strategies
+from lightning_fairscale._adapters import config_arguments, lightning_arguments, register_strategies
+from lightning_fairscale._adapters.options import FullyShardedOptions
 from lightning_fairscale._compat import _PATH, _optimizers_to_device, precision_plugin_property, take_trainer_compile
 from lightning_fairscale._compat import attached_trainer, collective_timeout, layer_sync_plugin, plain_optimizer
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
@@ -57,7 +57,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
 
     Lightning 1.x's strategy: shards parameters, gradients and optimizer state (ZeRO stage 3), on GPUs and CPUs. The
     options are checked once into :attr:`config` (a frozen :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`,
-    which details them) and are typed properties (:class:`~lightning_fairscale._adapters.FullyShardedOptions`).
+    which details them) and are typed properties (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`).
 
     Args:
         accelerator: the accelerator; the Trainer sets it.

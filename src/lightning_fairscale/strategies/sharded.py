@@ -9,11 +9,7 @@ to the rank that owns its parameter (stage 2). Parameters stay whole on every ra
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional
 
@@ -30,7 +26,7 @@ from lightning_fairscale._compat import (
     use_multiprocessing_launcher,
 )
 from lightning_fairscale._compat import _PATH, _optimizers_to_device
-from lightning_fairscale._compat import _MockOptimizer, _MultiProcessingLauncher
+from lightning_fairscale._compat import _MockOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -42,12 +38,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fairscale._adapters import (
-    ShardedDDPOptions,
     check_spawn_start_method,
     config_arguments,
     lightning_arguments,
     register_strategies,
 )
+from lightning_fairscale._adapters.options import ShardedDDPOptions
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.sharded_ddp import config as sharded_config
@@ -73,6 +69,7 @@ from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callback
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
+from lightning_fairscale.strategies._spawned_fit import SpawnLauncher, end_of_fit_state
 
 __all__ = ["DDPShardedStrategy", "DDPSpawnShardedStrategy", "shard_optimizer"]
 
@@ -86,7 +83,8 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     while fitting (validation, test and predict run on the plain module). Checkpoints hold the model's and a plain
     optimizer's state dicts, consolidated on rank 0, so they load without FairScale and resume on any number of
     processes. Runs on GPUs (NCCL) and on CPUs (gloo). The options are kept in :attr:`config` and are typed properties
-    (:class:`~lightning_fairscale._adapters.ShardedDDPOptions`), fixed at setup but ``lightning_1x_optimizer_state``.
+    (:class:`~lightning_fairscale._adapters.options.ShardedDDPOptions`), fixed at setup but
+    ``lightning_1x_optimizer_state``.
 
     Args:
         accelerator: the accelerator; the Trainer sets it.
@@ -265,43 +263,16 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        use_multiprocessing_launcher(self, _SpawnLauncher)  # start_method "spawn", "fork" or "forkserver"
+        use_multiprocessing_launcher(self, SpawnLauncher)  # start_method "spawn", "fork" or "forkserver"
 
     @override
     def on_train_end(self) -> None:
         """At the end of a spawned ``fit``, keep rank 0's training state for the launching process (see
         :class:`DDPSpawnShardedStrategy`)."""
         super().on_train_end()
-        if isinstance(self.launcher, _SpawnLauncher):
+        if isinstance(self.launcher, SpawnLauncher):
             assert self.lightning_module is not None
-            self.launcher.end_of_fit = self._end_of_fit(self.lightning_module.trainer)
-
-    def _end_of_fit(self, trainer: pl.Trainer) -> Optional[_EndOfFit]:
-        """Rank 0's training state (``None`` on the other ranks): every entry of a checkpoint but the module's own.
-
-        The optimizer and LR scheduler states only when the run writes checkpoints that hold them: gathering the
-        sharded optimizer state on rank 0 (a collective call) is what each of those checkpoints does anyway.
-        """
-        gather = _writes_optimizer_states(trainer)
-        optimizer_states = [self.optimizer_state(optimizer) for optimizer in trainer.optimizers] if gather else []
-        if not self.is_global_zero:
-            return None
-        # Set on the Trainer by Lightning's connectors, not declared on its class.
-        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        datamodule: Optional[pl.LightningDataModule] = trainer.datamodule  # type: ignore[attr-defined]
-        entries: dict[str, Any] = {
-            "epoch": trainer.current_epoch,
-            "global_step": trainer.global_step,
-            "loops": {name: getattr(trainer, name).state_dict() for name in _LOOPS},
-            "callbacks": {cb.state_key: state for cb in callbacks if (state := cb.state_dict())},
-            "optimizer_states": optimizer_states,
-            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs if gather],
-        }
-        for owner in (trainer.precision_plugin, datamodule):  # Lightning keys their states by class name
-            owner_state = owner.state_dict() if owner is not None else None
-            if owner_state:
-                entries[type(owner).__qualname__] = owner_state
-        return _EndOfFit(entries, optimizer_state_left_out=bool(trainer.optimizers) and not gather)
+            self.launcher.end_of_fit = end_of_fit_state(self, self.lightning_module.trainer)
 
     @override
     def save_checkpoint(
@@ -309,7 +280,7 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     ) -> None:
         """Write the checkpoint (rank 0); in the process that launched a spawned ``fit``, with the training state
         rank 0 had at its end (see :class:`DDPSpawnShardedStrategy`)."""
-        end_of_fit = self.launcher.end_of_fit if isinstance(self.launcher, _SpawnLauncher) else None
+        end_of_fit = self.launcher.end_of_fit if isinstance(self.launcher, SpawnLauncher) else None
         if end_of_fit is not None:
             checkpoint = end_of_fit.complete(checkpoint, type(self).__name__)
         if self.is_global_zero:  # in the background where the plugin saves there
@@ -407,86 +378,3 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
     ) -> None:
         check_spawn_start_method(start_method)
         super().__init__(*args, start_method=start_method, **kwargs)  # type: ignore[misc]  # keyword-only here
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The end of a spawned `fit`: Lightning's launcher brings the weights and the callback metrics back to the launching
-# process, whose Trainer never trained; this one also brings rank 0's training state, for `trainer.save_checkpoint`.
-
-#: Lightning's loops, whose states a checkpoint holds under ``"loops"``.
-_LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
-#: The entries that say how far training got: every checkpoint has them, ``weights_only`` ones too.
-_PROGRESS = ("epoch", "global_step", "loops")
-#: The launcher's extra result that names the folder of the end-of-fit state, and the file in it.
-_END_OF_FIT, _END_OF_FIT_FILE = "lightning_fairscale_end_of_fit", "end-of-fit.pt"
-
-
-def _writes_optimizer_states(trainer: pl.Trainer) -> bool:
-    """Whether the run writes checkpoints with the optimizer state: it has a checkpoint callback without
-    ``save_weights_only`` (Lightning's default ``ModelCheckpoint`` is one)."""
-    return any(not getattr(callback, "save_weights_only", False) for callback in trainer.checkpoint_callbacks)
-
-
-@dataclass
-class _EndOfFit:
-    """Rank 0's training state at the end of a spawned ``fit``, for the checkpoints of the launching process."""
-
-    #: Checkpoint entries, as ``trainer.save_checkpoint`` on rank 0 would have written them then, but the module's.
-    entries: dict[str, Any]
-    #: Whether the run had optimizers whose state was not gathered (it wrote no checkpoints that hold it).
-    optimizer_state_left_out: bool
-
-    def complete(self, checkpoint: dict[str, Any], strategy: str) -> dict[str, Any]:
-        """``checkpoint``, of the launching process, with this training state; the module's own entries (weights,
-        hyperparameters, what its ``on_save_checkpoint`` added) stay the launching process's."""
-        if "optimizer_states" not in checkpoint:  # `weights_only=True`
-            return {**checkpoint, **{key: self.entries[key] for key in _PROGRESS}}
-        if self.optimizer_state_left_out:
-            rank_zero_warn(
-                f"This checkpoint, saved in the process that launched `fit` with `{strategy}`, holds the weights and"
-                " the training progress but no optimizer state: the run wrote no checkpoints with optimizer state (no"
-                " `ModelCheckpoint`, or `save_weights_only=True`), so its ranks did not gather their shards of it at"
-                " the end of `fit`. Resuming from this checkpoint continues with a fresh optimizer state and fresh LR"
-                " schedulers. For a complete checkpoint here, keep Lightning's checkpointing on"
-                " (`enable_checkpointing=True`, the default), or resume from a checkpoint written during the run."
-            )
-        callbacks = {**checkpoint.get("callbacks", {}), **self.entries["callbacks"]}
-        return {**checkpoint, **self.entries, "callbacks": callbacks}
-
-
-class _SpawnLauncher(_MultiProcessingLauncher):
-    """Lightning's launcher for processes started by ``torch.multiprocessing``, which also brings rank 0's training
-    state at the end of ``fit`` (:class:`_EndOfFit`) back to the launching process."""
-
-    def __init__(self, strategy: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn") -> None:
-        super().__init__(strategy, start_method=start_method)
-        #: Rank 0's state at the end of ``fit``: set there by the strategy, then here in the launching process.
-        self.end_of_fit: Optional[_EndOfFit] = None
-
-    @override
-    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Lightning's extra results (on rank 0), and the folder of a file with the end-of-fit state."""
-        extra = super().get_extra_results(trainer)
-        if self.end_of_fit is not None:
-            # Through a file, as Lightning sends the weights: no pickled copy of the optimizer state in memory.
-            folder = tempfile.mkdtemp()
-            torch.save(self.end_of_fit, os.path.join(folder, _END_OF_FIT_FILE))
-            extra[_END_OF_FIT] = folder
-        return extra
-
-    @override
-    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        """Lightning's (the callback metrics), and the end-of-fit state (in the launching process)."""
-        super().update_main_process_results(trainer, extra)
-        folder = extra.get(_END_OF_FIT)
-        if folder is not None:
-            try:
-                path = os.path.join(folder, _END_OF_FIT_FILE)
-                self.end_of_fit = torch.load(path, map_location="cpu", weights_only=False)  # written by rank 0 above
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-
-    @override
-    def __getstate__(self) -> dict[str, Any]:
-        # The processes started later (`validate` or `test` after `fit`) neither need it nor may write it.
-        return {**super().__getstate__(), "end_of_fit": None}
