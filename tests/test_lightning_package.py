@@ -82,9 +82,11 @@ def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     assert Path(mirror.__file__) == Path(top.__file__).parents[1] / "lightning" / "strategies" / "fully_sharded.py"
     header = "# Generated from lightning_fairscale/strategies/fully_sharded.py by `make lightning`: do not edit."
     assert Path(mirror.__file__).read_text().partition("\n")[0] == header
-    # Each subclasses its package's Lightning class only, and holds the configuration, of one shared class.
-    assert mirror.DDPFullyShardedStrategy.__bases__ == (L.strategies.DDPStrategy,)
-    assert top.DDPFullyShardedStrategy.__bases__ == (pl.strategies.DDPStrategy,)
+    # Each subclasses its package's Lightning class, then the one shared options mixin (which imports no Lightning),
+    # and holds the configuration, of one shared class.
+    options = lightning_fairscale._adapters.options.FullyShardedOptions
+    assert mirror.DDPFullyShardedStrategy.__bases__ == (L.strategies.DDPStrategy, options)
+    assert top.DDPFullyShardedStrategy.__bases__ == (pl.strategies.DDPStrategy, options)
     assert type(mirror.DDPFullyShardedStrategy().config) is type(top.DDPFullyShardedStrategy().config)
     assert type(top.DDPFullyShardedStrategy().config) is FullyShardedConfig
     # Modules without Lightning classes are the same module objects in both.
