@@ -36,6 +36,8 @@ ENGINE = (
     "fsdp.wrapping",
     "fsdp.state",
     "fsdp.engine",
+    "fsdp.model",
+    "fsdp.run",
     "fsdp.state.export",
     "fsdp.unit.frozen_params",
     "fsdp.patches.grad_norm",
@@ -62,6 +64,7 @@ ENGINE = (
     "fsdp.unit.param_views",
     "fsdp.wrapping.policies",
     "fsdp.patches.prefetch",
+    "fsdp.patches.reduce_scatter",
     "fsdp.unit.recovery",
     "fsdp.state.resharding",
     "fsdp.state.saving",
@@ -178,7 +181,8 @@ def test_the_engine_folders_are_layers_without_cycles() -> None:
 
 #: The FSDP engine's own layers, lowest first: FairScale's gaps (``patches``), the unit class and what it knows about
 #: its parameters (``unit``), putting units on a model and taking them off (``wrapping``), optimizer state and
-#: checkpoints (``state``); ``fsdp/config.py`` and ``fsdp/engine.py`` on top. A layer imports only layers below it.
+#: checkpoints (``state``); on top the modules of ``fsdp/`` itself (``config``: the options; ``run``: what a run derives
+#: from them; ``model``: the sharded model; ``engine``: making one). A layer imports only layers below it.
 FSDP_LAYERS = ("patches", "unit", "wrapping", "state")
 
 
@@ -186,7 +190,7 @@ def test_the_fsdp_folders_are_layers() -> None:
     rank = {name: level for level, name in enumerate(FSDP_LAYERS)}
     folders = {p.name for p in (SOURCE / "fsdp").iterdir() if (p / "__init__.py").is_file()}
     assert folders == set(FSDP_LAYERS), "a new folder of fsdp/: place it in FSDP_LAYERS"
-    assert {p.stem for p in (SOURCE / "fsdp").glob("*.py")} == {"__init__", "config", "engine"}
+    assert {p.stem for p in (SOURCE / "fsdp").glob("*.py")} == {"__init__", "config", "engine", "model", "run"}
     offenders = []
     for layer, level in rank.items():
         for path in (SOURCE / "fsdp" / layer).glob("*.py"):
@@ -195,7 +199,7 @@ def test_the_fsdp_folders_are_layers() -> None:
                 parts = name.split(".")
                 if parts[0] != "fsdp" or len(parts) < 2:
                     continue
-                target = rank.get(parts[1], len(FSDP_LAYERS))  # fsdp.config, fsdp.engine: the top
+                target = rank.get(parts[1], len(FSDP_LAYERS))  # fsdp.config, .run, .model, .engine: the top
                 if target > level:
                     offenders.append(f"{module} imports {name}")
     assert offenders == KNOWN_LAYER_BREACHES

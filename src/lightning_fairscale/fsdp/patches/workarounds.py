@@ -111,8 +111,9 @@ The workarounds, and why each is needed:
     unit's reduce-scatter, with the units before it that fit the budget beside the gradients still reducing, and
     the reductions wait before the next unit computes down to what fits beside what is held ahead: while a layer
     computes, at most ``bucket_cap_mb`` beyond its own unit and the forward's last one;
-    ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too (:mod:`~.fsdp.patches.prefetch`; one
-    unit gathered ahead at most), by exchanges (:mod:`~.distributed.exchanges`). Same results; CUDA unchanged.
+    ``backward_prefetch="BACKWARD_PRE"`` overlaps them with the computation too (one unit gathered ahead at most), by
+    exchanges (:mod:`~.distributed.exchanges`): the gathers ahead in :mod:`~.fsdp.patches.prefetch`, the
+    reduce-scatters in flight in :mod:`~.fsdp.patches.reduce_scatter`. Same results; CUDA unchanged.
 17. **The model's own parameters (all devices).** FairScale deletes a unit's parameters from their modules and
     leaves stale views of the full flat parameter in their place (freed memory between steps), and
     ``model.parameters()`` gives its flat parameters. As torch FSDP's ``use_orig_params=True``, each original
