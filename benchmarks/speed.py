@@ -273,7 +273,8 @@ _HOOKS: list[tuple[str, Optional[str], str]] = [
     *(("lightning_fairscale.fsdp.unit.original_params", None, name) for name in ("before_forward", "show", "_hide")),
     *(("lightning_fairscale.fsdp.patches.prefetch", "Prefetcher", name)
       for name in ("forward_started", "forward_ended", "rebuild", "after_post_backward", "settle")),
-    *(("lightning_fairscale.fsdp.patches.prefetch", "AsyncReduceScatter", name)
+    *((module, "AsyncReduceScatter", name)  # in `prefetch` before it had a module of its own (an engine of `--before`)
+      for module in ("lightning_fairscale.fsdp.patches.reduce_scatter", "lightning_fairscale.fsdp.patches.prefetch")
       for name in ("reduce_scatter_async", "settle", "flush")),
     *(
         ("torch.distributed.fsdp._runtime_utils", None, name)
@@ -315,13 +316,15 @@ def install_timers() -> None:
             continue
         if hasattr(module, attribute):
             setattr(module, attribute, TIMERS.wrap(part, getattr(module, attribute)))
+    timed: set[tuple[int, str]] = set()  # a class that two modules name (one imports it from the other): timed once
     for module_name, class_name, attribute in _HOOKS:
         try:
             owner: Any = importlib.import_module(module_name)
         except ImportError:
             continue
         owner = getattr(owner, class_name, None) if class_name else owner
-        if owner is not None and attribute in vars(owner):
+        if owner is not None and attribute in vars(owner) and (id(owner), attribute) not in timed:
+            timed.add((id(owner), attribute))
             setattr(owner, attribute, TIMERS.wrap("hooks", getattr(owner, attribute)))
     # The exchanges that replace gloo's all-gathers and reduce-scatters on CPU: their start and their wait (an engine
     # of `--before` may have none).

@@ -91,7 +91,7 @@ def test_the_flavours_share_everything_but_the_lightning_classes() -> None:
     assert type(top.DDPFullyShardedStrategy().config) is FullyShardedConfig
     # Modules without Lightning classes are the same module objects in both.
     assert mirror.fsdp_engine is top.fsdp_engine
-    assert mirror.fsdp_engine.WrappedModel is top.fsdp_engine.WrappedModel and mirror.ProcessGroups is top.ProcessGroups
+    assert mirror.fsdp_model.WrappedModel is top.fsdp_model.WrappedModel and mirror.ProcessGroups is top.ProcessGroups
     error = lightning_fairscale.plugins.checkpoint_io.CheckpointFileError
     assert for_lightning.plugins.checkpoint_io.CheckpointFileError is error
 

@@ -44,10 +44,10 @@ def test_a_run_holds_nothing_it_no_longer_needs(records: tuple[str, list[dict]])
     for rank, record in enumerate(per_rank):
         assert record["trained"]
         # The module stays sharded after fit: its FSDP units (the root, and each Block: it recomputes its activations)
-        # and their gradient reducer (shared; on CPU the asynchronous one of `fsdp.patches.prefetch`) live as long as
-        # the module does, and the second fit reuses them instead of wrapping again. Once the module is released nothing
-        # is left: FairScale alone kept every unit and bucketer (with their buffers and process groups) for the life
-        # of the process.
+        # and their gradient reducer (shared; on CPU the asynchronous one of `fsdp.patches.reduce_scatter`) live as
+        # long as the module does, and the second fit reuses them instead of wrapping again. Once the module is released
+        # nothing is left: FairScale alone kept every unit and bucketer (with their buffers and process groups) for the
+        # life of the process.
         sharded = strategy == "fsdp_fairscale"
         live_units = {"fsdp_units": 3, "reducers": 1} if sharded else {"fsdp_units": 0, "reducers": 0}
         assert record["after_fit"] == [live_units] * 2, (rank, record)

@@ -85,10 +85,10 @@ def live(cls: type) -> int:
 
 def reducers() -> int:
     """The units' gradient reducers alive: FairScale's bucketers, or on CPU (gloo) the asynchronous reducer of
-    ``fsdp.patches.prefetch`` that replaces them."""
+    ``fsdp.patches.reduce_scatter`` that replaces them."""
     from fairscale.internal.reduce_scatter_bucketer import ReduceScatterBucketer
 
-    from lightning_fairscale.fsdp.patches.prefetch import AsyncReduceScatter
+    from lightning_fairscale.fsdp.patches.reduce_scatter import AsyncReduceScatter
 
     return live(ReduceScatterBucketer) + live(AsyncReduceScatter)
 

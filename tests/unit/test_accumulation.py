@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from lightning_fairscale.fsdp.patches import cpu_streams
-from lightning_fairscale.fsdp.config import FullyShardedConfig, check_settings
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.run import check_settings
 from lightning_fairscale.fsdp.unit.units import fsdp_instances
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 from lightning_fairscale.sharded_ddp import engine as sharded_engine

@@ -19,7 +19,7 @@ from lightning_fairscale import fabric
 from lightning_fairscale.plugins.checkpoint_io import sharded_storage
 from lightning_fairscale.precision import FullyShardedHalfPrecisionPlugin, FullyShardedMixedPrecisionPlugin
 from lightning_fairscale.sharded_ddp import config as sharded_config
-from lightning_fairscale.fsdp import config as fsdp_config
+from lightning_fairscale.fsdp import config as fsdp_config, run as fsdp_run
 from lightning_fairscale.checkpoint.checks import (
     RELAX_FABRIC,
     RELAX_TRAINER,
@@ -181,7 +181,7 @@ def test_fsdp_keeps_the_wrap_controls_as_tuples_or_none() -> None:
 
 def check_settings(strategy: DDPFullyShardedStrategy, device: torch.device) -> None:
     """The strategy's check of its options against the device and its precision plugin (in `setup_environment`)."""
-    fsdp_config.check_settings(strategy.config, device, strategy.precision_plugin.precision)
+    fsdp_run.check_settings(strategy.config, device, strategy.precision_plugin.precision)
 
 
 @pytest.mark.parametrize(("dtype", "flag"), [(torch.float16, "16-mixed"), (torch.bfloat16, "bf16-mixed")])

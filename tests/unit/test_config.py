@@ -25,12 +25,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_
 import lightning_fairscale
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
-from lightning_fairscale.fsdp.config import (
-    FullyShardedConfig,
-    check_settings,
-    fsdp_kwargs,
-    offloads_to_cpu,
-)
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.run import check_settings, fsdp_kwargs, offloads_to_cpu
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.sharded_ddp import engine as sharded_engine
 from lightning_fairscale.sharded_ddp.config import (
@@ -380,7 +376,8 @@ def test_the_configs_build_where_lightning_cannot_be_imported() -> None:
         "for name in ('pytorch_lightning', 'lightning_fabric', 'lightning'): sys.modules[name] = None\n"
         "package = types.ModuleType('lightning_fairscale'); package.__path__ = [sys.argv[1]]\n"
         "sys.modules['lightning_fairscale'] = package\n"
-        "from lightning_fairscale.fsdp.config import FullyShardedConfig, fsdp_kwargs\n"
+        "from lightning_fairscale.fsdp.config import FullyShardedConfig\n"
+        "from lightning_fairscale.fsdp.run import fsdp_kwargs\n"
         "from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups\n"
         "from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs\n"
         "config = FullyShardedConfig(min_num_params=10, fairscale_kwargs={'verbose': True})\n"

@@ -21,7 +21,8 @@ from torch import nn
 from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
 from lightning_fairscale.fsdp.unit import units as fsdp_units
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
-from lightning_fairscale.fsdp.patches.prefetch import AsyncReduceScatter, Prefetcher
+from lightning_fairscale.fsdp.patches.prefetch import Prefetcher
+from lightning_fairscale.fsdp.patches.reduce_scatter import AsyncReduceScatter
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_, global_grad_norm
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 

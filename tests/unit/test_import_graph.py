@@ -40,6 +40,8 @@ ENGINE = (
     "fsdp.wrapping",
     "fsdp.state",
     "fsdp.engine",
+    "fsdp.model",
+    "fsdp.run",
     "fsdp.state.export",
     "fsdp.unit.frozen_params",
     "fsdp.patches.grad_norm",
@@ -66,6 +68,7 @@ ENGINE = (
     "fsdp.unit.param_views",
     "fsdp.wrapping.policies",
     "fsdp.patches.prefetch",
+    "fsdp.patches.reduce_scatter",
     "fsdp.unit.recovery",
     "fsdp.state.resharding",
     "fsdp.state.saving",
@@ -182,7 +185,8 @@ def test_the_engine_folders_are_layers_without_cycles() -> None:
 
 #: The FSDP engine's own layers, lowest first: FairScale's gaps (``patches``), the unit class and what it knows about
 #: its parameters (``unit``), putting units on a model and taking them off (``wrapping``), optimizer state and
-#: checkpoints (``state``); ``fsdp/config.py`` and ``fsdp/engine.py`` on top. A layer imports only layers below it.
+#: checkpoints (``state``); on top the modules of ``fsdp/`` itself (``config``: the options; ``run``: what a run derives
+#: from them; ``model``: the sharded model; ``engine``: making one). A layer imports only layers below it.
 FSDP_LAYERS = ("patches", "unit", "wrapping", "state")
 
 
@@ -190,7 +194,7 @@ def test_the_fsdp_folders_are_layers() -> None:
     rank = {name: level for level, name in enumerate(FSDP_LAYERS)}
     folders = {p.name for p in (SOURCE / "fsdp").iterdir() if (p / "__init__.py").is_file()}
     assert folders == set(FSDP_LAYERS), "a new folder of fsdp/: place it in FSDP_LAYERS"
-    assert {p.stem for p in (SOURCE / "fsdp").glob("*.py")} == {"__init__", "config", "engine"}
+    assert {p.stem for p in (SOURCE / "fsdp").glob("*.py")} == {"__init__", "config", "engine", "model", "run"}
     offenders = []
     for layer, level in rank.items():
         for path in (SOURCE / "fsdp" / layer).glob("*.py"):
@@ -199,7 +203,7 @@ def test_the_fsdp_folders_are_layers() -> None:
                 parts = name.split(".")
                 if parts[0] != "fsdp" or len(parts) < 2:
                     continue
-                target = rank.get(parts[1], len(FSDP_LAYERS))  # fsdp.config, fsdp.engine: the top
+                target = rank.get(parts[1], len(FSDP_LAYERS))  # fsdp.config, .run, .model, .engine: the top
                 if target > level:
                     offenders.append(f"{module} imports {name}")
     assert offenders == KNOWN_LAYER_BREACHES
@@ -394,14 +398,14 @@ def test_only_the_torch_compatibility_module_uses_private_torch_names() -> None:
 
 def test_the_package_keeps_small_files_and_few_top_level_modules() -> None:
     """The sizes a newcomer can read: each front end's FSDP strategy under 450 lines, no hand-written module over
-    500 (the generated copies in ``lightning/`` are the sources' size), at most six modules at the package's top."""
+    450 (the generated copies in ``lightning/`` are the sources' size), at most six modules at the package's top."""
     sizes = {
         path.relative_to(SOURCE).as_posix(): len(path.read_text().splitlines())
         for path in SOURCE.rglob("*.py")
         if path.relative_to(SOURCE).parts[0] != "lightning"
     }
     assert sizes["strategies/fully_sharded.py"] < 450 and sizes["fabric/fully_sharded.py"] < 450
-    assert not {name: size for name, size in sizes.items() if size > 500}
+    assert not {name: size for name, size in sizes.items() if size > 450}
     assert len([path for path in SOURCE.glob("*.py")]) <= 6
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fairscale.distributed import collectives, exchanges
-from lightning_fairscale.fsdp.patches import cpu_streams, prefetch
+from lightning_fairscale.fsdp.patches import cpu_streams, prefetch, reduce_scatter
 from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
@@ -234,7 +234,7 @@ def _train_deep(
     owner = {id(module): unit for unit in units for module in unit.modules()}
 
     def count_reductions(module: nn.Module, *unused: Any) -> None:
-        if isinstance(root._reducer, prefetch.AsyncReduceScatter):
+        if isinstance(root._reducer, reduce_scatter.AsyncReduceScatter):
             full = [u.params[0]._full_param_padded for u in units if u is not owner.get(id(module))]
             ahead = sum(f.numel() * f.element_size() for f in full if f.untyped_storage().size() > 0)
             seen.reducing.append((len(root._reducer._in_flight), root._reducer.bytes_in_flight, ahead))
@@ -339,16 +339,16 @@ def prefetch_checks(rank: int, world_size: int) -> dict[str, Any]:
         plain.append(torch.empty(4))
         dist.reduce_scatter(plain[-1], chunks)
     reduced: list[torch.Tensor] = []
-    reducer = prefetch.AsyncReduceScatter(max_in_flight=1)
+    reducer = reduce_scatter.AsyncReduceScatter(max_in_flight=1)
     done_before_flush = []
-    piece_bytes, prefetch.PIECE_BYTES = prefetch.PIECE_BYTES, 8  # two pieces of two elements each
+    piece_bytes, reduce_scatter.PIECE_BYTES = reduce_scatter.PIECE_BYTES, 8  # two pieces of two elements each
     try:
         for chunks in inputs:
             reducer.reduce_scatter_async(chunks, group=dist.group.WORLD, callback_fn=reduced.append)
             done_before_flush.append(len(reduced))
         reducer.flush()
     finally:
-        prefetch.PIECE_BYTES = piece_bytes
+        reduce_scatter.PIECE_BYTES = piece_bytes
     out["async_reduce_scatter"] = (reduced, plain, done_before_flush)
     out["exchanges"] = exchange_checks(rank, world_size)
     out["tail"] = {overlap: _kept_tail(rank, world_size, overlap) for overlap in (True, False)}

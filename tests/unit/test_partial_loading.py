@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_fairscale.checkpoint.checks import RELAX_TRAINER, IncompatibleKeys
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp.patches import cpu_streams
-from lightning_fairscale.fsdp import engine
+from lightning_fairscale.fsdp.model import WrappedModel
 from lightning_fairscale.checkpoint.fabric import Roles
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
 from lightning_fairscale.fsdp.state import checkpoints
@@ -45,10 +45,10 @@ class PartialNet(Net):
         return self.extra(super().forward(x))
 
 
-def wrapped(module: nn.Module, policy: Any = None, flatten: bool = True) -> engine.WrappedModel:
+def wrapped(module: nn.Module, policy: Any = None, flatten: bool = True) -> WrappedModel:
     layout = ParameterLayout.before_wrapping(module)
     root = wrap(module, policy=policy, flatten=flatten)
-    return engine.WrappedModel(root, layout.after_wrapping(root))
+    return WrappedModel(root, layout.after_wrapping(root))
 
 
 def expected_after_partial_load(source: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
@@ -57,7 +57,7 @@ def expected_after_partial_load(source: dict[str, Tensor], seed: int) -> dict[st
     return {name: source[name] if name in source else value for name, value in initial.items()}
 
 
-def assert_parameters(model: engine.WrappedModel, expected: dict[str, Tensor]) -> None:
+def assert_parameters(model: WrappedModel, expected: dict[str, Tensor]) -> None:
     actual = parameters_of(unwrap_module(model.root))
     assert sorted(actual) == sorted(expected)
     for name, value in expected.items():
@@ -69,7 +69,7 @@ def this_rank() -> Ranks:
     return Ranks(torch.distributed.get_rank())
 
 
-def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None) -> None:
+def save_sharded(model: WrappedModel, path: Path, optimizer: Any = None) -> None:
     ranks = this_rank()
     checkpoint: dict[str, Any] = {"state_dict": model.state_dict(True, ranks.is_global_zero)}
     if optimizer is not None:
@@ -79,7 +79,7 @@ def save_sharded(model: engine.WrappedModel, path: Path, optimizer: Any = None) 
     model.save(Files(ranks, ShardedStorage()), path, {**checkpoint, "global_step": 3}, layout, optimizers)
 
 
-def load_sharded(model: engine.WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:
+def load_sharded(model: WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:
     if optimizer is not None:
         model.repoint(optimizer)
 

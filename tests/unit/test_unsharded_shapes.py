@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fairscale.fsdp.engine import WrappedModel, finish_wrapping
+from lightning_fairscale.fsdp.engine import finish_wrapping
+from lightning_fairscale.fsdp.model import WrappedModel
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.unit.state_names import clean_path
 from lightning_fairscale.fsdp.state.unsharded_shapes import ValuesUnavailableError

@@ -1,31 +1,27 @@
-"""The configuration of ``DDPFullyShardedStrategy``, for the Trainer's strategy and for Fabric's.
+"""The configuration of ``DDPFullyShardedStrategy``, for the Trainer's strategy and for Fabric's: the options and
+their checks.
 
 :class:`FullyShardedConfig` holds what the user chose: the arguments of Lightning 1.x's ``DDPFullyShardedStrategy``
-(plus ours), checked once, when it is built, and frozen. Both strategies build one in their constructor and hold it as
-``strategy.config``; the engine's functions take it, with what a run adds (the device, the precision, the process
-groups), and turn it into the arguments every FairScale FSDP unit is built with (:func:`fsdp_kwargs`). Nothing here
-imports Lightning, so it is built and tested without it.
+(plus ours), checked once, when it is built, and frozen; the functions below are those checks (each argument's, and
+the extra keyword arguments against FairScale's). Both strategies build one in their constructor and hold it as
+``strategy.config``; what a run derives from it once it knows its device, its precision and its process groups (the
+arguments every FairScale FSDP unit is built with, the wrap policy, the checks against the device) is in
+:mod:`lightning_fairscale.fsdp.run`. Nothing here imports Lightning, so it is built and tested without it.
 
 Example:
-    >>> import torch
     >>> config = FullyShardedConfig(min_num_params=1e6, fairscale_kwargs={"verbose": True})
     >>> config.min_num_params, config.fairscale_kwargs
     (1000000, {'verbose': True})
-    >>> kwargs = fsdp_kwargs(config, torch.device("cpu"), ProcessGroups(), "bf16-mixed")
-    >>> kwargs["mixed_precision"], kwargs["compute_dtype"], kwargs["verbose"]
-    (True, torch.bfloat16, True)
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
@@ -34,22 +30,17 @@ from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     checkpointing_layer_classes,
     validate_layer_classes,
 )
-from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, mesh_request, sharding_name
+from lightning_fairscale.fsdp.patches.hybrid import mesh_request, sharding_name
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, validate_param_init_fn
-from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy, auto_wrap_policy, validate_auto_wrap_policy
+from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy, validate_auto_wrap_policy
 from lightning_fairscale.fsdp.patches.prefetch import BACKWARD_MODES
-from lightning_fairscale.mixed_precision.settings import compute_dtype, half_dtype
 
 __all__ = [
     "FullyShardedConfig",
     "backward_prefetch_name",
-    "check_settings",
     "check_sync_each_batch",
-    "fsdp_kwargs",
     "offload_params",
-    "offloads_to_cpu",
     "validate_arguments",
-    "wrap_policy",
 ]
 
 #: Arguments of FairScale's FSDP that the strategy sets itself; users set them through the strategy's arguments.
@@ -85,9 +76,6 @@ _TORCH_FSDP_ARGUMENTS = {
     "device_id": "the `devices` of the Trainer or Fabric choose it",
 }
 
-#: The ZeRO-2 sharding strategies: full parameters kept from forward to backward.
-_ZERO2 = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
-
 
 @dataclass(frozen=True)
 class FullyShardedConfig:
@@ -101,7 +89,8 @@ class FullyShardedConfig:
     ``device_mesh`` ``(replicas, shard_size)`` or ``None``, ``activation_checkpointing_policy`` merged into
     ``activation_checkpointing``. No option is written over by another: what one implies for another (the ZeRO-2
     sharding strategies do not reshard after forward, whatever ``reshard_after_forward`` says) is computed where it
-    is used (:func:`fsdp_kwargs`), so that a changed copy (``dataclasses.replace``) starts from the user's values.
+    is used (:func:`~lightning_fairscale.fsdp.run.fsdp_kwargs`), so that a changed copy (``dataclasses.replace``)
+    starts from the user's values.
 
     Args:
         cpu_offload: keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A
@@ -181,7 +170,8 @@ class FullyShardedConfig:
 
     cpu_offload: bool = False
     flatten_parameters: bool = True
-    #: As given: FSDP gets False under the ZeRO-2 sharding strategies, whatever it says (see :func:`fsdp_kwargs`).
+    #: As given: FSDP gets False under the ZeRO-2 sharding strategies, whatever it says (see
+    #: :func:`~lightning_fairscale.fsdp.run.fsdp_kwargs`).
     reshard_after_forward: bool = True
     move_grads_to_cpu: Optional[bool] = None
     fp32_reduce_scatter: Optional[bool] = None
@@ -255,43 +245,6 @@ class FullyShardedConfig:
         return mesh_request(self.sharding_strategy, self.device_mesh)
 
 
-def fsdp_kwargs(
-    config: FullyShardedConfig, device: torch.device, groups: ProcessGroups, precision: str
-) -> dict[str, Any]:
-    """The keyword arguments every FSDP unit is built with, on ``device`` under ``precision`` (the precision plugin's
-    setting: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"`` or ``"bf16-true"``)."""
-    mixed = precision in ("16-mixed", "bf16-mixed")
-    kwargs: dict[str, Any] = {
-        # Groups made with the strategy's `timeout`: FairScale's own (when given none) wait 30 minutes.
-        "process_group": groups.all_gather,
-        "compute_device": device,
-        # The ZeRO-2 strategies keep the full parameters from forward to backward, whatever the user's value says.
-        "reshard_after_forward": config.reshard_after_forward and config.sharding_strategy not in _ZERO2,
-        "flatten_parameters": config.flatten_parameters,
-        "bucket_cap_mb": config.bucket_cap_mb,
-        "mixed_precision": mixed,
-        "fp32_reduce_scatter": bool(config.fp32_reduce_scatter) and mixed,
-        "cpu_offload": offloads_to_cpu(config, device),
-        "move_grads_to_cpu": (config.move_grads_to_cpu if device.type == "cuda" else False),
-        "state_dict_device": torch.device("cpu") if config.state_dict_to_cpu else device,
-        "state_dict_on_rank_0_only": True,
-    }
-    # Mixed precision computes in its dtype; true half precision holds the units' parameters in its dtype.
-    dtype = config.compute_dtype or compute_dtype(precision) or half_dtype(precision)
-    if dtype is not None:
-        kwargs["compute_dtype"] = dtype
-    if groups.reduce_scatter is not None:
-        kwargs["process_group_reduce_scatter"] = groups.reduce_scatter
-    if config.param_init_fn is not None:  # taken by our FSDP class (units built on the meta device)
-        kwargs["param_init_fn"] = config.param_init_fn
-    if groups.replica is not None:  # taken by our FSDP class: gradient shards are all-reduced over it
-        kwargs["replica_group"] = groups.replica
-    # Taken by our FSDP class: when a root on CPU gathers ahead in the backward (workaround 16).
-    kwargs["backward_prefetch"] = config.backward_prefetch
-    kwargs.update(config.fairscale_kwargs)
-    return kwargs
-
-
 def backward_prefetch_name(value: Any) -> Optional[str]:
     """The upper-case name of a ``backward_prefetch`` value: torch's ``BackwardPrefetch``, its name as a string (any
     case), or ``None``.
@@ -324,79 +277,6 @@ def check_sync_each_batch(value: Any) -> bool:
             f" gradient shard while accumulating) or False (accumulate unreduced, the default), got {value!r}."
         )
     return value
-
-
-def offloads_to_cpu(config: FullyShardedConfig, device: torch.device) -> bool:
-    """Whether FairScale keeps the parameter shards in CPU memory: ``cpu_offload`` on a CUDA device (on the CPU they
-    are there anyway)."""
-    return config.cpu_offload and device.type == "cuda"
-
-
-def wrap_policy(config: FullyShardedConfig, own_units: Iterable[Module] = (), root: Optional[Module] = None) -> Any:
-    """FairScale's auto-wrap policy for the config's ``auto_wrap_policy`` (see
-    :func:`~lightning_fairscale.fsdp.wrapping.policies.auto_wrap_policy`)."""
-    return auto_wrap_policy(
-        config.auto_wrap_policy,
-        config.min_num_params,
-        own_units=own_units,
-        root=root,
-        exclude_wrap_modules=config.exclude_wrap_modules,
-        force_leaf_modules=config.force_leaf_modules,
-    )
-
-
-def check_settings(config: FullyShardedConfig, device: torch.device, precision: str) -> None:
-    """Fail or warn, before training, about options that do not fit the device or the precision (the precision
-    plugin's setting)."""
-    dtype = half_dtype(precision)
-    if dtype is not None:
-        _check_true_half_precision(config, precision, dtype)
-    elif config.compute_dtype not in (None, torch.float32) and precision not in ("16-mixed", "bf16-mixed"):
-        flag = "16-mixed" if config.compute_dtype is torch.float16 else "bf16-mixed"
-        raise ValueError(
-            f"`DDPFullyShardedStrategy(compute_dtype={config.compute_dtype})` needs mixed precision, but the"
-            f" precision is {precision!r}. Pass `precision={flag!r}` to the Trainer or to Fabric"
-            " (FSDP then keeps FP32 master shards and computes in the lower precision), or leave `compute_dtype`"
-            " unset."
-        )
-    if device.type == "cuda":
-        if config.sync_each_batch and (config.cpu_offload or config.move_grads_to_cpu):
-            raise ValueError(
-                "`DDPFullyShardedStrategy(sync_each_batch=True)` cannot be combined with `cpu_offload` or"
-                " `move_grads_to_cpu` on CUDA: FairScale 0.4.13 accumulates a micro-batch's reduced gradient shard"
-                " into the previous one on the GPU, and the shards kept in CPU memory would be lost or fail. Use the"
-                " default `sync_each_batch=False` (no_sync accumulation) with offloading."
-            )
-        if config.backward_prefetch != FullyShardedConfig.backward_prefetch:
-            rank_zero_warn(
-                f"`DDPFullyShardedStrategy(backward_prefetch={config.backward_prefetch})` has no effect on CUDA:"
-                " FairScale's streams overlap the all-gathers with the computation there. It is ignored."
-            )
-        return
-    for name in ("cpu_offload", "move_grads_to_cpu"):
-        if getattr(config, name):
-            rank_zero_warn(
-                f"`DDPFullyShardedStrategy({name}=True)` has no effect when training on the CPU: parameters and"
-                " gradients are in CPU memory already. It is ignored."
-            )
-
-
-def _check_true_half_precision(config: FullyShardedConfig, setting: str, dtype: torch.dtype) -> None:
-    """Under true half precision the parameters are in ``dtype``: options asking for another dtype contradict it."""
-    mixed = setting.replace("-true", "-mixed")
-    if config.compute_dtype not in (None, dtype):
-        raise ValueError(
-            f"`DDPFullyShardedStrategy(compute_dtype={config.compute_dtype})` contradicts precision={setting!r},"
-            f" which holds the parameters, gradients and optimizer state in {dtype} and computes in it. Leave"
-            f" `compute_dtype` unset (it follows the precision), or use precision={mixed!r} to keep FP32"
-            " parameters and compute in the lower precision."
-        )
-    if config.fp32_reduce_scatter:
-        raise ValueError(
-            f"`DDPFullyShardedStrategy(fp32_reduce_scatter=True)` needs mixed precision: under"
-            f" precision={setting!r} the gradients are {dtype} and are reduced in {dtype}. Leave"
-            f" `fp32_reduce_scatter` unset, or use precision={mixed!r} (FP32 parameters and gradients)."
-        )
 
 
 def offload_params(cpu_offload: Any) -> bool:

@@ -1,12 +1,12 @@
 """Overlapping FairScale's collectives with the computation on CPU (gloo): workaround 16 of
-:mod:`lightning_fairscale.fsdp.patches.workarounds`.
+:mod:`lightning_fairscale.fsdp.patches.workarounds`; here, the gathers ahead.
 
 FairScale overlaps its all-gathers and reduce-scatters with the computation on CUDA streams. On a CPU there are no
 streams (:mod:`~lightning_fairscale.fsdp.patches.cpu_streams` makes them no-ops), so every collective ran
 synchronously: a unit's forward or backward waited for its own all-gather, and each reduce-scatter bucket for its
-flush. gloo runs asynchronous work on threads of its own; two objects use it here, for the units of a root on CPU,
+flush. gloo runs asynchronous work on threads of its own; two objects use it, for the units of a root on CPU,
 through the exchanges of :mod:`~lightning_fairscale.distributed.exchanges` (point-to-point messages straight from and
-into the tensors, which take a fraction of the time of gloo's own collectives):
+into the tensors, which take a fraction of the time of gloo's own collectives), made together by :func:`overlap`:
 
 * :class:`Prefetcher` starts the all-gather of the units that come next as asynchronous gloo work, so that they wait
   for it instead of gathering. In the forward, while the current unit computes: the units after it, as many as fit
@@ -36,11 +36,10 @@ into the tensors, which take a fraction of the time of gloo's own collectives):
   the forward's first unit) is gathered by an exchange when FairScale would gather it.
   Units that keep their shards elsewhere or share parameters are gathered by FairScale, synchronously
   (:func:`can_prefetch`).
-* :class:`AsyncReduceScatter` replaces the reduce-scatter bucketer: each unit's gradient is reduce-scattered
-  asynchronously, straight from the gradient (no bucket to copy it into): between 2 ranks by an exchange, which
-  receives the peer's chunk into the result itself; beyond, by gloo in pieces of :data:`PIECE_BYTES` (gloo copies
-  a reduce-scatter's whole input into a buffer of its own, a unit-sized transient; a piece's is small). How many
-  reductions are in flight the backward mode says (:func:`overlap`); all are done when the backward ends.
+* :class:`~lightning_fairscale.fsdp.patches.reduce_scatter.AsyncReduceScatter` (a module of its own: it knows no
+  units, only the reductions it is given) replaces the reduce-scatter bucketer: each unit's gradient is
+  reduce-scattered asynchronously, straight from the gradient; how many reductions are in flight the backward mode
+  says (:func:`overlap`), and in the ``"BACKWARD_POST"`` mode the :class:`Prefetcher` says when they are waited for.
 
 The results are the same bits as the synchronous collectives' on two ranks (each element of a sum of two terms is the
 same in any order): the same values on the same tensors, only started earlier and waited for later. The order of
@@ -51,26 +50,22 @@ recorded in the previous forward), as gloo requires. The CUDA path does not use 
 from __future__ import annotations
 
 import sys
-from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.distributed.torch_private import in_backward
+from lightning_fairscale.fsdp.patches.reduce_scatter import AsyncReduceScatter
 
 __all__ = [
     "BACKWARD_MODES",
     "OVERLAP_ON_CPU",
-    "PIECE_BYTES",
-    "AsyncReduceScatter",
     "Prefetcher",
     "can_prefetch",
     "in_backward",
     "overlap",
-    "pieces",
 ]
 
 #: Whether roots set up on CPU from now on overlap their collectives (``False``: FairScale's synchronous collectives
@@ -80,10 +75,6 @@ OVERLAP_ON_CPU = True
 #: When the backward gathers the next unit, by torch's ``BackwardPrefetch`` names: ``"BACKWARD_POST"`` when the current
 #: unit's gradient is done, ``"BACKWARD_PRE"`` before its backward computes, ``None`` never.
 BACKWARD_MODES = ("BACKWARD_POST", "BACKWARD_PRE", None)
-
-#: The bytes of each rank's piece of a reduce-scatter by gloo (beyond 2 ranks; gloo's own buffer holds one piece per
-#: thread at a time).
-PIECE_BYTES = 4 * 2**20
 
 
 def _holds_storage(tensor: Tensor) -> bool:
@@ -119,7 +110,7 @@ def _over_gloo(unit: Any) -> bool:
     return over_gloo
 
 
-def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple["AsyncReduceScatter", "Prefetcher"]:
+def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple[AsyncReduceScatter, "Prefetcher"]:
     """The reducer and the prefetcher of a root on CPU (gloo) for its ``backward_prefetch`` mode
     (:data:`BACKWARD_MODES`): without prefetch in the backward each reduction is waited for at once,
     ``"BACKWARD_PRE"`` keeps one in flight, ``"BACKWARD_POST"`` as many as its prefetcher lets go on (within the
@@ -147,7 +138,7 @@ class Prefetcher:
             names).
     """
 
-    def __init__(self, reducer: "AsyncReduceScatter", backward: Optional[str] = "BACKWARD_POST") -> None:
+    def __init__(self, reducer: AsyncReduceScatter, backward: Optional[str] = "BACKWARD_POST") -> None:
         if backward not in BACKWARD_MODES:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, not {backward!r}")
         self.reducer = reducer
@@ -412,89 +403,3 @@ def _ahead_bytes(unit: Any) -> int:
 def _still_gathered(unit: Any) -> bool:
     """Whether any of ``unit``'s full parameters still has its storage."""
     return any(_holds_storage(p._full_param_padded) for p in unit.params if hasattr(p, "_full_param_padded"))
-
-
-_Reduction = tuple[list[Any], Tensor, list[Tensor], int, Optional[Callable[[Tensor], None]]]
-
-
-class AsyncReduceScatter:
-    """The reducer of a root's units on CPU (gloo), in place of FairScale's ``ReduceScatterBucketer``: the same
-    interface (``reduce_scatter_async``, ``flush``, ``teardown``), each gradient reduce-scattered asynchronously, in
-    pieces, as soon as it is computed, at most ``max_in_flight`` at a time (``0``: each is waited for at once);
-    callbacks run on this thread, in order, when their reduction is waited for (the next call beyond the limit,
-    :meth:`settle` or :meth:`flush`).
-
-    Args:
-        max_in_flight: how many reductions may be in flight.
-        budget_bytes: how many bytes of gradients :meth:`settle` leaves in flight: the synchronous path's bucket
-            holds that much (FairScale's ``bucket_cap_mb``), so small gradients may go on reducing while the next
-            layers compute at no more memory than it.
-    """
-
-    def __init__(self, max_in_flight: int = 1, budget_bytes: int = 0) -> None:
-        self.max_in_flight = max_in_flight
-        self.budget_bytes = budget_bytes
-        #: Each reduction in flight: its pieces' handles, its output, its inputs (and their bytes), its callback.
-        self._in_flight: deque[_Reduction] = deque()
-        #: The bytes of the gradients in flight.
-        self.bytes_in_flight = 0
-
-    def reduce_scatter_async(
-        self, input_list: list[Tensor], group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
-    ) -> None:
-        """Start reducing ``input_list`` (one 1-D chunk per rank) over ``group``; ``callback_fn`` gets this rank's
-        reduced chunk."""
-        while self._in_flight and len(self._in_flight) >= self.max_in_flight:
-            self._complete_oldest()
-        output = torch.empty_like(input_list[0])
-        if len(input_list) == 2 and exchanges.usable(group, output, *input_list):
-            # Between 2 ranks an exchange receives the peer's chunk into `output` itself: no buffer at all. Beyond,
-            # it would hold N - 2 received chunks at once, where gloo's pieces hold a few pieces.
-            works: list[Any] = [exchanges.reduce_scatter(output, input_list, group=group)]
-        else:
-            works = [
-                dist.reduce_scatter(output[piece], [chunk[piece] for chunk in input_list], group=group, async_op=True)
-                for piece in pieces(output.numel(), output.element_size())
-            ]
-        # The inputs stay referenced until their reduction is waited for: gloo reads them on its own threads.
-        size = sum(chunk.numel() * chunk.element_size() for chunk in input_list)
-        self._in_flight.append((works, output, input_list, size, callback_fn))
-        self.bytes_in_flight += size
-        if self.max_in_flight == 0:
-            self._complete_oldest()
-
-    def _complete_oldest(self) -> None:
-        works, output, _, size, callback_fn = self._in_flight.popleft()
-        for work in works:
-            work.wait()
-        self.bytes_in_flight -= size
-        if callback_fn is not None:
-            callback_fn(output)
-
-    def settle(self, budget_bytes: Optional[int] = None) -> None:
-        """Wait for the oldest reductions until at most ``budget_bytes`` (default :attr:`budget_bytes`) of gradients
-        are in flight."""
-        limit = self.budget_bytes if budget_bytes is None else budget_bytes
-        while self._in_flight and self.bytes_in_flight > limit:
-            self._complete_oldest()
-
-    def flush(self) -> None:
-        """Wait for every reduction started, and run their callbacks."""
-        while self._in_flight:
-            self._complete_oldest()
-
-    def teardown(self) -> None:
-        """Nothing is kept between backwards (FairScale's bucketer frees its buffers here)."""
-        self.flush()
-
-
-def pieces(numel: int, element_size: int, piece_bytes: Optional[int] = None) -> list[slice]:
-    """The consecutive slices, of at most ``piece_bytes`` (:data:`PIECE_BYTES`) each, that cover ``numel``
-    elements.
-
-    Example:
-        >>> pieces(10, 4, piece_bytes=16)
-        [slice(0, 4, None), slice(4, 8, None), slice(8, 10, None)]
-    """
-    step = max(1, (piece_bytes or PIECE_BYTES) // element_size)
-    return [slice(start, min(start + step, numel)) for start in range(0, numel, step)] or [slice(0, 0)]

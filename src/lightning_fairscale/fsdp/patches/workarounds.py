@@ -265,7 +265,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         " reductions wait before the next unit computes down to what fits beside what is held ahead: while a layer"
         " computes, at most ``bucket_cap_mb`` beyond its own unit and the forward's last one;"
         " ``backward_prefetch=\"BACKWARD_PRE\"`` overlaps them with the computation too (one unit gathered ahead at"
-        " most), by exchanges (:mod:`~lightning_fairscale.distributed.exchanges`). Same results; CUDA unchanged.",
+        " most), by exchanges (:mod:`~lightning_fairscale.distributed.exchanges`); the reduce-scatters in flight are"
+        " :mod:`~lightning_fairscale.fsdp.patches.reduce_scatter`'s. Same results; CUDA unchanged.",
         "fsdp.patches.prefetch",
         (
             "tests/unit/test_multirank.py::test_cpu_units_overlap_their_collectives_and_train_as_synchronous_ones",

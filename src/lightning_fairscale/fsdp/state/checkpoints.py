@@ -4,7 +4,7 @@ it, each naming its file layout.
 A strategy passes plain values, nothing that calls back into it:
 
 * the model, as a :class:`~lightning_fairscale.fsdp.state.saving.ShardedModel` (the engine's
-  :class:`~lightning_fairscale.fsdp.engine.WrappedModel` calls in with its own, after settling the units);
+  :class:`~lightning_fairscale.fsdp.model.WrappedModel` calls in with its own, after settling the units);
 * where the files go, as :class:`Files`: this rank (:class:`~lightning_fairscale.fsdp.state.saving.Ranks`), the
   storage of the CheckpointIO plugin, and the background writer of a plugin that saves in the background;
 * its file layout: :class:`TrainerLayout` (Lightning's checkpoint dict, ``"state_dict"`` and ``"optimizer_states"``;

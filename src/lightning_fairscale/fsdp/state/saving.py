@@ -11,7 +11,7 @@ Everything here takes plain values: the sharded model as a :class:`ShardedModel`
 parameters went, the order of each optimizer's state), this rank as :class:`Ranks`, the files as a
 :class:`~lightning_fairscale.checkpoint.files.ShardedStorage`. The checkpoint service
 (:mod:`~lightning_fairscale.fsdp.state.checkpoints`) calls these for the Trainer's and Fabric's file layouts; the engine
-(:class:`~lightning_fairscale.fsdp.engine.WrappedModel`) calls the service.
+(:class:`~lightning_fairscale.fsdp.model.WrappedModel`) calls the service.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ __all__ = [
 class ShardedModel:
     """What a save or a load needs of a sharded model: its root unit, where each original parameter went, and the
     order of each re-pointed optimizer's state in checkpoints: plain values, which the engine's
-    :class:`~lightning_fairscale.fsdp.engine.WrappedModel` gives (``for_checkpoints``)."""
+    :class:`~lightning_fairscale.fsdp.model.WrappedModel` gives (``for_checkpoints``)."""
 
     root: FullyShardedDataParallel
     layout: ParameterLayout

@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_fairscale.distributed.torch_private import default_store
 from lightning_fairscale.fsdp.unit import original_params
-from lightning_fairscale.fsdp.patches import prefetch
+from lightning_fairscale.fsdp.patches import prefetch, reduce_scatter
 
 __all__ = ["check_failed_together", "needs_restore", "restore", "restore_quietly", "restoring"]
 
@@ -217,7 +217,7 @@ def _drop_reductions(root: Any) -> None:
     reducer = getattr(root, "_reducer", None)
     if reducer is None:
         return
-    if isinstance(reducer, prefetch.AsyncReduceScatter):
+    if isinstance(reducer, reduce_scatter.AsyncReduceScatter):
         reducer.flush()  # its callbacks store the reduced shards, which _drop_gradients then drops
         return
     for bucket in getattr(reducer, "buckets", {}).values():

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.lightning._compat import collective_timeout
 from lightning_fairscale.checkpoint.fabric import Roles
 from lightning_fairscale.lightning.fabric._common import read_full, write_full
-from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model
 from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
 from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files
 from lightning_fairscale.fsdp.state.saving import Ranks, is_sharded_checkpoint
@@ -29,7 +29,7 @@ from lightning_fairscale.lightning.plugins.checkpoint_io import in_background, s
 __all__ = ["averaged_model", "load", "recover", "save", "unsharded_shapes"]
 
 
-def _model(module: Any) -> Optional[fsdp_engine.WrappedModel]:
+def _model(module: Any) -> Optional[fsdp_model.WrappedModel]:
     """The sharded model ``module`` is the root unit of, when it was set up."""
     return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None
 
@@ -115,7 +115,7 @@ def averaged_model(strategy: Any, module: Module, **kwargs: Any) -> ShardAverage
 
 
 def unsharded_shapes(strategy: Any, module: Module) -> AbstractContextManager[None]:
-    """The context of :meth:`~lightning_fairscale.fsdp.engine.WrappedModel.unsharded_shapes` for a set-up model."""
+    """The context of :meth:`~lightning_fairscale.fsdp.model.WrappedModel.unsharded_shapes` for a set-up model."""
     root = getattr(module, "_forward_module", module)  # what `fabric.setup_module` returned, or the unit itself
     model = _model(getattr(root, "_orig_mod", root))  # compiled by Fabric: the unit inside
     if model is None:

@@ -33,7 +33,7 @@ from lightning_fairscale._adapters import config_arguments, lightning_arguments,
 from lightning_fairscale._adapters.options import FullyShardedOptions
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import config as fsdp_config, engine as fsdp_engine
+from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model, run as fsdp_run
 from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
@@ -165,7 +165,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
         #: The root units of the models set up, and the sharded model each optimizer was re-pointed to.
-        self._set_up: SetUp[fsdp_engine.WrappedModel] = SetUp()
+        self._set_up: SetUp[fsdp_model.WrappedModel] = SetUp()
         self._backward_sync_control = NoBackwardSync(self)
 
     @classmethod
@@ -183,7 +183,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every FSDP unit of this strategy is built with."""
-        return fsdp_config.fsdp_kwargs(self.config, self.root_device, self._groups, self.precision.precision)
+        return fsdp_run.fsdp_kwargs(self.config, self.root_device, self._groups, self.precision.precision)
 
     @override
     def setup_environment(self) -> None:
@@ -223,7 +223,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         stack = ExitStack()
         if empty_init:
             stack.enter_context(torch.device("meta"))
-        elif not fsdp_config.offloads_to_cpu(self.config, self.root_device):
+        elif not fsdp_run.offloads_to_cpu(self.config, self.root_device):
             stack.enter_context(self.root_device)
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(self.module_sharded_context())
@@ -231,7 +231,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not fsdp_config.offloads_to_cpu(self.config, self.root_device):
+        if not fsdp_run.offloads_to_cpu(self.config, self.root_device):
             to_device_keeping_meta(module, self.root_device)  # meta tensors are materialised by their unit
 
     @override
@@ -306,11 +306,11 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
             _fsdp_parts.recover(self)
             raise
 
-    def _fsdp_model(self, module: Any) -> Optional[fsdp_engine.WrappedModel]:
+    def _fsdp_model(self, module: Any) -> Optional[fsdp_model.WrappedModel]:
         """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""
         return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None
 
-    def _model_of(self, optimizer: Optimizer) -> fsdp_engine.WrappedModel:
+    def _model_of(self, optimizer: Optimizer) -> fsdp_model.WrappedModel:
         if optimizer not in self._set_up.optimizers:
             raise ValueError(
                 f"The {type(optimizer).__name__} was not set up with this strategy: pass it to `fabric.setup` or"

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.lightning._compat import plain_optimizer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_fairscale.fsdp.engine import WrappedModel
+from lightning_fairscale.fsdp.model import WrappedModel
 
 __all__ = ["configure_on_sharded", "for_sharded_stage", "kept_of", "plain", "restored"]
 

@@ -31,7 +31,7 @@ from lightning_fairscale.lightning.callbacks import weight_averaging
 from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import config as fsdp_config, engine as fsdp_engine
+from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model, run as fsdp_run
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
@@ -142,7 +142,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
         #: The sharded model (the engine's object), while the module is wrapped.
-        self._sharded: Optional[fsdp_engine.WrappedModel] = None
+        self._sharded: Optional[fsdp_model.WrappedModel] = None
         #: Whether the stage failed: teardown then waits for no other rank's background writes. The
         #: ``WeightAveraging`` callbacks given an average over this rank's shards, while the module is sharded.
         self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
@@ -161,7 +161,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every FSDP unit of this strategy is built with."""
-        return fsdp_config.fsdp_kwargs(self.config, self.root_device, self._groups, self.precision_plugin.precision)
+        return fsdp_run.fsdp_kwargs(self.config, self.root_device, self._groups, self.precision_plugin.precision)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -246,7 +246,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
                 yield
             return
         with super().tensor_init_context(empty_init):
-            offload = fsdp_config.offloads_to_cpu(self.config, self.root_device)
+            offload = fsdp_run.offloads_to_cpu(self.config, self.root_device)
             with torch.device("cpu") if offload else contextlib.nullcontext():
                 yield
 
@@ -255,7 +255,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         assert self.model is not None
         # With `cpu_offload` FairScale keeps (and asserts) the shards in CPU memory: a module moved to the GPU goes
         # back first; buffers go to the GPU when FSDP first runs; meta tensors stay (each unit materialises its own).
-        offload = fsdp_config.offloads_to_cpu(self.config, self.root_device)
+        offload = fsdp_run.offloads_to_cpu(self.config, self.root_device)
         device = torch.device("cpu") if offload else self.root_device
         to_device_keeping_meta(self.model, device)
 
