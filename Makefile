@@ -23,25 +23,29 @@ VERSIONS := torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSIO
 CORE_STAMP := $(VENV)/.core-$(VERSIONS)
 STAMP := $(VENV)/.installed-$(VERSIONS)
 
+# `--no-compile` (PIP below): pip would compile every installed module to bytecode, most of them never imported (20 s
+# of the 27 s torch takes); Python compiles and caches the ones a run imports, once.
+PIP := $(PY) -m pip install --quiet --no-compile
+
 $(CORE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e . "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
+	$(PIP) $(TORCH_SOURCE) "torch==$(TORCH_VERSION)"
+	$(PIP) -e . "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
 	rm -f $(VENV)/.core-* $(VENV)/.installed-*  # another set of versions installed before: switching back reinstalls
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install --quiet -e ".[test,docs]" "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
+	$(PIP) -e ".[test,docs]" "torch==$(TORCH_VERSION)" $(LIGHTNING_PINS)
 	# The Hugging Face packages of tests/test_hf_models.py (pyproject's `hf` extra), in a folder that only those tests
 	# put on their path: in the environment, torchmetrics would import transformers in every process that imports
 	# Lightning. PEFT and Accelerate without their dependencies (torch is the environment's).
 	rm -rf $(VENV)/hf
-	$(PY) -m pip install --quiet --target $(VENV)/hf "transformers>=4.45,<6"
-	$(PY) -m pip install --quiet --target $(VENV)/hf --no-deps "peft>=0.13,<1" accelerate psutil
+	$(PIP) --target $(VENV)/hf "transformers>=4.45,<6"
+	$(PIP) --target $(VENV)/hf --no-deps "peft>=0.13,<1" accelerate psutil
 	# LitGPT's model (its own GPT and Block): without its dependencies, which the two lines above and the environment
 	# hold (it caps huggingface-hub below what transformers needs; its model does not use the hub).
-	$(PY) -m pip install --quiet --target $(VENV)/hf --no-deps "litgpt>=0.5,<0.6"
+	$(PIP) --target $(VENV)/hf --no-deps "litgpt>=0.5,<0.6"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -50,9 +54,20 @@ demo: $(CORE_STAMP)
 	$(PY) examples/demo.py
 
 # The test suite includes the linters (`make lint`) and the docs' examples (`make doctest`); docstring examples run
-# under pytest itself.
-test: lint doctest
-	$(PY) -m pytest -q
+# under pytest itself. Those two run beside pytest (much of a launched scenario is waiting), their output printed
+# after it; any failure fails `make test`.
+CHECKS := .venv/checks
+test: $(STAMP)
+	@rm -rf $(CHECKS) && mkdir -p $(CHECKS)
+	@for check in lint doctest; do \
+	  ($(MAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1; echo $$? > $(CHECKS)/$$check.rc) & \
+	done; \
+	$(PY) -m pytest -q; status=$$?; wait; \
+	for check in lint doctest; do \
+	  echo "--- make $$check (exit $$(cat $(CHECKS)/$$check.rc))"; cat $(CHECKS)/$$check.log; \
+	  [ "$$(cat $(CHECKS)/$$check.rc)" = 0 ] || status=1; \
+	done; \
+	exit $$status
 
 # ruff on every Python file, mypy on the package (their settings are in pyproject.toml). Part of `make test`.
 lint: $(STAMP)
@@ -71,7 +86,7 @@ doctest: $(STAMP)
 BENCHMARKS ?=
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[bench]" "torch==$(TORCH_VERSION)"
+	$(PIP) -e ".[bench]" "torch==$(TORCH_VERSION)"
 	$(PY) benchmarks/run.py $(BENCHMARKS)
 
 # The modules of `lightning_fairscale.lightning` (for `import lightning as L`): copies of the modules that import
