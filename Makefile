@@ -23,9 +23,9 @@ VERSIONS := torch-$(TORCH_VERSION)-lightning-$(or $(subst *,x,$(LIGHTNING_VERSIO
 CORE_STAMP := $(VENV)/.core-$(VERSIONS)
 STAMP := $(VENV)/.installed-$(VERSIONS)
 
-# `--no-compile` (PIP below): pip would compile every installed module to bytecode, most of them never imported (20 s
-# of the 27 s torch takes); Python compiles and caches the ones a run imports, once.
-PIP := $(PY) -m pip install --quiet --no-compile
+# Not `--no-compile`: pip's bytecode (20 s of the 27 s torch takes) is what every process starts from where Python
+# writes none of its own (PYTHONDONTWRITEBYTECODE, set on our machines).
+PIP := $(PY) -m pip install --quiet
 
 $(CORE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
