@@ -85,8 +85,9 @@ def run_script(
     """
     env = clean_env(TEST_LIGHTNING_PACKAGE=package)
     command = [sys.executable, *args]
-    # The scenario scripts only (not a script that checks what a fresh process imports); torchrun starts its own.
-    if FORK_SERVER and launcher != "torchrun" and Path(args[0]).parent == TESTS / "scenarios":
+    # The scenario scripts and the examples only (not a script that checks what a fresh process imports); torchrun
+    # starts its own processes.
+    if FORK_SERVER and launcher != "torchrun" and Path(args[0]).parent in FORKED_SCRIPTS:
         return _forked_run(command, cwd, env, ranks, nodes, launcher, timeout, expect_ok)
     processes, outputs = [], []
     try:
@@ -129,6 +130,8 @@ def run_script(
 #: Whether the ranks of ``"env"`` launches are forked from a server that imported torch and Lightning once
 #: (``tests/forkserver.py``); ``LF_TESTS_FORK_SERVER=0`` starts each with ``subprocess.Popen`` instead.
 FORK_SERVER = os.environ.get("LF_TESTS_FORK_SERVER", "1") != "0"
+#: The folders of the scripts whose processes the server forks.
+FORKED_SCRIPTS = (TESTS / "scenarios", TESTS.parent / "examples")
 _SERVERS: dict[str, tuple[subprocess.Popen, str]] = {}
 
 

@@ -2,28 +2,25 @@
 
 ``demo.py`` is what ``make demo`` runs; ``docs_*.py`` are the examples of the original extension's documentation
 page (``shared/seeds/000_*.md``). Each script trains with two processes (Lightning's launcher runs the script again
-for rank 1), as a user runs it. Two examples run at a time: a launch keeps about one core busy (rank 1 starts only
-once rank 0 has imported everything), so on 2 cores two launches take little longer than one.
+for rank 1), as a user runs it; its first process is forked by the tests' server, which has imported torch and
+Lightning already (``tests/forkserver.py``), and the rank it starts imports them as a user's does. Two examples run
+at a time: a launch keeps about one core busy, so on 2 cores two launches take little longer than one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import importlib.util
 import math
-import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import clean_env
+from conftest import run_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CUDA = torch.cuda.is_available()
@@ -64,25 +61,14 @@ TIMEOUTS = {
 
 
 def _run_script(name: str, cwd: Path, timeout: float) -> Run:
-    env = clean_env()
-    # A session of its own: on a timeout the whole group goes, rank 1 (started by rank 0) included.
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / name)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """Run the example as a user does (``python examples/NAME``): its first process forked by the tests' server
+    (``tests/forkserver.py``: the script runs as ``__main__`` of a process of its own), whatever it starts (Lightning's
+    launcher's ranks, torchrun) started by it as in a user's run; everything it started is killed when it ends."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        stderr += f"\n{name} did not finish in {timeout} s"
-    return Run(name, cwd, proc.returncode, stdout, stderr)
+        proc = run_script([str(EXAMPLES / name)], cwd=cwd, timeout=timeout, expect_ok=False)
+    except AssertionError as timed_out:  # run_script's message holds the output
+        return Run(name, cwd, -signal.SIGKILL, "", f"{timed_out}\n{name} did not finish in {timeout} s")
+    return Run(name, cwd, proc.returncode, proc.stdout, proc.stderr)
 
 
 @pytest.fixture(scope="module")
