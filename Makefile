@@ -59,17 +59,19 @@ install: $(STAMP)
 demo: $(CORE_STAMP)
 	$(PY) examples/demo.py
 
-# The test suite includes the linters (`make lint`) and the docs' examples (`make doctest`); docstring examples run
-# under pytest itself. Those two run beside pytest (much of a launched scenario is waiting), their output printed
-# after it; any failure fails `make test`.
+# The test suite: the launched scenarios (tests/, and the docstring examples of src/), the in-process unit tests
+# (`make unit`), the linters (`make lint`) and the docs' examples (`make doctest`). The last three run beside the
+# scenarios, which spend much of their time waiting (for ranks to start, for timeouts they test), their output printed
+# after the scenarios'; any failure fails `make test`.
 CHECKS := .venv/checks
+BESIDE := unit lint doctest
 test: $(STAMP)
 	@rm -rf $(CHECKS) && mkdir -p $(CHECKS)
-	@for check in lint doctest; do \
+	@for check in $(BESIDE); do \
 	  ($(MAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1; echo $$? > $(CHECKS)/$$check.rc) & \
 	done; \
-	$(PY) -m pytest -q; status=$$?; wait; \
-	for check in lint doctest; do \
+	$(PY) -m pytest -q tests src --ignore=tests/unit; status=$$?; wait; \
+	for check in $(BESIDE); do \
 	  echo "--- make $$check (exit $$(cat $(CHECKS)/$$check.rc))"; cat $(CHECKS)/$$check.log; \
 	  [ "$$(cat $(CHECKS)/$$check.rc)" = 0 ] || status=1; \
 	done; \

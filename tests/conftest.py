@@ -135,22 +135,36 @@ FORKED_SCRIPTS = (TESTS / "scenarios", TESTS.parent / "examples")
 _SERVERS: dict[str, tuple[subprocess.Popen, str]] = {}
 
 
-def _fork_server(package: str) -> str:
-    """The socket of the fork server for ``package`` (started at the first call: ~5 s, once per session)."""
-    if package in _SERVERS and _SERVERS[package][0].poll() is None:
-        return _SERVERS[package][1]
+def _start_server(package: str) -> None:
+    """Start the fork server for ``package`` (its imports take ~5 s), without waiting for it."""
     path = os.path.join(tempfile.mkdtemp(prefix="lf-forkserver-"), "socket")
     server = subprocess.Popen(
         [sys.executable, str(TESTS / "forkserver.py"), path], cwd=TESTS, env=clean_env(TEST_LIGHTNING_PACKAGE=package),
         stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
+    _SERVERS[package] = (server, path)
+
+
+def _fork_server(package: str) -> str:
+    """The socket of the fork server for ``package`` (started here unless the session started it already)."""
+    if package not in _SERVERS or _SERVERS[package][0].poll() is not None:
+        _start_server(package)
+    server, path = _SERVERS[package]
     deadline = time.monotonic() + 120
     while not os.path.exists(path):
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the fork server did not start (exit code {server.poll()})")
         time.sleep(0.05)
-    _SERVERS[package] = (server, path)
     return path
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the fork servers while pytest collects, unless only in-process tests were asked for."""
+    in_process = (TESTS / "unit", TESTS.parent / "src")
+    asked = [Path(arg.split("::")[0]).resolve() for arg in session.config.args]
+    if FORK_SERVER and not all(any(path.is_relative_to(p) for p in in_process) for path in asked):
+        for package in ("pytorch_lightning", "lightning"):
+            _start_server(package)
 
 
 def pytest_sessionfinish() -> None:
