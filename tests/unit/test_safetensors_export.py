@@ -7,7 +7,9 @@ The sharded checkpoints are written from real FSDP units of one rank, and split 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,10 @@ from lightning_fairscale.fsdp.state.sharded_checkpoint import split_checkpoint
 from .helpers import WIDTH, Block, shard, small_block, split_by_hand
 from .test_sharded_checkpoint_format import write
 
+# The safetensors package comes with the Hugging Face test packages (the Makefile's `$(VENV)/hf`), in a folder of their
+# own, last on the path: put there by this module, not by whichever test module ran before it.
+if os.path.join(sys.prefix, "hf") not in sys.path:
+    sys.path.append(os.path.join(sys.prefix, "hf"))
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 pytestmark = pytest.mark.usefixtures("process_group")
