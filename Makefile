@@ -61,15 +61,17 @@ demo: $(CORE_STAMP)
 
 # The test suite: the launched scenarios (tests/, and the docstring examples of src/), the in-process unit tests
 # (`make unit`), the linters (`make lint`) and the docs' examples (`make doctest`). The last three run beside the
-# scenarios, which spend much of their time waiting (for ranks to start, for timeouts they test), their output printed
-# after the scenarios'; any failure fails `make test`.
-CHECKS := .venv/checks
+# scenarios, which spend much of their time waiting (for ranks to start, for timeouts they test), each in a session of
+# its own (Ctrl-C on `make test` stops them too), their output printed after the scenarios'; any failure fails it.
+CHECKS := $(VENV)/checks
 BESIDE := unit lint doctest
 test: $(STAMP)
 	@rm -rf $(CHECKS) && mkdir -p $(CHECKS)
 	@for check in $(BESIDE); do \
-	  ($(MAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1; echo $$? > $(CHECKS)/$$check.rc) & \
+	  (setsid $(MAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1 & echo $$! > $(CHECKS)/$$check.pid; \
+	   wait $$!; echo $$? > $(CHECKS)/$$check.rc) & \
 	done; \
+	trap 'for f in $(CHECKS)/*.pid; do kill -TERM -- -$$(cat $$f) 2>/dev/null; done; exit 130' INT TERM; \
 	$(PY) -m pytest -q tests src --ignore=tests/unit; status=$$?; wait; \
 	for check in $(BESIDE); do \
 	  echo "--- make $$check (exit $$(cat $(CHECKS)/$$check.rc))"; cat $(CHECKS)/$$check.log; \

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -132,24 +135,29 @@ def run_script(
 FORK_SERVER = os.environ.get("LF_TESTS_FORK_SERVER", "1") != "0"
 #: The folders of the scripts whose processes the server forks.
 FORKED_SCRIPTS = (TESTS / "scenarios", TESTS.parent / "examples")
-_SERVERS: dict[str, tuple[subprocess.Popen, str]] = {}
+#: How many fork servers per Lightning package: a launch's i-th process comes from server ``i % SLOTS``, each started
+#: with its own ``PYTHONHASHSEED``, so that the ranks of a launch order sets of strings differently, as fresh
+#: processes do (code that runs collectives in a set's order would hang on a real launch).
+SLOTS = 2
+_SERVERS: dict[tuple[str, int], tuple[subprocess.Popen, str]] = {}
 
 
-def _start_server(package: str) -> None:
-    """Start the fork server for ``package`` (its imports take ~5 s), without waiting for it."""
+def _start_server(package: str, slot: int) -> None:
+    """Start a fork server for ``package`` (its imports take ~5 s), without waiting for it."""
     path = os.path.join(tempfile.mkdtemp(prefix="lf-forkserver-"), "socket")
+    seed = str(secrets.randbelow(2**32 - 1) + 1)
     server = subprocess.Popen(
-        [sys.executable, str(TESTS / "forkserver.py"), path], cwd=TESTS, env=clean_env(TEST_LIGHTNING_PACKAGE=package),
-        stdin=subprocess.DEVNULL, start_new_session=True,
+        [sys.executable, str(TESTS / "forkserver.py"), path], cwd=TESTS, stdin=subprocess.DEVNULL,
+        env=clean_env(TEST_LIGHTNING_PACKAGE=package, PYTHONHASHSEED=seed), start_new_session=True,
     )  # fmt: skip
-    _SERVERS[package] = (server, path)
+    _SERVERS[package, slot] = (server, path)
 
 
-def _fork_server(package: str) -> str:
-    """The socket of the fork server for ``package`` (started here unless the session started it already)."""
-    if package not in _SERVERS or _SERVERS[package][0].poll() is not None:
-        _start_server(package)
-    server, path = _SERVERS[package]
+def _fork_server(package: str, slot: int) -> str:
+    """The socket of fork server ``slot`` for ``package`` (started here unless the session started it already)."""
+    if (package, slot) not in _SERVERS or _SERVERS[package, slot][0].poll() is not None:
+        _start_server(package, slot)
+    server, path = _SERVERS[package, slot]
     deadline = time.monotonic() + 120
     while not os.path.exists(path):
         if server.poll() is not None or time.monotonic() > deadline:
@@ -163,81 +171,92 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     in_process = (TESTS / "unit", TESTS.parent / "src")
     asked = [Path(arg.split("::")[0]).resolve() for arg in session.config.args]
     if FORK_SERVER and not all(any(path.is_relative_to(p) for p in in_process) for path in asked):
-        for package in ("pytorch_lightning", "lightning"):
-            _start_server(package)
+        for slot in range(SLOTS):
+            _start_server("pytorch_lightning", slot)
 
 
 def pytest_sessionfinish() -> None:
-    for server, _ in _SERVERS.values():
+    for server, path in _SERVERS.values():
         server.kill()
         server.wait()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+class _Forked:
+    """One process forked by a server, over a connection of its own: ``started`` once, then its exit code."""
+
+    def __init__(self, server: str, request: dict[str, Any]) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.buffer, self.pid, self.code = b"", 0, None
+        self.sock.connect(server)
+        self.sock.sendall(json.dumps(request).encode() + b"\n")
+        self.pid = self._message(60)["started"]
+
+    def _message(self, wait: float) -> dict[str, Any]:
+        self.sock.settimeout(max(wait, 0.01))
+        while b"\n" not in self.buffer:
+            data = self.sock.recv(1 << 16)  # a timeout raises
+            if not data:
+                raise AssertionError(f"the fork server ended while process {self.pid or '?'} ran")
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def read_exit(self) -> None:
+        self.code = self._message(1)["code"]
+
+    def kill(self) -> None:
+        """SIGKILL its process group: it and whatever it started (its own session)."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
 
 
 def _forked_run(
     command: list[str], cwd: Path, env: dict[str, str], ranks: int, nodes: int, launcher: str, timeout: float,
     expect_ok: bool,
 ) -> subprocess.CompletedProcess:
-    """:func:`run_script`, each process it starts forked by the fork server (``tests/forkserver.py``); the ranks
+    """:func:`run_script`, each process it starts forked by a fork server (``tests/forkserver.py``); the ranks
     Lightning's launcher starts from them are its own ``subprocess`` calls, as in a user's run."""
     folder = Path(tempfile.mkdtemp(prefix="lf-ranks-"))
     starts = _starts(command, env, ranks, nodes, launcher)
     files = [(folder / f"{rank}.out", folder / f"{rank}.err") for rank in range(len(starts))]
-    codes: dict[int, int] = {}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.connect(_fork_server(env["TEST_LIGHTNING_PACKAGE"]))
-        buffer = b""
-
-        def message(wait: float) -> Optional[dict[str, Any]]:
-            nonlocal buffer
-            sock.settimeout(max(wait, 0.01))
-            while b"\n" not in buffer:
-                try:
-                    data = sock.recv(1 << 16)
-                except (TimeoutError, socket.timeout):
-                    return None
-                if not data:
-                    raise AssertionError("the fork server ended during a launch")
-                buffer += data
-            line, buffer = buffer.split(b"\n", 1)
-            return json.loads(line)
-
-        pids = []
-        for (start, start_env), (out, err) in zip(starts, files):
+    children: list[_Forked] = []
+    timed_out = False
+    try:
+        for slot, ((start, start_env), (out, err)) in enumerate(zip(starts, files)):
             request = {"argv": start[1:], "cwd": str(cwd), "env": start_env, "stdout": str(out), "stderr": str(err)}
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            started = message(60)
-            assert started is not None, "the fork server did not answer"
-            pids.append(started["started"])
-        deadline, timed_out = time.monotonic() + timeout, False
-        while len(codes) < len(pids):
+            children.append(_Forked(_fork_server(env["TEST_LIGHTNING_PACKAGE"], slot % SLOTS), request))
+        deadline = time.monotonic() + timeout
+        while any(child.code is None for child in children):
             left = deadline - time.monotonic()
             if left <= 0 and timed_out:
-                raise AssertionError(f"{command[1:]}: ranks {pids} did not end after SIGKILL")
+                raise AssertionError(f"{command[1:]}: {[c.pid for c in children]} did not end after SIGKILL")
             if left <= 0:
                 timed_out, deadline = True, time.monotonic() + 30
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
+                for child in children:
+                    child.kill()
                 continue
-            ended = message(left)
-            if ended is not None:
-                codes[ended["pid"]] = ended["code"]
-        # A rank left behind (its peer was killed) must not outlive the test: whatever it started goes too.
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-    stdout = "".join(out.read_text() if out.exists() else "" for out, _ in files)
-    stderr = "".join(err.read_text() if err.exists() else "" for _, err in files)
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
-    code = next((codes[pid] for pid in pids if codes[pid] != 0), 0)
+            running = [child for child in children if child.code is None]
+            readable, _, _ = select.select([child.sock for child in running], [], [], left)
+            for child in running:
+                if child.sock in readable:
+                    child.read_exit()
+        stdout = "".join(out.read_text() if out.exists() else "" for out, _ in files)
+        stderr = "".join(err.read_text() if err.exists() else "" for _, err in files)
+    finally:
+        # A rank left behind (its peer was killed, the test failed) must not outlive the test, nor what it started.
+        for child in children:
+            child.kill()
+            child.sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    codes = [child.code for child in children]
+    code = next((c for c in codes if c != 0), 0)
     proc = subprocess.CompletedProcess(command, code, stdout, stderr)
     if timed_out:
         raise AssertionError(f"{command[1:]} did not end within {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
     if expect_ok and code != 0:
-        exits = [codes[pid] for pid in pids]
-        raise AssertionError(f"{command[1:]} exited with {exits}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        raise AssertionError(f"{command[1:]} exited with {codes}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return proc
 
 

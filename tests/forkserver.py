@@ -14,8 +14,10 @@ itself); the ranks Lightning's launcher starts from a forked process are its own
 run. A script that checks what a fresh process imports is started with ``subprocess.Popen``, as before.
 ``LF_TESTS_FORK_SERVER=0`` turns it off (every rank then starts with ``subprocess.Popen``).
 
-Protocol, one JSON object per line over a Unix socket: a request ``{"argv", "cwd", "env", "stdout", "stderr"}``
-answered by ``{"started": pid}``, and later ``{"pid": pid, "code": exit code}`` (negative: the signal that ended it).
+Protocol, one JSON object per line over a Unix socket, one connection per process: a request ``{"argv", "cwd", "env",
+"stdout", "stderr"}`` answered by ``{"started": pid}``, and later ``{"pid": pid, "code": exit code}`` (negative: the
+signal that ended it). ``conftest`` runs two servers per Lightning package, each with its own ``PYTHONHASHSEED``, and
+sends a launch's processes to them in turn: its ranks order sets of strings differently, as fresh processes do.
 """
 
 from __future__ import annotations
@@ -88,14 +90,23 @@ def serve(path: str) -> None:
                         other.close()
                     _child(json.loads(line))
                 owners[pid] = sock
-                sock.sendall(json.dumps({"started": pid}).encode() + b"\n")
+                _send(sock, {"started": pid}, buffers)
         while owners:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             owner = owners.pop(pid)
             if owner in buffers:
-                owner.sendall(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                _send(owner, {"pid": pid, "code": os.waitstatus_to_exitcode(status)}, buffers)
+
+
+def _send(sock: socket.socket, message: dict[str, Any], buffers: dict[socket.socket, bytes]) -> None:
+    """Answer a client; one that is gone (its test failed or was interrupted) is forgotten, the server goes on."""
+    try:
+        sock.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        buffers.pop(sock, None)
+        sock.close()
 
 
 if __name__ == "__main__":
