@@ -121,17 +121,24 @@ def run_script(
             texts.append(stream.read())
             stream.close()
     codes = [p.returncode for p in processes]
+    return _outcome(command, codes, "".join(stdout), "".join(stderr), timed_out, timeout, expect_ok)
+
+
+def _outcome(
+    command: list[str], codes: list[Any], stdout: str, stderr: str, timed_out: bool, timeout: float, expect_ok: bool
+) -> subprocess.CompletedProcess:
+    """A launch's processes as one: the output of each in order, the first non-zero exit code; an error if it did
+    not end in time, or (``expect_ok``) failed."""
     code = next((c for c in codes if c != 0), 0)
-    proc = subprocess.CompletedProcess(command, code, "".join(stdout), "".join(stderr))
     if timed_out:
-        raise AssertionError(f"{args} did not end within {timeout} s:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{args} exited with {codes}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+        raise AssertionError(f"{command[1:]} did not end within {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    if expect_ok and code != 0:
+        raise AssertionError(f"{command[1:]} exited with {codes}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
-#: Whether the ranks of ``"env"`` launches are forked from a server that imported torch and Lightning once
-#: (``tests/forkserver.py``); ``LF_TESTS_FORK_SERVER=0`` starts each with ``subprocess.Popen`` instead.
+#: Whether the processes of the scenario scripts and examples are forked from a server that imported torch and
+#: Lightning once (``tests/forkserver.py``); ``LF_TESTS_FORK_SERVER=0`` starts each with ``subprocess.Popen`` instead.
 FORK_SERVER = os.environ.get("LF_TESTS_FORK_SERVER", "1") != "0"
 #: The folders of the scripts whose processes the server forks.
 FORKED_SCRIPTS = (TESTS / "scenarios", TESTS.parent / "examples")
@@ -250,14 +257,7 @@ def _forked_run(
             child.kill()
             child.sock.close()
         shutil.rmtree(folder, ignore_errors=True)
-    codes = [child.code for child in children]
-    code = next((c for c in codes if c != 0), 0)
-    proc = subprocess.CompletedProcess(command, code, stdout, stderr)
-    if timed_out:
-        raise AssertionError(f"{command[1:]} did not end within {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    if expect_ok and code != 0:
-        raise AssertionError(f"{command[1:]} exited with {codes}:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    return proc
+    return _outcome(command, [child.code for child in children], stdout, stderr, timed_out, timeout, expect_ok)
 
 
 def _starts(

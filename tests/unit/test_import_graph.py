@@ -224,7 +224,8 @@ def _module_names() -> list[str]:
 def import_cycles() -> list[list[str]]:
     """The package's modules that import each other, directly or not (imports inside functions included): the
     strongly connected components of the module graph with more than one module."""
-    graph = {name: sorted(own_modules(imports(name)) & set(_module_names())) for name in _module_names()}
+    names = _module_names()
+    graph = {name: sorted(own_modules(imports(name)) & set(names)) for name in names}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
