@@ -65,10 +65,13 @@ demo: $(CORE_STAMP)
 # its own (Ctrl-C on `make test` stops them too), their output printed after the scenarios'; any failure fails it.
 CHECKS := $(VENV)/checks
 BESIDE := unit lint doctest
+# The checks' make, named through a variable of our own: GNU make runs every recipe line that names $(MAKE) itself
+# even under `make -n`, and with this recipe's line the whole suite; through SUBMAKE, `make -n test` only prints.
+SUBMAKE = $(MAKE)
 test: $(STAMP)
 	@rm -rf $(CHECKS) && mkdir -p $(CHECKS)
 	@for check in $(BESIDE); do \
-	  (setsid $(MAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1 & echo $$! > $(CHECKS)/$$check.pid; \
+	  (setsid $(SUBMAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1 & echo $$! > $(CHECKS)/$$check.pid; \
 	   wait $$!; echo $$? > $(CHECKS)/$$check.rc) & \
 	done; \
 	trap 'for f in $(CHECKS)/*.pid; do kill -TERM -- -$$(cat $$f) 2>/dev/null; done; exit 130' INT TERM; \
