@@ -8,6 +8,8 @@ compares with a plain ``Net`` trained by the same steps without Fabric (one rank
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,15 @@ from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
 from lightning_fairscale.plugins.checkpoint_io import META_FILE, ShardedCheckpointIO, shard_file_name
 from lightning_fairscale.fabric import DDPFullyShardedStrategy, DDPShardedStrategy
 
-from .helpers import Block, Net, assert_optimizer_states_equal, assert_tensors_equal, batches, fabric_on_one_process
+from .helpers import (
+    Block,
+    Net,
+    assert_optimizer_states_equal,
+    assert_tensors_equal,
+    batches,
+    fabric_on_one_process,
+    run_ranks,
+)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "fabric_0x"
 STRATEGIES = {"fsdp": lambda: DDPFullyShardedStrategy(auto_wrap_policy={Block}), "ddp_sharded": DDPShardedStrategy}
@@ -302,3 +312,38 @@ def test_the_trainer_reads_a_fabric_checkpoint_in_its_layout(fsdp: Fabric, tmp_p
     with pytest.raises(ValueError, match="holds no state dict of this LightningModule"):
         to_trainer_layout({"step": 1, "optimizer": file["optimizer"]}, "2.6.0", keys)
     assert FABRIC_KEYS not in layout
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Background writes before a save
+
+
+def _save_after_rank_1_failed_in_the_background(rank: int, world_size: int, path: str) -> str:
+    """Fabric on this forked rank (the group is made): rank 1's earlier background write failed; then a save with
+    ``state_dict_type="sharded"`` of a state that holds no set-up model (so a full file)."""
+    os.environ.update(
+        LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",  # never used: the group exists
+    )  # fmt: skip
+    io = ShardedCheckpointIO(async_save=True)
+    strategy = DDPFullyShardedStrategy(auto_wrap_policy={Block}, state_dict_type="sharded")
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, plugins=[io])
+    fabric.launch()
+    if rank == 1:
+        io.writer.submit(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        while io.writer.busy:
+            time.sleep(0.01)
+    try:
+        fabric.save(path, {"step": 1})
+    except (OSError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "saved"
+
+
+def test_a_full_save_ends_every_rank_after_an_earlier_background_failure(tmp_path: Path) -> None:
+    # Issue 55's read-along finding: Fabric's fallback full save (`state_dict_type="sharded"`, no set-up model in the
+    # state) did not agree on earlier background writes, as the Trainer's full saves do: both ranks went on ("saved").
+    results = run_ranks(_save_after_rank_1_failed_in_the_background, 2, tmp_path, str(tmp_path / "step=1.ckpt"))
+    assert results[0].startswith("RuntimeError: Another process failed to write a checkpoint in the background")
+    assert results[1] == "OSError: [Errno 28] No space left on device"
+    assert not (tmp_path / "step=1.ckpt").exists()

@@ -23,7 +23,7 @@ from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model
 from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
 from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files
 from lightning_fairscale.fsdp.state.saving import Ranks, is_sharded_checkpoint
-from lightning_fairscale.plugins.checkpoint_io import in_background, sharded_storage
+from lightning_fairscale.plugins.checkpoint_io import in_background, settle_background, sharded_storage
 
 __all__ = ["averaged_model", "load", "recover", "save", "unsharded_shapes"]
 
@@ -47,6 +47,10 @@ def save(
         files = Files(Ranks(strategy.global_rank), sharded_storage(io), in_background(io, collective_timeout(strategy)))
         model.save(files, path, state, FabricLayout(roles, filter))
         return
+    # A full file, also where `state_dict_type="sharded"` has no set-up model to shard: the background writes that
+    # failed so far end every rank here, as before the Trainer's full saves (rank 0 alone writes the file, so without
+    # this agreement another rank would go on past its own failed write).
+    settle_background(io, Ranks(strategy.global_rank).agree, wait=False)
     states = {  # collective calls, in the state's order on every rank
         key: strategy._model_state(value, False) if key == roles.model else strategy._optimizer_state(value, False)
         for key, value in state.items()

@@ -359,8 +359,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         With a plugin that saves in the background (``ShardedCheckpointIO(async_save=True)``), the files are written
         on its thread: every rank first checks that no earlier background write failed (a sharded save waits until
         the previous one is complete), then copies what it writes and returns."""
-        if self.config.state_dict_type != "sharded":
-            settle_background(self.checkpoint_io, Ranks(self.global_rank).agree, wait=False)
         _fsdp_parts.save(self, path, state, storage_options, filter)
 
     @override
