@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.unit.state_names import clean_path
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
@@ -210,8 +211,16 @@ def test_auto_wrap_keeps_a_tie_in_one_unit(process_group: Any) -> None:
              if isinstance(m, FullyShardedDataParallel)}
     assert "embed" not in units and "head" not in units  # they stay with the root, which holds both names
     assert {"blocks.0", "blocks.1"} <= units
-    fsdp_engine.wrapped_model(root)  # a root wrapped by hand: its layout learnt, its originals installed
+    fsdp_engine.finish_wrapping(root, ParameterLayout().after_wrapping(root))  # wrapped by hand: originals installed
     assert model.head.weight is model.embed.weight
+
+
+def test_only_a_root_the_strategy_set_up_is_a_sharded_model(process_group: Any) -> None:
+    """Issue 55's read-along finding: `wrapped_model` learnt the layout of a root wrapped by hand, a branch no front
+    end reached (each asks only for a root `wrap_model` made); it is an error now."""
+    root = wrap(TiedLM(), policy={Block}, min_num_params=0)
+    with pytest.raises(ValueError, match="not the root of a model the strategy set up"):
+        fsdp_engine.wrapped_model(root)
 
 
 def test_a_manual_wrap_that_splits_a_tie_fails_naming_both_names(process_group: Any) -> None:
@@ -226,7 +235,7 @@ def test_a_tie_across_the_module_tree_is_written_under_both_names_offline(tmp_pa
     model = TiedLM()
     root = wrap(model, policy={Block}, min_num_params=0)
     # A root wrapped by hand: its layout learnt, its originals installed.
-    state = fsdp_engine.wrapped_model(root).state_dict(sharded=False, is_global_zero=True)
+    state = fsdp_engine.finish_wrapping(root, ParameterLayout().after_wrapping(root)).state_dict(False, True)
     plain = TiedLM()
     plain.load_state_dict(state, strict=True)
     assert plain.head.weight is plain.embed.weight

@@ -164,8 +164,8 @@ def wrapped_model(root: Module, compiler: Optional[Compiler] = None) -> WrappedM
     if not isinstance(root, FullyShardedDataParallel):
         raise TypeError(f"A sharded model is the root FSDP unit of a model, not a {type(root).__name__}.")
     model = WrappedModel.of(root)
-    if model is None:  # a root wrapped by hand, outside `wrap_model`: learn its layout now
-        model = finish_wrapping(root, ParameterLayout().after_wrapping(root))
+    if model is None:  # every front end asks only for a root `wrap_model` made (`is_set_up`, `wrapped_root`)
+        raise ValueError("This FSDP unit is not the root of a model the strategy set up (`wrap_model`).")
     if compiler is not None:
         module = unwrapped(root)
         compile_regions(module, [(module, compiler)])
