@@ -339,16 +339,18 @@ def initial_state(depth: int = 2) -> dict[str, torch.Tensor]:
 
 
 def assert_adam_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                      start: Optional[dict[str, torch.Tensor]] = None, rtol: float = ADAM_RTOL) -> None:
+                      start: Optional[dict[str, torch.Tensor]] = None, what: str = "",
+                      rtol: float = ADAM_RTOL) -> None:
     """After Adam-like steps in float32: the whole update within ``rtol`` of the expected one (:data:`ADAM_RTOL` says
     why not an absolute tolerance). ``start``: the weights both trainings started from (``build_network()``'s by
-    default)."""
+    default); ``what``: words for the failure's message."""
     start = initial_state() if start is None else start
     error = update_error(actual, expected, start)
     worst = max(expected, key=lambda k: float((actual[k].float() - expected[k].float()).abs().max()))
+    off = float((actual[worst].float() - expected[worst].float()).abs().max())
     assert error < rtol, (
-        f"the update is {error:.3g} (relative) from the reference's, over {rtol:g}; the worst weight {worst}:"
-        f" {float((actual[worst].float() - expected[worst].float()).abs().max()):.3g} off"
+        f"{what + ': ' if what else ''}the update is {error:.3g} (relative) from the reference's, over {rtol:g};"
+        f" the worst weight {worst}: {off:.3g} off"
     )
 
 
