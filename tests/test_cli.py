@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from scenarios.common import max_difference, reference_training
+from scenarios.common import assert_adam_close, reference_training
 
 from conftest import TESTS, run_script
 
@@ -54,7 +54,7 @@ def test_strategy_from_the_guides_yaml(tmp_path: Path) -> None:
     assert result["bucket_cap_mb"] == strategy["init_args"]["bucket_cap_mb"] == 10
     assert result["reshard_after_forward"] is strategy["init_args"]["reshard_after_forward"] is False
     assert result["global_step"] == 3
-    assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+    assert_adam_close(result["state_dict"], reference_training(3, "adam"))
 
 
 @pytest.mark.parametrize("package", ["lightning"])
@@ -64,7 +64,7 @@ def test_strategy_by_registry_name_on_the_command_line(tmp_path: Path, package: 
     assert result["strategy"] == "DDPFullyShardedStrategy"
     assert result["units"] == ["(root)"]  # the default min_num_params wraps nothing of this small model
     assert result["auto_wrap_policy"] is None and result["activation_checkpointing"] == []
-    assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+    assert_adam_close(result["state_dict"], reference_training(3, "adam"))
 
 
 @pytest.mark.parametrize("front", ["Trainer", "Fabric"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 from scenarios.common import (
     BF16_ATOL,
+    assert_adam_close,
     BLOCK_UNITS_ORDER,
     PARTIAL_GONE,
     PARTIAL_NEW,
@@ -37,9 +38,11 @@ from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
 
 FABRIC_SCRIPT = TESTS / "scenarios" / "fabric_train.py"
-#: Adam over clipped gradients amplifies the float differences between one batch and two half-batches (a 2-rank
-#: emulation in one process matches the Fabric runs to 3e-7 and the reference to 1.25e-5 after 4 steps).
-ATOL = 5e-5
+#: SGD's comparisons: every weight within 1e-5 of unsharded training (SGD's step is linear in the gradient). The loop's
+#: Adam ones (``reference``: 2 micro-batches a step, clipped) compare the whole update relative to its size
+#: (``assert_adam_close``): Adam amplifies the float differences between one batch and two half-batches, to 1.25e-5
+#: here and to 1.6e-4 in other summation orders (another CPU's), where 5e-5 on every weight held on one machine only.
+ATOL = 1e-5
 LOOP = {"accumulate": 2, "clip_norm": 0.05, "samples": 16}  # two micro-batches a step; clipping bites
 #: FSDP with each Block its own unit, recomputing its activations in backward.
 BLOCKS = {"strategy": "fsdp", "policy": "blocks", "checkpointing": True}
@@ -164,7 +167,7 @@ def test_fsdp_loop_equals_unsharded_training(fsdp_run: dict[str, Any]) -> None:
     assert (fsdp_run["world_size"], fsdp_run["units"]) == (2, 3)  # each Block, plus the root
     assert fsdp_run["block_calls"] == 2 * 2 * 4  # forward and recomputation, 2 micro-batches, 4 steps
     assert all(norm > 0.05 for norm in fsdp_run["norms"])  # every step was clipped
-    assert max_difference(fsdp_run["final"], reference(4)) < ATOL
+    assert_adam_close(fsdp_run["final"], reference(4))
     # Loaded half-way into fresh models and optimizers, set up in other ways, training continues exactly.
     assert max_difference(fsdp_run["resumed"]["full"], fsdp_run["final"]) == 0.0
     assert max_difference(fsdp_run["resumed"]["sharded"], fsdp_run["final"]) == 0.0
@@ -188,7 +191,7 @@ def test_a_filtered_sharded_checkpoint_loads_what_it_kept(fsdp_run: dict[str, An
 def test_the_recipe_equals_unsharded_training_and_resumes_exactly(runs: Jobs) -> None:
     result = runs["recipe"]
     expected = reference_training(4, "adamw", accumulate=2, clip=(0.05, "norm"), freeze=FROZEN, params="split")
-    assert max_difference(result["final"], expected) < ATOL
+    assert_adam_close(result["final"], expected)
     initial = reference_training(0)
     assert all(torch.equal(result["final"][name], initial[name]) for name in FROZEN)
     assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
@@ -198,7 +201,7 @@ def test_the_recipe_equals_unsharded_training_and_resumes_exactly(runs: Jobs) ->
 @pytest.mark.parametrize("name", ["fsdp-async", "sharded-async"])
 def test_checkpoints_written_in_the_background_resume_exactly(runs: Jobs, name: str) -> None:
     result = runs[name]
-    assert max_difference(result["final"], reference(4)) < ATOL
+    assert_adam_close(result["final"], reference(4))
     assert all(max_difference(resumed, result["final"]) == 0.0 for resumed in result["resumed"].values())
     assert sorted(result["resumed"]) == (["full", "sharded"] if name == "fsdp-async" else ["full"])
 
@@ -211,7 +214,7 @@ def test_model_built_in_empty_init_is_initialised_as_sharded_and_trains_exactly(
     assert (result["world_size"], result["units"]) == (2, 3)
     start = materialized_start(BLOCK_UNITS_ORDER)
     expected = reference_training(2, "adam", accumulate=2, clip=(0.05, "norm"), start=start)
-    assert max_difference(result["final"], expected) < ATOL
+    assert_adam_close(result["final"], expected, start)
     assert max_difference(start, RegressionModelWrapper(build_network()).state_dict()) > 0.1  # not the eager init
 
 
@@ -221,7 +224,7 @@ def test_fabric_checkpoints_hold_the_states_under_their_keys(fsdp_run: dict[str,
     assert list(full) == ["model", "optimizer", "step"] and full["step"] == 2
     plain = RegressionModelWrapper(build_network())
     assert set(full["model"]) == set(plain.state_dict())  # the unwrapped module's keys
-    assert max_difference(full["model"], reference(2)) < ATOL  # gathered whole: unsharded training's step 2
+    assert_adam_close(full["model"], reference(2))  # gathered whole: unsharded training's step 2
     # A plain Adam's state over `model.parameters()`, in that order.
     assert full["optimizer"]["param_groups"][0]["params"] == list(range(len(list(plain.parameters()))))
     assert [entry["exp_avg"].shape for entry in full["optimizer"]["state"].values()] == [
@@ -283,7 +286,7 @@ def test_a_sharded_ddp_save_killed_midway_keeps_the_previous_checkpoint(runs: Jo
     assert sorted(p.name for p in folder.iterdir()) == [".last.ckpt.partial", "last.ckpt"]
     last = torch.load(folder / "last.ckpt", weights_only=True)
     assert list(last) == ["model", "optimizer", "step"] and last["step"] == 1
-    assert max_difference(last["model"], reference(1)) < ATOL
+    assert_adam_close(last["model"], reference(1))
     assert {float(entry["step"]) for entry in last["optimizer"]["state"].values()} == {1.0}
     assert len(last["optimizer"]["state"]) == len(list(build_network().parameters()))  # consolidated: every one
 
@@ -301,8 +304,8 @@ def test_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_run: dic
         tmp_path, FabricScenario(**LOOP, **BLOCKS, devices=1, load=str(sharded), load_step=2, steps=4), ranks=1
     )
     assert result["world_size"] == 1
-    assert max_difference(result["final"], reference(4)) < ATOL
-    assert max_difference(result["final"], fsdp_run["final"]) < ATOL
+    assert_adam_close(result["final"], reference(4))
+    assert_adam_close(result["final"], fsdp_run["final"])
 
 
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
@@ -322,7 +325,7 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
     assert trainer["ddp_sharded"]["strategy"] == "DDPShardedStrategy"
     for kind in ("full", "sharded", "ddp_sharded"):
         assert trainer[kind]["global_step"] == 2, kind
-        assert max_difference(trainer[kind]["state_dict"], reference(4)) < ATOL, kind
+        assert_adam_close(trainer[kind]["state_dict"], reference(4), what=kind)
     resume = FabricScenario(**LOOP, load_step=4, steps=6)
     fabric = run_jobs(tmp_path / "fabric", {
         "full": resume.replace(load=str(trainer_ckpts / "full" / "epoch=1-step=2.ckpt"), strategy="fsdp_fairscale",
@@ -333,7 +336,7 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back(fsdp_run: dict[str, 
     for kind in ("full", "sharded"):
         result = fabric[kind]
         assert result["units"] == 3, kind  # each Block, and the root
-        assert max_difference(result["final"], reference(6)) < ATOL, kind
+        assert_adam_close(result["final"], reference(6), what=kind)
         assert {"loops", "global_step", "hyper_parameters"} <= set(result["remainder"]), kind
 
 
@@ -346,12 +349,12 @@ def test_sharded_ddp_loop_with_lightning_fabric(tmp_path: Path) -> None:
     )
     assert result["strategy"] == "lightning_fairscale.lightning.fabric.sharded.DDPShardedStrategy"
     assert all(norm > 0.05 for norm in result["norms"])
-    assert max_difference(result["final"], reference(4)) < ATOL
+    assert_adam_close(result["final"], reference(4))
     assert max_difference(result["resumed"]["full"], result["final"]) == 0.0
     full = torch.load(folder / "full.ckpt", weights_only=True)  # Fabric's keys: the model's full state dict
     assert list(full) == ["model", "optimizer", "step"]
     assert set(full["model"]) == set(RegressionModelWrapper(build_network()).state_dict())
-    assert max_difference(full["model"], reference(2)) < ATOL
+    assert_adam_close(full["model"], reference(2))
     assert len(full["optimizer"]["state"]) == 16  # consolidated: every parameter's state
 
 

@@ -31,6 +31,7 @@ if not transformers.utils.is_torch_available():  # transformers 5 needs torch >=
         allow_module_level=True,
     )
 
+from scenarios.common import assert_adam_close  # noqa: E402
 from scenarios.hf_models import EMBEDDING, GLOBAL_BATCH, HFJob  # noqa: E402
 
 from conftest import TESTS, Jobs, run_jobs  # noqa: E402
@@ -113,14 +114,17 @@ def assert_stages(result: dict[str, Any], name: str, *stages: str) -> None:
             pytest.fail(f"{name}: stage {stage!r} failed on rank(s) {sorted(failed)}: {_first_line(text)}\n{text}")
 
 
-def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = ATOL) -> None:
-    """The same keys (tied ones included), every tensor within ``atol``."""
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        initial: dict[str, torch.Tensor]) -> None:
+    """The same keys (tied ones included), the whole update from ``initial`` within ``ADAM_RTOL`` of the expected one.
+
+    Not ``ATOL`` on every weight: AdamW with 2 micro-batches a step turns a rounding difference in a gradient at its
+    eps's scale into a step difference of up to lr, so another CPU's summation order moves such a weight by up to
+    ~1e-4 (``scenarios.common.ADAM_RTOL``)."""
     assert actual, "no weights recorded"
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     assert not missing and not extra, f"missing keys {missing}, unexpected keys {extra}"
-    differences = {k: (actual[k].float() - expected[k].float()).abs().max().item() for k in expected}
-    worst = max(differences, key=differences.__getitem__)
-    assert differences[worst] < atol, f"{worst} differs by {differences[worst]:.3g} (> {atol}); all: {differences}"
+    assert_adam_close(actual, expected, initial)
 
 
 def assert_trained(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
@@ -145,7 +149,7 @@ def test_recipe_equals_unsharded_training(runs: Jobs, model: str) -> None:
     losses and the trained weights (``unshard_module``) are the unsharded training's."""
     result = job(runs, f"recipe-{model}", "unshard")
     assert_same_losses(result["losses"], result["reference_losses"])
-    assert_same_weights(result["trained"], result["reference"])
+    assert_same_weights(result["trained"], result["reference"], result["initial"])
     assert_trained(result["reference"], result["initial"])
 
 
@@ -182,7 +186,7 @@ def test_resume_in_a_new_trainer_is_exact(runs: Jobs, model: str, kind: str) -> 
     name = f"resume-{model}"
     result = job(runs, name, "train-and-save", f"resume-{kind}")
     assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
-    assert_same_weights(result["resumed"][kind], result["reference"])
+    assert_same_weights(result["resumed"][kind], result["reference"], result["initial"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -190,7 +194,7 @@ def test_a_checkpoint_of_2_processes_resumes_exactly_on_1(resharded: Jobs, kind:
     """GPT-2's 2-process checkpoints (tied embeddings), full and sharded, resumed on 1 process: unsharded training."""
     result = job(resharded, "resharded-gpt2", f"resume-{kind}")
     assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
-    assert_same_weights(result["resumed"][kind], result["reference"])
+    assert_same_weights(result["resumed"][kind], result["reference"], result["initial"])
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -330,7 +334,7 @@ def test_lora_equals_unsharded_lora_training_and_trains_only_the_adapters(runs: 
     result = job(runs, "lora", "unshard")
     trained, initial = result["trained"], result["initial"]
     assert_same_losses(result["losses"], result["reference_losses"])
-    assert_same_weights(trained, result["reference"])
+    assert_same_weights(trained, result["reference"], result["initial"])
     adapters = [k for k in initial if "lora_" in k]
     assert len(adapters) == 4, adapters
     changed = [k for k in initial if not torch.equal(trained[k], initial[k])]
@@ -346,7 +350,7 @@ def test_fabric_llama_equals_unsharded_training(runs: Jobs) -> None:
     schedule, ``fabric.clip_gradients``: the losses and the weights (a full ``fabric.save``) of unsharded training."""
     result = job(runs, "fabric", "final-state")
     assert_same_losses(result["losses"], result["reference_losses"])
-    assert_same_weights(result["trained"], result["reference"])
+    assert_same_weights(result["trained"], result["reference"], result["initial"])
 
 
 def test_after_fabric_setup_the_parameters_are_the_optimizers_and_stay_tied(runs: Jobs) -> None:
@@ -365,7 +369,7 @@ def test_fabric_llama_resumes_exactly(runs: Jobs, kind: str) -> None:
     result = job(runs, "fabric", f"resume-{kind}")
     assert result["resumed_step"][kind] == HALF
     assert_same_losses(result["resumed_losses"][kind], result["reference_losses"][HALF:])
-    assert_same_weights(result["resumed"][kind], result["reference"])
+    assert_same_weights(result["resumed"][kind], result["reference"], result["initial"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -389,4 +393,4 @@ def test_validate_then_fit_saves_adam_moments_in_parameter_order(runs: Jobs, kin
 def test_validate_then_fit_resumes_exactly(runs: Jobs, kind: str) -> None:
     """The checkpoint of the validate-then-fit instance, resumed in a new Trainer: unsharded training's weights."""
     result = job(runs, "validate-fit", "validate-fit-save", f"resume-{kind}")
-    assert_same_weights(result["resumed"][kind], result["reference"])
+    assert_same_weights(result["resumed"][kind], result["reference"], result["initial"])

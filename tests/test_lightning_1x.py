@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from scenarios.common import max_difference, reference_training
+from scenarios.common import assert_adam_close, max_difference, reference_training
 from scenarios.config import Scenario
 
 from conftest import Jobs, run_jobs
@@ -93,7 +93,8 @@ def test_fsdp_checkpoint_of_adam_resumes_with_a_fresh_state_when_asked(runs: Job
     result, output = runs["fsdp-adam-reset"], runs.output("fsdp-adam-reset")
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "dropped exp_avg, exp_avg_sq, step" in output
-    assert max_difference(result["state_dict"], fresh_optimizer_reference(checkpoint, "adam")) < 1e-6
+    # A fresh Adam's steps: the update relative to its size (scenarios.common.ADAM_RTOL), from the checkpoint's weights.
+    assert_adam_close(result["state_dict"], fresh_optimizer_reference(checkpoint, "adam"), checkpoint["state_dict"])
 
 
 def test_converted_fsdp_checkpoint_resumes_with_ddp_sharded(runs: Jobs) -> None:
@@ -103,7 +104,8 @@ def test_converted_fsdp_checkpoint_resumes_with_ddp_sharded(runs: Jobs) -> None:
     assert result["strategy"] == "DDPShardedStrategy"
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "converted from Lightning 1.9.5" in output
-    assert max_difference(result["state_dict"], fresh_optimizer_reference(checkpoint, "adam")) < 1e-6
+    # A fresh Adam's steps: the update relative to its size (scenarios.common.ADAM_RTOL), from the checkpoint's weights.
+    assert_adam_close(result["state_dict"], fresh_optimizer_reference(checkpoint, "adam"), checkpoint["state_dict"])
 
 
 def test_ddp_sharded_checkpoint_resumes_exactly(runs: Jobs) -> None:
@@ -112,4 +114,5 @@ def test_ddp_sharded_checkpoint_resumes_exactly(runs: Jobs) -> None:
     result, output = runs["ddp-sharded"], runs.output("ddp-sharded")
     assert_went_on_from_the_checkpoint(result, checkpoint)
     assert "FairScale checkpoint" not in output  # nothing adopted: the plain layout loads as it is
-    assert max_difference(result["state_dict"], straight_1x("sharded_adam")) < 1e-6
+    # 1.9.5's own run was recorded on another machine: Adam's update relative to its size (scenarios.common.ADAM_RTOL).
+    assert_adam_close(result["state_dict"], straight_1x("sharded_adam"), checkpoint["state_dict"])

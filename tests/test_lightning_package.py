@@ -14,7 +14,7 @@ import lightning.pytorch as L
 import pytest
 import pytorch_lightning as pl
 import torch
-from scenarios.common import max_difference, reference_training
+from scenarios.common import assert_adam_close, max_difference, reference_training
 from scenarios.config import Scenario
 
 import lightning_fairscale
@@ -105,7 +105,7 @@ def test_fully_sharded_training_equals_unsharded_training(request: pytest.Fixtur
     result = _launch(request, package)["fully-sharded"]
     assert result["package"] == package
     assert len(result["units"]) == 3
-    assert max_difference(result["state_dict"], reference_training(3, "adam")) < 1e-5
+    assert_adam_close(result["state_dict"], reference_training(3, "adam"))
 
 
 @pytest.mark.parametrize("package", PACKAGES)

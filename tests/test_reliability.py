@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scenarios.common import max_difference, reference_training
+from scenarios.common import assert_adam_close, max_difference, reference_training
 from scenarios.config import Lose, Scenario
 
 from conftest import Jobs, clean_env, command, free_port, run_jobs
@@ -76,7 +76,7 @@ def test_two_nodes_equal_the_unsharded_reference(tmp_path: Path, launcher: str) 
     assert all(f"cluster={environment}" in output for output in outputs), outputs[0][-3000:]
     result = torch.load(out, weights_only=False)
     assert result["world_size"] == 2 and result["num_nodes"] == 2
-    assert max_difference(result["state_dict"], reference_training(3, "adam")) < ATOL
+    assert_adam_close(result["state_dict"], reference_training(3, "adam"))
 
 
 #: How long a run may take to end after it lost a rank, beyond the collective timeout that a stuck rank makes the
@@ -282,7 +282,7 @@ def test_misconfiguration_fails_early_with_a_hint(
 def test_freezing_works_without_flattening(first: Jobs) -> None:
     result = first["freeze-unflattened"]
     reference = reference_training(2, "adam", freeze=["net.1.up.weight"])
-    assert max_difference(result["state_dict"], reference) < ATOL
+    assert_adam_close(result["state_dict"], reference)
 
 
 @pytest.mark.parametrize(("kind", "damaged", "how", "message"), DAMAGED, ids=DAMAGED_IDS)

@@ -21,7 +21,14 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint, ModelPruning
 from pytorch_lightning.strategies import StrategyRegistry
 from scenarios import common
-from scenarios.common import BF16_ATOL, NUM_SAMPLES, OUT_FEATURES, max_difference, reference_training
+from scenarios.common import (
+    BF16_ATOL,
+    NUM_SAMPLES,
+    OUT_FEATURES,
+    assert_adam_close,
+    max_difference,
+    reference_training,
+)
 from scenarios.sharded_train import CASES, MATRIX_WEIGHT_DECAY, VECTOR_LR_FACTOR, param_groups
 
 from conftest import TESTS, run_script
@@ -79,7 +86,10 @@ def test_equals_unsharded_training(two_processes: Any, name: str, optimizer: str
     result = two_processes[0][name]
     assert_sharded(result, optimizer)
     assert result["global_step"] == 3
-    assert max_difference(result["state_dict"], reference(name)) < ATOL
+    if CASES[name]["optimizer"] == "sgd":
+        assert max_difference(result["state_dict"], reference(name)) < ATOL
+    else:  # Adam-like: relative to the update (see scenarios.common.ADAM_RTOL)
+        assert_adam_close(result["state_dict"], reference(name))
 
 
 def test_stochastic_weight_averaging_gives_the_weights_of_lightnings_ddp(two_processes: Any) -> None:
@@ -211,9 +221,11 @@ def test_a_save_killed_halfway_keeps_the_previous_checkpoint(two_processes: Any)
     assert last["global_step"] == 1
     # The same run without the kill saved the same step-1 checkpoint: "straight" (one file per epoch). It ran in
     # another process, after other cases: CPU kernels may sum in another order there (memory alignment), so the two
-    # agree to float rounding (measured: up to 4.7e-10), while a step-2 file differs by a whole update (~1e-2).
+    # agree to float rounding (measured: up to 4.7e-10), while a step-2 file differs by a whole update (~1e-2). Adam's
+    # first step amplifies a rounding in a gradient at its eps's scale: the update relative to its size (ADAM_RTOL);
+    # its first moment is linear in the gradient: within 1e-7.
     first = torch.load(workdir / "checkpoints" / "epoch=0-step=1.ckpt", weights_only=True)
-    assert max_difference(last["state_dict"], first["state_dict"]) < 1e-7
+    assert_adam_close(last["state_dict"], first["state_dict"])
     (state,), (expected,) = last["optimizer_states"], first["optimizer_states"]
     for i in expected["state"]:
         assert torch.allclose(state["state"][i]["exp_avg"], expected["state"][i]["exp_avg"], rtol=0, atol=1e-7)
@@ -304,7 +316,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_spawn_strategy_trains_in_process(spawned: dict[str, Any]) -> None:
-    assert max_difference(spawned["fitted"], spawn_reference(2)) < ATOL  # rank 0's weights came back
+    assert_adam_close(spawned["fitted"], spawn_reference(2))  # rank 0's weights came back
 
 
 def test_spawn_fit_checkpoint_of_the_launching_process_is_complete(spawned: dict[str, Any]) -> None:
@@ -329,7 +341,7 @@ def test_spawn_fit_checkpoint_of_the_launching_process_is_complete(spawned: dict
 
 def test_spawn_fit_checkpoint_of_the_launching_process_resumes_exactly(spawned: dict[str, Any]) -> None:
     uninterrupted = spawn_reference(4)
-    assert max_difference(spawned["resumed"], uninterrupted) < ATOL
+    assert_adam_close(spawned["resumed"], uninterrupted)
     # A resume with a fresh optimizer state (what Lightning's own "ddp_spawn" does with such a file) ends elsewhere.
     assert max_difference(spawn_reference(2, start=spawn_reference(2)), uninterrupted) > 100 * ATOL
 
@@ -360,8 +372,8 @@ def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_one(spawned: 
                 torch.distributed.destroy_process_group()
     assert trainer.global_step == 6
     start = torch.load(path, weights_only=True)["state_dict"]
-    tolerance = 1e-6  # one process sums the gradient in another order
-    assert max_difference(model.state_dict(), spawn_reference(2, start=start)) < tolerance
+    # One process sums the gradient in another order, and a fresh Adam's first step is its most sensitive one.
+    assert_adam_close(model.state_dict(), spawn_reference(2, start=start), start)
     assert max_difference(model.state_dict(), spawn_reference(6)) > 100 * ATOL  # not the uninterrupted training
 
 

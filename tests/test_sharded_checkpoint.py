@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from scenarios.common import max_difference, reference_training
+from scenarios.common import assert_adam_close, max_difference, reference_training
 from scenarios.config import Kill, Scenario
 
 from conftest import (
@@ -233,7 +233,8 @@ def test_consolidated_checkpoint_loads_without_fairscale(consolidated: dict[str,
 def test_consolidated_checkpoint_resumes_on_one_process(first: Jobs, one_process: Jobs) -> None:
     resumed = one_process["consolidated-resumed"]
     assert resumed["global_step"] == 4
-    assert max_difference(resumed["state_dict"], first["sharded"]["state_dict"]) < 1e-6
+    # One process sums in another order than two: Adam's update relative to its size (scenarios.common.ADAM_RTOL).
+    assert_adam_close(resumed["state_dict"], first["sharded"]["state_dict"])
 
 
 def test_another_wrapping_names_the_consolidation_command(one_process: Jobs) -> None:
@@ -296,7 +297,7 @@ def test_resharding_resume_is_exact(
     continued = one_process["continued-1"] if devices == 1 else first["resumed"]
     assert continued["global_step"] == 4
     reference = reference_training(4, scheduler=True, num_samples=8)
-    assert max_difference(continued["state_dict"], reference) < 1e-5
+    assert_adam_close(continued["state_dict"], reference)
 
 
 def test_save_top_k_removes_old_checkpoint_directories(first: Jobs, folder: Path) -> None:
@@ -412,7 +413,7 @@ def test_the_recipe_equals_unsharded_training_and_leaves_frozen_weights_untouche
     expected = _recipe_reference()
     for kind in ("full", "sharded"):
         result = first[f"recipe-{kind}"]
-        assert max_difference(result["state_dict"], expected) < 2e-5, kind
+        assert_adam_close(result["state_dict"], expected, what=kind)
         for name in FROZEN:
             assert torch.equal(result["state_dict"][name], initial[name]), (kind, name)
     # The groups' hyperparameters and the freezing change the result: the equality above shows both kept.
@@ -444,7 +445,8 @@ def test_the_recipe_resumes_exactly(first: Jobs, one_process: Jobs, resume: str)
     """Half-way from a full checkpoint, a sharded one, and the sharded one on one process (resharded)."""
     result = (one_process if resume.endswith("-1") else first)[f"recipe-{resume}"]
     assert result["global_step"] == 4
-    assert max_difference(result["state_dict"], first["recipe-sharded"]["state_dict"]) < 1e-6
+    # One process sums in another order than two: AdamW's update relative to its size (scenarios.common.ADAM_RTOL).
+    assert_adam_close(result["state_dict"], first["recipe-sharded"]["state_dict"])
 
 
 def test_the_recipes_sharded_checkpoint_consolidates_to_its_full_one(first: Jobs, folder: Path, tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ What it runs is a ``scenarios.config.BetweenSteps``:
   step), then the generator's. Trainer: manual optimization with ``toggle_optimizer``, ``manual_backward``,
   ``clip_gradients``; Fabric: two set-up modules, the other module's parameters frozen during each step.
 
-Rank 0 writes ``{"final": state dict after all steps, "reference": the unsharded training's}`` (``final`` after a
-save at ``save_at`` and a resume in a fresh model, if set). By hand (from the project's root)::
+Rank 0 writes ``{"final": state dict after all steps, "reference": the unsharded training's, "start": the weights
+both start from}`` (``final`` after a save at ``save_at`` and a resume in a fresh model, if set). By hand (from the
+project's root)::
 
     PYTHONPATH=src python tests/scenarios/between_steps.py --config '{"case": "gan", "devices": 1}' --out r.pt
 """
@@ -376,7 +377,7 @@ def run_fabric(fabric: Any, fields: dict[str, Any], out: str) -> None:
     work = Path(config.save_dir or Path(out).parent)
     final = (fabric_gan if config.case == "gan" else fabric_freeze)(fabric, config, work)
     if fabric.is_global_zero:
-        torch.save({"final": final, "reference": reference(config)}, out)
+        torch.save({"final": final, "reference": reference(config), "start": reference(config.replace(steps=0))}, out)
 
 
 def reference(config: BetweenSteps) -> dict[str, torch.Tensor]:
@@ -398,7 +399,7 @@ def main(config: BetweenSteps, out: str) -> None:
         return
     final = run_trainer(config, work)
     if final:  # rank 0's
-        torch.save({"final": final, "reference": reference(config)}, out)
+        torch.save({"final": final, "reference": reference(config), "start": reference(config.replace(steps=0))}, out)
 
 
 if __name__ == "__main__":

@@ -308,6 +308,52 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+#: How close two float32 trainings with an Adam-like optimizer (Adam, AdamW: each element's step divided by the root
+#: of its squared gradients) that sum in another order end: their whole updates within this fraction of the
+#: reference's (L2 over every element, :func:`update_error`). Not an absolute tolerance on every weight: Adam turns a
+#: gradient element at its ``eps``'s scale (1e-8: here, a GELU unit of the second Block off for every sample at step
+#: 1) into a step of any size up to lr, so a rounding difference in that gradient (another CPU's kernels: MKL's
+#: ``MKL_CBWR``, ATen's vector width; a reduction after each micro-batch instead of one) moves the element by up to
+#: ~1e-4 after a few steps, while a ~1e-7 on the others. The same trainings, their batches summed in 50 other orders:
+#: whole updates 0.3e-6 to 6.2e-5 apart, 1 or 2 elements beyond 1e-5 (worst 1.6e-4; 38 of 40 orders beyond 1e-5 with
+#: 2 micro-batches a step). What breaks a feature moves more: one element a whole step (lr = 1e-2) off is 3.8e-3 of
+#: the 4-step update of ``build_network()`` (norm 2.65), a slice that is not updated 0.3 or more.
+ADAM_RTOL = 1e-3
+
+
+def update_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                 start: dict[str, torch.Tensor]) -> float:
+    """The distance of the whole update ``actual - start`` from the expected one, ``expected - start``, relative to the
+    expected update's size (L2 over every element of every tensor, in float64)."""
+    assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
+    assert set(expected) <= set(start), sorted(set(expected) - set(start))
+    moved = sum(float(((e.double() - start[k].double()) ** 2).sum()) for k, e in expected.items())
+    apart = sum(float(((actual[k].double() - e.double()) ** 2).sum()) for k, e in expected.items())
+    assert moved > 0, "the reference did not train: nothing to compare the update with"
+    return (apart / moved) ** 0.5
+
+
+def initial_state(depth: int = 2) -> dict[str, torch.Tensor]:
+    """The weights every training of ``build_network(depth)`` starts from, keyed as ``reference_training``'s."""
+    return clone_state(RegressionModelWrapper(build_network(depth)))
+
+
+def assert_adam_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                      start: Optional[dict[str, torch.Tensor]] = None, what: str = "",
+                      rtol: float = ADAM_RTOL) -> None:
+    """After Adam-like steps in float32: the whole update within ``rtol`` of the expected one (:data:`ADAM_RTOL` says
+    why not an absolute tolerance). ``start``: the weights both trainings started from (``build_network()``'s by
+    default); ``what``: words for the failure's message."""
+    start = initial_state() if start is None else start
+    error = update_error(actual, expected, start)
+    worst = max(expected, key=lambda k: float((actual[k].float() - expected[k].float()).abs().max()))
+    off = float((actual[worst].float() - expected[worst].float()).abs().max())
+    assert error < rtol, (
+        f"{what + ': ' if what else ''}the update is {error:.3g} (relative) from the reference's, over {rtol:g};"
+        f" the worst weight {worst}: {off:.3g} off"
+    )
+
+
 def clone_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in copy.deepcopy(module.state_dict()).items()}
 

@@ -547,6 +547,7 @@ def resume(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) ->
         config.model, total, accumulate=config.accumulate, clip=config.clip, samples=config.samples
     )
     result["reference"] = state(model)
+    result.setdefault("initial", state(build_model(config.model)))  # where both start
 
     def read_both() -> None:
         result["full_state_dict"] = load(work / "half-full.ckpt")["state_dict"]
@@ -617,6 +618,7 @@ def resume_resharded(config: HFJob, work: Path, stages: Stages, result: dict[str
             config.model, total, accumulate=config.accumulate, clip=config.clip, samples=config.samples
         )
         result["reference"] = state(model)
+        result.setdefault("initial", state(build_model(config.model)))  # where both start
 
 
 def probes(config: HFJob, work: Path, stages: Stages, result: dict[str, Any]) -> None:
@@ -685,6 +687,7 @@ def validate_fit(config: HFJob, work: Path, stages: Stages, result: dict[str, An
         config.model, total, "single", accumulate=config.accumulate, clip=config.clip, samples=config.samples
     )
     result["reference"] = state(model)
+    result.setdefault("initial", state(build_model(config.model)))  # where both start
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -793,6 +796,7 @@ def fabric_run(fabric: Any, fields: dict[str, Any], work_dir: str, stages: Stage
             config.model, total, accumulate=1, clip=config.clip, samples=config.samples
         )
         result["reference"] = state(model)
+        result.setdefault("initial", state(build_model(config.model)))  # where both start
 
 
 #: The job functions, by :attr:`HFJob.job`.
