@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,18 @@ from lightning_fairscale.distributed.torch_private import (
     total_norm_implementation,
 )
 
-if TYPE_CHECKING:
-    from lightning_fairscale.sharded_ddp.trainability import Trainability
+
+
+class Trainability(Protocol):
+    """What this module needs of a :class:`~lightning_fairscale.sharded_ddp.trainability.Trainability` (which
+    imports this module)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live."""
+
+    def gradient_owners(self) -> tuple[set[int], set[int]]:
+        """The ``id`` of each gradient this rank holds: of its own parameters, and of the other ranks'."""
 
 __all__ = ["PartitionedGradients", "torch_norms_follow_partitions"]
 
