@@ -116,3 +116,13 @@ def test_callbacks_and_loggers_see_the_users_optimizer(ranks: list[dict[str, Any
     assert {k: v for k, v in sharded.items() if k not in (*differ, "state_dict")} == {
         k: v for k, v in ddp.items() if k not in (*differ, "state_dict")
     }
+
+
+def test_the_learning_rate_finder_and_the_model_summary_are_those_of_ddp(ranks: list[dict[str, Any]]) -> None:
+    """Issue 54 item 3, further: Lightning's ``Tuner.lr_find`` tries the same learning rates with the same losses
+    and suggests the same one, and ``ModelSummary`` shows the user's model, as under ``"ddp"``."""
+    sharded, ddp = ranks[0]["tuner"], ranks[0]["tuner-ddp"]
+    assert sharded["lrs"] == ddp["lrs"] and len(ddp["lrs"]) == 8
+    assert sharded["losses"] == pytest.approx(ddp["losses"], rel=1e-12, abs=0)
+    assert sharded["suggestion"] == ddp["suggestion"]
+    assert sharded["summary"] == ddp["summary"] and "net.2 | Linear" in ddp["summary"]

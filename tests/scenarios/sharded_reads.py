@@ -302,6 +302,23 @@ def trainer_survey(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]
     return {**survey.seen, "logged": sorted(logger.names)}
 
 
+def trainer_tuner(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """Lightning's learning-rate finder (``Tuner.lr_find``, 8 trials) and the model summary of the fit after it."""
+    from scenarios.flavor import pl as lightning
+
+    seed_everything(7)
+    model = ReadsModel("sgd")
+    trainer = _trainer(_strategy(strategy), devices, workdir, enable_model_summary=True)
+    finder = lightning.tuner.Tuner(trainer).lr_find(model, min_lr=1e-4, max_lr=1.0, num_training=8, update_attr=False)
+    summary = lightning.utilities.model_summary.ModelSummary(model, max_depth=2)
+    return {
+        "lrs": finder.results["lr"],
+        "losses": finder.results["loss"],
+        "suggestion": finder.suggestion(skip_begin=1, skip_end=1),
+        "summary": str(summary),
+    }
+
+
 def fabric_clip(strategy: Any, devices: int, workdir: Path, optimizer: str = "sgd") -> dict[str, Any]:
     """Fabric: 4 steps, the user calling torch's ``clip_grad_norm_`` before ``optimizer.step()``; on every rank,
     the norm of all gradients after each step (torch's ``get_total_norm``)."""
@@ -356,11 +373,12 @@ CASES: dict[str, Callable[[Any, int, Path], dict[str, Any]]] = {
     "muon": trainer_muon,
     "lbfgs": trainer_lbfgs,
     "survey": trainer_survey,
+    "tuner": trainer_tuner,
     "fabric-clip": fabric_clip,
     "fabric-lbfgs": fabric_lbfgs,
 }
 #: The cases that also run under Lightning's ``"ddp"`` in the same launch (named ``<case>-ddp``).
-DDP_CASES = ["clip", "survey", "fabric-clip"]
+DDP_CASES = ["clip", "survey", "tuner", "fabric-clip"]
 
 
 def run(name: str, strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
