@@ -107,7 +107,7 @@ class PartitionedGradients:
         previous = self._previous
         assert previous is not None, "torch's total norm is replaced only while models are held"
         states = list(self._states)
-        if not states:  # the models died without a word: torch's own again
+        if not states or not dist.is_initialized():  # the models died, or their ranks are gone: torch's own again
             self._restore()
             return previous(tensors, norm_type, error_if_nonfinite, foreach)
         return _partitioned_total_norm(states, previous, tensors, norm_type, error_if_nonfinite, foreach)
