@@ -18,13 +18,14 @@ from scenarios.common import max_difference
 
 from conftest import TESTS, run_script
 
-#: float64 trainings that differ by the summation order of the gradients only (measured: below 1e-13).
+#: float64 trainings that differ by the summation order of the gradients only (measured: 0.0 here; the weights
+#: move by 7e-3 to 9e-2 in the 4 steps).
 ATOL = 1e-9
 SCRIPT = TESTS / "scenarios" / "sharded_reads.py"
 SHARDED = list(sharded_reads.CASES)
 LAUNCH = SHARDED + [f"{name}-ddp" for name in sharded_reads.DDP_CASES]
 #: The cases compared with unsharded training in this process.
-REFERENCES = ["clip", "clip-buckets", "adafactor", "lars", "muon", "fabric-clip"]
+REFERENCES = ["clip", "clip-buckets", "clip-inf", "clip-accumulate", "adafactor", "lars", "muon", "fabric-clip"]
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +45,22 @@ def unsharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {name: sharded_reads.run(name, "auto", 1, workdir) for name in REFERENCES}
 
 
-@pytest.mark.parametrize("name", ["clip", "clip-buckets", "fabric-clip"])
+@pytest.mark.parametrize("name", ["clip", "clip-buckets", "clip-inf", "clip-accumulate", "fabric-clip"])
 def test_the_users_own_clip_grad_norm_equals_unsharded_training(
     ranks: list[dict[str, Any]], unsharded: dict[str, Any], name: str
 ) -> None:
     """Issue 53 item 6: torch's ``clip_grad_norm_`` (bound by ``from torch.nn.utils import``) in
     ``on_before_optimizer_step`` or before Fabric's ``optimizer.step()``, over ``parameters()``: each rank holds its
-    OSS partition's gradients only, yet the norm is the whole model's (before: 3.2e-4 off after 4 steps)."""
+    OSS partition's gradients only, yet the norm is the whole model's (before, weights after 4 steps: 3.6e-3 off,
+    1.5e-3 with gradient buckets, 7.5e-3 by the infinity norm, 5.5e-3 accumulating, 3.6e-3 with Fabric).
+    Accumulating, the first micro-batch's gradients wait unreduced (``no_sync``) and the clip sees the reduced sum."""
     reference = unsharded[name]
     for result in ranks:
         assert result[name]["error"] is None, result[name]["error"]
         assert result[name]["norms"] == pytest.approx(reference["norms"], rel=1e-12, abs=0)
         assert max_difference(result[name]["state_dict"], reference["state_dict"]) < ATOL
-    assert min(reference["norms"]) > sharded_reads.CLIP  # the clip bites at every step
+    limit = sharded_reads.CLIP / 4 if name == "clip-inf" else sharded_reads.CLIP
+    assert min(reference["norms"]) > limit  # the clip bites at every step
 
 
 @pytest.mark.parametrize("name", ["clip", "fabric-clip"])

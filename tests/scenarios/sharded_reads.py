@@ -111,10 +111,12 @@ class ReadsModel(LightningModule):
     user's own ``clip_grad_norm_(self.parameters(), clip)`` in ``on_before_optimizer_step``, whose returned norms
     are kept in :attr:`norms`."""
 
-    def __init__(self, optimizer: str = "sgd", clip: Optional[float] = None, scheduler: bool = False) -> None:
+    def __init__(
+        self, optimizer: str = "sgd", clip: Optional[float] = None, scheduler: bool = False, norm_type: float = 2.0
+    ) -> None:
         super().__init__()
         self.net = network()
-        self.optimizer_name, self.clip, self.scheduler = optimizer, clip, scheduler
+        self.optimizer_name, self.clip, self.scheduler, self.norm_type = optimizer, clip, scheduler, norm_type
         self.automatic_optimization = optimizer != "muon"
         self.norms: list[float] = []
 
@@ -136,7 +138,7 @@ class ReadsModel(LightningModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if self.clip is not None:
-            self.norms.append(float(clip_grad_norm_(self.parameters(), self.clip)))
+            self.norms.append(float(clip_grad_norm_(self.parameters(), self.clip, norm_type=self.norm_type)))
 
     def configure_optimizers(self) -> Any:
         optimizers = make_optimizers(self.optimizer_name, self)
@@ -242,10 +244,12 @@ def _strategy(strategy: Any, **kwargs: Any) -> Any:
 
 
 def _fit(strategy: Any, devices: int, workdir: Path, optimizer: str, clip: Optional[float] = None,
-         **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+         norm_type: float = 2.0, accumulate: int = 1, **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     seed_everything(7)
-    model, reads = ReadsModel(optimizer, clip), Reads()
-    trainer = _trainer(_strategy(strategy, **strategy_kwargs), devices, workdir, callbacks=[reads])
+    model, reads = ReadsModel(optimizer, clip, norm_type=norm_type), Reads()
+    trainer = _trainer(
+        _strategy(strategy, **strategy_kwargs), devices, workdir, callbacks=[reads], accumulate_grad_batches=accumulate
+    )
     error = None
     try:
         trainer.fit(model)
@@ -270,6 +274,16 @@ def trainer_clip(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
 def trainer_clip_buckets(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
     """:func:`trainer_clip` with small gradient buckets (the small gradients are views into a bucket)."""
     return _fit(strategy, devices, workdir, "sgd", CLIP, reduce_buffer_size=BUCKETS)
+
+
+def trainer_clip_inf(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """:func:`trainer_clip` by the largest element (``norm_type="inf"``): a maximum over the ranks."""
+    return _fit(strategy, devices, workdir, "sgd", CLIP / 4, norm_type=float("inf"))
+
+
+def trainer_clip_accumulate(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """:func:`trainer_clip` accumulating 2 micro-batches (the first under ``no_sync``: every rank its own)."""
+    return _fit(strategy, devices, workdir, "sgd", CLIP, accumulate=2)
 
 
 def trainer_adafactor(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
@@ -368,6 +382,8 @@ def fabric_lbfgs(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
 CASES: dict[str, Callable[[Any, int, Path], dict[str, Any]]] = {
     "clip": trainer_clip,
     "clip-buckets": trainer_clip_buckets,
+    "clip-inf": trainer_clip_inf,
+    "clip-accumulate": trainer_clip_accumulate,
     "adafactor": trainer_adafactor,
     "lars": trainer_lars,
     "muon": trainer_muon,
