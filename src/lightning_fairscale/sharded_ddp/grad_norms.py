@@ -45,7 +45,7 @@ from lightning_fairscale.distributed.torch_private import (
 
 
 
-class Trainability(Protocol):
+class PartitionHolder(Protocol):
     """What this module needs of a :class:`~lightning_fairscale.sharded_ddp.trainability.Trainability` (which
     imports this module)."""
 
@@ -56,7 +56,7 @@ class Trainability(Protocol):
     def gradient_owners(self) -> tuple[set[int], set[int]]:
         """The ``id`` of each gradient this rank holds: of its own parameters, and of the other ranks'."""
 
-__all__ = ["PartitionedGradients", "torch_norms_follow_partitions"]
+__all__ = ["PARTITIONED", "PartitionHolder", "PartitionedGradients", "torch_norms_follow_partitions"]
 
 
 def torch_norms_follow_partitions() -> bool:
@@ -73,11 +73,11 @@ class PartitionedGradients:
     """
 
     def __init__(self) -> None:
-        self._states: weakref.WeakSet[Trainability] = weakref.WeakSet()
+        self._states: weakref.WeakSet[PartitionHolder] = weakref.WeakSet()
         #: What torch computed total norms with before this object replaced it (``None``: not replaced now).
         self._previous: Optional[Callable[..., Tensor]] = None
 
-    def add(self, state: Trainability) -> None:
+    def add(self, state: PartitionHolder) -> None:
         """``state``'s gradients are partitioned (a backward pass reduced them to their owners)."""
         if not torch_norms_follow_partitions():
             return
@@ -86,7 +86,7 @@ class PartitionedGradients:
             self._previous = total_norm_implementation()
             set_total_norm_implementation(self._total_norm)
 
-    def discard(self, state: Trainability) -> None:
+    def discard(self, state: PartitionHolder) -> None:
         """``state``'s gradients are no longer partitioned (a backward pass starts, or the strategy ends)."""
         self._states.discard(state)
         if not self._states:
@@ -118,7 +118,7 @@ PARTITIONED = PartitionedGradients()
 
 
 def _partitioned_total_norm(
-    states: list[Trainability],
+    states: list[PartitionHolder],
     local_norm: Callable[..., Tensor],
     tensors: Union[Tensor, Any],
     norm_type: Union[float, int, str],
