@@ -25,7 +25,10 @@ SCRIPT = TESTS / "scenarios" / "sharded_reads.py"
 SHARDED = list(sharded_reads.CASES)
 LAUNCH = SHARDED + [f"{name}-ddp" for name in sharded_reads.DDP_CASES]
 #: The cases compared with unsharded training in this process.
-REFERENCES = ["clip", "clip-buckets", "clip-inf", "clip-accumulate", "adafactor", "lars", "muon", "fabric-clip"]
+REFERENCES = [
+    "sgd", "clip", "clip-buckets", "clip-inf", "clip-accumulate", "penalties", "adafactor", "lars", "muon",
+    "fabric-clip",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,7 @@ def test_the_users_own_clip_grad_norm_equals_unsharded_training(
     1.5e-3 with gradient buckets, 7.5e-3 by the infinity norm, 5.5e-3 accumulating, 3.6e-3 with Fabric).
     Accumulating, the first micro-batch's gradients wait unreduced (``no_sync``) and the clip sees the reduced sum."""
     reference = unsharded[name]
+    assert max_difference(reference["state_dict"], unsharded["sgd"]["state_dict"]) > 1e-3  # the clip changed it
     for result in ranks:
         assert result[name]["error"] is None, result[name]["error"]
         assert result[name]["norms"] == pytest.approx(reference["norms"], rel=1e-12, abs=0)
@@ -83,7 +87,7 @@ def test_a_rank_holds_the_gradients_of_its_partition_only(ranks: list[dict[str, 
     assert all(all(result["clip-ddp"]["present"][-1]) for result in ranks)
 
 
-@pytest.mark.parametrize("name", ["adafactor", "lars", "muon"])
+@pytest.mark.parametrize("name", ["sgd", "adafactor", "lars", "muon"])
 def test_optimizers_that_read_whole_tensors_equal_unsharded_training(
     ranks: list[dict[str, Any]], unsharded: dict[str, Any], name: str
 ) -> None:
@@ -94,6 +98,16 @@ def test_optimizers_that_read_whole_tensors_equal_unsharded_training(
     assert result["error"] is None, result["error"]
     assert result["global_step"] == reference["global_step"] > 0
     assert max_difference(result["state_dict"], reference["state_dict"]) < ATOL
+
+
+def test_penalties_over_the_parameters_in_training_step_equal_unsharded_training(
+    ranks: list[dict[str, Any]], unsharded: dict[str, Any]
+) -> None:
+    """Issue 53 item 5 under ``"ddp_sharded"``: every parameter is whole inside ``training_step``, so an L2 penalty
+    over ``self.parameters()`` and an orthogonality penalty on a matrix train as unsharded (pinned)."""
+    result, reference = ranks[0]["penalties"], unsharded["penalties"]
+    assert max_difference(result["state_dict"], reference["state_dict"]) < ATOL
+    assert max_difference(reference["state_dict"], unsharded["sgd"]["state_dict"]) > 1e-3  # the penalties bite
 
 
 @pytest.mark.parametrize(("name", "where"), [("lbfgs", "Trainer"), ("fabric-lbfgs", "Fabric")])

@@ -112,9 +112,11 @@ class ReadsModel(LightningModule):
     are kept in :attr:`norms`."""
 
     def __init__(
-        self, optimizer: str = "sgd", clip: Optional[float] = None, scheduler: bool = False, norm_type: float = 2.0
-    ) -> None:
+        self, optimizer: str = "sgd", clip: Optional[float] = None, scheduler: bool = False, norm_type: float = 2.0,
+        penalty: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
+        self.penalty = penalty
         self.net = network()
         self.optimizer_name, self.clip, self.scheduler, self.norm_type = optimizer, clip, scheduler, norm_type
         self.automatic_optimization = optimizer != "muon"
@@ -126,6 +128,10 @@ class ReadsModel(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
+        if self.penalty:  # an explicit L2 penalty, and an orthogonality penalty on a matrix
+            weight = self.net[2].weight
+            loss = loss + 0.05 * sum(p.pow(2).sum() for p in self.parameters())
+            loss = loss + 0.01 * ((weight.t() @ weight - torch.eye(16, dtype=weight.dtype)) ** 2).sum()
         if self.automatic_optimization:
             return loss
         optimizers = self.optimizers()
@@ -244,9 +250,10 @@ def _strategy(strategy: Any, **kwargs: Any) -> Any:
 
 
 def _fit(strategy: Any, devices: int, workdir: Path, optimizer: str, clip: Optional[float] = None,
-         norm_type: float = 2.0, accumulate: int = 1, **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+         norm_type: float = 2.0, accumulate: int = 1, penalty: bool = False,
+         **strategy_kwargs: Any) -> dict[str, Any]:  # fmt: skip
     seed_everything(7)
-    model, reads = ReadsModel(optimizer, clip, norm_type=norm_type), Reads()
+    model, reads = ReadsModel(optimizer, clip, norm_type=norm_type, penalty=penalty), Reads()
     trainer = _trainer(
         _strategy(strategy, **strategy_kwargs), devices, workdir, callbacks=[reads], accumulate_grad_batches=accumulate
     )
@@ -284,6 +291,16 @@ def trainer_clip_inf(strategy: Any, devices: int, workdir: Path) -> dict[str, An
 def trainer_clip_accumulate(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
     """:func:`trainer_clip` accumulating 2 micro-batches (the first under ``no_sync``: every rank its own)."""
     return _fit(strategy, devices, workdir, "sgd", CLIP, accumulate=2)
+
+
+def trainer_sgd(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """4 SGD steps, nothing else: the plainest form."""
+    return _fit(strategy, devices, workdir, "sgd")
+
+
+def trainer_penalties(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
+    """4 SGD steps with an L2 penalty over ``self.parameters()`` and an orthogonality penalty in ``training_step``."""
+    return _fit(strategy, devices, workdir, "sgd", penalty=True)
 
 
 def trainer_adafactor(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
@@ -367,7 +384,8 @@ def fabric_clip(strategy: Any, devices: int, workdir: Path, optimizer: str = "sg
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         result["grad_norms"].append(float(torch.nn.utils.get_total_norm(grads)))
         optimizer_.zero_grad()
-    result["state_dict"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # Under the LightningModule's names (``net.``), to compare with the Trainer's cases.
+    result["state_dict"] = {f"net.{k}": v.detach().clone() for k, v in module.state_dict().items()}
     return result
 
 
@@ -380,10 +398,12 @@ def fabric_lbfgs(strategy: Any, devices: int, workdir: Path) -> dict[str, Any]:
 
 
 CASES: dict[str, Callable[[Any, int, Path], dict[str, Any]]] = {
+    "sgd": trainer_sgd,
     "clip": trainer_clip,
     "clip-buckets": trainer_clip_buckets,
     "clip-inf": trainer_clip_inf,
     "clip-accumulate": trainer_clip_accumulate,
+    "penalties": trainer_penalties,
     "adafactor": trainer_adafactor,
     "lars": trainer_lars,
     "muon": trainer_muon,
