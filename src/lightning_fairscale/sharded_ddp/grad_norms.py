@@ -81,7 +81,9 @@ class PartitionedGradients:
         """``state``'s gradients are partitioned (a backward pass reduced them to their owners)."""
         if not torch_norms_follow_partitions():
             return
-        self._states.add(state)
+        if state not in self._states:
+            self._states.add(state)
+            weakref.finalize(state, self._forget_dead)  # a model dropped without `close`: torch's own again at once
         if self._previous is None:
             self._previous = total_norm_implementation()
             set_total_norm_implementation(self._total_norm)
@@ -90,6 +92,10 @@ class PartitionedGradients:
         """``state``'s gradients are no longer partitioned (a backward pass starts, or the strategy ends)."""
         self._states.discard(state)
         if not self._states:
+            self._restore()
+
+    def _forget_dead(self) -> None:
+        if not list(self._states):  # iterating skips the dead ones
             self._restore()
 
     def _restore(self) -> None:
