@@ -109,6 +109,7 @@ class Record(Callback):
         self.info.update(
             wrapper=type(trainer.strategy.model).__name__,
             optimizer=type(optimizer).__name__,
+            is_oss=type(optimizer).__mro__[1].__name__ == "OSS",  # a subclass named after the user's optimizer
             shard_optimizer=type(shard).__name__,
             shard_params=sum(len(g["params"]) for g in shard.param_groups),
             all_params=sum(len(g["params"]) for g in optimizer.param_groups),

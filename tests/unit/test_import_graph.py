@@ -89,6 +89,7 @@ ENGINE = (
     "sharded_ddp",
     "sharded_ddp.config",
     "sharded_ddp.engine",
+    "sharded_ddp.grad_norms",
     "sharded_ddp.trainability",
 )
 

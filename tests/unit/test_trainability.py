@@ -5,6 +5,7 @@ training are in ``tests/test_sharded_changes.py``.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -13,9 +14,12 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from torch import nn
 
+from lightning_fairscale.distributed.torch_private import total_norm_implementation
 from lightning_fairscale.sharded_ddp import engine
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.trainability import Trainability, TrainabilityChangeError, clip_grad_norm
+
+from .helpers import run_ranks
 
 
 def _wrapped(**kwargs: Any) -> tuple[ShardedDataParallel, Trainability, OSS]:
@@ -113,3 +117,62 @@ def test_clip_grad_norm_counts_parameters_frozen_at_the_first_call(process_group
     stale = optimizer.clip_grad_norm(1e9)  # FairScale's own call: the frozen layer's gradients left out
     assert not torch.allclose(stale, expected)
     torch.testing.assert_close(clip_grad_norm(optimizer, 1e9), expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Torch's total norm while the gradients are partitioned (sharded_ddp.grad_norms; 2-process trainings in
+# tests/test_sharded_reads.py)
+
+
+def test_torchs_total_norm_is_replaced_exactly_while_the_gradients_are_partitioned(process_group: Any) -> None:
+    gc.collect()  # the models of the tests above, dropped without `close`: torch's own is back
+    torchs = torch.nn.utils.clip_grad._get_total_norm.__wrapped__
+    assert total_norm_implementation() is torchs
+    wrapper, trainability, _ = _wrapped()
+    _backward(wrapper, trainability)
+    assert total_norm_implementation() is not torchs  # a reducing backward pass: partitioned
+    with pytest.raises(ValueError, match="order 0.*positive order"):
+        torch.nn.utils.clip_grad_norm_(wrapper.parameters(), 1.0, norm_type=0)
+    with wrapper.no_sync():  # accumulating: every rank holds its own gradients, torch's norms are local
+        _backward(wrapper, trainability, seed=1)
+    assert total_norm_implementation() is torchs
+    _backward(wrapper, trainability, seed=2)
+    trainability.close()  # the strategy ends: torch's own again
+    assert total_norm_implementation() is torchs
+    _backward(wrapper, trainability, seed=3)
+    del wrapper, trainability
+    gc.collect()  # a model dropped without `close` (a Fabric loop's): torch's own again
+    assert total_norm_implementation() is torchs
+
+
+def _partitioned_norms(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank`` of 2: one reducing backward of a small model with small buckets, then torch's norms."""
+    wrapper, trainability, optimizer = _wrapped(reduce_buffer_size=20)
+    _backward(wrapper, trainability, seed=rank)  # each rank its own batch: the reduced gradient is their mean
+    held = [p.grad is not None for p in wrapper.parameters()]
+    whole = torch.full((3,), 2.0)  # a tensor every rank holds whole: counted once
+    grads = [p.grad for p in wrapper.parameters() if p.grad is not None]
+    result = {
+        "held": held,
+        "two": float(torch.nn.utils.get_total_norm([*grads, whole])),
+        "inf": float(torch.nn.utils.get_total_norm(grads, norm_type="inf")),
+        "owned": sum(p.numel() for p in optimizer.partition_parameters()[rank][0]["params"]),
+    }
+    trainability.close()
+    return result
+
+
+def test_the_norm_of_partitioned_gradients_is_the_whole_models_on_every_rank(tmp_path: Any) -> None:
+    ranks = run_ranks(_partitioned_norms, 2, tmp_path)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    for seed in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+        (model(x).square().mean() / 2).backward()  # the mean of the two ranks' gradients
+    grads = [p.grad for p in model.parameters()]
+    two = float(torch.linalg.vector_norm(torch.cat([*(g.flatten() for g in grads), torch.full((3,), 2.0)])))
+    inf = float(max(g.abs().max() for g in grads))
+    for rank in ranks:
+        assert rank["two"] == pytest.approx(two, rel=1e-6) and rank["inf"] == pytest.approx(inf, rel=1e-6)
+    # Each gradient on its owner only, the bucketed ones too (not their bucket slots on the other rank).
+    assert [a != b for a, b in zip(ranks[0]["held"], ranks[1]["held"])] == [True] * 4

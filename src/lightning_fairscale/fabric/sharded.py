@@ -174,6 +174,7 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     ) -> tuple[Module, list[Optimizer], Optional[TorchLRScheduler]]:
         """Rebuild the optimizers as OSS (the scheduler follows its optimizer) and wrap the model in
         ``ShardedDataParallel``."""
+        oss.check_optimizers(optimizers)  # before the first is sharded: refused on every rank alike
         sharded = []
         for optimizer in optimizers:
             new = optimizer if isinstance(optimizer, OSS) else oss.shard_optimizer(optimizer, self.broadcast_fp16)

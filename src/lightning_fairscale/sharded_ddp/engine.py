@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional
@@ -27,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig, sharded_ddp_kwargs
+from lightning_fairscale.sharded_ddp.grad_norms import torch_norms_follow_partitions
 from lightning_fairscale.sharded_ddp.trainability import Trainability
 from lightning_fairscale.distributed import process_exit
 
@@ -34,10 +36,13 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ShardedDataParallel",
+    "check_optimizers",
+    "check_steps_each_tensor",
     "full_state",
     "load_full_state",
     "repoint_schedulers",
     "shard_optimizer",
+    "sharded_class",
     "sync_module_states",
     "wrap_model",
 ]
@@ -74,6 +79,14 @@ def wrap_model(
     """
     if compiler is not None:
         module.forward = compiler(module.forward)  # type: ignore[method-assign]
+    if not torch_norms_follow_partitions():
+        warnings.warn(
+            f"torch {torch.__version__}: `torch.nn.utils.clip_grad_norm_` called by your own code sees the gradients"
+            " of this rank's OSS partition only under `DDPShardedStrategy`, and clips by their norm, not the whole"
+            " model's (torch 2.6 or later makes it exact). Clip with the Trainer's `gradient_clip_val` or Fabric's"
+            " `clip_gradients`, which clip by the whole model's norm.",
+            stacklevel=2,
+        )
     kwargs = {**sharded_ddp_kwargs(config, num_nodes), "auto_refresh_trainable": False}
     wrapped = ShardedDataParallel(module, sharded_optimizer=optimizers, **kwargs)
     process_exit.release_at_exit(wrapped, *optimizers)  # their references to process groups are dropped at exit
@@ -106,7 +119,9 @@ def sync_module_states(module: Module) -> None:
 def shard_optimizer(optimizer: Optimizer, broadcast_fp16: bool = False) -> OSS:
     """``optimizer`` rebuilt as ``fairscale.optim.OSS``: same class, param groups and hyperparameters, sharded.
 
-    Needs an initialized process group. Any state ``optimizer`` already has is carried over (sharded).
+    Needs an initialized process group. Any state ``optimizer`` already has is carried over (sharded). The OSS is of
+    a subclass named after ``optimizer``'s class (:func:`sharded_class`), so that what Lightning names after the
+    optimizer's class (``LearningRateMonitor``'s ``lr-Adam``) is what it is under ``"ddp"``.
 
     Args:
         optimizer: a ``torch.optim`` optimizer (or one built the same way: ``cls(param_groups, **defaults)``).
@@ -114,8 +129,10 @@ def shard_optimizer(optimizer: Optimizer, broadcast_fp16: bool = False) -> OSS:
 
     Raises:
         TypeError: the optimizer's class cannot be built again from its param groups and ``defaults``.
+        ValueError: the optimizer steps all parameters as one vector (:func:`check_steps_each_tensor`).
     """
     optim_class = type(optimizer)
+    check_steps_each_tensor(optimizer)
     defaults = _constructor_defaults(optimizer)
     param_groups = [dict(group) for group in optimizer.param_groups]
     try:
@@ -126,10 +143,81 @@ def shard_optimizer(optimizer: Optimizer, broadcast_fp16: bool = False) -> OSS:
             f" `{optim_class.__name__}(param_groups, **defaults)` ({error}). Give the class a constructor that takes"
             " its `defaults` as keyword arguments, or return a `fairscale.optim.OSS` from `configure_optimizers`."
         ) from None
-    sharded = OSS(params=param_groups, optim=optim_class, broadcast_fp16=broadcast_fp16, **defaults)
+    oss_class = sharded_class(optim_class)
+    sharded = oss_class(params=param_groups, optim=optim_class, broadcast_fp16=broadcast_fp16, **defaults)
     if optimizer.state:
         load_full_state(sharded, optimizer.state_dict())
     return sharded
+
+
+def check_optimizers(optimizers: Iterable[Optimizer]) -> None:
+    """:func:`check_steps_each_tensor` for each optimizer (an ``OSS``'s own optimizer for an ``OSS``), all before any
+    is sharded (sharding may start collectives): every rank refuses the same optimizer at the same point."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, OSS):
+            check_steps_each_tensor(optimizer.optim)
+        elif isinstance(optimizer, Optimizer):
+            check_steps_each_tensor(optimizer)
+
+
+def sharded_class(optim_class: type[Optimizer]) -> type[OSS]:
+    """A subclass of ``OSS`` named after ``optim_class`` (``__name__`` ``"Adam"``, ``__qualname__`` ``"OSS[Adam]"``):
+    what callbacks and loggers name after the optimizer's class (``LearningRateMonitor``'s ``lr-Adam``) is the
+    user's choice, as under ``"ddp"``; its ``repr`` still says OSS. A new class per optimizer, which dies with it."""
+    name = optim_class.__name__
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": f"OSS[{optim_class.__qualname__}]",
+        "__doc__": f"FairScale's OSS over {name}: this rank's {name} steps the parameters of this rank's partition.",
+    }
+    return type(name, (OSS,), namespace)
+
+
+#: ``torch.optim`` classes that step all their parameters as one vector (declared, not guessed).
+_WHOLE_VECTOR_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+
+
+def check_steps_each_tensor(optimizer: Optimizer) -> None:
+    """Refuse an optimizer that would step the wrong thing over one rank's OSS partition, before anything is built.
+
+    OSS gives each rank's optimizer whole tensors, the parameters of its partition, so any optimizer whose update of
+    a tensor reads that tensor (and its gradient and state) only is exact: SGD, Adam, Adafactor, Muon, a LARS or
+    LAMB... An optimizer that combines all its parameters is not: one that keeps its own list of the parameters (as
+    ``LBFGS``'s ``_params``, whose dot products run over the flattened vector of all of them) or whose ``step``
+    requires a closure, which it calls again after changing the parameters (LBFGS, SAM-style optimizers, which also
+    take a norm over all gradients): over a partition, each rank would run its own line search or scale on part of
+    the vector (LBFGS: weights 6.1 off unsharded training after 4 steps).
+
+    Raises:
+        ValueError: naming the optimizer's class, why, and what to do.
+    """
+    cls = type(optimizer)
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    own_lists = [
+        name
+        for name, value in vars(optimizer).items()
+        if name != "param_groups"
+        and isinstance(value, (list, tuple))
+        and any(isinstance(item, torch.Tensor) and id(item) in ids for item in value)
+    ]
+    step = inspect.signature(cls.step).parameters.get("closure")
+    needs_closure = step is not None and step.default is inspect.Parameter.empty
+    reasons = []
+    if issubclass(cls, _WHOLE_VECTOR_OPTIMIZERS):
+        reasons.append("it steps all its parameters as one vector")
+    if own_lists:
+        reasons.append(f"it keeps its own list of the parameters ({', '.join(f'`{n}`' for n in own_lists)})")
+    if needs_closure:
+        reasons.append("its `step` requires a closure, which re-evaluates the model between updates")
+    if reasons:
+        raise ValueError(
+            f"`DDPShardedStrategy` cannot train with {cls.__name__}: {'; '.join(reasons)}. OSS would give each rank's"
+            f" {cls.__name__} only the parameters of that rank's partition, so every rank would step its part of the"
+            f" model as if it were the whole (LBFGS's dot products and line search over part of the vector), and"
+            f" train another model than unsharded training. Use `strategy='ddp'` for {cls.__name__} (every rank"
+            " steps every parameter), or an optimizer that updates each tensor on its own (SGD, Adam, AdamW,"
+            " Adafactor, Muon, LARS or LAMB...), which `DDPShardedStrategy` trains exactly."
+        )
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:

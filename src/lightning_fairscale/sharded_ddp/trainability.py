@@ -58,6 +58,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
+from lightning_fairscale.sharded_ddp.grad_norms import PARTITIONED
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Trainability", "TrainabilityChangeError", "clip_grad_norm", "reattach_bucketed_gradients"]
@@ -104,10 +106,44 @@ class Trainability:
         return wrapper
 
     def close(self) -> None:
-        """Remove the hooks from the wrapper (its forward passes are FairScale's own again)."""
+        """Remove the hooks from the wrapper (its forward passes are FairScale's own again), and give torch its own
+        total norm back (see :mod:`~lightning_fairscale.sharded_ddp.grad_norms`)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        PARTITIONED.discard(self)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Partitioned gradients
+
+    @property
+    def device(self) -> torch.device:
+        """Where the wrapper's parameters live (where a collective's tensor goes)."""
+        params = self.wrapper._all_params
+        return params[0].device if params else torch.device("cpu")
+
+    def gradient_owners(self) -> tuple[set[int], set[int]]:
+        """The ``id`` of each gradient this rank holds of the trainable parameters, in two sets: those of the
+        parameters this rank's OSS partition owns, and those of the others'."""
+        wrapper = self.wrapper
+        mine: set[int] = set()
+        others: set[int] = set()
+        for param in wrapper._trainable_params:
+            if param.grad is not None:
+                owner = wrapper._trainable_param_to_rank[param]
+                (mine if owner == wrapper._rank else others).add(id(param.grad))
+        return mine, others
+
+    @torch.no_grad()
+    def _drop_others_gradients(self) -> None:
+        """After a reducing backward pass: no gradient of a parameter another rank owns stays here. Unbucketed,
+        FairScale drops them itself; a bucketed one is a view into the bucket this rank sent, which holds this rank's
+        unreduced (or, after the reduction, undefined) values and would pose as the gradient to anyone reading it.
+        The slot is put back before the next backward (:func:`reattach_bucketed_gradients`)."""
+        wrapper = self.wrapper
+        for param in wrapper._trainable_params:
+            if param.grad is not None and wrapper._trainable_param_to_rank[param] != wrapper._rank:
+                param.grad = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Following the changes
@@ -221,6 +257,7 @@ class Trainability:
                 log.warning("A reduction of the failed backward failed too (%s: %s).", type(error).__name__, error)
         self._held = []
         self._reduced = False
+        PARTITIONED.discard(self)
         for param in wrapper._trainable_params:
             param.grad = None
         if wrapper._use_buckets:
@@ -240,6 +277,11 @@ class Trainability:
                 param.grad.add_(grad)
         self._accumulating = self.wrapper._should_accumulate_grads
         self._reduced = not self._accumulating
+        if self._reduced:  # each gradient is on its owner only: torch's total norms reduce over the ranks
+            self._drop_others_gradients()
+            PARTITIONED.add(self)
+        else:  # every rank holds its own unreduced gradients, as DDP's under `no_sync`: torch's norms are local
+            PARTITIONED.discard(self)
 
 
 @contextmanager

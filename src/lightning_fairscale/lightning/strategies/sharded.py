@@ -51,6 +51,7 @@ from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.trainability import Trainability
 from lightning_fairscale.sharded_ddp.engine import (
+    check_optimizers,
     full_state,
     load_full_state,
     repoint_schedulers,
@@ -181,6 +182,7 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
+            check_optimizers(self.optimizers)  # before the first is sharded: refused on every rank alike
             self.optimizers = [self._shard(optimizer) for optimizer in self.optimizers]
             if self._sharded_optimizers():
                 self.model = self._setup_model(self.model)
