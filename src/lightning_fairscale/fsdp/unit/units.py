@@ -28,7 +28,8 @@ from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.distributed.fairscale_private import apply_to_tensors
 from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank
 from lightning_fairscale.fsdp.patches import prefetch
-from lightning_fairscale.fsdp.unit import copying, frozen_params, original_params, param_views, recompute, recovery
+from lightning_fairscale.fsdp.unit import copying, frozen_params, not_run, original_params, param_views, recompute
+from lightning_fairscale.fsdp.unit import recovery
 from lightning_fairscale.fsdp.unit import step_state, ties, unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
@@ -276,6 +277,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             self._finish_backward()
 
     def _finish_backward(self) -> None:
+        not_run.before_end_of_backward(self)  # workaround 29: the units this backward did not reach
         super()._wait_for_post_backward()
         for unit in fsdp_instances(self):  # workaround 12
             for param in unit.params:

@@ -1,0 +1,88 @@
+"""Units whose forward does not run in a step (issue 54 item 1; workaround 29), under DDPFullyShardedStrategy
+(Trainer and Fabric) and ``"ddp_sharded"``, each run against its unsharded reference (``scenarios/unused_units.py``);
+all in one launch.
+
+* a head used only in ``predict_step``, a unit of its own by the layer-class policy; layers every forward skips, units
+  by the size policy; a unit that runs in every other batch (and, accumulating, in the accumulating batch only);
+* FULL_SHARD, SHARD_GRAD_OP, hybrid; activation checkpointing, accumulation, clipping by norm;
+* save -> resume exact after it, full and sharded checkpoints.
+
+Before workaround 29 every FSDP job failed at its first backward, on both ranks, with ``AttributeError:
+'FlatParameter' object has no attribute '_full_param_padded'``; the ``"ddp_sharded"`` jobs passed already (pinned).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scenarios.common import max_difference
+from scenarios.config import UnusedUnits
+
+from conftest import TESTS, Jobs, run_jobs
+
+SCRIPT = TESTS / "scenarios" / "unused_units.py"
+#: After 6 AdamW steps of lr 1e-2: a thousandth of one step's update (a gradient whose sign the summation order
+#: flipped would be 2e-2 off).
+ATOL = 1e-5
+
+_CASES: dict[str, dict[str, Any]] = {
+    "aux": {},
+    "size": {"case": "size"},
+    "alternate": {"case": "alternate"},
+    "alternate-accumulate": {"case": "alternate", "accumulate": 2, "steps": 4},
+    "alternate-clip-checkpointing": {"case": "alternate", "clip": 0.05, "checkpointing": True},
+    "alternate-grad-op": {"case": "alternate", "sharding_strategy": "SHARD_GRAD_OP"},
+    "alternate-hybrid": {"case": "alternate", "device_mesh": (2, 1)},
+    "aux-resume-full": {"save_at": 3},
+    "size-resume-sharded": {"case": "size", "save_at": 3, "state_dict_type": "sharded"},
+    "alternate-resume-full": {"case": "alternate", "save_at": 3},
+    "alternate-resume-sharded": {"case": "alternate", "save_at": 3, "state_dict_type": "sharded"},
+}
+_FABRIC = ("aux", "size", "alternate", "alternate-accumulate", "alternate-clip-checkpointing", "alternate-resume-full",
+           "alternate-resume-sharded")
+JOBS: dict[str, UnusedUnits] = {
+    **{f"trainer-{name}": UnusedUnits(**fields) for name, fields in _CASES.items()},
+    **{f"fabric-{name}": UnusedUnits(front="fabric", **fields) for name, fields in _CASES.items() if name in _FABRIC},
+    "sharded-aux": UnusedUnits(strategy="ddp_sharded"),
+    "sharded-alternate": UnusedUnits(strategy="ddp_sharded", case="alternate"),
+    "sharded-alternate-accumulate-clip": UnusedUnits(strategy="ddp_sharded", case="alternate", accumulate=2, clip=0.05),
+    # Lightning's resume from an epoch's end checkpoint is not the continuous training: the Trainer's resumes are
+    # compared with the same resume under Lightning's unsharded DDP (find_unused_parameters=True).
+    **{
+        f"ddp-{name}": UnusedUnits(strategy="ddp", **{k: v for k, v in fields.items() if k != "state_dict_type"})
+        for name, fields in _CASES.items()
+        if "resume" in name
+    },
+}
+#: The run each job is compared with: the unsharded reference, but for the Trainer's resumes.
+UNSHARDED = {
+    name: f"ddp-{name.removeprefix('trainer-')}" if name.startswith("trainer-") and "resume" in name else name
+    for name in JOBS
+    if not name.startswith("ddp-")
+}
+
+
+@pytest.fixture(scope="module")
+def unused(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    folder: Path = tmp_path_factory.mktemp("unused")
+    jobs = {name: config.replace(save_dir=str(folder / name)) for name, config in JOBS.items()}
+    return run_jobs(folder, jobs, script=SCRIPT, timeout=900)
+
+
+@pytest.mark.workaround(29)
+@pytest.mark.parametrize("name", list(UNSHARDED))
+def test_matches_unsharded(unused: Jobs, name: str) -> None:
+    result = unused[name]
+    other = UNSHARDED[name]
+    expected = unused[other]["final"] if other != name else result["reference"]
+    difference = max_difference(result["final"], expected)
+    assert difference < ATOL, f"{name}: {difference:.3g} off unsharded training"
+
+
+def test_the_ddp_resumes_are_a_training_with_the_unused_units() -> None:
+    """The references of the Trainer's resumes train the same schedule (a check of the scenario itself)."""
+    assert {name for name in JOBS if name.startswith("ddp-")} == {
+        UNSHARDED[name] for name in UNSHARDED if UNSHARDED[name] != name
+    }
