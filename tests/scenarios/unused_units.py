@@ -5,14 +5,16 @@ What it runs is a ``scenarios.config.UnusedUnits``. The network (:class:`Net`): 
 output layer, and an auxiliary head (:class:`AuxHead`) that only ``predict_step`` uses. The cases:
 
 * ``aux``: the head is a unit of its own (``auto_wrap_policy={Block, AuxHead}``) and no training forward runs it;
-* ``size``: units cut by the size policy (``min_num_params=1000``), the second Block and the head skipped by every
-  training forward;
+* ``size``: units cut by the size policy (``min_num_params=3000``: each Block, the head), the second Block and the
+  head skipped by every training forward;
 * ``alternate``: the second Block runs in every other batch (with ``accumulate=2``: in the accumulating one, not in
   the synchronising one);
 * ``diverge``: the second Block runs on rank 0 only; the job must fail on every rank, naming it.
 
 AdamW with weight decay: a parameter given a zero gradient instead of none would decay (and its moments would move
-it), so only an optimizer that skips the unused units matches. Rank 0 writes ``{"final": state dict after all steps,
+it), so only an optimizer that skips the unused units matches. Its ``eps=1e-3`` keeps the update a smooth function of
+the gradient (Adam's default ``1e-8`` moves an element whose gradient is rounding noise by a whole ``lr``, in a
+direction the summation order decides), so that sharded and unsharded training agree to 1e-5 on any CPU. Rank 0 writes ``{"final": state dict after all steps,
 "reference": the unsharded training's}`` (``final`` after a save at ``save_at`` and a resume in a fresh model, if
 set). By hand (from the project's root)::
 
@@ -46,7 +48,7 @@ CONFIG = UnusedUnits
 class AuxHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, OUT_FEATURES))
+        self.body = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.body(h)
@@ -81,7 +83,7 @@ def runs_second(config: UnusedUnits, batch: int, rank: int = 0) -> bool:
 
 
 def optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, weight_decay=0.1)
 
 
 def batches(config: UnusedUnits) -> list[Any]:
@@ -109,7 +111,7 @@ def strategy_for(config: UnusedUnits, fabric: bool = False) -> Any:
         return pl.strategies.DDPStrategy(find_unused_parameters=True)
     if config.strategy == "ddp_sharded":
         return "ddp_sharded"
-    policy = {"auto_wrap_policy": {Block, AuxHead}} if config.case != "size" else {"min_num_params": 1000}
+    policy = {"auto_wrap_policy": {Block, AuxHead}} if config.case != "size" else {"min_num_params": 3000}
     options = {
         **policy,
         "state_dict_type": config.state_dict_type,
