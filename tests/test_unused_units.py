@@ -47,6 +47,8 @@ JOBS: dict[str, UnusedUnits] = {
     "sharded-aux": UnusedUnits(strategy="ddp_sharded"),
     "sharded-alternate": UnusedUnits(strategy="ddp_sharded", case="alternate"),
     "sharded-alternate-clip": UnusedUnits(strategy="ddp_sharded", case="alternate", clip=0.05),
+    # Issue 54 item 4, last (it fails on every rank): the second Block runs on rank 0 only.
+    **{f"{front}-diverge": UnusedUnits(front=front, case="diverge") for front in ("trainer", "fabric")},
     # Lightning's resume from an epoch's end checkpoint is not the continuous training: the Trainer's resumes are
     # compared with the same resume under Lightning's unsharded DDP (find_unused_parameters=True).
     **{
@@ -59,15 +61,17 @@ JOBS: dict[str, UnusedUnits] = {
 UNSHARDED = {
     name: f"ddp-{name.removeprefix('trainer-')}" if name.startswith("trainer-") and "resume" in name else name
     for name in JOBS
-    if not name.startswith("ddp-")
+    if not name.startswith("ddp-") and not name.endswith("-diverge")
 }
+DIVERGE = [name for name in JOBS if name.endswith("-diverge")]
 
 
 @pytest.fixture(scope="module")
 def unused(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     folder: Path = tmp_path_factory.mktemp("unused")
     jobs = {name: config.replace(save_dir=str(folder / name)) for name, config in JOBS.items()}
-    return run_jobs(folder, jobs, script=SCRIPT, timeout=900)
+    jobs = {**{n: c for n, c in jobs.items() if n not in DIVERGE}, **{n: jobs[n] for n in DIVERGE}}
+    return run_jobs(folder, jobs, failing=DIVERGE, script=SCRIPT, timeout=900)
 
 
 @pytest.mark.workaround(29)
@@ -85,3 +89,17 @@ def test_the_ddp_resumes_are_a_training_with_the_unused_units() -> None:
     assert {name for name in JOBS if name.startswith("ddp-")} == {
         UNSHARDED[name] for name in UNSHARDED if UNSHARDED[name] != name
     }
+
+
+@pytest.mark.parametrize("name", DIVERGE)
+def test_a_unit_run_on_one_rank_only_ends_the_run_on_every_rank_naming_it(unused: Jobs, name: str) -> None:
+    """Issue 54 item 4: the job ends on every rank at the rank-divergent unit, with its name and what to do. Before,
+    rank 0 reported gloo's ``Read error`` and rank 1 nothing (issue 54); with workaround 29 alone, both ranks waited
+    for the job's 20 s collective timeout and ended with ``RuntimeError: Application timeout caused pair closure``."""
+    path = "net.b2" if name.startswith("trainer-") else "b2"  # its path in the user's model: the module, or the Net
+    for rank, error in enumerate(unused.errors(name)):
+        assert error["type"] == "RankDivergenceError", (rank, error["traceback"])
+        message = error["message"]
+        assert f"FSDP unit '{path}' ran on rank(s) 0 in this forward" in message, (rank, message)
+        assert "rank 1 went on to the end of the forward" in message, (rank, message)
+        assert "Run it on every rank" in message and "empty input" in message, (rank, message)

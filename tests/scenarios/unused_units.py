@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -118,6 +119,8 @@ def strategy_for(config: UnusedUnits, fabric: bool = False) -> Any:
         "activation_checkpointing": Block if config.checkpointing else None,
         **({"sharding_strategy": config.sharding_strategy} if config.sharding_strategy else {}),
         **({"device_mesh": tuple(config.device_mesh)} if config.device_mesh else {}),
+        # A hang would end at this collective timeout, with a transport error that names no unit.
+        **({"timeout": timedelta(seconds=20)} if config.case == "diverge" else {}),
     }
     if fabric:
         from scenarios.flavor import FabricDDPFullyShardedStrategy

@@ -83,6 +83,7 @@ ENGINE = (
     "fsdp.unit.instances",
     "fsdp.unit.unit_state",
     "fsdp.unit.not_run",
+    "fsdp.unit.rank_agreement",
     "fsdp.wrapping.unwrapping",
     "fsdp.state.unsharded_shapes",
     "mixed_precision",
