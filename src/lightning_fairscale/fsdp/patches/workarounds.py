@@ -427,7 +427,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         " expects, their gradient left as it is (no update, no change of the optimizer's state), an accumulated one"
         " reduce-scattered (:func:`~lightning_fairscale.fsdp.unit.not_run.before_end_of_backward`).",
         "fsdp.unit.not_run",
-        ("tests/test_unused_units.py::test_matches_unsharded",),
+        (
+            "tests/test_unused_units.py::test_matches_unsharded",
+            "tests/unit/test_not_run.py::test_a_unit_that_never_runs_gets_no_gradient_no_update_and_no_state",
+            "tests/unit/test_not_run.py::test_a_unit_only_the_accumulating_pass_ran_has_its_gradient_reduced",
+        ),
     ),
 )
 
