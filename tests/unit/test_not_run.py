@@ -16,6 +16,7 @@ import torch
 from models import Block
 from torch import Tensor, nn
 
+from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
 from .helpers import (
@@ -87,6 +88,7 @@ def test_a_unit_used_in_every_other_step_trains_as_unsharded(clip: bool) -> None
 def _accumulate(rank: int, world_size: int) -> dict[str, Tensor]:
     """Two passes per step, the second Block in the first (accumulating, ``no_sync``) only; this rank's half of each
     batch; the parameters after the steps (unsharded)."""
+    cpu_streams.install()  # FairScale on CPU (workarounds 1, 2)
     model = Skipping()
     sharded = shard(model, adamw(model.parameters()), policy={Block})
     data = batches(4)

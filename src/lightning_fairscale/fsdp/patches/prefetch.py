@@ -197,6 +197,11 @@ class Prefetcher:
             self._recording = None
         self.pass_ended()
 
+    def forget_order(self) -> None:
+        """The ranks' forwards ran different units: the order recorded (or recording) is not every rank's; the next
+        forward records it again, gathering nothing ahead until then."""
+        self.order, self._positions, self._recording = [], {}, None
+
     def backward_started(self) -> None:
         """The root's backward begins: in the ``"BACKWARD_PRE"`` mode the backward's first unit (the forward's last)
         starts gathering while the root's last layers compute their gradients. In the ``"BACKWARD_POST"`` mode, if

@@ -24,7 +24,7 @@ on every rank but whose output the loss uses on some ranks only.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -60,6 +60,9 @@ class Agreement:
         self.sequence: Optional[list[int]] = None
         self._digest = 0
         self._checked: Optional[int] = None
+        #: Called on every rank when the ranks' forwards differ, before the error is raised (the prefetcher forgets
+        #: the order it recorded, which is not every rank's), if set.
+        self.on_divergence: Optional[Callable[[], None]] = None
 
     def forward_started(self) -> None:
         """A root forward begins (not a recomputation inside a backward)."""
@@ -97,6 +100,8 @@ class Agreement:
         if self._world == 1 or collectives.all_equal(digest, group=self._group):
             return
         sequence, self.sequence = self.sequence or [], None
+        if self.on_divergence is not None:
+            self.on_divergence()
         raise RankDivergenceError(self._explain(collectives.all_gather_object(sequence, group=self._group)))
 
     def _name(self, position: int) -> str:

@@ -233,6 +233,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         agreement = rank_agreement.Agreement(self)
         if prefetcher is not None:
             prefetcher.before_gathers = agreement.before_collective
+            agreement.on_divergence = prefetcher.forget_order
         for module in fsdp_instances(self):
             module._streams = self._streams
             module._reducer = reducer
