@@ -14,9 +14,10 @@ output layer, and an auxiliary head (:class:`AuxHead`) that only ``predict_step`
 AdamW with weight decay: a parameter given a zero gradient instead of none would decay (and its moments would move
 it), so only an optimizer that skips the unused units matches. Its ``eps=1e-3`` keeps the update a smooth function of
 the gradient (Adam's default ``1e-8`` moves an element whose gradient is rounding noise by a whole ``lr``, in a
-direction the summation order decides), so that sharded and unsharded training agree to 1e-5 on any CPU. Rank 0 writes ``{"final": state dict after all steps,
-"reference": the unsharded training's}`` (``final`` after a save at ``save_at`` and a resume in a fresh model, if
-set). By hand (from the project's root)::
+direction the summation order decides), so that sharded and unsharded training agree to 1e-5 on any CPU.
+
+Rank 0 writes ``{"final": state dict after all steps, "reference": the unsharded training's}`` (``final`` after a
+save at ``save_at`` and a resume in a fresh model, if set). By hand (from the project's root)::
 
     PYTHONPATH=src python tests/scenarios/unused_units.py --config '{"case": "alternate", "devices": 1}' --out r.pt
 """

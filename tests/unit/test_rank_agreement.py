@@ -3,8 +3,8 @@ at once, naming the unit, before any gather pairs the wrong tensors; gloo's over
 ahead, workaround 16) and FairScale's own synchronous gathers (the path CUDA takes); the check's collective on an
 NCCL-like group (``fake_nccl.py``).
 
-Before: the forked ranks ended with gloo's ``Connection closed by peer`` (one rank failed at a gather, the other lost it),
-naming no unit."""
+Before: the forked ranks ended with gloo's ``Connection closed by peer`` (one rank failed at a gather, the other
+lost it), naming no unit."""
 
 from __future__ import annotations
 
