@@ -34,6 +34,9 @@ _CASES: dict[str, dict[str, Any]] = {
     "alternate-clip-checkpointing": {"case": "alternate", "clip": 0.05, "checkpointing": True},
     "alternate-grad-op": {"case": "alternate", "sharding_strategy": "SHARD_GRAD_OP"},
     "alternate-hybrid": {"case": "alternate", "sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1)},
+    "alternate-hybrid-accumulate": {
+        "case": "alternate", "sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 1), "accumulate": 2, "steps": 4
+    },
     "aux-resume-full": {"save_at": 3},
     "size-resume-sharded": {"case": "size", "save_at": 3, "state_dict_type": "sharded"},
     "alternate-resume-full": {"case": "alternate", "save_at": 3},

@@ -105,7 +105,11 @@ def reference(config: UnusedUnits) -> dict[str, torch.Tensor]:
             torch.nn.utils.clip_grad_norm_(net.parameters(), config.clip)
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+    final = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    if config.case == "aux" and config.front == "trainer":  # what the Trainer's predict_step gives on rank 0
+        with torch.no_grad():
+            final["predicted"] = net.predict(dataset(GLOBAL_BATCH * config.accumulate).tensors[0][0:GLOBAL_BATCH:2])
+    return final
 
 
 def strategy_for(config: UnusedUnits, fabric: bool = False) -> Any:
@@ -169,11 +173,14 @@ def trainer_fit(config: UnusedUnits, ckpt_path: Optional[str] = None, save: Opti
         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
+    # The head's first forward, after training: rank 0's share of one global batch (samples 0, 2, ...).
+    predicted = trainer.predict(model, dataloaders=model.train_dataloader())[0] if config.case == "aux" else None
     if hasattr(trainer.strategy, "unshard_module"):
         trainer.strategy.unshard_module()
     if not trainer.is_global_zero:
         return {}
-    return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    final = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    return {**final, "predicted": predicted} if predicted is not None else final
 
 
 def run_trainer(config: UnusedUnits, work: Path) -> dict[str, Any]:

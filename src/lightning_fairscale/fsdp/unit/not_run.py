@@ -40,7 +40,7 @@ def before_end_of_backward(root: Any) -> None:
             unit._init_param_attributes(param)
         if root._require_backward_grad_sync:
             accumulated = [p for p in unit.params if p.grad is not None and p.grad.size() == p._orig_size]
-            if accumulated and unit.world_size > 1:
+            if accumulated:  # also on one rank of a shard group: hybrid sharding averages it over the replicas
                 unit.training_state = TrainingState.BACKWARD_PRE
                 for param in accumulated:
                     unit._post_backward_hook(param)
