@@ -8,7 +8,8 @@ all in one launch.
 * save -> resume exact after it, full and sharded checkpoints.
 
 Before workaround 29 every FSDP job failed at its first backward, on both ranks, with ``AttributeError:
-'FlatParameter' object has no attribute '_full_param_padded'``; the ``"ddp_sharded"`` jobs passed already (pinned).
+'FlatParameter' object has no attribute '_full_param_padded'``. The ``"ddp_sharded"`` jobs passed already (pinned),
+but for a layer that ran only in a step's accumulating micro-batch: 0.071 off before workaround 30.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ JOBS: dict[str, UnusedUnits] = {
     "sharded-aux": UnusedUnits(strategy="ddp_sharded"),
     "sharded-alternate": UnusedUnits(strategy="ddp_sharded", case="alternate"),
     "sharded-alternate-clip": UnusedUnits(strategy="ddp_sharded", case="alternate", clip=0.05),
+    "sharded-alternate-accumulate": UnusedUnits(strategy="ddp_sharded", case="alternate", accumulate=2, steps=4),
     # Issue 54 item 4, last (it fails on every rank): the second Block runs on rank 0 only.
     **{f"{front}-diverge": UnusedUnits(front=front, case="diverge") for front in ("trainer", "fabric")},
     # Lightning's resume from an epoch's end checkpoint is not the continuous training: the Trainer's resumes are
@@ -78,6 +80,7 @@ def unused(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
 
 
 @pytest.mark.workaround(29)
+@pytest.mark.workaround(30)
 @pytest.mark.parametrize("name", list(UNSHARDED))
 def test_matches_unsharded(unused: Jobs, name: str) -> None:
     result = unused[name]

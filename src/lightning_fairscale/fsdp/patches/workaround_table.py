@@ -1,12 +1,33 @@
-"""The table of :mod:`~lightning_fairscale.fsdp.patches.workarounds` as reStructuredText (its records, rendered)."""
+"""The record of one workaround of :mod:`~lightning_fairscale.fsdp.patches.workarounds`, and the table of them as
+reStructuredText."""
 
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
-__all__ = ["list_table"]
+__all__ = ["Workaround", "list_table"]
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One FairScale workaround: a row of the table."""
+
+    #: Its number (1, 2, ...), which the code's comments and the tests' markers name.
+    number: int
+    #: What it is about, in a few words.
+    title: str
+    #: Where it applies: ``"all devices"``, ``"CPU"``, ``"sharded DDP, all devices"``...
+    devices: str
+    #: What FairScale does, and why that is wrong here (reStructuredText).
+    fairscale_does: str
+    #: What we do instead: the override or function, and how (reStructuredText).
+    our_fix: str
+    #: The module that holds the fix, under ``lightning_fairscale`` (``"fsdp.patches.cpu_streams"``).
+    module: str
+    #: The tests marked with its number (``"tests/unit/test_x.py::test_y"``): they fail without it.
+    tests: tuple[str, ...]
 
 
 def _cell(text: str, first: str) -> str:
@@ -15,7 +36,7 @@ def _cell(text: str, first: str) -> str:
     return "\n".join([f"   {first}{lines[0]}", *(f"       {line}" for line in lines[1:])])
 
 
-def list_table(workarounds: Sequence[Any]) -> str:
+def list_table(workarounds: Sequence[Workaround]) -> str:
     """The workarounds as a reStructuredText ``list-table``: number, title and devices, what FairScale does, our
     fix, module and tests."""
     header = ("No.", "Workaround", "What FairScale does", "Our fix", "Module; tests")

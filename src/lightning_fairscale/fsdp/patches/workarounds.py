@@ -16,32 +16,9 @@ the marked tests. A new workaround gets its number from the project's lead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from lightning_fairscale.fsdp.patches.workaround_table import list_table
+from lightning_fairscale.fsdp.patches.workaround_table import Workaround, list_table
 
 __all__ = ["WORKAROUNDS", "Workaround", "table"]
-
-
-@dataclass(frozen=True)
-class Workaround:
-    """One FairScale workaround: a row of the table."""
-
-    #: Its number (1, 2, ...), which the code's comments and the tests' markers name.
-    number: int
-    #: What it is about, in a few words.
-    title: str
-    #: Where it applies: ``"all devices"``, ``"CPU"``, ``"sharded DDP, all devices"``...
-    devices: str
-    #: What FairScale does, and why that is wrong here (reStructuredText).
-    fairscale_does: str
-    #: What we do instead: the override or function, and how (reStructuredText).
-    our_fix: str
-    #: The module that holds the fix, under ``lightning_fairscale`` (``"fsdp.patches.cpu_streams"``).
-    module: str
-    #: The tests marked with its number (``"tests/unit/test_x.py::test_y"``): they fail without it.
-    tests: tuple[str, ...]
-
 
 _UNIT = ":class:`FullyShardedDataParallel`"
 
@@ -432,6 +409,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "tests/unit/test_not_run.py::test_a_unit_that_never_runs_gets_no_gradient_no_update_and_no_state",
             "tests/unit/test_not_run.py::test_a_unit_only_the_accumulating_pass_ran_has_its_gradient_reduced",
         ),
+    ),
+    Workaround(
+        30, "Gradients a reducing backward did not reach", "sharded DDP, all devices",
+        "``ShardedDataParallel`` reduces a gradient from its hook: a layer that ran in a step's accumulating"
+        " micro-batches (``no_sync``) but not in the last one kept each rank's own sum, and its owner stepped with it.",
+        ":meth:`~lightning_fairscale.sharded_ddp.trainability.Trainability.end_backward` reduces them as their hooks"
+        " would have.",
+        "sharded_ddp.trainability",
+        ("tests/test_unused_units.py::test_matches_unsharded",),
     ),
 )
 
