@@ -268,3 +268,34 @@ class BetweenSteps(Config):
     state_dict_type: str = "full"  # of the save at `save_at`
     save_at: Optional[int] = None  # after this many steps (batches), save, then resume in a fresh model
     save_dir: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# scenarios/unused_units.py
+
+
+@dataclass(frozen=True)
+class UnusedUnits(Config):
+    """Units whose forward does not run in a step (``scenarios/unused_units.py``), Trainer or Fabric, against the
+    unsharded training computed in the same process."""
+
+    SCRIPT: ClassVar[str] = "unused_units"
+
+    front: str = "trainer"  # or "fabric"
+    #: "fsdp" (DDPFullyShardedStrategy; Fabric's "fsdp_fairscale"), "ddp_sharded", or "ddp": Lightning's
+    #: DDPStrategy(find_unused_parameters=True), the Trainer's resumes' reference
+    strategy: str = "fsdp"
+    #: aux: a head used only in predict_step, a unit of its own by the layer-class policy; size: the second block and
+    #: the head skipped by every forward, units by the size policy; alternate: the second block runs in every other
+    #: batch; diverge: the second block runs on rank 0 only (must fail on every rank, naming it)
+    case: str = "aux"
+    devices: int = 2
+    steps: int = 6  # optimizer steps
+    accumulate: int = 1
+    clip: Optional[float] = None  # clipping by norm (gradient_clip_val / fabric.clip_gradients)
+    checkpointing: bool = False  # activation checkpointing of every Block
+    sharding_strategy: Optional[str] = None
+    device_mesh: Optional[tuple[int, int]] = None
+    state_dict_type: str = "full"  # of the save at `save_at`
+    save_at: Optional[int] = None  # after this many optimizer steps, save, then resume in a fresh model
+    save_dir: Optional[str] = None

@@ -36,6 +36,7 @@ from lightning_fairscale.distributed import exchanges
 
 __all__ = [
     "all_agree",
+    "all_equal",
     "all_gather_object",
     "all_reduce",
     "all_reduced_bytes",
@@ -127,6 +128,14 @@ def all_agree(decision: bool, group: Any = None) -> bool:
     flag = torch.tensor(int(decision))
     _in_place(flag, group, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group))
     return bool(flag)
+
+
+def all_equal(value: int, group: Any = None) -> bool:
+    """Whether ``value`` (an int64) is the same on every rank of ``group``: one all-reduce of two integers (the
+    maximum of the value and of its negation), on every rank alike. Not counted by :func:`all_reduced_bytes`."""
+    both = torch.tensor([value, -value], dtype=torch.int64)
+    _in_place(both, group, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+    return both.tolist() == [value, -value]
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:

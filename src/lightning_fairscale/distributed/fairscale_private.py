@@ -114,10 +114,14 @@ PRIVATE_ATTRIBUTES: dict[str, PrivateAttribute] = {
     "_get_shard_size": PrivateAttribute("ReduceScatterBucketer", "overridden without lru_cache (workaround 9)"),
     # ShardedDataParallel: its per-backward state (sharded_ddp/trainability.py, workarounds 24 and 25).
     "_all_params": PrivateAttribute(_SDP, "read: every parameter, for the trainability mask"),
+    "_bucket_flush_callback_set": PrivateAttribute(_SDP, "read: whether this backward queued its bucket flush"),
     "_bucket_list": PrivateAttribute(_SDP, "read: the gradient buckets"),
     "_clear_counters": PrivateAttribute(_SDP, "called: re-arms the per-backward state"),
+    "_flush_reduce_calls": PrivateAttribute(_SDP, "called: sends the buckets not sent yet, waits for them (30)"),
     "_grad_hooks": PrivateAttribute(_SDP, "read: whether any gradient hook is registered"),
     "_grad_to_be_reduced": PrivateAttribute(_SDP, "written: a list of flags, one per trainable parameter"),
+    "_local_to_global_rank": PrivateAttribute(_SDP, "read: a rank of its group as a global rank (30)"),
+    "_process_group": PrivateAttribute(_SDP, "read: the group its reductions run on (30)"),
     "_rank": PrivateAttribute(_SDP, "read: this rank in the wrapper's process group"),
     "_should_accumulate_grads": PrivateAttribute(_SDP, "read: a no_sync backward"),
     "_should_bucket_grad": PrivateAttribute(_SDP, "read: which trainable parameters go through a bucket"),
@@ -125,6 +129,7 @@ PRIVATE_ATTRIBUTES: dict[str, PrivateAttribute] = {
     "_trainable_params": PrivateAttribute(_SDP, "read: the parameters it reduces"),
     "_use_buckets": PrivateAttribute(_SDP, "read: whether gradients are bucketed"),
     "_work_handles": PrivateAttribute(_SDP, "read and drained: the pending reductions (a deque)"),
+    "_world_size_scaling": PrivateAttribute(_SDP, "read: 1 / its group's size, the gradients' averaging (30)"),
     # OSS.
     "_OSS__local_params": PrivateAttribute(
         "OSS", "written (None): its cached list of the gradients it clips, listed again at the next call (25)"

@@ -41,6 +41,11 @@ FairScale workarounds (the numbered table is :mod:`lightning_fairscale.fsdp.patc
     was left out of every later norm, and the run trained with another clipping than unsharded training (frozen
     before set-up, unfrozen an epoch later: 7.4e-3 off after 6 steps). :func:`clip_grad_norm` forgets the list
     before each call, so OSS lists the gradients of the moment.
+30. **Gradients a reducing backward did not reach (all devices).** ``ShardedDataParallel`` reduces a gradient from
+    its hook, when the backward reaches the parameter: a layer that ran in the accumulating micro-batches of a step
+    (``no_sync``) but not in the last one kept each rank's own sum, unreduced and not averaged, and its owner stepped
+    with it (AdamW, 4 steps of 2 micro-batches, a Block in the first only: 0.071 off unsharded training).
+    :meth:`Trainability.end_backward` reduces them as their hooks would have.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from contextlib import contextmanager
 from typing import Any, Union
 
 import torch
+import torch.distributed as dist
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from torch import Tensor
@@ -267,8 +273,10 @@ class Trainability:
         wrapper._clear_counters()
 
     def end_backward(self) -> None:
-        """After each backward pass: add back what :meth:`begin_backward` set aside (the owner's reduced gradients
-        of the earlier micro-batches), and record whether this backward reduced."""
+        """After each backward pass: reduce what it did not reach (:meth:`_reduce_unreached`), add back what
+        :meth:`begin_backward` set aside (the owner's reduced gradients of the earlier micro-batches), and record
+        whether this backward reduced."""
+        self._reduce_unreached()
         held, self._held = self._held, []
         for param, grad in held:
             if param.grad is None:
@@ -282,6 +290,34 @@ class Trainability:
             PARTITIONED.add(self)
         else:  # every rank holds its own unreduced gradients, as DDP's under `no_sync`: torch's norms are local
             PARTITIONED.discard(self)
+
+
+    @torch.no_grad()
+    def _reduce_unreached(self) -> None:
+        """After a reducing backward, the gradients it did not reach: those of layers that ran only in the
+        accumulating micro-batches of the step (``no_sync``), which FairScale reduces only from hooks that did not
+        fire (workaround 30). A gradient reduced directly is averaged to its owner here, as its hook would have (a
+        non-owner's dropped); one in a bucket is part of the bucket, which the end of the backward sends whole,
+        unless no hook fired at all."""
+        wrapper = self.wrapper
+        if wrapper._should_accumulate_grads or not wrapper._trainable_params:
+            return
+        bucketed = wrapper._should_bucket_grad if wrapper._use_buckets else [False] * len(wrapper._trainable_params)
+        unsent = False
+        for index, (param, in_bucket) in enumerate(zip(wrapper._trainable_params, bucketed)):
+            if not wrapper._grad_to_be_reduced[index] or param.grad is None:
+                continue
+            wrapper._grad_to_be_reduced[index] = False
+            unsent = unsent or in_bucket
+            if in_bucket:
+                continue
+            owner = wrapper._trainable_param_to_rank[param]
+            param.grad.mul_(wrapper._world_size_scaling)
+            dist.reduce(param.grad, dst=wrapper._local_to_global_rank[owner], group=wrapper._process_group)
+            if owner != wrapper._rank:
+                param.grad = None
+        if unsent and not wrapper._bucket_flush_callback_set:
+            wrapper._flush_reduce_calls()
 
 
 @contextmanager

@@ -160,6 +160,8 @@ class Prefetcher:
         #: The units of :attr:`_to_keep` whose forward kept their full parameters for their backward (:meth:`keeps`)
         #: and hold them still (:meth:`freed`); emptied (:meth:`release_kept`) before :attr:`_to_keep` is planned again.
         self._kept: set[Any] = set()
+        #: Called before the gathers a forward starts (the ranks' check that they run the same units), if set.
+        self.before_gathers: Optional[Callable[[], None]] = None
 
     def forward_started(self) -> None:
         """The root's forward begins (not a recomputation inside a backward): record the order of the units, and
@@ -194,6 +196,11 @@ class Prefetcher:
             self._positions = {unit: index for index, unit in enumerate(self.order)}
             self._recording = None
         self.pass_ended()
+
+    def forget_order(self) -> None:
+        """The ranks' forwards ran different units: the order recorded (or recording) is not every rank's; the next
+        forward records it again, gathering nothing ahead until then."""
+        self.order, self._positions, self._recording = [], {}, None
 
     def backward_started(self) -> None:
         """The root's backward begins: in the ``"BACKWARD_PRE"`` mode the backward's first unit (the forward's last)
@@ -368,6 +375,8 @@ class Prefetcher:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""
         if unit in self._pending or not _to_gather(unit):
             return False
+        if self.before_gathers is not None and not in_backward():
+            self.before_gathers()
         self._pending[unit] = (*_gather(unit), _ahead_bytes(unit))
         return True
 

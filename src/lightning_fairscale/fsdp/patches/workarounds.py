@@ -16,31 +16,9 @@ the marked tests. A new workaround gets its number from the project's lead.
 
 from __future__ import annotations
 
-import textwrap
-from dataclasses import dataclass
+from lightning_fairscale.fsdp.patches.workaround_table import Workaround, list_table
 
 __all__ = ["WORKAROUNDS", "Workaround", "table"]
-
-
-@dataclass(frozen=True)
-class Workaround:
-    """One FairScale workaround: a row of the table."""
-
-    #: Its number (1, 2, ...), which the code's comments and the tests' markers name.
-    number: int
-    #: What it is about, in a few words.
-    title: str
-    #: Where it applies: ``"all devices"``, ``"CPU"``, ``"sharded DDP, all devices"``...
-    devices: str
-    #: What FairScale does, and why that is wrong here (reStructuredText).
-    fairscale_does: str
-    #: What we do instead: the override or function, and how (reStructuredText).
-    our_fix: str
-    #: The module that holds the fix, under ``lightning_fairscale`` (``"fsdp.patches.cpu_streams"``).
-    module: str
-    #: The tests marked with its number (``"tests/unit/test_x.py::test_y"``): they fail without it.
-    tests: tuple[str, ...]
-
 
 _UNIT = ":class:`FullyShardedDataParallel`"
 
@@ -416,35 +394,37 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "tests/unit/test_step_state.py::test_backward_passes_inside_the_roots_forward_train_as_unsharded",
         ),
     ),
+    Workaround(
+        29, "Units that do not run in a step", "all devices",
+        "FairScale ends every backward as if each unit had run in it: a unit whose forward did not run (a head used in"
+        " one stage only, a skipped layer, an expert without tokens) failed the first backward on every rank"
+        " (``'FlatParameter' object has no attribute '_full_param_padded'``), and one that ran only in accumulating"
+        " passes never reduced its gradient.",
+        "Before FairScale's end of the backward the units it did not reach are settled: set up, given the state it"
+        " expects, their gradient left as it is (no update, no change of the optimizer's state), an accumulated one"
+        " reduce-scattered (:func:`~lightning_fairscale.fsdp.unit.not_run.before_end_of_backward`).",
+        "fsdp.unit.not_run",
+        (
+            "tests/test_unused_units.py::test_matches_unsharded",
+            "tests/unit/test_not_run.py::test_a_unit_that_never_runs_gets_no_gradient_no_update_and_no_state",
+            "tests/unit/test_not_run.py::test_a_unit_only_the_accumulating_pass_ran_has_its_gradient_reduced",
+        ),
+    ),
+    Workaround(
+        30, "Gradients a reducing backward did not reach", "sharded DDP, all devices",
+        "``ShardedDataParallel`` reduces a gradient from its hook: a layer that ran in a step's accumulating"
+        " micro-batches (``no_sync``) but not in the last one kept each rank's own sum, and its owner stepped with it.",
+        ":meth:`~lightning_fairscale.sharded_ddp.trainability.Trainability.end_backward` reduces them as their hooks"
+        " would have.",
+        "sharded_ddp.trainability",
+        ("tests/test_unused_units.py::test_matches_unsharded",),
+    ),
 )
 
 
-def _cell(text: str, first: str) -> str:
-    """One cell of a list-table row: ``first`` (``"* - "`` or ``"  - "``) then ``text``, wrapped and indented."""
-    lines = textwrap.wrap(text, 100, break_long_words=False, break_on_hyphens=False) or [""]
-    return "\n".join([f"   {first}{lines[0]}", *(f"       {line}" for line in lines[1:])])
-
-
 def table(workarounds: tuple[Workaround, ...] = WORKAROUNDS) -> str:
-    """The workarounds as a reStructuredText ``list-table``: number, title and devices, what FairScale does, our
-    fix, module and tests."""
-    header = ("No.", "Workaround", "What FairScale does", "Our fix", "Module; tests")
-    rows = [".. list-table::", "   :header-rows: 1", "   :widths: 3 12 30 35 20", ""]
-    rows += [_cell(text, "  - " if i else "* - ") for i, text in enumerate(header)]
-    for w in workarounds:
-        files: dict[str, list[str]] = {}
-        for test in w.tests:
-            path, name = test.split("::")
-            files.setdefault(path, []).append(f"``{name}``")
-        tests = "; ".join(f"{path}: {', '.join(names)}" for path, names in files.items())
-        rows += [
-            _cell(str(w.number), "* - "),
-            _cell(f"{w.title} *({w.devices})*", "  - "),
-            _cell(w.fairscale_does, "  - "),
-            _cell(w.our_fix, "  - "),
-            _cell(f":mod:`{w.module} <lightning_fairscale.{w.module}>`. Tests: {tests}", "  - "),
-        ]
-    return "\n".join(rows) + "\n"
+    """The workarounds as a reStructuredText ``list-table`` (:func:`~.workaround_table.list_table`)."""
+    return list_table(workarounds)
 
 
 __doc__ = f"{__doc__}\nThe workarounds:\n\n{table()}"

@@ -28,7 +28,8 @@ from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.distributed.fairscale_private import apply_to_tensors
 from lightning_fairscale.fsdp.patches import backward_hooks, bookkeeping, deprecations, forward_grads, one_rank
 from lightning_fairscale.fsdp.patches import prefetch
-from lightning_fairscale.fsdp.unit import copying, frozen_params, original_params, param_views, recompute, recovery
+from lightning_fairscale.fsdp.unit import copying, frozen_params, not_run, original_params, param_views, recompute
+from lightning_fairscale.fsdp.unit import rank_agreement, recovery
 from lightning_fairscale.fsdp.unit import step_state, ties, unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances, named_fsdp_instances
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
@@ -143,6 +144,9 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
 
     #: The CPU prefetcher of this unit's root (workaround 16), ``None`` where it does not apply (CUDA).
     _prefetcher: Optional[prefetch.Prefetcher] = None
+    #: The check that every rank runs this unit's root's units alike (issue 54 item 4), shared by them; ``None``
+    #: before the root's first forward.
+    _agreement: Optional[rank_agreement.Agreement] = None
 
     # Workaround 18: dynamo never traces a unit (FairScale's parameter swaps and collectives), it runs it eagerly;
     # the compiled regions inside run compiled (`torch.compiler.disable` gives each compiled function called from
@@ -164,6 +168,11 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
         step_state.before_forward(self)  # workaround 28: which parameters train now
+        agreement = self._agreement if not prefetch.in_backward() else None
+        if agreement is not None:
+            if self._is_root:
+                agreement.forward_started()
+            agreement.unit_runs(self)
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
@@ -171,14 +180,20 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         try:
             with forward_grads.gradients_set_aside(self.params):  # workaround 26: what dynamo may trace
                 if not self._is_root or self._prefetcher is None:
-                    return super().forward(*args, **kwargs)
-                self._prefetcher.forward_started()  # workaround 16
-                try:
-                    return super().forward(*args, **kwargs)
-                finally:
-                    self._prefetcher.forward_ended()
+                    result = super().forward(*args, **kwargs)
+                else:
+                    self._prefetcher.forward_started()  # workaround 16
+                    try:
+                        result = super().forward(*args, **kwargs)
+                    finally:
+                        self._prefetcher.forward_ended()
+            if agreement is not None and self._is_root:
+                agreement.forward_ended()  # every rank ran the same units
+            return result
         finally:
             original_params.show(self)  # workaround 17: the original parameters again
+            if agreement is not None and self._is_root:
+                agreement.outside_forward()
 
     def named_modules(  # type: ignore[override]
         self, memo: Optional[set[nn.Module]] = None, prefix: str = "", remove_duplicate: bool = True
@@ -215,13 +230,21 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         if overlaps:
             reducer, prefetcher = prefetch.overlap(self.backward_prefetch, self.bucket_cap_mb)
         self._reducer = reducer
+        agreement = rank_agreement.Agreement(self)
+        if prefetcher is not None:
+            prefetcher.before_gathers = agreement.before_collective
+            agreement.on_divergence = prefetcher.forget_order
         for module in fsdp_instances(self):
             module._streams = self._streams
             module._reducer = reducer
             module._prefetcher = prefetcher
+            module._agreement = agreement
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
+        if self._agreement is not None and self._prefetcher is None and not self.has_full_params:
+            if not prefetch.in_backward():  # FairScale gathers, in a forward: every rank is at the same unit
+                self._agreement.before_collective()
         step_state.gathering(self)  # workaround 28: the shards a backward differentiates are its forward's
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
@@ -276,6 +299,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             self._finish_backward()
 
     def _finish_backward(self) -> None:
+        not_run.before_end_of_backward(self)  # workaround 29: the units this backward did not reach
         super()._wait_for_post_backward()
         for unit in fsdp_instances(self):  # workaround 12
             for param in unit.params:
