@@ -87,7 +87,8 @@ class WholeStep:
 
     def _before_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._restore()  # what a failed step left (without `abort`): its views, as they were
-        closure = kwargs.get("closure", args[0] if args else None)
+        # `args` holds the optimizer itself first (torch's hooks see the step's arguments as they were given).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             self.gather()
             return None
@@ -100,7 +101,7 @@ class WholeStep:
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_then_gather}
-        return (closure_then_gather, *args[1:]), kwargs
+        return (args[0], closure_then_gather, *args[2:]), kwargs
 
     def _after_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._held is not None:
