@@ -4,12 +4,12 @@ each with its unsharded reference computed in the same process.
 What it runs is a ``scenarios.config.WholeOptimizers``: ``torch.optim.Adafactor`` over ``self.parameters()``; Muon
 on the 2-D weights with AdamW on the rest (the usual recipe: two optimizers, the Trainer's manual optimization); a
 LARS of the user's own (:class:`LARS`, a subclass of ``torch.optim.Optimizer``: a trust ratio per tensor); LBFGS
-(refused before the first step); Adam (the element-wise path). The model is ``build_network()`` in float64 under
-``"32-true"`` (Adam-like steps on near-zero gradients amplify a summation order's last bit: float64 keeps the
-difference from the reference far below the tolerance on any CPU), auto-wrapped by ``{Block}``.
+(refused before the first step); Adam (the element-wise path). The model is ``build_network()`` (FP32: FairScale
+refuses float64 parameters), auto-wrapped by ``{Block}`` (and ``nn.Linear`` under manual optimization, whose backward
+runs inside the root's forward).
 
-Rank 0 writes ``{"final": state dict after all steps, "reference": the unsharded training's, "paths": each
-optimizer's path}``. By hand (from the project's root)::
+Rank 0 writes ``{"final": state dict after all steps, "reference": the unsharded training's, "initial": the
+weights before training, "paths": each optimizer's path}``. By hand (from the project's root)::
 
     PYTHONPATH=src python tests/scenarios/whole_optimizers.py --config '{"optimizer": "lars", "devices": 1}' --out r.pt
 """
@@ -228,8 +228,8 @@ def trainer_fit(config: WholeOptimizers, model: WholeModel, ckpt_path: Optional[
         max_steps=config.steps * (2 if config.optimizer == "muon" else 1),
         accumulate_grad_batches=config.accumulate if model.automatic_optimization else 1,
         gradient_clip_val=config.clip if model.automatic_optimization else None,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=save, filename="{epoch}", save_top_k=-1,
-                                                every_n_epochs=1)] if save else [],
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=save, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
+                                                save_on_train_epoch_end=True)] if save else [],
         logger=False, enable_checkpointing=bool(save), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=1, num_sanity_val_steps=0, use_distributed_sampler=False, check_val_every_n_epoch=100,
     )
@@ -314,7 +314,11 @@ def run_fabric(fabric: Any, fields: dict[str, Any], out: str) -> None:
     fabric.save(final_path, {"model": model})
     if fabric.is_global_zero:
         final = {k: v.clone() for k, v in torch.load(final_path, weights_only=True)["model"].items()}
-        torch.save({"final": final, "reference": reference(config), "paths": paths}, out)
+        torch.save({"final": final, "reference": reference(config), "initial": initial(config), "paths": paths}, out)
+
+
+def initial(config: WholeOptimizers) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in network(config).state_dict().items()}
 
 
 def main(config: WholeOptimizers, out: str) -> None:
@@ -330,7 +334,7 @@ def main(config: WholeOptimizers, out: str) -> None:
         return
     final, paths = run_trainer(config, work)
     if final:  # rank 0's
-        torch.save({"final": final, "reference": reference(config), "paths": paths}, out)
+        torch.save({"final": final, "reference": reference(config), "initial": initial(config), "paths": paths}, out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Optimizers that read whole tensors under DDPFullyShardedStrategy (Trainer and Fabric), each run against its
+unsharded reference (``scenarios/whole_optimizers.py``); all in one launch of 2 processes (and one of 1 process for
+the checkpoint a resharded resume loads).
+
+Outside a unit's forward every parameter an optimizer holds is this rank's 1-D slice of a flat shard. Before the
+whole path (``fsdp/state/whole_step.py``) Adafactor ended 6.5e-3 off the unsharded run (4 steps; the weights moved
+about 7.5e-3), the user's LARS 1.2e-4, Muon failed at its first step (``Param gradient must be a 2D matrix``), LBFGS
+trained nothing (its own ``_params`` list got no gradient). ``optimizer_path="elementwise"`` forces that old path:
+the ``*-elementwise`` job shows the figure, and ``test_the_old_path_is_wrong`` that the comparison catches it.
+
+Tolerance: FairScale refuses float64 parameters, so these runs are FP32, and Adafactor's and LARS's steps divide by
+a norm of the gradient: the difference from the reference is compared with the size of the update (the largest
+``|reference - initial|``), at :data:`RELATIVE` of it (the whole path ends 1e-5 of the update off or closer: the
+summation order of the gradient's reduction, 1e-7 relative; the slices' path ends 0.9 of the update off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scenarios.common import max_difference
+from scenarios.config import WholeOptimizers
+
+from conftest import TESTS, Jobs, run_jobs
+
+SCRIPT = TESTS / "scenarios" / "whole_optimizers.py"
+#: The largest difference from the unsharded run, as a fraction of the update (see the module's docstring).
+RELATIVE = 1e-3
+
+W = WholeOptimizers
+_TRAINER: dict[str, WholeOptimizers] = {
+    "adafactor": W(),
+    "adafactor-groups-frozen": W(groups=True, frozen=True),
+    "adafactor-clip-accumulate": W(clip=0.05, accumulate=2),
+    "adafactor-manual": W(manual=True, clip=0.05),
+    "adafactor-validate-fit": W(stages="validate-fit"),
+    "adafactor-fit-fit": W(stages="fit-fit"),
+    "muon": W(optimizer="muon"),
+    "lars": W(optimizer="lars"),
+    "lars-groups": W(optimizer="lars", groups=True),
+    "adam": W(optimizer="adam"),
+    "adafactor-resume-full": W(save_at=2),
+    "adafactor-resume-sharded": W(save_at=2, state_dict_type="sharded"),
+}
+_FABRIC: dict[str, WholeOptimizers] = {
+    "adafactor": W(front="fabric"),
+    "adafactor-clip-accumulate": W(front="fabric", clip=0.05, accumulate=2, groups=True),
+    "muon": W(front="fabric", optimizer="muon"),
+    "lars": W(front="fabric", optimizer="lars"),
+    "adafactor-resume-full": W(front="fabric", save_at=2),
+    "adafactor-resume-sharded": W(front="fabric", save_at=2, state_dict_type="sharded"),
+    "muon-resume-sharded": W(front="fabric", optimizer="muon", save_at=2, state_dict_type="sharded"),
+}
+JOBS: dict[str, WholeOptimizers] = {
+    **{f"trainer-{name}": config for name, config in _TRAINER.items()},
+    **{f"fabric-{name}": config for name, config in _FABRIC.items()},
+    "trainer-adafactor-elementwise": W(optimizer_path="elementwise"),
+    # Lightning's resume from an epoch's end is compared with the same resume under Lightning's unsharded DDP.
+    "trainer-adafactor-resume-ddp": W(save_at=2, strategy="ddp"),
+    "trainer-lbfgs": W(optimizer="lbfgs"),
+}
+FAILING = ["trainer-lbfgs"]
+#: The path each job's optimizers step on.
+PATHS = {name: ["whole", "elementwise"] if config.optimizer == "muon" else
+         ["elementwise"] if config.optimizer == "adam" or config.optimizer_path == "elementwise" else ["whole"]
+         for name, config in JOBS.items() if config.strategy == "fsdp" and name not in FAILING}
+#: The runs compared with their own reference, and the Trainer's resumes with the DDP resume.
+COMPARED = {name: "trainer-adafactor-resume-ddp" if name.startswith("trainer-") and "resume" in name else name
+            for name in PATHS if not name.endswith("-elementwise")}
+COMPARED["fabric-adafactor-resharded"] = "fabric-adafactor-resharded"
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    folder: Path = tmp_path_factory.mktemp("whole")
+    # A sharded checkpoint saved by 1 process at step 2, resumed by 2 (`fabric-adafactor-resharded`).
+    saved = folder / "one"
+    one = {"fabric-save-one": W(front="fabric", devices=1, steps=2, save_at=2, state_dict_type="sharded",
+                                save_dir=str(saved))}
+    run_jobs(folder / "one-launch", one, script=SCRIPT, timeout=300)
+    jobs = {name: config.replace(save_dir=str(folder / name)) for name, config in JOBS.items()}
+    jobs["fabric-adafactor-resharded"] = W(front="fabric", save_at=2, load_from=str(saved / "whole-sharded.ckpt"),
+                                           save_dir=str(folder / "resharded"))
+    return run_jobs(folder / "launch", jobs, failing=FAILING, script=SCRIPT, timeout=900)
+
+
+def relative_difference(result: dict[str, Any], expected: dict[str, Any], initial: dict[str, Any]) -> float:
+    update = max_difference(expected, initial)
+    assert update > 1e-3, f"the reference hardly trained ({update:.3g}): nothing to compare"
+    return max_difference(result, expected) / update
+
+
+@pytest.mark.parametrize("name", list(COMPARED))
+def test_matches_unsharded(whole: Jobs, name: str) -> None:
+    result = whole[name]
+    other = COMPARED[name]
+    expected = whole[other]["final"] if other != name else result["reference"]
+    difference = relative_difference(result["final"], expected, result["initial"])
+    assert difference < RELATIVE, f"{name}: {difference:.3g} of the update off unsharded training"
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_each_optimizer_takes_its_path(whole: Jobs, name: str) -> None:
+    assert whole[name]["paths"] == PATHS[name]
+
+
+def test_the_old_path_is_wrong(whole: Jobs) -> None:
+    """Adafactor on this rank's slices (the path of every optimizer before the whole path, forced here): far off,
+    so the comparison above would catch a whole path that silently stepped slices."""
+    result = whole["trainer-adafactor-elementwise"]
+    assert relative_difference(result["final"], result["reference"], result["initial"]) > 0.1
+
+
+def test_lbfgs_is_refused_before_the_first_step(whole: Jobs) -> None:
+    for error in whole.errors("trainer-lbfgs"):
+        assert error["type"] == "ValueError", error["traceback"][-3000:]
+        message = error["message"]
+        assert "LBFGS" in message and "whole parameter vector" in message and 'strategy="ddp"' in message
+        assert "configure_optimizers" in error["traceback"] or "setup" in error["traceback"]
+        assert "training_step" not in error["traceback"]
