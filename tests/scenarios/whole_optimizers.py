@@ -59,7 +59,8 @@ class LARS(torch.optim.Optimizer):
                     continue
                 d = p.grad.add(p, alpha=group["weight_decay"])
                 w_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(d)
-                trust = torch.where((w_norm > 0) & (d_norm > 0), group["eta"] * w_norm / d_norm, torch.ones_like(w_norm))
+                positive = (w_norm > 0) & (d_norm > 0)
+                trust = torch.where(positive, group["eta"] * w_norm / d_norm, torch.ones_like(w_norm))
                 d = d.mul(trust)
                 state = self.state[p]
                 if "momentum_buffer" not in state:

@@ -110,7 +110,7 @@ def assign_owners(sizes: Sequence[tuple[int, Sequence[int]]], counted: Optional[
 
     Example:
         >>> assign_owners([(10, [0, 1]), (6, [0]), (5, [1]), (4, [0, 1])])
-        [1, 0, 1, 0]
+        [0, 0, 1, 1]
     """
     counted = counted if counted is not None else [True] * len(sizes)
     load: dict[int, int] = {}
