@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from scenarios.common import max_difference
 from scenarios.config import WholeOptimizers
 
@@ -120,3 +121,21 @@ def test_lbfgs_is_refused_before_the_first_step(whole: Jobs) -> None:
         assert "LBFGS" in message and "whole parameter vector" in message and 'strategy="ddp"' in message
         assert "configure_optimizers" in error["traceback"] or "setup" in error["traceback"]
         assert "training_step" not in error["traceback"]
+
+
+@pytest.mark.parametrize("name", [n for n, c in JOBS.items() if c.front == "fabric" and c.save_at is not None])
+def test_checkpoints_hold_the_plain_optimizers_state(whole: Jobs, name: str) -> None:
+    """The optimizer state a checkpoint holds (a full file; a sharded one consolidated offline) is the state dict of
+    the same optimizer over the unsharded model at the same step: whole-shaped, in the user's order."""
+    result = whole[name]
+    saved, expected = result["checkpoint_states"], result["reference_states"]
+    assert len(saved) == len(expected) > 0
+    for got, want in zip(saved, expected):
+        assert sorted(got["state"]) == sorted(want["state"])
+        assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+        for index, state in want["state"].items():
+            assert sorted(got["state"][index]) == sorted(state), index
+            for key, value in state.items():
+                value, other = torch.as_tensor(value).float(), torch.as_tensor(got["state"][index][key]).float()
+                assert other.shape == value.shape, (index, key)
+                assert torch.allclose(other, value, rtol=1e-4, atol=1e-7), (index, key)

@@ -124,7 +124,9 @@ def clip(optimizer: torch.optim.Optimizer, value: Optional[float]) -> None:
 # The unsharded reference (one process, the whole global batch)
 
 
-def reference(config: WholeOptimizers) -> dict[str, torch.Tensor]:
+def reference(config: WholeOptimizers, states_at: Optional[list[Any]] = None) -> dict[str, torch.Tensor]:
+    """The unsharded training's weights; with ``states_at`` (a list), its optimizers' state dicts after ``save_at``
+    steps are appended to it."""
     model = network(config)
     master = model
     if config.precision == "bf16-mixed":  # FairScale's: FP32 master weights, forward and backward in a bf16 copy
@@ -148,6 +150,8 @@ def reference(config: WholeOptimizers) -> dict[str, torch.Tensor]:
             for optimizer in optimizers:
                 clip(optimizer, config.clip)
                 optimizer.step()
+            if states_at is not None and step + 1 == config.save_at:
+                states_at.extend(copy.deepcopy(optimizer.state_dict()) for optimizer in optimizers)
             if model is not master:
                 with torch.no_grad():
                     for p, q in zip(master.parameters(), model.parameters()):
@@ -203,8 +207,9 @@ def strategy_for(config: WholeOptimizers, fabric: bool = False) -> Any:
         return "ddp"
     # Manual optimization backwards inside the root's forward: every layer in a unit below the root.
     policy = {Block, nn.Linear} if config.manual or config.optimizer == "muon" else {Block}
-    options = {"auto_wrap_policy": policy, "state_dict_type": config.state_dict_type,
-               "optimizer_path": config.optimizer_path}
+    options = {"auto_wrap_policy": policy, "state_dict_type": config.state_dict_type}
+    if config.optimizer_path != "auto":
+        options["optimizer_path"] = config.optimizer_path
     if fabric:
         from scenarios.flavor import FabricDDPFullyShardedStrategy
 
@@ -213,11 +218,12 @@ def strategy_for(config: WholeOptimizers, fabric: bool = False) -> Any:
 
 
 def paths_of(strategy: Any, optimizers: list[Any]) -> list[str]:
+    """The path each optimizer steps on (``[]`` under another strategy, or before paths existed)."""
     sharded = getattr(strategy, "_sharded", None)
-    if sharded is None:
-        models = getattr(strategy, "_set_up", None)
-        return [models.optimizers[o].path(o) for o in optimizers] if models is not None else []
-    return [sharded.path(o) for o in optimizers]
+    models = getattr(strategy, "_set_up", None)
+    found = [sharded] * len(optimizers) if sharded is not None else [
+        models.optimizers.get(o) for o in optimizers] if models is not None else []
+    return [model.path(o) for model, o in zip(found, optimizers) if hasattr(model, "path")]
 
 
 def trainer_fit(config: WholeOptimizers, model: WholeModel, ckpt_path: Optional[str] = None,
@@ -294,6 +300,7 @@ def run_fabric(fabric: Any, fields: dict[str, Any], out: str) -> None:
         return {"model": model, **{f"optimizer{i}": o for i, o in enumerate(optimizers)}}
 
     model, optimizers = set_up()
+    checkpoint_states: list[Any] = []
     if config.load_from is not None:
         fabric.load(config.load_from, state(model, optimizers))
         train(model, optimizers, config.save_at or 0, config.steps)
@@ -305,6 +312,11 @@ def run_fabric(fabric: Any, fields: dict[str, Any], out: str) -> None:
         fabric.save(path, state(model, optimizers))
         if config.steps == config.save_at:
             return  # a checkpoint for another launch (another number of processes) to resume
+        if fabric.is_global_zero:  # the plain optimizers' states the checkpoint holds (offline consolidation)
+            from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
+
+            saved = consolidate(path) if path.is_dir() else torch.load(path, weights_only=False)
+            checkpoint_states = [saved[f"optimizer{i}"] for i in range(len(optimizers))]
         model, optimizers = set_up()
         fabric.load(path, state(model, optimizers))
         train(model, optimizers, config.save_at, config.steps)
@@ -315,7 +327,9 @@ def run_fabric(fabric: Any, fields: dict[str, Any], out: str) -> None:
     fabric.save(final_path, {"model": model})
     if fabric.is_global_zero:
         final = {k: v.clone() for k, v in torch.load(final_path, weights_only=True)["model"].items()}
-        torch.save({"final": final, "reference": reference(config), "initial": initial(config), "paths": paths}, out)
+        states: list[Any] = []
+        torch.save({"final": final, "reference": reference(config, states), "initial": initial(config),
+                    "paths": paths, "checkpoint_states": checkpoint_states, "reference_states": states}, out)
 
 
 def initial(config: WholeOptimizers) -> dict[str, torch.Tensor]:
