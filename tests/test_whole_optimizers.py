@@ -3,15 +3,19 @@ unsharded reference (``scenarios/whole_optimizers.py``); all in one launch of 2 
 the checkpoint a resharded resume loads).
 
 Outside a unit's forward every parameter an optimizer holds is this rank's 1-D slice of a flat shard. Before the
-whole path (``fsdp/state/whole_step.py``) Adafactor ended 6.5e-3 off the unsharded run (4 steps; the weights moved
-about 7.5e-3), the user's LARS 1.2e-4, Muon failed at its first step (``Param gradient must be a 2D matrix``), LBFGS
-trained nothing (its own ``_params`` list got no gradient). ``optimizer_path="elementwise"`` forces that old path:
-the ``*-elementwise`` job shows the figure, and ``test_the_old_path_is_wrong`` that the comparison catches it.
+whole path (``fsdp/state/whole_step.py``), measured with this scenario on the commit before it: Adafactor ended
+6.5e-3 off the unsharded run after 4 steps (0.135 of the largest weight update, 4.8e-2), Trainer and Fabric, and
+its resumes alike; the user's LARS 8.4e-4 off (0.018 of the update); Muon failed at its first step inside torch
+(``ValueError: Param gradient must be a 2D matrix``); LBFGS failed at its first step
+(``TypeError: LBFGS.step() missing 1 required positional argument: 'closure'``; the issue's run with a closure
+trained nothing: its own ``_params`` list got no gradient). ``optimizer_path="elementwise"`` forces that old path:
+``test_the_old_path_is_wrong`` checks that the comparison catches it.
 
 Tolerance: FairScale refuses float64 parameters, so these runs are FP32, and Adafactor's and LARS's steps divide by
 a norm of the gradient: the difference from the reference is compared with the size of the update (the largest
 ``|reference - initial|``), at :data:`RELATIVE` of it (the whole path ends 1e-5 of the update off or closer: the
-summation order of the gradient's reduction, 1e-7 relative; the slices' path ends 0.9 of the update off).
+summation order of the gradient's reduction: 3e-7 to 7.5e-6 of the update measured; the slices' path ends 0.135 of
+the update off).
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def test_the_old_path_is_wrong(whole: Jobs) -> None:
     """Adafactor on this rank's slices (the path of every optimizer before the whole path, forced here): far off,
     so the comparison above would catch a whole path that silently stepped slices."""
     result = whole["trainer-adafactor-elementwise"]
-    assert relative_difference(result["final"], result["reference"], result["initial"]) > 0.1
+    assert relative_difference(result["final"], result["reference"], result["initial"]) > 0.05
 
 
 def test_lbfgs_is_refused_before_the_first_step(whole: Jobs) -> None:
