@@ -33,6 +33,13 @@ from conftest import TESTS, Jobs, run_jobs
 SCRIPT = TESTS / "scenarios" / "whole_optimizers.py"
 #: The largest difference from the unsharded run, as a fraction of the update (see the module's docstring).
 RELATIVE = 1e-3
+#: The same under ``"bf16-mixed"``: the forward and backward run in bf16 (8 significant bits), and sharding sums each
+#: gradient in another order (two half-batch means reduced in bf16), so a gradient differs by up to about 2**-8 of
+#: itself, and Adafactor's normalised step carries that into each step's update: 1.4e-2 of the update measured after
+#: 4 steps (6.6e-4), where the slices' path ends 0.135 off. (``"bf16-true"`` rounds the weights themselves to bf16:
+#: the whole path ends one bf16 spacing of the largest weights off, 7.8e-3, the slices' path two: measured by hand,
+#: not a test.)
+RELATIVE_BF16 = 5e-2
 
 W = WholeOptimizers
 _TRAINER: dict[str, WholeOptimizers] = {
@@ -48,6 +55,7 @@ _TRAINER: dict[str, WholeOptimizers] = {
     "adam": W(optimizer="adam"),
     "adafactor-resume-full": W(save_at=2),
     "adafactor-resume-sharded": W(save_at=2, state_dict_type="sharded"),
+    "adafactor-bf16-mixed": W(precision="bf16-mixed"),
 }
 _FABRIC: dict[str, WholeOptimizers] = {
     "adafactor": W(front="fabric"),
@@ -103,7 +111,8 @@ def test_matches_unsharded(whole: Jobs, name: str) -> None:
     other = COMPARED[name]
     expected = whole[other]["final"] if other != name else result["reference"]
     difference = relative_difference(result["final"], expected, result["initial"])
-    assert difference < RELATIVE, f"{name}: {difference:.3g} of the update off unsharded training"
+    tolerance = RELATIVE_BF16 if JOBS.get(name, W()).precision == "bf16-mixed" else RELATIVE
+    assert difference < tolerance, f"{name}: {difference:.3g} of the update off unsharded training"
 
 
 @pytest.mark.parametrize("name", list(PATHS))
