@@ -96,7 +96,7 @@ def run_worker(config: str, args: argparse.Namespace, out: Path) -> None:
     for step in range(total):
         if step == args.warmup:
             _common.reset_peak_rss()
-        before = collectives.point_to_point_bytes(None)
+        before = collectives.point_to_point_bytes(every_group=True)
         clock.start()
         loss = model(batch).pow(2).mean()
         fabric.backward(loss)
@@ -104,7 +104,7 @@ def run_worker(config: str, args: argparse.Namespace, out: Path) -> None:
             optimizer.step()
             optimizer.zero_grad()
         clock.end()
-        sent.append(collectives.point_to_point_bytes(None) - before)
+        sent.append(collectives.point_to_point_bytes(every_group=True) - before)
     held = _common.held_bytes(model, [getattr(o, "optimizer", o) for o in optimizers])
     _common.write_rank_result(out, fabric.global_rank, {
         **clock.marks(), **_common.resident_bytes(), **held, "numel": numel,

@@ -73,8 +73,9 @@ JOBS: dict[str, WholeOptimizers] = {
     # Lightning's resume from an epoch's end is compared with the same resume under Lightning's unsharded DDP.
     "trainer-adafactor-resume-ddp": W(save_at=2, strategy="ddp"),
     "trainer-lbfgs": W(optimizer="lbfgs"),
+    "fabric-lars-raises": W(front="fabric", optimizer="lars-raises"),
 }
-FAILING = ["trainer-lbfgs"]
+FAILING = ["trainer-lbfgs", "fabric-lars-raises"]
 #: The path each job's optimizers step on.
 PATHS = {name: ["whole", "elementwise"] if config.optimizer == "muon" else
          ["elementwise"] if config.optimizer == "adam" or config.optimizer_path == "elementwise" else ["whole"]
@@ -152,3 +153,13 @@ def test_checkpoints_hold_the_plain_optimizers_state(whole: Jobs, name: str) -> 
                 value, other = torch.as_tensor(value).float(), torch.as_tensor(got["state"][index][key]).float()
                 assert other.shape == value.shape, (index, key)
                 assert torch.allclose(other, value, rtol=1e-4, atol=1e-7), (index, key)
+
+
+def test_a_step_that_raises_on_its_owner_fails_every_rank_without_waiting(whole: Jobs) -> None:
+    """The user's step raises on the rank that owns the last layer's weight only; the other rank, waiting for that
+    rank's updated slices, is told and raises too (the launch would otherwise wait until the group's timeout)."""
+    errors = whole.errors("fabric-lars-raises")
+    users = [e for e in errors if e["type"] == "ValueError"]
+    told = [e for e in errors if e["type"] == "RuntimeError"]
+    assert len(users) == 1 and "refused the 4x32 weight" in users[0]["message"], errors
+    assert len(told) == 1 and "The optimizer step failed on rank" in told[0]["message"], errors

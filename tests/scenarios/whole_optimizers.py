@@ -71,6 +71,18 @@ class LARS(torch.optim.Optimizer):
         return loss
 
 
+class RaisingLARS(LARS):
+    """A LARS whose step raises when it sees the last layer's weight whole: only on that parameter's owner rank."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.shape == (4, 32):
+                    raise ValueError("the user's step refused the 4x32 weight")
+        return super().step(closure)
+
+
 def dtype_of(config: WholeOptimizers) -> torch.dtype:
     return {"bf16-true": torch.bfloat16}.get(config.precision, torch.float32)
 
@@ -100,6 +112,8 @@ def make_optimizers(config: WholeOptimizers, module: nn.Module) -> list[torch.op
         return [torch.optim.Adafactor(params, lr=0.01)]
     if kind == "lars":
         return [LARS(params)]
+    if kind == "lars-raises":
+        return [RaisingLARS(params)]
     if kind == "adam":
         return [torch.optim.Adam(params, lr=0.01)]
     if kind == "lbfgs":

@@ -241,10 +241,11 @@ def point_to_point(sends: list[tuple[int, Tensor]], receives: list[tuple[int, Te
 _sent_bytes: dict[Any, int] = {}
 
 
-def point_to_point_bytes(group: Any = None) -> int:
-    """How many bytes this process has sent through :func:`point_to_point` over ``group`` so far (what the
-    optimizers' whole path moves: ``benchmarks/whole_optimizers.py`` reports it)."""
-    return _sent_bytes.get(group, 0)
+def point_to_point_bytes(group: Any = None, every_group: bool = False) -> int:
+    """How many bytes this process has sent through :func:`point_to_point` over ``group`` (``None``: the world) so
+    far, or with ``every_group`` over all groups together (what the optimizers' whole path moves over the shard
+    groups: ``benchmarks/whole_optimizers.py`` reports it)."""
+    return sum(_sent_bytes.values()) if every_group else _sent_bytes.get(group, 0)
 
 
 @dataclass(frozen=True)
