@@ -113,6 +113,8 @@ def make_optimizers(config: WholeOptimizers, module: nn.Module) -> list[torch.op
     if kind == "lars":
         return [LARS(params)]
     if kind == "lars-raises":
+        # A LARS made first: torch then hooks LARS.step too, so RaisingLARS's `super().step()` nests the hooks.
+        LARS([nn.Parameter(torch.zeros(1))])
         return [RaisingLARS(params)]
     if kind == "adam":
         return [torch.optim.Adam(params, lr=0.01)]

@@ -266,3 +266,31 @@ def test_lbfgs_is_refused_at_set_up_before_anything_changes(process_group: Any) 
     with pytest.raises(ValueError, match="LBFGS cannot train a model sharded by DDPFullyShardedStrategy"):
         sharded_with(module, optimizer)
     assert optimizer.param_groups[0]["params"] == before  # not re-pointed
+
+
+def test_a_subclass_calling_its_parents_step_is_one_step(process_group: Any) -> None:
+    """torch wraps every class's ``step`` with the hooks: ``super().step()`` in a subclass of a class that has an
+    instance too runs the hooks twice, nested; only the outermost call gathers and scatters."""
+
+    class Parent(torch.optim.SGD):
+        pass
+
+    class Child(Parent):
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            self.seen = [tuple(p.shape) for g in self.param_groups for p in g["params"] if p.grad is not None]
+            return super().step(closure)
+
+    Parent([nn.Parameter(torch.zeros(1))], lr=0.1)  # the parent class's step is hooked too now
+    torch.manual_seed(0)
+    plain = Net()
+    expected = torch.optim.SGD(plain.parameters(), lr=0.1)
+    module = copy.deepcopy(plain)
+    optimizer = Child(module.parameters(), lr=0.1)
+    model = sharded_with(module, optimizer, path="whole")
+    train(plain, expected, 2)
+    train(model.root, optimizer, 2)
+    assert any(len(shape) == 2 for shape in optimizer.seen)  # whole matrices inside the step
+    trained = model.state_dict(sharded=False, is_global_zero=True)
+    for name, value in plain.state_dict().items():
+        assert torch.allclose(trained[name], value, atol=1e-6), name

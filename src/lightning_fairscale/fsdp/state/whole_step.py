@@ -26,6 +26,7 @@ set up again.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -58,6 +59,23 @@ def _dtype_key(dtype: torch.dtype) -> str:
     return str(dtype)
 
 
+#: The code of torch's wrapper around every optimizer class's ``step`` (the one that runs the step hooks).
+_HOOKED_STEP = Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def _steps_under_way(optimizer: Optimizer) -> int:
+    """How many of ``optimizer``'s hooked ``step`` calls are on the stack. More than one: a subclass's ``step``
+    called its parent's (``super().step()``), and torch wrapped both classes' ``step`` with the hooks: only the
+    outermost call is the step (its inner calls' hooks do nothing), whatever an earlier step left behind."""
+    count = 0
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP and frame.f_locals.get("self") is optimizer:
+            count += 1
+        frame = frame.f_back
+    return count
+
+
 class WholeStep:
     """The whole path of one optimizer (see the module's docstring), from its :class:`WholePlan`."""
 
@@ -86,6 +104,8 @@ class WholeStep:
         self._restore()
 
     def _before_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _steps_under_way(optimizer) > 1:
+            return None  # a parent class's step inside the step: the outermost call's hooks do the work
         self._restore()  # what a failed step left (without `abort`): its views, as they were
         # `args` holds the optimizer itself first (torch's hooks see the step's arguments as they were given).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -104,7 +124,7 @@ class WholeStep:
         return (args[0], closure_then_gather, *args[2:]), kwargs
 
     def _after_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._held is not None:
+        if self._held is not None and _steps_under_way(optimizer) <= 1:
             self.scatter()
 
     # ------------------------------------------------------------------------------------------------------------
