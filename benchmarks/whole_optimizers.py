@@ -140,12 +140,12 @@ def report(args: argparse.Namespace, rounds: list[dict[str, list[dict[str, Any]]
         rows.append([
             config, f"{statistics.median(times[config]) * 1e3:.1f}",
             f"{min(times[config]) * 1e3:.1f}–{max(times[config]) * 1e3:.1f}",
-            _common.mib(sent), f"{sent / (4 * numel):.2f}",
+            f"{sent / 1024:,.1f}", f"{sent / (4 * numel):.4f}",
             _common.mib(max(rank["optimizer_state"] for rank in ranks)),
             _common.mib(max(rank["peak_rss"] for rank in ranks)),
         ])
     lines += _common.markdown_table(
-        ["configuration", "step (ms)", "range over rounds", "sent by the whole path (MiB/step/rank)",
+        ["configuration", "step (ms)", "range over rounds", "sent by the whole path (KiB/step/rank)",
          "… in 4Ψ bytes", "optimizer state (MiB/rank)", "peak RSS (MiB/rank)"], "lrrrrrr", rows)
     lines += ["", "## Ratios of step times (median of the rounds' own ratios; each round's)", ""]
     pair_rows = []
