@@ -299,3 +299,36 @@ class UnusedUnits(Config):
     state_dict_type: str = "full"  # of the save at `save_at`
     save_at: Optional[int] = None  # after this many optimizer steps, save, then resume in a fresh model
     save_dir: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# scenarios/whole_optimizers.py
+
+
+@dataclass(frozen=True)
+class WholeOptimizers(Config):
+    """Optimizers that read whole tensors (``scenarios/whole_optimizers.py``) under the FSDP strategy, Trainer or
+    Fabric, with their unsharded reference computed in the same process (float64 unless ``precision`` says)."""
+
+    SCRIPT: ClassVar[str] = "whole_optimizers"
+
+    front: str = "trainer"  # or "fabric"
+    #: "fsdp" (DDPFullyShardedStrategy) or "ddp" (Lightning's, unsharded: the Trainer's resumes are compared with it)
+    strategy: str = "fsdp"
+    #: "adafactor", "muon" (Muon on the matrices + AdamW on the rest), "lars" (the user's own), "lbfgs", "adam"
+    optimizer: str = "adafactor"
+    devices: int = 2
+    steps: int = 4  # optimizer steps
+    precision: str = "32-true"  # "32-true" trains in float64; "bf16-mixed", "bf16-true" in those
+    groups: bool = False  # two param groups (weights, biases) with their own lr and weight decay
+    frozen: bool = False  # the first layer frozen before set-up
+    accumulate: int = 1  # micro-batches per optimizer step
+    clip: Optional[float] = None  # clipping by norm (Trainer: gradient_clip_val / clip_gradients)
+    manual: bool = False  # the Trainer's manual optimization (always for muon: two optimizers)
+    optimizer_path: str = "auto"  # the strategy's option
+    stages: str = "fit"  # or "validate-fit", "fit-fit" (a second fit of the still sharded model, new optimizers)
+    state_dict_type: str = "full"  # of the save at `save_at`
+    save_at: Optional[int] = None  # after this many steps, save, then resume in a fresh model
+    #: Fabric: resume from this sharded checkpoint at step `save_at` (saved by another number of processes)
+    load_from: Optional[str] = None
+    save_dir: Optional[str] = None

@@ -299,6 +299,16 @@ class FullyShardedOptions(_StrategyOptions):
     def sync_each_batch(self, value: bool) -> None:
         self._set_option("sync_each_batch", value)
 
+    @property
+    def optimizer_path(self) -> Literal["auto", "elementwise", "whole"]:
+        """How the optimizers step the sharded parameters: ``"auto"``, ``"elementwise"`` or ``"whole"``. Fixed at
+        setup."""
+        return self.config.optimizer_path
+
+    @optimizer_path.setter
+    def optimizer_path(self, value: Literal["auto", "elementwise", "whole"]) -> None:
+        self._set_option("optimizer_path", value)
+
 
 class ShardedDDPOptions(_StrategyOptions):
     """The options of ``DDPShardedStrategy`` (the Trainer's and Fabric's), as typed properties.

@@ -44,6 +44,9 @@ __all__ = [
     "gather",
     "group_device",
     "current_name",
+    "gather_object",
+    "point_to_point",
+    "point_to_point_bytes",
     "recording_traffic",
     "reduce_scatter_tensor",
     "Transfer",
@@ -108,6 +111,7 @@ def forget_group(group: Any) -> None:
     """Drop what this module keeps about ``group`` (its :func:`all_reduced_bytes`), which is being destroyed: no
     reference here must keep a destroyed group alive."""
     _all_reduced.pop(group, None)
+    _sent_bytes.pop(group, None)
 
 
 def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
@@ -202,6 +206,55 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, obj, group=group)
     return everyone
+
+
+def gather_object(obj: Any, dst: int = 0, group: Any = None) -> Optional[list[Any]]:
+    """Every rank's ``obj`` (picklable), in rank order, on rank ``dst`` (a global rank); ``None`` elsewhere."""
+    everyone: Optional[list[Any]] = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, everyone, dst=dst, group=group)
+    return everyone
+
+
+#: The message tag of :func:`point_to_point` (apart from the exchanges' tags: both may be in flight at once).
+POINT_TO_POINT_TAG = 19
+
+
+def point_to_point(sends: list[tuple[int, Tensor]], receives: list[tuple[int, Tensor]], group: Any = None) -> None:
+    """Send each ``(peer, tensor)`` of ``sends`` to that rank of ``group`` and receive each of ``receives`` from its
+    peer, all at once (``torch.distributed.batch_isend_irecv``), and wait for them; the received tensors are filled
+    in place, wherever they live. Two messages between the same pair of ranks match in the order each lists them.
+    The bytes this rank sends are counted by :func:`point_to_point_bytes`."""
+    if not sends and not receives:
+        return
+    _sent_bytes[group] = _sent_bytes.get(group, 0) + sum(_nbytes(t) for _, t in sends)
+    ops = []
+    back: list[tuple[Tensor, Tensor]] = []
+    for peer, tensor in sends:
+        moved = tensor.to(group_device(group, tensor.device)).contiguous()
+        ops.append(dist.P2POp(dist.isend, moved, group=group, tag=POINT_TO_POINT_TAG, group_peer=peer))
+    for peer, tensor in receives:
+        device = group_device(group, tensor.device)
+        target = tensor if device == tensor.device and tensor.is_contiguous() else torch.empty(
+            tensor.shape, dtype=tensor.dtype, device=device
+        )
+        if target is not tensor:
+            back.append((tensor, target))
+        ops.append(dist.P2POp(dist.irecv, target, group=group, tag=POINT_TO_POINT_TAG, group_peer=peer))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for tensor, target in back:
+        tensor.copy_(target)
+
+
+#: The bytes :func:`point_to_point` has sent from this process, by process group (``None``: the world).
+_sent_bytes: dict[Any, int] = {}
+
+
+def point_to_point_bytes(group: Any = None, every_group: bool = False) -> int:
+    """How many bytes this process has sent through :func:`point_to_point` over ``group`` (``None``: the world) so
+    far, or with ``every_group`` over all groups together (what the optimizers' whole path moves over the shard
+    groups: ``benchmarks/whole_optimizers.py`` reports it)."""
+    return sum(_sent_bytes.values()) if every_group else _sent_bytes.get(group, 0)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from lightning_fairscale.fsdp.patches.hybrid import mesh_request, sharding_name
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, validate_param_init_fn
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy, validate_auto_wrap_policy
 from lightning_fairscale.fsdp.patches.prefetch import BACKWARD_MODES
+from lightning_fairscale.fsdp.state.optimizer_paths import PATHS
 
 __all__ = [
     "FullyShardedConfig",
@@ -160,6 +161,12 @@ class FullyShardedConfig:
             in the Trainer; Accelerate's ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's
             ``no_backward_sync`` then skips nothing. Same result either way. On CUDA not with ``cpu_offload`` or
             ``move_grads_to_cpu`` (FairScale cannot accumulate into gradient shards in CPU memory).
+        optimizer_path: how the optimizers step the sharded parameters. ``"auto"`` (default): element-wise optimizers
+            (SGD, Adam, AdamW...) step this rank's 1-D slices, with no more communication than FSDP's; those that read
+            a parameter as a tensor (Adafactor, Muon, a LARS or LAMB of the user's) step each parameter whole on one
+            owner rank, which receives its gradient and data slices and sends the updated slices back; an optimizer
+            the table does not know is checked by a throwaway step of a small matrix whole against its slices.
+            ``"elementwise"`` or ``"whole"`` force a path (see the guide, "Reading parameters outside the forward").
         fairscale_kwargs: keyword arguments passed to FairScale's ``FullyShardedDataParallel`` as they are (the
             strategies' ``**kwargs``).
         owner: the strategy's class name, which the error messages name.
@@ -195,6 +202,8 @@ class FullyShardedConfig:
     backward_prefetch: Optional[str] = "BACKWARD_POST"
     #: Reduce-scatter after every micro-batch when accumulating, instead of FairScale's ``no_sync``.
     sync_each_batch: bool = False
+    #: How the optimizers step: ``"auto"``, ``"elementwise"`` or ``"whole"``.
+    optimizer_path: Literal["auto", "elementwise", "whole"] = "auto"
     #: Keyword arguments passed to FairScale's ``FullyShardedDataParallel`` as they are.
     fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The strategy's class name, which the error messages name.
@@ -232,6 +241,12 @@ class FullyShardedConfig:
         self._set("force_leaf_modules", _optional_classes(self.force_leaf_modules, "force_leaf_modules"))
         self._set("min_num_params", int(self.min_num_params))
         self._set("sync_each_batch", check_sync_each_batch(self.sync_each_batch))
+        if self.optimizer_path not in PATHS:
+            raise ValueError(
+                f'`optimizer_path` must be "auto" (each optimizer\'s own path), "elementwise" (every optimizer steps'
+                f' this rank\'s slices) or "whole" (each parameter stepped whole by one rank),'
+                f" got {self.optimizer_path!r}."
+            )
         self._set("fairscale_kwargs", dict(self.fairscale_kwargs))
 
     def _set(self, name: str, value: Any) -> None:

@@ -151,7 +151,7 @@ def wrap_model(
     if describe is not None:
         describe(f"{config.owner}: {unit_summary(root)}")
     if optimizers is not None:
-        model.repoint(*optimizers)
+        model.repoint(*optimizers, path=config.optimizer_path, owner=config.owner)
         model.forget_originals()  # from here on nothing refers to the unsharded parameters: they are freed
     return model
 

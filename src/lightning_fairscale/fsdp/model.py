@@ -39,7 +39,11 @@ from lightning_fairscale.fsdp.wrapping.compile import uncompile_regions
 from lightning_fairscale.fsdp.wrapping.unwrapping import forget_root, unwrap_module, unwrapped
 from lightning_fairscale.fsdp.state import checkpoints, saving
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
-from lightning_fairscale.fsdp.state.optim_state import consolidate_state, load_plain_state
+from lightning_fairscale.fsdp.state.optim_state import consolidate_state
+from lightning_fairscale.fsdp.state.optimizer_paths import Path, choose_path, refusal
+from lightning_fairscale.fsdp.state.whole_owners import make_plan
+from lightning_fairscale.fsdp.state.whole_state import consolidate as consolidate_whole, load_plain
+from lightning_fairscale.fsdp.state.whole_step import WholeStep
 from lightning_fairscale.fsdp.state.saving import Ranks, ShardedModel
 from lightning_fairscale.fsdp.state.unsharded_shapes import param_group_problem, unsharded_shapes
 
@@ -57,6 +61,9 @@ class _Record:
     checkpointed: list[Module]
     #: The optimizers re-pointed to the shards, and the order of each one's state in checkpoints.
     orders: weakref.WeakKeyDictionary[Optimizer, GroupOrder] = field(default_factory=weakref.WeakKeyDictionary)
+    #: The optimizers on the whole path (each parameter stepped whole by its owner rank), and the hooks of each
+    #: (removed when the model is unsharded, or the optimizer set up again).
+    whole: weakref.WeakKeyDictionary[Optimizer, WholeStep] = field(default_factory=weakref.WeakKeyDictionary)
     #: The parameters from before wrapping, by id, while something else keeps them alive (an optimizer made over
     #: them, until it is re-pointed).
     originals: weakref.WeakValueDictionary[int, torch.nn.Parameter] = field(
@@ -123,20 +130,47 @@ class WrappedModel:
         layout = self.layout
         return param in layout.managed or self._record.originals.get(id(param)) is param or bool(layout.locate(param))
 
-    def repoint(self, *optimizers: Optimizer) -> None:
-        """Make each optimizer hold this rank's views of its parameters, and remember the order of its state.
+    def repoint(self, *optimizers: Optimizer, path: Path = "auto", owner: str = "DDPFullyShardedStrategy") -> None:
+        """Make each optimizer hold this rank's views of its parameters, remember the order of its state, and choose
+        its path (:mod:`~lightning_fairscale.fsdp.state.optimizer_paths`; ``path``: the strategy's
+        ``optimizer_path``): on the whole path its steps are hooked (:mod:`~lightning_fairscale.fsdp.state.whole_step`).
 
         An optimizer made over the original parameters keeps the order the user listed them in. One made over the
         managed parameters (after wrapping) has no such order: its state is saved in the order of the unwrapped
         module's ``parameters()``, as a plain optimizer over them would save it, so that either one loads the other's
         checkpoint.
+
+        Raises:
+            ValueError: an optimizer that no rank of a sharded model can step (LBFGS...), named by ``owner``'s
+                message, before anything changes.
         """
         layout = self.layout
+        for optimizer in optimizers:
+            problem = refusal(optimizer, owner)
+            if problem is not None:
+                raise ValueError(problem)
         for optimizer in optimizers:
             params = [param for group in optimizer.param_groups for param in group["params"]]
             over_managed = all(param in layout.managed for param in params)
             orders = repoint_optimizer(optimizer, layout)
             self._record.orders[optimizer] = [layout.in_module_order(o) for o in orders] if over_managed else orders
+            earlier = self._record.whole.pop(optimizer, None)
+            if earlier is not None:
+                earlier.remove()
+            if choose_path(optimizer, path) == "whole":
+                step = WholeStep(make_plan(optimizer, layout, self._record.orders[optimizer]))
+                step.install(optimizer)
+                self._record.whole[optimizer] = step
+
+    def path(self, optimizer: Optimizer) -> str:
+        """``"whole"`` or ``"elementwise"``: the path ``optimizer`` (re-pointed) steps on."""
+        return "whole" if optimizer in self._record.whole else "elementwise"
+
+    def abort_steps(self) -> None:
+        """After an optimizer step that raised: every whole-path step under way ends (the other ranks told, so that
+        they raise too), and no view keeps a whole tensor (see :meth:`~.whole_step.WholeStep.abort`)."""
+        for step in list(self._record.whole.values()):
+            step.abort()
 
     def unsharded_shapes(
         self, where: str = "inside `configure_optimizers`", instead: str = _VALUES_ELSEWHERE
@@ -173,7 +207,8 @@ class WrappedModel:
     def for_checkpoints(self) -> ShardedModel:
         """What the checkpoint service needs of this model, as plain values: the root unit, where the original
         parameters went, and the order of each re-pointed optimizer's state."""
-        return ShardedModel(self.root, self.layout, self._record.orders)
+        whole = {optimizer: step.plan for optimizer, step in self._record.whole.items()}
+        return ShardedModel(self.root, self.layout, self._record.orders, whole)
 
     def forget_originals(self) -> None:
         """Stop answering for the parameters from before wrapping, once the optimizers hold the views: from here on
@@ -184,7 +219,8 @@ class WrappedModel:
     def load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         """Load the state of a plain optimizer over the unwrapped module into ``optimizer``'s views (this rank's
         slices only)."""
-        load_plain_state(state, optimizer, self.layout, self.order(optimizer))
+        step = self._record.whole.get(optimizer)
+        load_plain(state, optimizer, self.layout, self.order(optimizer), step.plan if step is not None else None)
 
     # ------------------------------------------------------------------------------------------------------------
     # After an exception inside a step
@@ -193,6 +229,9 @@ class WrappedModel:
         """Put the units back as the last completed step left them, if an exception left them in the middle of a
         step (see :mod:`~lightning_fairscale.fsdp.unit.recovery`); local to this rank. Returns whether it had to. While
         an exception is being handled, an error of the restore itself is logged, not raised in its place."""
+        for step in list(self._record.whole.values()):
+            if step.stepping:  # a step that raised: its views get their slices back
+                step.abort()
         if not recovery.needs_restore(self.root):
             return False
         if sys.exc_info()[1] is not None:
@@ -226,7 +265,12 @@ class WrappedModel:
         call."""
         self._settle()
         order = self.order(optimizer)
-        return optimizer.state_dict() if sharded else consolidate_state(optimizer, self.layout, order)
+        if sharded:
+            return optimizer.state_dict()
+        step = self._record.whole.get(optimizer)
+        if step is not None:
+            return consolidate_whole(optimizer, self.layout, order, step.plan)
+        return consolidate_state(optimizer, self.layout, order)
 
     def state_dict_keys(self) -> list[str]:
         """The keys of the unwrapped module's state dict, known without gathering anything."""
@@ -291,5 +335,8 @@ class WrappedModel:
         uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
         cpu_streams.release(root)  # the sharded model's hold on the CPU workarounds ends with it
+        for step in list(self._record.whole.values()):
+            step.remove()  # the optimizers over the shards are forgotten: their steps are hooked no more
+        self._record.whole.clear()
         unit_state.of(root).wrapped = None
         return module

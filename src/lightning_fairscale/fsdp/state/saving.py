@@ -17,7 +17,7 @@ parameters went, the order of each optimizer's state), this rank as :class:`Rank
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,7 +33,9 @@ from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, 
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.distributed.collectives import all_agree, all_gather_object
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, managed_params
-from lightning_fairscale.fsdp.state.optim_state import load_plain_state, load_view_states, managed_positions
+from lightning_fairscale.fsdp.state.optim_state import load_view_states, managed_positions
+from lightning_fairscale.fsdp.state.whole_owners import WholePlan
+from lightning_fairscale.fsdp.state.whole_state import check_saved_path, load_plain, saved_source
 from lightning_fairscale.fsdp.state.resharding import SavedShards, load_full_state_dict
 from lightning_fairscale.fsdp.state.sharded_checkpoint import (
     FABRIC_RECORD,
@@ -74,6 +76,8 @@ class ShardedModel:
     layout: ParameterLayout
     #: The optimizers re-pointed to the shards, and the order of each one's state (held weakly by the engine).
     orders: Mapping[Optimizer, GroupOrder]
+    #: The optimizers on the whole path, and the plan of each (its owners: whose state is whose).
+    whole: Mapping[Optimizer, WholePlan] = field(default_factory=dict)
 
     def order(self, optimizer: Optimizer) -> GroupOrder:
         """The order of ``optimizer``'s state in checkpoints.
@@ -223,7 +227,9 @@ def save_sharded(
         settle(background.writer, ranks.agree)  # the previous save is in place (or failed) everywhere
     shard_rank, shards, writes = shard_writer(ranks, model.root)
     orders = [model.order(optimizer) for optimizer in optimizers]
-    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric)
+    plans = [model.whole.get(optimizer) for optimizer in optimizers]
+    meta, shard = split_checkpoint(checkpoint, model.root, model.layout, optimizers, orders, shards, fabric,
+                                   [plan.describe() if plan is not None else {} for plan in plans])
     # Each step ends with an agreement, so that a failure on one rank (a full disk...) fails every rank with the
     # previous checkpoint untouched, instead of leaving the others waiting for it.
     zero = ranks.is_global_zero
@@ -299,8 +305,8 @@ def load_full(
     keys = check_state_dict_fits(state_dict, expected_shapes(model), strict, relax)
     layout = model.layout
     load_full_state_dict(model.root, lambda p: layout.managed[p].pieces, state_dict, buffer_name)
-    for optimizer, state in optimizers:  # this rank's slices of a plain optimizer's state
-        load_plain_state(state, optimizer, layout, model.order(optimizer))
+    for optimizer, state in optimizers:  # this rank's slices (its owned parameters' whole states) of a plain state
+        load_plain(state, optimizer, layout, model.order(optimizer), model.whole.get(optimizer))
     report_partial_load(keys)
     return keys
 
@@ -363,11 +369,25 @@ def load_sharded(
                 load_view_states(optimizer, model.layout, saved_optimizer["param_groups"], lambda *_: None)
                 continue
             params = managed_params(model.order(optimizer))
+            plan = model.whole.get(optimizer)
+            check_saved_path(shards.file(0)["optimizer_layouts"][index], plan, index)
             groups, source = shards.optimizer_source(index, managed_positions(params, model.root))
             position = {id(param): m for m, param in enumerate(params)}
-            load_view_states(
-                optimizer, model.layout, groups, lambda managed, *at: source(position[id(managed)], *at)
-            )
+            if plan is None:
+                load_view_states(
+                    optimizer, model.layout, groups, lambda managed, *at: source(position[id(managed)], *at)
+                )
+                continue
+            # The whole path: each of this rank's parameters from the saving rank that owned it (any world size).
+            whole = saved_source(shards.file, shards.world_size, index, source,
+                                 lambda m, k: model.layout.managed[params[m]].pieces[k])
+            owned = {(p.m, p.piece) for p in plan.owned()}
+
+            def whole_state(managed: Any, k: int, *_: Any) -> Any:
+                m = position[id(managed)]
+                return whole(m, k) if (m, k) in owned else None
+
+            load_view_states(optimizer, model.layout, groups, whole_state)
 
     together(ranks, storage, read, path, "read")
     meta.pop(FORMAT_KEY)

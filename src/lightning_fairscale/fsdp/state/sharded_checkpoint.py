@@ -35,6 +35,7 @@ from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY, load
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, Piece
 from lightning_fairscale.fsdp.state.optim_state import describe_layout, plain_state_dict
 from lightning_fairscale.fsdp.state.resharding import SavedShards
+from lightning_fairscale.fsdp.state.whole_state import consolidate_saved
 from lightning_fairscale.fsdp.unit.state_names import apply_aliases, clean_path, fairscale_ties, state_aliases
 
 
@@ -74,12 +75,16 @@ def consolidation_hint(path: Any) -> str:
 def split_checkpoint(
     checkpoint: dict[str, Any], root: nn.Module, layout: ParameterLayout, optimizers: Sequence[Optimizer],
     orders: Sequence[GroupOrder], world_size: int, fabric: Optional[dict[str, Any]] = None,
+    paths: Optional[Sequence[dict[str, Any]]] = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(meta, shard)``: a checkpoint dict made with local state dicts, split for a sharded save.
 
     ``checkpoint`` is the Trainer's (the model's state under ``"state_dict"``, the optimizers' under
     ``"optimizer_states"``), or, with ``fabric`` (``{"model": key, "optimizers": [keys]}``), what ``fabric.save``
     writes: the model's and the optimizers' states under those keys, which the meta dict then records.
+
+    ``paths`` (one per optimizer) adds what the whole path records of each optimizer to its layout (see
+    :meth:`~lightning_fairscale.fsdp.state.whole_owners.WholePlan.describe`; ``{}``: the element-wise path).
 
     Raises:
         ValueError: a Fabric state has an entry named :data:`FORMAT_KEY`, the meta dict's own.
@@ -118,8 +123,10 @@ def split_checkpoint(
     elif "optimizer_states" in checkpoint:  # (a Trainer's saved with weights only has none)
         shard["optimizer_states"] = checkpoint["optimizer_states"]
     if "optimizer_states" in shard:
+        extras = list(paths) if paths is not None else [{} for _ in optimizers]
         shard["optimizer_layouts"] = [
-            describe_layout(opt, order, root, layout) for opt, order in zip(optimizers, orders)
+            {**describe_layout(opt, order, root, layout), **extra}
+            for opt, order, extra in zip(optimizers, orders, extras)
         ]
     return meta, shard
 
@@ -255,8 +262,10 @@ def _consolidate_optimizer(
     states: list[dict[str, Any]], layouts: list[dict[str, Any]], metadata: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """One optimizer's state over the unwrapped module, from every rank's state over its views (or, in checkpoints
-    written before views, over its whole shards)."""
+    written before views, over its whole shards; on the whole path, its owners' whole states)."""
     layout = layouts[0]
+    if layout.get("path") == "whole":  # each parameter's state is its owner's, whole
+        return consolidate_saved(states, layouts)
     full_states: list[dict[str, Any]] = []
     elementwise: list[set[str]] = []
     pieces: list[list[Piece]] = []

@@ -114,6 +114,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         device_mesh: under hybrid sharding, ``(replicas, shard_size)`` or torch's 2-D ``DeviceMesh``.
         backward_prefetch: when the backward on CPU gathers the next unit (torch's ``BackwardPrefetch`` or its name).
         sync_each_batch: reduce-scatter after every micro-batch when accumulating, instead of ``no_sync``.
+        optimizer_path: ``"auto"``/``"elementwise"``/``"whole"``: how optimizers step (Adafactor, Muon: whole).
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -157,6 +158,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
+        optimizer_path: Literal["auto", "elementwise", "whole"] = "auto",
         **kwargs: Any,
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
@@ -272,7 +274,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
             model = fsdp_engine.wrapped_model(root)
             if params and all(model.knows(param) for param in params):
                 refuse_groups_by_shard_shapes(model.param_group_problem(optimizer), optimizer)
-                model.repoint(optimizer)
+                model.repoint(optimizer, path=self.config.optimizer_path, owner=self.config.owner)
                 self._set_up.optimizers[optimizer] = model
                 return optimizer
         raise ValueError(
@@ -304,6 +306,18 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:
             _fsdp_parts.recover(self)
+            raise
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Fabric's optimizer step; one of an optimizer on the whole path that raises leaves no parameter whole and
+        the other ranks told (``fsdp.state.whole_step``), so that they raise too instead of waiting."""
+        try:
+            return super().optimizer_step(optimizer, **kwargs)
+        except BaseException:
+            model = self._set_up.optimizers.get(getattr(optimizer, "optimizer", optimizer))
+            if model is not None:
+                model.abort_steps()
             raise
 
     def _fsdp_model(self, module: Any) -> Optional[fsdp_model.WrappedModel]:

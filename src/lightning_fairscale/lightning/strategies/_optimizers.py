@@ -11,7 +11,7 @@ module: a new module after ``fit`` gets none of the fit's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_fairscale.fsdp.model import WrappedModel
 
-__all__ = ["configure_on_sharded", "for_sharded_stage", "kept_of", "plain", "restored"]
+__all__ = ["abort_steps", "configure_on_sharded", "for_sharded_stage", "kept_of", "plain", "restored"]
 
 
 def plain(optimizers: Iterable[Any]) -> list[Optimizer]:
@@ -34,7 +34,8 @@ def configure_on_sharded(strategy: Any, trainer: Any, sharded: WrappedModel) -> 
     (``p.ndim >= 2`` picks the matrices), then the strategy's optimizers re-pointed to the shards."""
     with sharded.unsharded_shapes():
         strategy.setup_optimizers(trainer)
-    sharded.repoint(*plain(strategy.optimizers))
+    config = strategy.config
+    sharded.repoint(*plain(strategy.optimizers), path=config.optimizer_path, owner=config.owner)
 
 
 def kept_of(optimizers: list[Any], owns: Callable[[torch.nn.Parameter], bool]) -> list[Any]:
@@ -59,3 +60,10 @@ def restored(strategy: Any) -> bool:
     module = strategy.lightning_module
     trainer = module.trainer if module is not None else None
     return bool(strategy.optimizers) and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def abort_steps(sharded: Optional[WrappedModel]) -> None:
+    """After an exception: a whole-path optimizer step under way ends (the other ranks told, so that they raise
+    instead of waiting), and no parameter stays whole (see :meth:`WrappedModel.abort_steps`)."""
+    if sharded is not None:
+        sharded.abort_steps()

@@ -92,6 +92,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         device_mesh: under hybrid sharding, ``(replicas, shard_size)`` or torch's 2-D ``DeviceMesh``.
         backward_prefetch: when the backward on CPU gathers the next unit (torch's ``BackwardPrefetch`` or its name).
         sync_each_batch: reduce-scatter after every micro-batch when accumulating, instead of ``no_sync``.
+        optimizer_path: ``"auto"``/``"elementwise"``/``"whole"``: how optimizers step (Adafactor, Muon: whole).
         **kwargs: passed to FairScale's ``FullyShardedDataParallel``.
 
     Example:
@@ -134,15 +135,14 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
+        optimizer_path: Literal["auto", "elementwise", "whole"] = "auto",
         **kwargs: Any,
     ) -> None:
         config = FullyShardedConfig(**config_arguments(FullyShardedConfig, locals()), owner=type(self).__name__)
         super().__init__(**lightning_arguments(locals(), "precision_plugin"))
         self.config = config  # the options (see `FullyShardedOptions`)
-        #: FSDP's process groups, made in ``setup_environment``.
-        self._groups = ProcessGroups()
-        #: The sharded model (the engine's object), while the module is wrapped.
-        self._sharded: Optional[fsdp_model.WrappedModel] = None
+        self._groups = ProcessGroups()  # FSDP's process groups, made in `setup_environment`
+        self._sharded: Optional[fsdp_model.WrappedModel] = None  # the engine's sharded model, while wrapped
         #: Whether the stage failed: teardown then waits for no other rank's background writes. The
         #: ``WeightAveraging`` callbacks given an average over this rank's shards, while the module is sharded.
         self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
@@ -389,8 +389,8 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Another rank may be gone: teardown must not wait for its shards, and its loss is named.
-        self._failed = True
+        self._failed = True  # another rank may be gone: teardown must not wait for its shards; its loss is named
+        _optimizers.abort_steps(self._sharded)  # a whole-path step that raised: no tensor left whole, others told
         report_collective_failure(exception, collective_timeout(self), self.launcher)
         super().on_exception(exception)
 
