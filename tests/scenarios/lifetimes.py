@@ -11,7 +11,9 @@ Each rank runs the same trials one after another, on the default group the first
   pools warmed up), and after the measured trials that follow; ``state_bytes``: one trial's state on this rank (its
   parameter shards, their gradients and Adam's two moments);
 * ``ddp``: whether Lightning's ``"ddp"`` trained after all of ours ends exactly where the same ``"ddp"`` training
-  ended when it was the process's first (before anything of ours ran).
+  ended when it was the process's first (before anything of ours ran);
+* ``fairscale_sees_torch``: whether FairScale's FSDP module sees the real ``torch`` again at the end (its CPU
+  workarounds are held by each sharded model, and undone with the last one).
 
 Every kind runs in the first round: the Trainer's ``fit``, ``validate``, ``test``, ``predict``, a ``fit`` that an
 exception ends mid-step (caught by the user), and a ``fit`` interrupted as Ctrl-C interrupts it (a
@@ -219,6 +221,10 @@ if __name__ == "__main__":
         record["trials"] += [run(kind) for kind in MEASURED]
         record["rss"].append(rss())
     record["ddp"]["exact"] = ddp_result() == first_ddp
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+
+    gc.collect()
+    record["fairscale_sees_torch"] = fsdp_module.torch is torch  # the CPU workarounds went with the last model
     parameters = sum(p.numel() for p in network().parameters())
     record["state_bytes"] = 4 * parameters * 4 // 2  # shard, gradient, Adam's two moments (fp32, 2 ranks)
     rank = os.environ.get("LOCAL_RANK", "0")
