@@ -96,9 +96,12 @@ PRIVATE_ATTRIBUTES: dict[str, PrivateAttribute] = {
     "_is_sharded": PrivateAttribute(_PARAM, "read: whether the parameter is sharded (False on one rank)"),
     "_orig_size": PrivateAttribute(_PARAM, "read: the full flat parameter's size, before sharding and padding"),
     "_saved_grad_shard": PrivateAttribute(_PARAM, "read and dropped: the reduced gradient shard being accumulated"),
-    "_shard_bwd_hook": PrivateAttribute(_PARAM, "written: FairScale's (accumulator, handle) record (workaround 20)"),
+    "_shard_bwd_hook": PrivateAttribute(_PARAM, "cleared when unwrapped: FairScale's record, never ours (20)"),
     # FlattenParamsWrapper and its FlatParameter.
     "_fpw_module": PrivateAttribute("FlattenParamsWrapper", "read: the user's module inside the wrapper"),
+    "_unflattened_param_views": PrivateAttribute(
+        "FlattenParamsWrapper", "dropped from the user's module once a backward ends (it holds the step's graph)"
+    ),
     "_unflatten_params": PrivateAttribute("FlattenParamsWrapper", "called: puts the original parameters back"),
     "_param_infos": PrivateAttribute(_FLAT, "read: (module name, module, parameter name) of each piece"),
     "_param_numels": PrivateAttribute(_FLAT, "read: each original parameter's number of elements"),

@@ -297,9 +297,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         20, "Post-backward hooks that pile up", "all devices",
         "FairScale adds its post-backward hook to each flat parameter's gradient accumulator in every forward and keeps"
-        " the accumulator alive, so after ``k`` steps the hook ran ``k`` times per backward (idempotent, but a cost"
-        " that grew with the run, and on CPU it undid workaround 16's overlap from the second step on).",
-        "One hook per accumulator (``_register_post_backward_hooks``).",
+        " the accumulator alive: after ``k`` steps the hook ran ``k`` times a backward (on CPU it undid workaround 16's"
+        " overlap), and accumulator, parameter and hook kept the whole model alive for the life of the process.",
+        "One hook per accumulator (``_register_post_backward_hooks``), the accumulator kept by its graph only.",
         "fsdp.patches.backward_hooks",
         ("tests/unit/test_multirank.py::test_each_units_post_backward_hook_runs_once_a_step_not_once_more_every_step",),
     ),

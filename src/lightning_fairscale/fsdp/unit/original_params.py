@@ -23,6 +23,7 @@ forward and at its pre-backward; :func:`install` puts the originals in place onc
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -39,6 +40,7 @@ __all__ = [
     "install",
     "is_installed",
     "is_installed_on",
+    "release_views",
     "show",
     "use_full_views",
 ]
@@ -57,8 +59,11 @@ class OriginalSlots:
     shown: bool = False
     #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
     depth: int = 0
-    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``.
+    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
+    #: backward ends (:func:`release_views`).
     views: dict[tuple[int, str], Any] = field(default_factory=dict)
+    #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
+    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
 
 
 def _slots(unit: nn.Module) -> Optional[OriginalSlots]:
@@ -130,6 +135,7 @@ def show(unit: nn.Module) -> None:
             view = attributes.pop(name, None)  # FairScale's plain view, kept for the backward
             if view is not None:
                 slots.views[(id(owner), name)] = view
+                slots.spent.pop((id(owner), name), None)
         if not current:  # the usual case: every parameter of the module is an original one (fast path)
             current.update((name, slots.params[(id(owner), name)]) for name in order)
             continue
@@ -181,8 +187,28 @@ def use_full_views(unit: Any) -> None:
     for owner, order in slots.owners:
         for name in order:
             view = slots.views.get((id(owner), name))
+            if view is None and (id(owner), name) in slots.spent:  # a second backward through a kept graph
+                view = slots.spent[(id(owner), name)]()
             if view is not None:
                 owner.__dict__[name] = view
+
+
+def release_views(unit: nn.Module) -> None:
+    """Once the backward of ``unit``'s last forward ended (or the step was abandoned): its views of the full parameters
+    are no longer held (weakly: a graph kept for another backward may still hold them), nor FairScale's list of them on
+    the module it wraps (read by FairScale's own checkpointing inside the forward only). Each leads through its graph
+    to a flat parameter's gradient accumulator, which holds the flat parameter, whose records hold the modules that
+    own its parameters: held by the unit, they kept a model whose modules lead back to it (a LightningModule's
+    Trainer, a root's module) alive through autograd's C++ objects, which the garbage collector cannot see."""
+    wrapper = getattr(unit, "_fsdp_wrapped_module", None)
+    inner = getattr(wrapper, "_fpw_module", None)
+    if inner is not None:
+        inner.__dict__.pop("_unflattened_param_views", None)
+    slots = _slots(unit)
+    if slots is None or not slots.views:
+        return
+    slots.spent.update((key, weakref.ref(view)) for key, view in slots.views.items())
+    slots.views.clear()
 
 
 @contextlib.contextmanager

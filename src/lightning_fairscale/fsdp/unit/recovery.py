@@ -29,7 +29,6 @@ import itertools
 import logging
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -40,7 +39,7 @@ from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
 from lightning_fairscale.distributed.torch_private import default_store
-from lightning_fairscale.fsdp.unit import original_params
+from lightning_fairscale.fsdp.unit import original_params, unit_state
 from lightning_fairscale.fsdp.patches import prefetch, reduce_scatter
 
 __all__ = ["check_failed_together", "needs_restore", "restore", "restore_quietly", "restoring"]
@@ -86,7 +85,7 @@ def restoring(forward: F) -> F:
                 restore_quietly(unit)
             raise
         if unit._is_root:
-            _FAILED.pop(unit, None)  # a step is under way again
+            unit_state.of(unit).failure = None  # a step is under way again
         return result
 
     return wrapper  # type: ignore[return-value]
@@ -118,8 +117,11 @@ def restore(root: nn.Module) -> None:
             registered.clear()
     for unit in units:
         original_params.show(unit)  # workaround 17: the original parameters (the shards' views) again
-    if root not in _FAILED:
-        _FAILED[root] = _Failure(sys.exc_info()[1], next(_GENERATIONS))
+        original_params.release_views(unit)  # the failed step's graph is of no use
+    state = unit_state.of(root)
+    if state.failure is None:
+        error = sys.exc_info()[1]
+        state.failure = _Failure(id(error) if error is not None else None, repr(error), next(_GENERATIONS))
 
 
 def restore_quietly(root: nn.Module) -> None:
@@ -133,15 +135,17 @@ def restore_quietly(root: nn.Module) -> None:
 
 @dataclass(eq=False)
 class _Failure:
-    """A root's step that an exception ended (:func:`restore`): the exception, and which failure of this process
-    it is (the ranks that fail alike count alike)."""
+    """A root's step that an exception ended (:func:`restore`): which exception (by ``id``, and its ``repr``: the
+    exception itself is not kept, its traceback holds the step's frames, their tensors, and through autograd's C++
+    objects the model, which the record must not keep alive), and which failure of this process it is (the ranks
+    that fail alike count alike). Kept in the root's own state."""
 
-    error: Optional[BaseException]
+    error_id: Optional[int]
+    error_repr: str
     generation: int
     together: Optional[bool] = None
 
 
-_FAILED: weakref.WeakKeyDictionary[nn.Module, _Failure] = weakref.WeakKeyDictionary()
 _GENERATIONS = itertools.count()
 
 
@@ -157,7 +161,8 @@ def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None
             a ``RuntimeError`` that says so; the reason is logged. This rank then ends, and the others fail at once
             ("Connection closed by peer").
     """
-    failure = _FAILED.get(root)
+    state = unit_state.peek(root)
+    failure: Optional[_Failure] = state.failure if state is not None else None
     if failure is None or failure.together or not dist.is_available() or not dist.is_initialized():
         return
     missing = _ranks_not_failed(failure.generation, wait_s)
@@ -173,9 +178,9 @@ def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None
     )
     log.error(message)
     handled = sys.exc_info()[1]
-    if handled is not None and handled is failure.error:
+    if handled is not None and id(handled) == failure.error_id:
         raise handled
-    raise RuntimeError(message) from failure.error
+    raise RuntimeError(f"{message} The step's exception: {failure.error_repr}")
 
 
 def _ranks_not_failed(generation: int, wait_s: float) -> list[int]:

@@ -35,8 +35,9 @@ class FlatState:
     given: dict[int, weakref.ref[Any]] = field(default_factory=dict)
     #: Which of its original parameters were frozen when its unit was built (workaround 11); ``None``: none was.
     frozen: Optional[list[bool]] = None
-    #: Its gradient accumulator and the ``id`` of each unit whose post-backward hook is on it (workaround 20).
-    hooked: Optional[tuple[Any, set[int]]] = None
+    #: Its gradient accumulator (weakly: its hooks' dictionary) and the ``id`` of each unit whose post-backward hook
+    #: is on it (workaround 20).
+    hooked: Optional[tuple[weakref.ref[Any], set[int]]] = None
 
 
 @dataclass(eq=False)
@@ -52,6 +53,12 @@ class UnitState:
     has_views: bool = False
     #: On a root unit set up by the engine: what its ``WrappedModel`` knows, else ``None``.
     wrapped: Any = None
+    #: The gradient accumulators its running forward hooked (workaround 20), held until the forward's graph holds
+    #: them, and not after: held longer, each keeps the model alive through its hook.
+    accumulators: list[Any] = field(default_factory=list)
+    #: On a root unit: its step that an exception ended (:mod:`~lightning_fairscale.fsdp.unit.recovery`), else
+    #: ``None``.
+    failure: Any = None
 
 
 #: The name of the attribute of our unit class that holds its :class:`UnitState`.

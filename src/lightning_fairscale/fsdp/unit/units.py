@@ -161,8 +161,11 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if recompute.runs_in_backward(self):  # workaround 23: torch's checkpoint recomputes inside the backward
             return recompute.forward(self, args, kwargs)
-        with recompute.state_restored_on_error(self):  # workaround 23
-            return self._forward(*args, **kwargs)
+        try:
+            with recompute.state_restored_on_error(self):  # workaround 23
+                return self._forward(*args, **kwargs)
+        finally:  # workaround 20: the forward's graph holds the accumulators it hooked, or they are of no use
+            unit_state.of(self).accumulators.clear()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
@@ -280,7 +283,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             self._prefetcher.backward_started()  # workaround 16: the root's backward begins
 
     def _register_post_backward_hooks(self) -> None:
-        backward_hooks.register_post_backward_hooks(self, unit_state.flat_state)  # workaround 20
+        hooked = backward_hooks.register_post_backward_hooks(self, unit_state.flat_state)  # workaround 20
+        unit_state.of(self).accumulators.extend(hooked)  # until the module's forward puts them in its graph
 
     def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
         super()._post_backward_hook(param, *unused)
@@ -297,6 +301,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         # the original parameters come back at the end of the context.
         with original_params.fairscale_layout(self):
             self._finish_backward()
+        for unit in fsdp_instances(self):  # the full views' graph is spent: held longer, they keep the model alive
+            original_params.release_views(unit)
 
     def _finish_backward(self) -> None:
         not_run.before_end_of_backward(self)  # workaround 29: the units this backward did not reach
