@@ -128,3 +128,50 @@ def test_units_are_as_between_steps_after_an_exception_and_train_on_exactly(
         for name, value in plain.items():
             torch.testing.assert_close(result["parameters"][name], value, atol=1e-6, rtol=0)
     assert prefetch.OVERLAP_ON_CPU  # the units above overlapped their collectives (workaround 16)
+
+
+def _failed(root: nn.Module) -> None:
+    """Record a failed step of ``root``, as a strategy's recovery does while the step's exception is handled."""
+    try:
+        raise UserError("the step")
+    except UserError:
+        recovery.restore(root)
+
+
+def two_models_run(rank: int, world_size: int) -> dict[str, Any]:
+    """Two models on each rank (made in the same order everywhere, as wrapping is collective). First each rank fails
+    a different one: neither failed on every rank. Then both fail on both, restored in opposite orders (as a walk
+    over a weak set may give): each failed on every rank, and the store keeps no key of them."""
+    import torch.distributed as dist
+
+    from lightning_fairscale.distributed.torch_private import default_store
+    from lightning_fairscale.fsdp.unit import unit_state
+
+    cpu_streams.install()
+    roots = [shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block}).root for model in (Net(), Net())]
+    _failed(roots[rank])
+    alone = []
+    try:
+        recovery.check_failed_together(roots[rank], wait_s=1.0)
+    except RuntimeError as error:
+        alone.append(str(error))
+    dist.barrier()
+    for root in roots:
+        recovery.restore(root)  # nothing left in the middle of a step: idempotent
+    for root in roots if rank == 0 else roots[::-1]:
+        unit_state.of(root).failure = None  # a step went on, then failed again on every rank
+        _failed(root)
+    for root in roots:
+        recovery.check_failed_together(root, wait_s=10.0)
+    dist.barrier()
+    keys = [f"lightning_fairscale/step_failed/{unit_state.of(root).serial}/2/{r}" for root in roots for r in range(2)]
+    return {"alone": alone, "left": [key for key in keys if default_store().check([key])]}
+
+
+def test_failures_are_matched_by_model_not_by_the_order_they_were_met(tmp_path: Path) -> None:
+    # Issue 55's read-along finding: failures were numbered by a per-process counter in the order a front end met the
+    # models (a weak set's order differs between ranks), and their store keys were never deleted: rank 0's failure of
+    # one model matched rank 1's of another, and each check left its keys behind.
+    for result in run_ranks(two_models_run, 2, tmp_path):
+        assert len(result["alone"]) == 1 and "did not raise within" in result["alone"][0]
+        assert result["left"] == []

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, resolve_mesh, sharding_groups
-from lightning_fairscale.fsdp.unit import original_params, step_state, unit_state
+from lightning_fairscale.fsdp.unit import original_params, recovery, step_state, unit_state
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import apply_activation_checkpointing
@@ -190,6 +190,7 @@ def finish_wrapping(
     for unit in fsdp_instances(root):
         original_params.install(unit, views, orders)
     step_state.adopt(root, list(fsdp_instances(root)))  # workaround 28: what the loop changes is followed
+    recovery.number_root(root)  # names its failed steps alike on every rank
     # A later stage, or another strategy, takes the model as it is (the root keeps what the model knows).
     return WrappedModel(root, layout, checkpointed, originals)
 

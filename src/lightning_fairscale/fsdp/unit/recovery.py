@@ -121,7 +121,9 @@ def restore(root: nn.Module) -> None:
     state = unit_state.of(root)
     if state.failure is None:
         error = sys.exc_info()[1]
-        state.failure = _Failure(id(error) if error is not None else None, repr(error), next(_GENERATIONS))
+        state.failures += 1
+        key = f"{state.serial}/{state.failures}"
+        state.failure = _Failure(id(error) if error is not None else None, repr(error), key)
 
 
 def restore_quietly(root: nn.Module) -> None:
@@ -137,16 +139,24 @@ def restore_quietly(root: nn.Module) -> None:
 class _Failure:
     """A root's step that an exception ended (:func:`restore`): which exception (by ``id``, and its ``repr``: the
     exception itself is not kept, its traceback holds the step's frames, their tensors, and through autograd's C++
-    objects the model, which the record must not keep alive), and which failure of this process it is (the ranks
-    that fail alike count alike). Kept in the root's own state."""
+    objects the model, which the record must not keep alive), and which failure it is: the root's number and its
+    count of failures, the same on every rank that fails alike, whatever order a front end restores its models in.
+    Kept in the root's own state."""
 
     error_id: Optional[int]
     error_repr: str
-    generation: int
+    key: str
     together: Optional[bool] = None
 
 
-_GENERATIONS = itertools.count()
+#: How many roots this process wrapped: each root's number (:func:`number_root`). Wrapping is collective, so every
+#: rank numbers its models alike.
+_ROOTS_WRAPPED = itertools.count()
+
+
+def number_root(root: nn.Module) -> None:
+    """Give ``root`` (a root unit the engine just set up) its number, which names its failures in the store."""
+    unit_state.of(root).serial = next(_ROOTS_WRAPPED)
 
 
 def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None:
@@ -165,7 +175,7 @@ def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None
     failure: Optional[_Failure] = state.failure if state is not None else None
     if failure is None or failure.together or not dist.is_available() or not dist.is_initialized():
         return
-    missing = _ranks_not_failed(failure.generation, wait_s)
+    missing = _ranks_not_failed(failure.key, wait_s)
     failure.together = not missing
     if failure.together:
         return
@@ -183,18 +193,26 @@ def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None
     raise RuntimeError(f"{message} The step's exception: {failure.error_repr}")
 
 
-def _ranks_not_failed(generation: int, wait_s: float) -> list[int]:
-    """The ranks that have not reported failure ``generation`` within ``wait_s`` seconds (after this one did)."""
+def _ranks_not_failed(failure: str, wait_s: float) -> list[int]:
+    """The ranks that have not reported ``failure`` (a root's number and failure count) within ``wait_s`` seconds
+    (after this one did). Once every rank reported it, the last one to read that removes the failure's keys: the
+    store holds none of a failure every rank agreed on."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return []
     store = default_store()
-    keys = [f"lightning_fairscale/step_failed/{generation}/{r}" for r in range(world_size)]
+    prefix = f"lightning_fairscale/step_failed/{failure}"
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
     deadline = time.monotonic() + wait_s
     while True:
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if not missing or time.monotonic() > deadline:
+        if not missing:
+            if store.add(f"{prefix}/seen", 1) == world_size:  # every rank has read every key: none needs them
+                for key in (*keys, f"{prefix}/seen"):
+                    store.delete_key(key)
+            return missing
+        if time.monotonic() > deadline:
             return missing
         time.sleep(0.05)
 

@@ -59,6 +59,11 @@ class UnitState:
     #: On a root unit: its step that an exception ended (:mod:`~lightning_fairscale.fsdp.unit.recovery`), else
     #: ``None``.
     failure: Any = None
+    #: On a root unit set up by the engine: its number among the roots this process wrapped
+    #: (:func:`~lightning_fairscale.fsdp.unit.recovery.number_root`), the same on every rank (wrapping is collective).
+    serial: int = -1
+    #: On a root unit: how many of its steps an exception ended so far (the ranks that fail alike count alike).
+    failures: int = 0
 
 
 #: The name of the attribute of our unit class that holds its :class:`UnitState`.
