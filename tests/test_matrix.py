@@ -35,7 +35,8 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "checkpointing": ("off", "ours", "model"),
     "compile": ("off", "whole", "inner"),
     "precision": ("32-true", "bf16-mixed", "bf16-true"),
-    "optimizer": ("sgd", "adamw-groups", "frozen"),
+    "optimizer": ("sgd", "adamw-groups", "frozen", "adafactor"),
+    "regulariser": ("off", "l2"),
     "accumulation": ("1", "no_sync", "sync_each_batch"),
     "clipping": ("off", "norm"),
     "checkpoint": ("none", "full", "sharded", "async"),
@@ -95,8 +96,8 @@ def tolerance(row: dict[str, Any]) -> float:
 
     * float32 with SGD: 1e-5 on every weight. SGD's step is linear in the gradient: a rounding difference in a
       gradient stays a rounding difference in the weight (measured: 3.7e-9 at most, ``MKL_CBWR=COMPATIBLE`` or not).
-    * float32 with Adam or AdamW (``adamw-groups``, ``frozen``): the model's whole update within
-      :data:`~scenarios.common.ADAM_RTOL` (1e-3) of the reference's, relative to its size (:func:`update_error`).
+    * float32 with Adam, AdamW or Adafactor (``adamw-groups``, ``frozen``, ``adafactor``): the model's whole update
+      within :data:`~scenarios.common.ADAM_RTOL` (1e-3) of the reference's, relative to its size (:func:`update_error`).
       Not 1e-5 on every weight, which held on one machine only: Adam turns a gradient at its eps's scale into a step
       of any size up to lr, so another CPU's summation order moves such an element by up to ~1e-4 (cells 13, 17, 21
       ended 3.7e-5 from ``"ddp"`` on another AMD machine, 7.9e-5 here under ``MKL_CBWR=COMPATIBLE``: 1 or 2 of 9188
