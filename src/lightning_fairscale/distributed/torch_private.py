@@ -20,7 +20,14 @@ from torch.distributed.fsdp.wrap import _Policy
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.lr_scheduler import _LRScheduler
 
-__all__ = ["ModuleIncompatibleKeys", "TorchPolicy", "TorchLRScheduler", "default_store", "in_backward"]
+__all__ = [
+    "ModuleIncompatibleKeys",
+    "TorchPolicy",
+    "TorchLRScheduler",
+    "default_store",
+    "in_backward",
+    "plain_torch_functions",
+]
 
 #: The base class of torch's FSDP auto-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``...).
 TorchPolicy = _Policy
@@ -38,3 +45,9 @@ def default_store() -> Any:
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (hooks, recomputed forwards)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def plain_torch_functions() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called: torch's own operations on their
+    data (what ``torch.Tensor.__torch_function__`` runs its operation in)."""
+    return torch._C.DisableTorchFunctionSubclass()

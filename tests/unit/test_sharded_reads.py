@@ -1,0 +1,129 @@
+"""What user code reads outside a unit's forward (:mod:`lightning_fairscale.fsdp.unit.sharded_reads`): the whole
+parameter and gradient, exact, on 2 forked ranks, against the unsharded model in this process.
+
+Each rank trains ``Net`` wrapped with a unit per ``Block`` (shards padded, views empty on some ranks) and records
+what the reads give; the tests compare them with the same reads of an unsharded copy trained on the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp.unit import sharded_reads
+
+from .helpers import GLOBAL_BATCH, Net, batches, run_ranks, shard
+from models import Block
+
+STEPS = 3
+PENALTY = 0.05
+
+
+def l2(params: Any) -> torch.Tensor:
+    return PENALTY * sum(p.pow(2).sum() for p in params)
+
+
+def orthogonality(weight: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(weight.shape[1])
+    return ((weight.t() @ weight - eye) ** 2).sum()
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> dict[str, Any]:
+    """SGD steps whose loss adds an L2 penalty over ``model.parameters()`` and an orthogonality penalty on the
+    second block's ``up`` matrix, computed outside the forward; clipping over ``model.parameters()``."""
+    reads: dict[str, Any] = {}
+    for x, y in batches(STEPS):
+        x, y = x[rank::world], y[rank::world]
+        loss = nn.functional.mse_loss(model(x), y)
+        loss = loss + l2(model.parameters()) + 0.01 * orthogonality(model.blocks[1].up.weight)
+        loss.backward()
+        reads["total_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+        optimizer.step()
+        optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()  # gradients to read
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            reads[name] = {
+                "shape": tuple(p.shape), "numel": p.numel(), "dim": p.dim(), "norm": p.norm().item(),
+                "sum": p.sum().item(), "mean": p.mean().item(), "vector_norm": torch.linalg.vector_norm(p).item(),
+                "max": p.abs().max().item(), "pow_sum": p.pow(2).sum().item(), "first": p[0].clone(),
+                "grad_norm": p.grad.norm().item(), "whole": sharded_reads.whole(p).clone(),
+            }
+        reads["foreach"] = [n.item() for n in torch._foreach_norm([p.grad for p in model.parameters()])]
+    return reads
+
+
+def ranked(rank: int, world: int) -> dict[str, Any]:
+    cpu_streams.install()
+    model = Net()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
+    reads = train(sharded.root, sharded.optimizer, rank, world)
+    # A read on one rank only (a kind of read of that parameter not made on every rank before) ends in an error on
+    # that rank, in seconds.
+    sharded_reads.AGREEMENT_TIMEOUT = 2.0
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            sharded.root.blocks[0].down.weight.norm(p=1)
+        reads["one_rank"] = None
+    except RuntimeError as error:
+        reads["one_rank"] = (str(error), time.monotonic() - started)
+    local = sharded_reads.local_slice(sharded.root.blocks[0].down.weight)
+    reads["local_type"] = (type(local), local.dim())
+    return reads
+
+
+def unsharded() -> dict[str, Any]:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return train(model, optimizer, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(ranked, 2, tmp_path_factory.mktemp("reads"))
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, Any]:
+    return unsharded()
+
+
+def test_penalties_and_clipping_over_the_parameters_train_as_unsharded(ranks: Any, expected: Any) -> None:
+    for reads in ranks:
+        assert reads["total_norm"] == pytest.approx(expected["total_norm"], rel=1e-5)
+        for name, got in reads.items():
+            if isinstance(got, dict):
+                torch.testing.assert_close(got["whole"], expected[name]["whole"], atol=1e-6, rtol=0)
+
+
+def test_reads_outside_the_forward_are_the_whole_parameters(ranks: Any, expected: Any) -> None:
+    names = [name for name, value in expected.items() if isinstance(value, dict)]
+    assert names
+    for reads in ranks:
+        for name in names:
+            got, want = reads[name], expected[name]
+            for key in ("shape", "numel", "dim"):
+                assert got[key] == want[key], (name, key)
+            for key in ("norm", "sum", "mean", "vector_norm", "max", "pow_sum", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (name, key)
+            torch.testing.assert_close(got["first"], want["first"], atol=1e-6, rtol=0)
+        assert reads["foreach"] == pytest.approx(expected["foreach"], rel=1e-5)
+
+
+def test_a_read_on_one_rank_only_fails_in_seconds_naming_the_parameter(ranks: Any) -> None:
+    message, seconds = ranks[0]["one_rank"]
+    assert "blocks.0.down.weight" in message and "local_slice" in message
+    assert seconds < 10
+    assert ranks[1]["one_rank"] is None
+
+
+def test_the_local_slice_is_a_plain_1d_tensor(ranks: Any) -> None:
+    assert ranks[0]["local_type"] == (torch.Tensor, 1)
