@@ -23,6 +23,7 @@ forward and at its pre-backward; :func:`install` puts the originals in place onc
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -59,6 +60,8 @@ class OriginalSlots:
     depth: int = 0
     #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``.
     views: dict[tuple[int, str], Any] = field(default_factory=dict)
+    #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
+    hook: Any = None
 
 
 def _slots(unit: nn.Module) -> Optional[OriginalSlots]:
@@ -111,7 +114,26 @@ def install(
     wrapper = unit.module
     slots.flat = [(name, getattr(wrapper, name)) for name in wrapper.flat_param_names[: unit._num_flatten_params]]
     unit_state.of(unit).originals = slots
+    unit_ref = weakref.ref(unit)
+    slots.hook = unit.module.module.register_forward_pre_hook(lambda *_: expose(unit_ref()))
     show(unit)
+
+
+def expose(unit: Optional[nn.Module]) -> None:
+    """Inside the root unit's forward (where Lightning runs ``training_step``), once FairScale has set its views of
+    the full parameters: the original parameters are in their modules' ``_parameters`` again too, so that the
+    user's ``self.parameters()`` there lists every parameter of the model (a penalty over them is the whole model's:
+    :mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), while the modules compute with FairScale's views (instance
+    attributes, which attribute lookup finds first). Both reach the shards' gradient, each once: the forward's
+    through FairScale's flat parameter, the penalty's through the view (``param_views._add_own_gradients``)."""
+    slots = _slots(unit) if unit is not None else None
+    if slots is None or slots.shown or slots.depth or not getattr(unit, "_is_root", False):
+        return
+    for owner, order in slots.owners:
+        attributes = owner.__dict__
+        for name in order:
+            if name in attributes and (id(owner), name) in slots.params:
+                owner._parameters[name] = slots.params[(id(owner), name)]
 
 
 def show(unit: nn.Module) -> None:
@@ -151,12 +173,12 @@ def _hide(unit: nn.Module, register_flat: bool) -> None:
     slots = _slots(unit)
     if slots is None:
         return
-    if slots.shown:
-        for owner, order in slots.owners:
-            for name in order:
-                if (id(owner), name) in slots.params:
-                    owner._parameters.pop(name, None)
-        slots.shown = False
+    # Also when not shown: the root's forward exposes them (:func:`expose`).
+    for owner, order in slots.owners:
+        for name in order:
+            if (id(owner), name) in slots.params:
+                owner._parameters.pop(name, None)
+    slots.shown = False
     if register_flat:
         wrapper: Any = unit.module
         for name, flat in slots.flat:
@@ -211,4 +233,7 @@ def forget(root: nn.Module) -> None:
     """Put ``root``'s units back in FairScale's layout for good (before unwrapping them)."""
     for unit in _installed_units(root):
         _hide(unit, register_flat=True)
+        slots = _slots(unit)
+        if slots is not None and slots.hook is not None:
+            slots.hook.remove()
         unit_state.of(unit).originals = None

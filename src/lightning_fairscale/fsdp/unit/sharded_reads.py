@@ -88,11 +88,18 @@ class ShardLayout:
     def world(self) -> int:
         return len(self.ranges)
 
+    def __deepcopy__(self, memo: Any) -> ShardLayout:  # a copy of a tensor of this layout has this layout
+        return self
+
 
 class ShardedTensor(Tensor):
     """A tensor holding this rank's elements of a sharded parameter's (its gradient, an element-wise result)."""
 
     _shard_layout: Optional[ShardLayout] = None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # saved as the plain tensor it holds (no process group)
+        with plain_torch_functions():
+            return self.as_subclass(Tensor).__reduce_ex__(protocol)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
