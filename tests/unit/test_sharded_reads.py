@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_fairscale.fsdp.patches import cpu_streams
-from lightning_fairscale.fsdp.unit import sharded_reads
+from lightning_fairscale.fsdp.unit import shard_layout, sharded_reads
 
 from .helpers import GLOBAL_BATCH, Net, batches, run_ranks, shard
 from models import Block
@@ -67,7 +67,7 @@ def ranked(rank: int, world: int) -> dict[str, Any]:
     reads = train(sharded.root, sharded.optimizer, rank, world)
     # A read on one rank only (a kind of read of that parameter not made on every rank before) ends in an error on
     # that rank, in seconds.
-    sharded_reads.AGREEMENT_TIMEOUT = 2.0
+    shard_layout.AGREEMENT_TIMEOUT = 2.0
     started = time.monotonic()
     try:
         if rank == 0:

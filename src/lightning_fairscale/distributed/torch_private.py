@@ -27,6 +27,7 @@ __all__ = [
     "default_store",
     "in_backward",
     "plain_torch_functions",
+    "torch_functions_again",
 ]
 
 #: The base class of torch's FSDP auto-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``...).
@@ -51,3 +52,9 @@ def plain_torch_functions() -> Any:
     """A context in which tensor subclasses' ``__torch_function__`` is not called: torch's own operations on their
     data (what ``torch.Tensor.__torch_function__`` runs its operation in)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def torch_functions_again() -> Any:
+    """Inside :func:`plain_torch_functions`: a context in which tensor subclasses' ``__torch_function__`` is called
+    again."""
+    return torch._C._EnableTorchFunction()

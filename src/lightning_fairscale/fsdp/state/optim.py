@@ -29,7 +29,7 @@ from lightning_fairscale.fsdp.unit.units import named_fsdp_instances
 from lightning_fairscale.fsdp.unit.param_views import ParamView
 from lightning_fairscale.fsdp.unit.frozen_params import frozen_pieces
 from lightning_fairscale.fsdp.state.resharding import flat_numel, local_range, owned_range
-from lightning_fairscale.fsdp.unit import sharded_reads
+from lightning_fairscale.fsdp.unit import shard_layout, sharded_reads
 from lightning_fairscale.fsdp.unit.state_names import clean_path
 
 __all__ = [
@@ -274,6 +274,8 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
     units = [layout.managed[m].unit for order in orders for m, _ in order]
     if units:  # every unit of the strategy shards over one group (one replica's, under hybrid sharding)
         param_views.mark_norm_group(optimizer, units[0].process_group)
+    if any(sharded_reads.layout_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
+        shard_layout.local_steps(optimizer)  # the step on plain local tensors, at torch's own speed
     return orders
 
 

@@ -25,25 +25,26 @@ one rank only ends in an error naming the parameter, never in a hang.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import math
-import os
-import sys
-import threading
 import zlib
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_fairscale.distributed.torch_private import default_store, plain_torch_functions
+from lightning_fairscale.distributed.torch_private import plain_torch_functions
+from lightning_fairscale.fsdp.unit.shard_layout import (
+    Gather,
+    ShardLayout,
+    SumAcrossShards,
+    agree,
+    group_world,
+    local_reads,
+    reads_locally,
+)
 
 __all__ = [
-    "AGREEMENT_TIMEOUT",
     "ShardLayout",
     "ShardedParameter",
     "ShardedTensor",
@@ -53,43 +54,6 @@ __all__ = [
     "mark",
     "whole",
 ]
-
-#: Seconds the ranks wait for each other the first time a parameter is read some way (``LIGHTNING_FAIRSCALE_READ_
-#: TIMEOUT``): past it, a read made on some ranks only fails on them.
-AGREEMENT_TIMEOUT = float(os.environ.get("LIGHTNING_FAIRSCALE_READ_TIMEOUT", "10"))
-
-#: Each layout's serial number, the same on every rank (all ranks make their views in the same order): the store's
-#: keys of one model's reads are not another's.
-_SERIAL = itertools.count()
-
-
-@dataclass(eq=False)
-class ShardLayout:
-    """How one original parameter is split: rank ``r`` of ``group`` holds its flattened elements ``ranges[r]``."""
-
-    name: str
-    shape: torch.Size
-    ranges: tuple[tuple[int, int], ...]
-    rank: int
-    group: Any = None
-    #: Whether an empty view (this rank holds none of the parameter) reads as having an empty gradient now: the
-    #: ranks holding elements hold their gradients (every rank must make the same reductions).
-    empty_grad: Optional[Callable[[], bool]] = None
-    serial: int = field(default_factory=lambda: next(_SERIAL))
-    #: The kinds of reads the ranks have agreed on (:func:`_agree`).
-    agreed: set[str] = field(default_factory=set)
-
-    @property
-    def local_numel(self) -> int:
-        lo, hi = self.ranges[self.rank]
-        return hi - lo
-
-    @property
-    def world(self) -> int:
-        return len(self.ranges)
-
-    def __deepcopy__(self, memo: Any) -> ShardLayout:  # a copy of a tensor of this layout has this layout
-        return self
 
 
 class ShardedTensor(Tensor):
@@ -144,49 +108,6 @@ def layout_of(tensor: Any) -> Optional[ShardLayout]:
         return layout if tensor.numel() == layout.local_numel else None
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Whose code reads
-
-
-_STATE = threading.local()
-#: Callers whose reads stay local: the engine, FairScale, Lightning's bookkeeping, the optimizers' step...
-_LOCAL_CALLERS = (
-    "lightning_fairscale.", "fairscale.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "torch.optim.",
-    "torch.distributed.", "torch.nn.modules.module", "torch.serialization", "torch._utils", "torch.utils.hooks",
-)
-#: Torch's Python entry points between the user's call and ``__torch_function__``: skipped to find the caller.
-_TORCH_ENTRIES = ("torch.overrides", "torch.functional", "torch._tensor", "torch.nn.functional", "torch.nn.parameter")
-#: Code object -> True (a local caller), False (the user's), None (an entry point to look past).
-_CALLERS: dict[Any, Optional[bool]] = {}
-
-
-@contextlib.contextmanager
-def local_reads() -> Iterator[None]:
-    """Inside, sharded parameters and gradients are this rank's plain local slices (no collective)."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
-
-
-def _reads_locally() -> bool:
-    if getattr(_STATE, "depth", 0):
-        return True
-    frame = sys._getframe(3)  # 0: here, 1: _dispatch, 2: __torch_function__, 3: the caller
-    while frame is not None:
-        code = frame.f_code
-        kind = _CALLERS.get(code, 0)
-        if kind == 0:
-            module = frame.f_globals.get("__name__") or ""
-            local = module.startswith(_LOCAL_CALLERS)
-            kind = _CALLERS[code] = None if module.startswith(_TORCH_ENTRIES) else local
-        if kind is not None:
-            return bool(kind)
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
 def local_slice(tensor: Tensor) -> Tensor:
     """This rank's elements of ``tensor`` (a parameter or its gradient), a plain 1-D tensor, no collective; any other
     tensor as it is. Autograd flows through it to the parameter."""
@@ -202,91 +123,8 @@ def whole(tensor: Tensor) -> Tensor:
     layout = layout_of(tensor)
     if layout is None:
         return tensor
-    _agree(layout, "gather")
-    return _Gather.apply(local_slice(tensor), layout)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Collectives with autograd
-
-
-def _group_world(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-class _SumAcrossShards(torch.autograd.Function):
-    """The sum of every rank's ``part``; backward: the average of every rank's upstream gradient (DDP's)."""
-
-    @staticmethod
-    def forward(ctx: Any, part: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        total = part.detach().clone()
-        if _group_world(group) > 1:
-            dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _averaged(grad, ctx.group), None
-
-
-def _averaged(grad: Tensor, group: Any) -> Tensor:
-    world = _group_world(group)
-    grad = grad.detach().clone().contiguous()
-    if world > 1:
-        dist.all_reduce(grad, group=group)
-        grad.div_(world)
-    return grad
-
-
-def _gather(local: Tensor, layout: ShardLayout) -> Tensor:
-    sizes = [hi - lo for lo, hi in layout.ranges]
-    flat = local.detach().reshape(-1)
-    if layout.world > 1 and _group_world(layout.group) > 1:
-        padded = flat.new_zeros(max(sizes))
-        padded[: flat.numel()] = flat
-        pieces = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(pieces, padded, group=layout.group)
-        flat = torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
-    return flat.view(layout.shape)
-
-
-class _Gather(torch.autograd.Function):
-    """The whole parameter from every rank's slice; backward: this rank's slice of the averaged whole gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, local: Tensor, layout: ShardLayout) -> Tensor:
-        ctx.layout = layout
-        return _gather(local, layout)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        layout = ctx.layout
-        lo, hi = layout.ranges[layout.rank]
-        return _averaged(grad, layout.group).reshape(-1)[lo:hi].clone(), None
-
-
-def _agree(layout: ShardLayout, kind: str) -> None:
-    """The first time ``layout``'s parameter is read as ``kind``: wait (at most :data:`AGREEMENT_TIMEOUT` seconds)
-    for every rank of its group to make the same read, else fail here rather than hang in the collective."""
-    if kind in layout.agreed:
-        return
-    if layout.world > 1 and dist.is_initialized() and _group_world(layout.group) > 1:
-        ranks = dist.get_process_group_ranks(layout.group) if layout.group is not None else range(layout.world)
-        key = f"lightning_fairscale/reads/{layout.serial}/{kind}/"
-        store = default_store()
-        store.set(key + str(dist.get_rank()), "1")
-        try:
-            store.wait([key + str(r) for r in ranks], timedelta(seconds=AGREEMENT_TIMEOUT))
-        except Exception:  # the store's timeout (DistStoreError), whatever its class in this torch
-            raise RuntimeError(
-                f"`{layout.name}` was read ({kind}) on rank {dist.get_rank()}, but not on every rank of its shard "
-                f"group within {AGREEMENT_TIMEOUT:g} s. Under DDPFullyShardedStrategy each rank holds a slice of "
-                "it, and reading the whole parameter (or its gradient) is a collective: read it on every rank (e.g. "
-                "outside `if trainer.is_global_zero:`), or read this rank's slice explicitly with "
-                "`lightning_fairscale.local_slice(param)` or inside `with lightning_fairscale.local_reads():`."
-            ) from None
-    layout.agreed.add(kind)
+    agree(layout, "gather")
+    return Gather.apply(local_slice(tensor), layout)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -315,7 +153,7 @@ _WHOLE_GETTERS = {Tensor.T.__get__, Tensor.mT.__get__, Tensor.H.__get__, Tensor.
 
 
 def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    if _reads_locally():
+    if reads_locally():
         with plain_torch_functions():
             return func(*args, **kwargs)
     getter = _GETTERS.get(func)
@@ -450,7 +288,7 @@ def _reduce(name: str, args: Any, kwargs: dict[str, Any]) -> Optional[Tensor]:
     extreme = name in ("amax", "amin", "max", "min") or order in (math.inf, -math.inf)
     if extreme and torch.is_grad_enabled() and tensor.requires_grad:
         return None  # the whole tensor's, gathered: its gradient goes to the extreme elements alone
-    _agree(layout, f"{name}:{order}")
+    agree(layout, f"{name}:{order}")
     with plain_torch_functions():
         if dtype is not None:
             local = local.to(dtype)
@@ -462,14 +300,14 @@ def _reduce(name: str, args: Any, kwargs: dict[str, Any]) -> Optional[Tensor]:
                 value = (values.amax() if op == dist.ReduceOp.MAX else values.amin()).detach().clone()
             else:
                 value = torch.full((), fill, dtype=local.dtype, device=local.device)
-            if _group_world(layout.group) > 1:
+            if group_world(layout.group) > 1:
                 dist.all_reduce(value, op=op, group=layout.group)
             return value
         if order is None:
-            total = _SumAcrossShards.apply(local.sum(), layout.group)
+            total = SumAcrossShards.apply(local.sum(), layout.group)
             return total / layout.shape.numel() if name == "mean" else total
         powered = local.abs().pow(order).sum() if order != 2.0 else local.pow(2).sum()
-        return _SumAcrossShards.apply(powered, layout.group).pow(1.0 / order)
+        return SumAcrossShards.apply(powered, layout.group).pow(1.0 / order)
 
 
 def _foreach_norm(args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
@@ -490,10 +328,10 @@ def _foreach_norm(args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
         return norms
     first = layouts[sharded[0]]
     assert first is not None
-    _agree(first, "foreach_norm:" + str(zlib.crc32(",".join(str(layouts[i].serial) for i in sharded).encode())))
+    agree(first, "foreach_norm:" + str(zlib.crc32(",".join(str(layouts[i].serial) for i in sharded).encode())))
     with plain_torch_functions():
         powered = torch.stack([norms[i] for i in sharded]).pow(order)
-        totals = _SumAcrossShards.apply(powered, first.group).pow(1.0 / order)
+        totals = SumAcrossShards.apply(powered, first.group).pow(1.0 / order)
         for position, i in enumerate(sharded):
             norms[i] = totals[position]
     return norms
