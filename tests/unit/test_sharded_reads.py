@@ -7,7 +7,6 @@ what the reads give; the tests compare them with the same reads of an unsharded 
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch import nn
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.unit import shard_layout, sharded_reads
 
-from .helpers import GLOBAL_BATCH, Net, batches, run_ranks, shard
+from .helpers import Net, batches, run_ranks, shard
 from models import Block
 
 STEPS = 3
@@ -65,6 +64,21 @@ def ranked(rank: int, world: int) -> dict[str, Any]:
     model = Net()
     sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
     reads = train(sharded.root, sharded.optimizer, rank, world)
+    # The optimizer's step sees its local slices; the closure it calls (Lightning's: training_step and the backward)
+    # reads whole parameters again, passed by keyword or by position.
+    shapes = []
+
+    def closure() -> torch.Tensor:
+        shapes.append(tuple(sharded.root.blocks[1].up.weight.shape))
+        x, y = batches(1)[0]
+        loss = nn.functional.mse_loss(sharded.root(x[rank::world]), y[rank::world])
+        loss.backward()
+        return loss
+
+    sharded.optimizer.step(closure=closure)
+    sharded.optimizer.step(closure)
+    sharded.optimizer.zero_grad()
+    reads["closure_shapes"] = shapes
     # A read on one rank only (a kind of read of that parameter not made on every rank before) ends in an error on
     # that rank, in seconds.
     shard_layout.AGREEMENT_TIMEOUT = 2.0
@@ -123,6 +137,11 @@ def test_a_read_on_one_rank_only_fails_in_seconds_naming_the_parameter(ranks: An
     assert "blocks.0.down.weight" in message and "local_slice" in message
     assert seconds < 10
     assert ranks[1]["one_rank"] is None
+
+
+def test_the_closure_an_optimizer_step_calls_reads_whole_parameters(ranks: Any) -> None:
+    for reads in ranks:
+        assert reads["closure_shapes"] == [(6, 5), (6, 5)]
 
 
 def test_the_local_slice_is_a_plain_1d_tensor(ranks: Any) -> None:

@@ -228,10 +228,10 @@ def _layout(managed: nn.Parameter, info: _Managed, piece: Piece) -> Optional[sha
     if not getattr(managed, "_is_sharded", False) or unit.world_size == 1:
         return None
     numel = flat_numel(managed)
-    ranges = []
+    ranges: list[tuple[int, int]] = []
     for rank in range(unit.world_size):
         start, stop, _ = owned_range(numel, rank, unit.world_size)
-        ranges.append(tuple(min(max(edge - piece.offset, 0), piece.numel) for edge in (start, stop)))
+        ranges.append((min(max(start - piece.offset, 0), piece.numel), min(max(stop - piece.offset, 0), piece.numel)))
     return sharded_reads.ShardLayout(piece.name, piece.shape, tuple(ranges), unit.rank, unit.process_group)
 
 

@@ -113,8 +113,8 @@ def local_steps(optimizer: Any) -> tuple[Any, Any]:
         guard = plain_torch_functions()
         guard.__enter__()
         _STATE.steps = [*getattr(_STATE, "steps", []), guard]
-        if args and callable(args[0]):
-            args = (_closure_with_reads(args[0]), *args[1:])
+        if len(args) > 1 and callable(args[1]):  # torch passes the optimizer itself first
+            args = (args[0], _closure_with_reads(args[1]), *args[2:])
         elif callable(kwargs.get("closure")):
             kwargs = {**kwargs, "closure": _closure_with_reads(kwargs["closure"])}
         return args, kwargs

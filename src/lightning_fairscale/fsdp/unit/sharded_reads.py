@@ -148,8 +148,10 @@ _PLAIN = frozenset(
 )
 _SHAPES = frozenset("size dim ndimension numel nelement __len__".split())
 _REDUCTIONS = frozenset("sum nansum mean norm linalg_vector_norm linalg_norm amax amin max min".split())
-_GETTERS = {Tensor.shape.__get__: "shape", Tensor.ndim.__get__: "ndim", Tensor.grad.__get__: "grad"}
-_WHOLE_GETTERS = {Tensor.T.__get__, Tensor.mT.__get__, Tensor.H.__get__, Tensor.mH.__get__}
+#: Property getters (what ``__torch_function__`` is given for ``t.shape``...): those answered from the layout, and
+#: those that need the whole tensor.
+_GETTERS = {getattr(Tensor, name).__get__: name for name in ("shape", "ndim", "grad")}
+_WHOLE_GETTERS = {getattr(Tensor, name).__get__ for name in ("T", "mT", "H", "mH")}
 
 
 def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -311,27 +313,33 @@ def _reduce(name: str, args: Any, kwargs: dict[str, Any]) -> Optional[Tensor]:
 
 
 def _foreach_norm(args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
-    """``torch._foreach_norm``: each sharded tensor's norm across its group, in one collective per group."""
+    """``torch._foreach_norm``: each sharded tensor's norm across its group, in one collective for them all."""
     tensors = list(args[0])
     order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dtype = kwargs.get("dtype")
     layouts = [layout_of(t) for t in tensors]
     with plain_torch_functions():
-        locals_ = [local_slice(t) for t in tensors]
-        norms = list(torch._foreach_norm(locals_, order, **({"dtype": kwargs["dtype"]} if "dtype" in kwargs else {})))
+        locals_ = [local_slice(t) if dtype is None else local_slice(t).to(dtype) for t in tensors]
+        norms = [
+            torch.linalg.vector_norm(t, order) if t.numel() else t.new_zeros((), dtype=t.dtype) for t in locals_
+        ]
     sharded = [i for i, layout in enumerate(layouts) if layout is not None]
-    if not sharded or not math.isfinite(order) or order <= 0:
-        if sharded:
-            raise RuntimeError(
-                f"`{layouts[sharded[0]].name}`: torch._foreach_norm of order {order:g} is not supported across shards;"
-                " use `torch.linalg.vector_norm` per tensor."
-            )
+    if not sharded:
         return norms
     first = layouts[sharded[0]]
     assert first is not None
-    agree(first, "foreach_norm:" + str(zlib.crc32(",".join(str(layouts[i].serial) for i in sharded).encode())))
+    if order <= 0:
+        raise RuntimeError(f"`{first.name}`: norms of order {order:g} are not computed across shards.")
+    serials = ",".join(str(layout.serial) for layout in layouts if layout is not None)
+    agree(first, "foreach_norm:" + str(zlib.crc32(serials.encode())))
     with plain_torch_functions():
-        powered = torch.stack([norms[i] for i in sharded]).pow(order)
-        totals = SumAcrossShards.apply(powered, first.group).pow(1.0 / order)
+        stacked = torch.stack([norms[i] for i in sharded])
+        if math.isinf(order):
+            totals = stacked.detach().clone()
+            if group_world(first.group) > 1:
+                dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=first.group)
+        else:
+            totals = SumAcrossShards.apply(stacked.pow(order), first.group).pow(1.0 / order)
         for position, i in enumerate(sharded):
             norms[i] = totals[position]
     return norms
