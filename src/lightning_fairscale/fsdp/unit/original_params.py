@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_fairscale.fsdp.unit import shard_layout, unit_state
+from lightning_fairscale.fsdp.unit import unit_state
 
 __all__ = [
     "OriginalSlots",
@@ -126,7 +126,6 @@ def expose(unit: Optional[nn.Module]) -> None:
     :mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), while the modules compute with FairScale's views (instance
     attributes, which attribute lookup finds first). Both reach the shards' gradient, each once: the forward's
     through FairScale's flat parameter, the penalty's through the view (``param_views._add_own_gradients``)."""
-    shard_layout.end_steps()  # an optimizer step that raised left its plain context: the user's reads are whole again
     slots = _slots(unit) if unit is not None else None
     if slots is None or slots.shown or slots.depth or not getattr(unit, "_is_root", False):
         return

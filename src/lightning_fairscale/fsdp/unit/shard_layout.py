@@ -127,8 +127,12 @@ def local_steps(optimizer: Any) -> tuple[Any, Any]:
 
 def _closure_with_reads(closure: Callable[[], Any]) -> Callable[[], Any]:
     def run() -> Any:
-        with torch_functions_again():
-            return closure()
+        try:
+            with torch_functions_again():
+                return closure()
+        except BaseException:
+            end_steps()  # the step ends here, without its post-hook: the user's reads are whole again
+            raise
 
     return run
 
