@@ -106,6 +106,16 @@ def ranked(rank: int, world: int) -> dict[str, Any]:
         reads["one_rank"] = (str(error), time.monotonic() - started)
     local = sharded_reads.local_slice(sharded.root.blocks[0].down.weight)
     reads["local_type"] = (type(local), local.dim())
+    # A penalty in a backward that accumulates without synchronising cannot be made exact: refused, last (the units
+    # are left mid-backward).
+    x, y = batches(1)[0]
+    try:
+        with sharded.root.no_sync():
+            loss = nn.functional.mse_loss(sharded.root(x[rank::world]), y[rank::world])
+            (loss + l2(sharded.root.parameters())).backward()
+        reads["no_sync"] = None
+    except RuntimeError as error:
+        reads["no_sync"] = str(error)
     return reads
 
 
@@ -162,6 +172,11 @@ def test_the_closure_an_optimizer_step_calls_reads_whole_parameters(ranks: Any) 
 def test_an_optimizer_step_calls_no_rule_of_the_sharded_tensors(ranks: Any) -> None:
     for reads in ranks:
         assert reads["step_dispatches"] == 0
+
+
+def test_a_penalty_in_a_backward_that_accumulates_without_synchronising_is_refused(ranks: Any) -> None:
+    for reads in ranks:
+        assert reads["no_sync"] is not None and "no_sync" in reads["no_sync"] and "got a gradient" in reads["no_sync"]
 
 
 def test_the_local_slice_is_a_plain_1d_tensor(ranks: Any) -> None:

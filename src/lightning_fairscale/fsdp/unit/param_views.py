@@ -237,9 +237,26 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
         return
     flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
     offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
+    given = unit_state.flat_state(managed).given
     for view in views_of(managed):
         if gets_gradient(view) and view.start < view.stop:
+            if view.param.grad is not None and not _holds_given(view, given):
+                _refuse_own_gradient_in_no_sync(view)
             _give(managed, view, flat[offset + view.start : offset + view.stop])
+
+
+def _refuse_own_gradient_in_no_sync(view: ParamView) -> None:
+    """A term computed on the parameter outside the forward got a gradient in a backward that does not synchronise:
+    giving the view FairScale's unreduced gradient would drop it, and the next micro-batches' would be averaged over
+    the ranks with FairScale's (divided by their number): refused rather than trained wrong."""
+    layout = sharded_reads.layout_of(view.param)
+    name = f"`{layout.name}`" if layout is not None else "a parameter"
+    raise RuntimeError(
+        f"{name} got a gradient of its own (a term computed on the parameters, such as a penalty over "
+        "`self.parameters()`) in a backward that accumulates gradients without synchronising (gradient "
+        "accumulation, `no_sync`). DDPFullyShardedStrategy cannot make that exact: add the term on the micro-batch "
+        "that synchronises only (the last of each step; scaled as you want it), or train without accumulation."
+    )
 
 
 @torch.no_grad()
