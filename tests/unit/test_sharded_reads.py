@@ -181,3 +181,29 @@ def test_a_penalty_in_a_backward_that_accumulates_without_synchronising_is_refus
 
 def test_the_local_slice_is_a_plain_1d_tensor(ranks: Any) -> None:
     assert ranks[0]["local_type"] == (torch.Tensor, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_step_uses_the_foreach_kernels_torch_chooses_for_plain_tensors() -> None:
+    layout = sharded_reads.ShardLayout("w", torch.Size([4]), ((0, 4),), 0)
+    param = sharded_reads.ShardedParameter(torch.ones(4, device="cuda"), True, layout)
+    param.grad = torch.ones(4, device="cuda")
+    optimizer = torch.optim.Adam([param], lr=0.1)
+    shard_layout.local_steps(optimizer)
+    during = []
+    optimizer.register_step_pre_hook(lambda opt, *_: during.append(opt.param_groups[0]["foreach"]))
+    optimizer.step()
+    assert during == [True] and optimizer.param_groups[0]["foreach"] is None
+
+
+def test_a_step_leaves_the_param_groups_as_they_were() -> None:
+    layout = sharded_reads.ShardLayout("w", torch.Size([4]), ((0, 4),), 0)
+    param = sharded_reads.ShardedParameter(torch.ones(4), True, layout)
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.Adam([param], lr=0.1)
+    shard_layout.local_steps(optimizer)
+    before = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    optimizer.step()
+    assert {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} == before
+    assert torch._C._is_torch_function_enabled()
+    torch.testing.assert_close(param.data, torch.full((4,), 0.9))

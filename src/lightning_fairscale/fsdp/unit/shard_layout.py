@@ -112,7 +112,7 @@ def local_steps(optimizer: Any) -> tuple[Any, Any]:
         end_steps()  # a step that raised never ran its post-hook
         guard = plain_torch_functions()
         guard.__enter__()
-        _STATE.steps = [*getattr(_STATE, "steps", []), guard]
+        _STATE.steps = [*getattr(_STATE, "steps", []), (guard, _foreach_as_for_plain_tensors(optimizer))]
         if len(args) > 1 and callable(args[1]):  # torch passes the optimizer itself first
             args = (args[0], _closure_with_reads(args[1]), *args[2:])
         elif callable(kwargs.get("closure")):
@@ -137,11 +137,28 @@ def _closure_with_reads(closure: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _foreach_as_for_plain_tensors(optimizer: Any) -> list[dict[str, Any]]:
+    """torch's optimizers choose their ``foreach`` kernels by default (``foreach=None``) on CUDA for plain tensors
+    only, not for tensor subclasses: for the step, such a group asks for them explicitly (what it gets for plain
+    tensors); :func:`end_steps` gives it its ``None`` back. The groups changed."""
+    changed = []
+    for group in optimizer.param_groups:
+        params = group.get("params") or []
+        by_default = group.get("foreach", False) is None and not group.get("fused") and not group.get("differentiable")
+        if by_default and params and all(p.is_cuda for p in params):
+            group["foreach"] = True
+            changed.append(group)
+    return changed
+
+
 def end_steps() -> None:
     """Leave the plain context of the optimizer steps still in it (one that raised, or the step just done)."""
     steps = getattr(_STATE, "steps", [])
     while steps:
-        steps.pop().__exit__(None, None, None)
+        guard, changed = steps.pop()
+        for group in changed:
+            group["foreach"] = None
+        guard.__exit__(None, None, None)
 
 
 def reads_locally() -> bool:
