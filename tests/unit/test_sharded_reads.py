@@ -54,6 +54,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: 
                 "sum": p.sum().item(), "mean": p.mean().item(), "vector_norm": torch.linalg.vector_norm(p).item(),
                 "max": p.abs().max().item(), "pow_sum": p.pow(2).sum().item(), "first": p[0].clone(),
                 "grad_norm": p.grad.norm().item(), "whole": sharded_reads.whole(p).clone(),
+                # an operand of another layout (a whole tensor, EWC / L2-SP style): the whole parameter, gathered
+                "from_ones": (p - torch.ones(tuple(p.shape))).pow(2).sum().item(),
+                "zeros_like": (tuple(torch.zeros_like(p).shape), torch.zeros_like(p).sum().item()),
+                "repr": repr(p.detach().clone()),
             }
         reads["foreach"] = [n.item() for n in torch._foreach_norm([p.grad for p in model.parameters()])]
     return reads
@@ -104,6 +108,13 @@ def ranked(rank: int, world: int) -> dict[str, Any]:
         reads["one_rank"] = None
     except RuntimeError as error:
         reads["one_rank"] = (str(error), time.monotonic() - started)
+    # Writing a parameter in place from a whole tensor cannot be made exact on a slice: refused, naming it.
+    try:
+        with torch.no_grad():
+            sharded.root.blocks[0].up.weight.copy_(torch.zeros(6, 5))
+        reads["whole_write"] = None
+    except RuntimeError as error:
+        reads["whole_write"] = str(error)
     local = sharded_reads.local_slice(sharded.root.blocks[0].down.weight)
     reads["local_type"] = (type(local), local.dim())
     # A penalty in a backward that accumulates without synchronising cannot be made exact: refused, last (the units
@@ -149,9 +160,9 @@ def test_reads_outside_the_forward_are_the_whole_parameters(ranks: Any, expected
     for reads in ranks:
         for name in names:
             got, want = reads[name], expected[name]
-            for key in ("shape", "numel", "dim"):
+            for key in ("shape", "numel", "dim", "zeros_like", "repr"):
                 assert got[key] == want[key], (name, key)
-            for key in ("norm", "sum", "mean", "vector_norm", "max", "pow_sum", "grad_norm"):
+            for key in ("norm", "sum", "mean", "vector_norm", "max", "pow_sum", "grad_norm", "from_ones"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (name, key)
             torch.testing.assert_close(got["first"], want["first"], atol=1e-6, rtol=0)
         assert reads["foreach"] == pytest.approx(expected["foreach"], rel=1e-5)
@@ -177,6 +188,11 @@ def test_an_optimizer_step_calls_no_rule_of_the_sharded_tensors(ranks: Any) -> N
 def test_a_penalty_in_a_backward_that_accumulates_without_synchronising_is_refused(ranks: Any) -> None:
     for reads in ranks:
         assert reads["no_sync"] is not None and "no_sync" in reads["no_sync"] and "got a gradient" in reads["no_sync"]
+
+
+def test_an_in_place_write_from_a_whole_tensor_is_refused_naming_the_parameter(ranks: Any) -> None:
+    for reads in ranks:
+        assert "blocks.0.up.weight" in reads["whole_write"] and "local_reads" in reads["whole_write"]
 
 
 def test_the_local_slice_is_a_plain_1d_tensor(ranks: Any) -> None:
