@@ -7,6 +7,7 @@ what the reads give; the tests compare them with the same reads of an unsharded 
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -45,6 +46,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: 
         reads["total_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
         optimizer.step()
         optimizer.zero_grad()
+    # EMA weights as user code keeps them: deep copies of the parameters, updated element-wise.
+    ema = copy.deepcopy(list(model.parameters()))
+    with torch.no_grad():
+        for average, p in zip(ema, model.parameters()):
+            average.mul_(0.5).add_(p, alpha=0.5)
+        reads["ema"] = [(average - 1).norm().item() for average in ema]
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()  # gradients to read
     with torch.no_grad():
@@ -166,6 +173,7 @@ def test_reads_outside_the_forward_are_the_whole_parameters(ranks: Any, expected
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (name, key)
             torch.testing.assert_close(got["first"], want["first"], atol=1e-6, rtol=0)
         assert reads["foreach"] == pytest.approx(expected["foreach"], rel=1e-5)
+        assert reads["ema"] == pytest.approx(expected["ema"], rel=1e-5)
 
 
 def test_a_read_on_one_rank_only_fails_in_seconds_naming_the_parameter(ranks: Any) -> None:

@@ -14,7 +14,7 @@ import itertools
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
@@ -72,8 +72,16 @@ class ShardLayout:
     def world(self) -> int:
         return len(self.ranges)
 
-    def __deepcopy__(self, memo: Any) -> ShardLayout:  # a copy of a tensor of this layout has this layout
-        return self
+    def __deepcopy__(self, memo: Any) -> ShardLayout:
+        """A copy of a tensor of this layout (EMA weights) is split alike, and is read as a tensor of its own (its
+        own agreements; no gradient stands in for its missing one)."""
+        return replace(self, serial=next(_SERIAL), agreed=set(), empty_grad=None)
+
+    def same_split(self, other: ShardLayout) -> bool:
+        """Whether tensors of ``self`` and ``other`` hold the same elements on every rank (element-wise together)."""
+        if other is self:
+            return True
+        return other.shape == self.shape and other.ranges == self.ranges and other.group is self.group
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ one rank only ends in an error naming the parameter, never in a hang.
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from typing import Any, Callable, Iterator, Optional
@@ -82,6 +83,15 @@ class ShardedParameter(nn.Parameter):
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # saved as the plain parameter it holds (no process group)
         return (nn.Parameter, (self.data, self.requires_grad))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of this rank's slice that knows its layout too (``copy.deepcopy`` of the parameters: EMA)."""
+        if id(self) not in memo:
+            with plain_torch_functions():
+                data = self.data.clone(memory_format=torch.preserve_format)
+            layout = copy.deepcopy(self._shard_layout, memo)
+            memo[id(self)] = type(self)(data, self.requires_grad, layout)
+        return memo[id(self)]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -178,7 +188,7 @@ def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         reduced = _reduce(name, args, kwargs)
         if reduced is not None:
             return reduced
-    one_layout = all(layout is layouts[0] for layout in layouts) and all(
+    one_layout = all(layouts[0].same_split(layout) for layout in layouts) and all(
         layout_of(t) is not None or t.dim() == 0 for t in tensors
     )
     in_place = "out" in kwargs or name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
