@@ -93,6 +93,7 @@ _STATE = threading.local()
 _LOCAL_CALLERS = (
     "lightning_fairscale.", "fairscale.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "torch.optim.",
     "torch.distributed.", "torch.nn.modules.module", "torch.serialization", "torch._utils", "torch.utils.hooks",
+    "torch.amp.", "torch.cuda.amp.",
 )
 #: Torch's Python entry points between the user's call and ``__torch_function__``: skipped to find the caller.
 _TORCH_ENTRIES = ("torch.overrides", "torch.functional", "torch._tensor", "torch.nn.functional", "torch.nn.parameter")

@@ -193,9 +193,10 @@ def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     )
     in_place = "out" in kwargs or name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
     in_place = in_place or (name.startswith("__i") and name not in ("__index__", "__int__", "__invert__"))
-    targets = args[0] if name.startswith("_foreach_") and args else [args[0] if args else None]
+    foreach = "_foreach_" in name  # `_foreach_mul_`, `_amp_foreach_non_finite_check_and_unscale_`...
+    targets = args[0] if foreach and args and isinstance(args[0], (list, tuple)) else args[:1]
     if in_place and any(layout_of(t) is not None for t in targets):
-        if one_layout or name.startswith("_foreach_"):
+        if one_layout or foreach:
             with plain_torch_functions():  # element-wise on this rank's elements (clipping's `_foreach_mul_`)
                 return func(*args, **kwargs)
         raise RuntimeError(
