@@ -21,6 +21,7 @@ from lightning_fairscale.checkpoint.fabric import Roles
 from lightning_fairscale.fabric._common import read_full, write_full
 from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model
 from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
+from lightning_fairscale.fsdp.wrapping.compile import unwrap_compiled
 from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files
 from lightning_fairscale.fsdp.state.saving import Ranks, is_sharded_checkpoint
 from lightning_fairscale.plugins.checkpoint_io import in_background, settle_background, sharded_storage
@@ -120,7 +121,7 @@ def averaged_model(strategy: Any, module: Module, **kwargs: Any) -> ShardAverage
 def unsharded_shapes(strategy: Any, module: Module) -> AbstractContextManager[None]:
     """The context of :meth:`~lightning_fairscale.fsdp.model.WrappedModel.unsharded_shapes` for a set-up model."""
     root = getattr(module, "_forward_module", module)  # what `fabric.setup_module` returned, or the unit itself
-    model = _model(getattr(root, "_orig_mod", root))  # compiled by Fabric: the unit inside
+    model = _model(unwrap_compiled(root)[0])  # compiled by Fabric: the unit inside
     if model is None:
         raise ValueError("`unsharded_shapes` takes a model set up with this strategy (`fabric.setup_module`).")
     instead = "read or set values outside it (each parameter then holds this rank's shard of it)."
