@@ -36,7 +36,6 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "compile": ("off", "whole", "inner"),
     "precision": ("32-true", "bf16-mixed", "bf16-true"),
     "optimizer": ("sgd", "adamw-groups", "frozen", "adafactor"),
-    "regulariser": ("off", "l2"),
     "accumulation": ("1", "no_sync", "sync_each_batch"),
     "clipping": ("off", "norm"),
     "checkpoint": ("none", "full", "sharded", "async"),
@@ -58,16 +57,6 @@ UNEXPRESSIBLE: dict[tuple[tuple[str, str], tuple[str, str]], str] = {
 #: Combinations that cannot work: ((factor, level), ...) -> (why, the error type, words of its message). Each is
 #: checked to fail early with that error, and the generator keeps it out of the cells.
 EXCLUDED: dict[tuple[tuple[str, str], ...], tuple[str, str, str]] = {
-    **{
-        (("strategy", strategy), ("regulariser", "l2"), ("accumulation", "no_sync")): (
-            "a term on the parameters outside the forward (a penalty over `self.parameters()`) in a backward that"
-            " accumulates without synchronising: FSDP gives that term's gradient to this rank's slices, which no"
-            " reduction reaches before the synchronising micro-batch",
-            "RuntimeError",
-            "add the term on the micro-batch that synchronises only",
-        )
-        for strategy in ("full", "grad_op", "hybrid")
-    },
     (("front", "fabric"), ("strategy", "sharded"), ("stages", "fit-fit")): (
         "a second optimizer for a set-up model (fit-fit): OSS and ShardedDataParallel are built together, so sharded"
         " DDP sets up a model and its optimizers in one call",
