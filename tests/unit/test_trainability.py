@@ -6,6 +6,7 @@ training are in ``tests/test_sharded_changes.py``.
 from __future__ import annotations
 
 import gc
+import math
 from typing import Any
 
 import pytest
@@ -176,3 +177,23 @@ def test_the_norm_of_partitioned_gradients_is_the_whole_models_on_every_rank(tmp
         assert rank["two"] == pytest.approx(two, rel=1e-6) and rank["inf"] == pytest.approx(inf, rel=1e-6)
     # Each gradient on its owner only, the bucketed ones too (not their bucket slots on the other rank).
     assert [a != b for a, b in zip(ranks[0]["held"], ranks[1]["held"])] == [True] * 4
+
+
+def _norm_of_another_model_while_one_rank_holds_partitions(rank: int, world_size: int) -> float:
+    """Rank 0 still holds a sharded model with partitioned gradients (its garbage not yet collected); rank 1 dropped
+    its own. Both clip another model's gradients (Lightning's "ddp" trained after ours)."""
+    wrapper, trainability, _ = _wrapped()
+    _backward(wrapper, trainability, seed=rank)
+    if rank == 1:
+        del wrapper, trainability
+        gc.collect()
+    other = nn.Linear(4, 2)
+    other(torch.ones(1, 4)).sum().backward()
+    return float(torch.nn.utils.clip_grad_norm_(other.parameters(), 0.05))
+
+
+def test_a_norm_of_no_partitioned_gradient_is_local(tmp_path: Any) -> None:
+    # The feature matrix hung here: rank 0's torch norm, still replaced while its dropped model awaited collection,
+    # all-reduced the norm of the "ddp" reference's gradients, which rank 1 computed alone.
+    norms = run_ranks(_norm_of_another_model_while_one_rank_holds_partitions, 2, tmp_path, timeout=60)
+    assert norms[0] == norms[1] == pytest.approx(math.sqrt(4 + 1 + 4 + 1))

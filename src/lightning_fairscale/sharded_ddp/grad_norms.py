@@ -151,6 +151,11 @@ def _partitioned_total_norm(
         owned.update(mine)
         elsewhere.update(others)
     partition = [t for t in tensors if id(t) in owned]
+    if not partition and not any(id(t) in elsewhere for t in tensors):
+        # No gradient of a partitioned model: torch's own norm, no collective. Which models still hold partitioned
+        # gradients can differ between ranks (a model dropped is freed when each rank's garbage collector runs), so
+        # a norm of anything else (another model's, Lightning's "ddp" after ours) must not wait for the other ranks.
+        return local_norm(tensors, norm_type, error_if_nonfinite, foreach)
     whole = [t for t in tensors if id(t) not in owned and id(t) not in elsewhere]
     dtype = tensors[0].dtype if tensors else torch.get_default_dtype()
     device = tensors[0].device if tensors else states[0].device
