@@ -13,7 +13,8 @@ of the next backward pass, or until the strategy ends), torch's total norm, the 
 :func:`_partitioned_total_norm`: the norm of the gradients this rank owns, reduced over the ranks (one scalar per
 call), combined with the norm of the tensors every rank holds whole (anything else: a frozen layer's gradient,
 another model's). ``clip_grad_norm_`` then scales each rank's gradients by the same coefficient, the unsharded one.
-So **a total norm of gradients is a collective call while the gradients are partitioned**: every rank must make it
+So **a total norm that includes a partitioned gradient is a collective call** (one of other tensors only stays
+local): every rank must make it
 (as with torch's FSDP ``clip_grad_norm_``); code that computes one on rank 0 only would wait for the others.
 
 The alternatives weighed: all-reducing every gradient to every rank (what DDP holds) gives up the memory that sharded
