@@ -13,6 +13,7 @@ Run it::
 """
 
 import torch
+from fairscale.optim import OSS
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.demos.boring_classes import BoringModel
@@ -22,10 +23,12 @@ import lightning_fairscale  # noqa: F401  (registers "ddp_sharded")
 
 class ReportShards(Callback):
     def on_train_end(self, trainer, pl_module):
-        optimizer = trainer.strategy.optimizers[0]  # FairScale's OSS, wrapping the optimizer of configure_optimizers
+        # FairScale's OSS, wrapping the optimizer of configure_optimizers; its class is named after yours ("SGD"), so
+        # loggers (LearningRateMonitor's "lr-SGD") see your optimizer's name.
+        optimizer = trainer.strategy.optimizers[0]
         owned = sum(len(group["params"]) for group in optimizer.optim.param_groups)
         total = len(list(pl_module.parameters()))
-        name = type(optimizer).__name__
+        name = "OSS" if isinstance(optimizer, OSS) else type(optimizer).__name__
         print(f"rank {trainer.global_rank}: {name} updates {owned} of {total} parameters", flush=True)
 
 

@@ -41,6 +41,7 @@ FairScale workarounds (the numbered table is :mod:`lightning_fairscale.fsdp.patc
     was left out of every later norm, and the run trained with another clipping than unsharded training (frozen
     before set-up, unfrozen an epoch later: 7.4e-3 off after 6 steps). :func:`clip_grad_norm` forgets the list
     before each call, so OSS lists the gradients of the moment.
+
 30. **Gradients a reducing backward did not reach (all devices).** ``ShardedDataParallel`` reduces a gradient from
     its hook, when the backward reaches the parameter: a layer that ran in the accumulating micro-batches of a step
     (``no_sync``) but not in the last one kept each rank's own sum, unreduced and not averaged, and its owner stepped
