@@ -36,6 +36,7 @@ __all__ = [
     "load_view_states",
     "managed_positions",
     "plain_state_dict",
+    "saved_states_by_piece",
 ]
 
 #: In a managed parameter's consolidated state: the pieces that have state, when not all of them do (frozen ones).
@@ -280,6 +281,29 @@ def load_view_states(
     optimizer.load_state_dict({"state": out_state, "param_groups": out_groups})
 
 
+def saved_states_by_piece(
+    full: dict[str, Any], optimizer: Optimizer, orders: Sequence[Any]
+) -> dict[tuple[int, int], Any]:
+    """The saved state of each original parameter of a full optimizer state dict ``full`` (the plain layout), by
+    ``(id(managed), piece)``, in ``orders`` (each param group's original parameters, in the optimizer's order).
+
+    Raises:
+        ValueError: ``full`` was saved for other parameters or param groups.
+    """
+    saved_groups = full.get("param_groups", [])
+    _check_group_count(saved_groups, optimizer)
+    saved_state = full.get("state", {})
+    by_piece: dict[tuple[int, int], Any] = {}
+    for saved_group, order in zip(saved_groups, orders):
+        if len(saved_group["params"]) != len(order):
+            raise ValueError(
+                f"A param group of the checkpoint's optimizer state holds {len(saved_group['params'])} parameters,"
+                f" the optimizer's holds {len(order)}. The checkpoint was saved for a different model or optimizer."
+            )
+        by_piece.update(((id(managed), k), saved_state.get(i)) for (managed, k), i in zip(order, saved_group["params"]))
+    return by_piece
+
+
 def _check_group_count(groups: Sequence[Any], optimizer: Optimizer) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(
@@ -297,17 +321,7 @@ def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: Paramet
     Raises:
         ValueError: ``full`` was saved for other parameters or param groups.
     """
-    saved_groups = full.get("param_groups", [])
-    _check_group_count(saved_groups, optimizer)
-    saved_state = full.get("state", {})
-    by_piece: dict[tuple[int, int], Any] = {}
-    for saved_group, order in zip(saved_groups, orders):
-        if len(saved_group["params"]) != len(order):
-            raise ValueError(
-                f"A param group of the checkpoint's optimizer state holds {len(saved_group['params'])} parameters,"
-                f" the optimizer's holds {len(order)}. The checkpoint was saved for a different model or optimizer."
-            )
-        by_piece.update(((id(managed), k), saved_state.get(i)) for (managed, k), i in zip(order, saved_group["params"]))
+    by_piece = saved_states_by_piece(full, optimizer, orders)
 
     def source(managed: nn.Parameter, k: int, start: int, stop: int) -> Optional[dict[str, Any]]:
         state = by_piece.get((id(managed), k))
@@ -317,7 +331,7 @@ def load_plain_state(full: dict[str, Any], optimizer: Optimizer, layout: Paramet
         start, stop = start - piece.offset, stop - piece.offset
         return {key: _slice_of_piece(key, value, piece, start, stop) for key, value in state.items()}
 
-    load_view_states(optimizer, layout, saved_groups, source)
+    load_view_states(optimizer, layout, full.get("param_groups", []), source)
 
 
 def _slice_of_piece(key: str, value: Any, piece: Piece, start: int, stop: int) -> Any:

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, managed_params
-from lightning_fairscale.fsdp.state.optim_state import load_plain_state, load_view_states
+from lightning_fairscale.fsdp.state.optim_state import load_plain_state, load_view_states, saved_states_by_piece
 from lightning_fairscale.fsdp.state.whole_owners import WholePlan
 
 __all__ = ["check_saved_path", "consolidate", "consolidate_saved", "load_plain", "saved_source"]
@@ -100,16 +100,7 @@ def load_plain(
     if plan is None:
         load_plain_state(full, optimizer, layout, orders)
         return
-    saved_groups = full.get("param_groups", [])
-    saved_state = full.get("state", {})
-    by_piece: dict[tuple[int, int], Any] = {}
-    for saved_group, order in zip(saved_groups, orders):
-        if len(saved_group["params"]) != len(order):
-            raise ValueError(
-                f"A param group of the checkpoint's optimizer state holds {len(saved_group['params'])} parameters,"
-                f" the optimizer's holds {len(order)}. The checkpoint was saved for a different model or optimizer."
-            )
-        by_piece.update(((id(managed), k), saved_state.get(i)) for (managed, k), i in zip(order, saved_group["params"]))
+    by_piece = saved_states_by_piece(full, optimizer, orders)
     owned = _owned_keys(plan, orders)
 
     def source(managed: nn.Parameter, k: int, *_: Any) -> Optional[dict[str, Any]]:
@@ -124,7 +115,7 @@ def load_plain(
                                  f" has the shape {tuple(value.shape)}: it was saved for another model.")
         return _copied(state)
 
-    load_view_states(optimizer, layout, saved_groups, source)
+    load_view_states(optimizer, layout, full.get("param_groups", []), source)
 
 
 def _owned_keys(plan: WholePlan, orders: GroupOrder) -> set[tuple[int, int]]:
