@@ -65,7 +65,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
     passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``. The
-    options are typed properties (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`), fixed at launch.
+    options are typed attributes (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`), fixed at launch;
+    each is declared once, by :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` (``make options``).
 
     * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
       strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``
@@ -135,7 +136,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         fp32_reduce_scatter: Optional[bool] = None,
         compute_dtype: Optional[torch.dtype] = None,
         bucket_cap_mb: int = 25,
-        min_num_params: int = int(1e8),
+        min_num_params: int = 100_000_000,
         state_dict_to_cpu: bool = True,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -155,7 +156,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
+        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
         optimizer_path: Literal["auto", "elementwise", "whole"] = "auto",
