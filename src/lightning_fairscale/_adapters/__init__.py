@@ -5,7 +5,7 @@ engine's configuration (:class:`~lightning_fairscale.fsdp.config.FullyShardedCon
 :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig`) as ``strategy.config``. Its constructor takes the
 arguments of both: :func:`lightning_arguments` are those its Lightning base class gets, :func:`config_arguments` those
 of the configuration; :func:`register_strategies` puts its names in a Lightning registry. The options' typed
-properties, the mixin each strategy puts after Lightning's class, are :mod:`lightning_fairscale._adapters.options`.
+attributes, the mixin each strategy puts after Lightning's class, are :mod:`lightning_fairscale._adapters.options`.
 
 This is adapter knowledge (the names of Lightning's arguments, when a strategy is set up), kept apart from the engine;
 this package imports no Lightning module, so that the Trainer's adapters (``strategies/``, which need

@@ -1,9 +1,11 @@
-"""The configuration of ``DDPFullyShardedStrategy``, for the Trainer's strategy and for Fabric's: the options and
-their checks.
+"""The configuration of ``DDPFullyShardedStrategy``, for the Trainer's strategy and for Fabric's: each option declared
+once, and the options' checks.
 
 :class:`FullyShardedConfig` holds what the user chose: the arguments of Lightning 1.x's ``DDPFullyShardedStrategy``
-(plus ours), checked once, when it is built, and frozen; the functions below are those checks (each argument's, and
-the extra keyword arguments against FairScale's). Both strategies build one in their constructor and hold it as
+(plus ours), each declared once as a field (its type, default, accepted type, check and documentation; see
+:mod:`lightning_fairscale.option_fields`), checked once, when it is built, and frozen; the functions below are those
+checks (the extra keyword arguments are checked against FairScale's in
+:mod:`lightning_fairscale.fsdp.fairscale_kwargs`). Both strategies build one in their constructor and hold it as
 ``strategy.config``; what a run derives from it once it knows its device, its precision and its process groups (the
 arguments every FairScale FSDP unit is built with, the wrap policy, the checks against the device) is in
 :mod:`lightning_fairscale.fsdp.run`. Nothing here imports Lightning, so it is built and tested without it.

@@ -1,6 +1,7 @@
 """The configuration of ``DDPShardedStrategy``, for the Trainer's strategy and for Fabric's.
 
-:class:`ShardedDDPConfig` holds what the user chose, checked once, when it is built, and frozen. Both strategies
+:class:`ShardedDDPConfig` holds what the user chose (each option declared once, as a field: see
+:mod:`lightning_fairscale.option_fields`), checked once, when it is built, and frozen. Both strategies
 build one in their constructor and hold it as ``strategy.config``; the functions here turn it, with what a run adds
 (the number of nodes, the precision), into the arguments of ``ShardedDataParallel`` and OSS. Nothing here imports
 Lightning.

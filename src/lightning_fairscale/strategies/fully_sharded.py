@@ -147,7 +147,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
 
     # ------------------------------------------------------------------------------------------------------------
-    # FSDP configuration (the options' properties come with `FullyShardedOptions`)
+    # FSDP configuration (the options' attributes come with `FullyShardedOptions`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -142,7 +142,7 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         self._trainability: Optional[Trainability] = None
 
     # ------------------------------------------------------------------------------------------------------------
-    # Configuration (the options' properties come with `ShardedDDPOptions`)
+    # Configuration (the options' attributes come with `ShardedDDPOptions`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
