@@ -89,6 +89,10 @@ def test_every_declared_option_is_a_parameter_an_attribute_and_documented(
         # The constructors' defaults make the configuration's defaults.
         defaults = {name: parameters[name].default for name, _ in options}
         assert config_class(**defaults) == config_class()
+    # The Trainer's and Fabric's take the same arguments with the same defaults (Lightning's own too): a script moved
+    # from one to the other behaves the same.
+    trainer, fabric_ = (inspect.signature(cls).parameters for cls in strategy_classes)
+    assert {n: p.default for n, p in trainer.items()} == {n: p.default for n, p in fabric_.items()}
     config_doc = " ".join(line.strip() for line in (config_class.__doc__ or "").splitlines())
     for name, field in options:
         assert f"{name}: {' '.join(declaration(field).doc.split())}" in config_doc, name
