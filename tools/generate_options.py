@@ -108,7 +108,10 @@ def render_attributes(config_class: Any) -> list[str]:
         lines += [line] if len(line) <= WIDTH else [f"    {name}: Option[", f"        {types}", "    ] = Option()"]
         when = "Read at each use: may change at any time." if declared.changeable else "Fixed at setup."
         doc = f"{declared.doc[0].upper()}{declared.doc[1:]} {when}"
-        lines += textwrap.fill(doc, WIDTH - 3, initial_indent='    """', subsequent_indent="    ").splitlines()
+        # Not at hyphens: "all-reduced" and "lightning-fairscale-consolidate" stay whole.
+        lines += textwrap.wrap(
+            doc, WIDTH - 3, initial_indent='    """', subsequent_indent="    ", break_on_hyphens=False
+        )
         lines[-1] += '"""'
     return lines
 

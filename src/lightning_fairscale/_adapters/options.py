@@ -185,9 +185,9 @@ class FullyShardedOptions(_StrategyOptions):
     state_dict_type: Option[Literal["full", "sharded"], Literal["full", "sharded"]] = Option()
     """``"full"`` (default): checkpoints are one file with the full model and optimizer state, gathered on rank 0,
     loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint directory, in parallel, and
-    no rank gathers the full model; it resumes on the same number of processes, and ``lightning-fairscale-
-    consolidate`` turns it into a full checkpoint. Loading accepts either kind. Read at each use: may change at any
-    time."""
+    no rank gathers the full model; it resumes on the same number of processes, and
+    ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind. Read at each
+    use: may change at any time."""
     lightning_1x_optimizer_state: Option[OptimizerStatePolicy, OptimizerStatePolicy] = Option()
     """Resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose optimizer state is rank 0's shard
     only: ``"error"`` (default) fails before training when the optimizer has per-parameter state (Adam...);
@@ -200,9 +200,9 @@ class FullyShardedOptions(_StrategyOptions):
     sharded (torch FSDP's argument). Default: each such module's ``reset_parameters()``. Fixed at setup."""
     sharding_strategy: Option[str, Any] = Option()
     """``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"`` (as ``reshard_after_forward=False``),
-    ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate across nodes: the gradient shards are all-
-    reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"`` (hybrid, without resharding after forward); a string or
-    torch's ``ShardingStrategy``. Fixed at setup."""
+    ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate across nodes: the gradient shards are
+    all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"`` (hybrid, without resharding after forward); a string
+    or torch's ``ShardingStrategy``. Fixed at setup."""
     device_mesh: Option[Optional[tuple[int, int]], Optional[Union[tuple[int, int], "DeviceMesh"]]] = Option()
     """Under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes (consecutive ranks
     form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which ``strategy.device_mesh`` then is).
