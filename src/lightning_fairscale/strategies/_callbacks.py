@@ -10,10 +10,9 @@ tested), which alone is refused there.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.callbacks import Callback, ModelPruning, StochasticWeightAveraging
+from pytorch_lightning.strategies import Strategy
 
 from lightning_fairscale._compat import attached_trainer
 
@@ -73,8 +72,11 @@ def check_callbacks(callbacks: Iterable[Callback], strategy: str) -> None:
                 )
 
 
-def trainer_callbacks(strategy: Any) -> list[Callback]:
+def trainer_callbacks(strategy: Strategy) -> list[Callback]:
     """The callbacks of the Trainer running ``strategy``: known in ``setup_environment``, before any process group
     exists, so that every rank refuses a callback alike; none before the LightningModule is connected."""
     module = strategy.lightning_module
-    return list(module.trainer.callbacks) if module is not None and attached_trainer(module) is not None else []
+    if module is None or attached_trainer(module) is None:
+        return []
+    callbacks: list[Callback] = module.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors
+    return list(callbacks)

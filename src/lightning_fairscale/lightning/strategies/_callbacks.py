@@ -11,10 +11,9 @@ tested), which alone is refused there.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.strategies import Strategy
 
 from lightning_fairscale.lightning._compat import attached_trainer
 
@@ -74,8 +73,11 @@ def check_callbacks(callbacks: Iterable[Callback], strategy: str) -> None:
                 )
 
 
-def trainer_callbacks(strategy: Any) -> list[Callback]:
+def trainer_callbacks(strategy: Strategy) -> list[Callback]:
     """The callbacks of the Trainer running ``strategy``: known in ``setup_environment``, before any process group
     exists, so that every rank refuses a callback alike; none before the LightningModule is connected."""
     module = strategy.lightning_module
-    return list(module.trainer.callbacks) if module is not None and attached_trainer(module) is not None else []
+    if module is None or attached_trainer(module) is None:
+        return []
+    callbacks: list[Callback] = module.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors
+    return list(callbacks)
