@@ -26,6 +26,7 @@ from lightning_fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.core.optimizer import LightningOptimizer, _MockOptimizer
+from pytorch_lightning.callbacks import ModelPruning
 from pytorch_lightning.plugins.layer_sync import LayerSync
 from pytorch_lightning.strategies import DDPStrategy as TrainerDDPStrategy, ParallelStrategy
 from pytorch_lightning.strategies import Strategy as TrainerStrategy
@@ -45,6 +46,7 @@ __all__ = [
     "checkpoint_io_slot",
     "collective_timeout",
     "layer_sync_plugin",
+    "lottery_ticket_reset",
     "plain_optimizer",
     "precision_plugin_property",
     "set_checkpoint_io_slot",
@@ -67,6 +69,7 @@ __all__ = [
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
     "_launcher", "_start_method", "_optimizer", "_compiler_ctx", "_average_model", "_forward_module",
+    "_use_lottery_ticket_hypothesis",
 )  # fmt: skip
 
 
@@ -97,6 +100,12 @@ def forward_module(module: Module) -> Module:
     """``_FabricModule._forward_module``: inside what ``fabric.setup`` returned, the module the strategy's
     ``setup_module`` returned (compiled by Fabric: the compiled one); another module as it is."""
     return module._forward_module if isinstance(module, _FabricModule) else module
+
+
+def lottery_ticket_reset(callback: ModelPruning) -> bool:
+    """``ModelPruning._use_lottery_ticket_hypothesis``: whether the callback resets the weights to their first values
+    (``use_lottery_ticket_hypothesis``, on by default)."""
+    return bool(callback._use_lottery_ticket_hypothesis)
 
 
 def layer_sync_plugin(strategy: ParallelStrategy) -> Optional[LayerSync]:

@@ -27,6 +27,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy, ParallelStrategy
 from lightning.pytorch.strategies import Strategy as TrainerStrategy
@@ -46,6 +47,7 @@ __all__ = [
     "checkpoint_io_slot",
     "collective_timeout",
     "layer_sync_plugin",
+    "lottery_ticket_reset",
     "plain_optimizer",
     "precision_plugin_property",
     "set_checkpoint_io_slot",
@@ -68,6 +70,7 @@ __all__ = [
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
     "_launcher", "_start_method", "_optimizer", "_compiler_ctx", "_average_model", "_forward_module",
+    "_use_lottery_ticket_hypothesis",
 )  # fmt: skip
 
 
@@ -98,6 +101,12 @@ def forward_module(module: Module) -> Module:
     """``_FabricModule._forward_module``: inside what ``fabric.setup`` returned, the module the strategy's
     ``setup_module`` returned (compiled by Fabric: the compiled one); another module as it is."""
     return module._forward_module if isinstance(module, _FabricModule) else module
+
+
+def lottery_ticket_reset(callback: ModelPruning) -> bool:
+    """``ModelPruning._use_lottery_ticket_hypothesis``: whether the callback resets the weights to their first values
+    (``use_lottery_ticket_hypothesis``, on by default)."""
+    return bool(callback._use_lottery_ticket_hypothesis)
 
 
 def layer_sync_plugin(strategy: ParallelStrategy) -> Optional[LayerSync]:

@@ -15,7 +15,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.strategies import Strategy
 
-from lightning_fairscale.lightning._compat import attached_trainer
+from lightning_fairscale.lightning._compat import attached_trainer, lottery_ticket_reset
 
 #: Callback classes, why they cannot work under FSDP, and what to do instead.
 _UNSUPPORTED: dict[type[Callback], tuple[str, str]] = {
@@ -45,7 +45,7 @@ def check_sharded_ddp_callbacks(callbacks: Iterable[Callback], strategy: str) ->
     own it: training goes on with stale weights, silently (0.26 off after 3 epochs of the tests' model).
     """
     for callback in callbacks:
-        if isinstance(callback, ModelPruning) and callback._use_lottery_ticket_hypothesis:
+        if isinstance(callback, ModelPruning) and lottery_ticket_reset(callback):
             raise MisconfigurationException(
                 f"`ModelPruning(use_lottery_ticket_hypothesis=...)` does not work with `{strategy}`: resetting the"
                 " weights rebinds their `.data`, which detaches them from the buffers through which FairScale's OSS"
