@@ -27,6 +27,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy, ParallelStrategy
@@ -153,7 +154,7 @@ def plain_optimizer(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def attached_trainer(module: Any) -> Optional[Any]:
+def attached_trainer(module: pl.LightningModule) -> Optional[pl.Trainer]:
     """``LightningModule._trainer``: the Trainer the module is attached to, ``None`` when none (the public
     ``module.trainer`` raises then)."""
     return module._trainer
@@ -169,13 +170,13 @@ def set_weight_averaging_model(callback: Any, model: Optional[Any]) -> None:
     callback._average_model = model
 
 
-def take_trainer_compile(module: Any) -> Optional[Callable[..., Any]]:
+def take_trainer_compile(module: Optional[pl.LightningModule]) -> Optional[Callable[..., Any]]:
     """``LightningModule._compiler_ctx``: the compiler (dynamo context, with the user's options) of a
     ``trainer.fit(torch.compile(model))``, which Lightning's ``from_compiled`` applied to the module's ``forward``
     and step methods; taken off here (Lightning's ``to_uncompiled``: the module's own methods again). ``None`` when
     the module was not given compiled."""
-    context = getattr(module, "_compiler_ctx", None)
-    if context is None:
+    context = getattr(module, "_compiler_ctx", None) if module is not None else None
+    if module is None or context is None:
         return None
     to_uncompiled(module)
     return context["dynamo_ctx"]
