@@ -12,7 +12,8 @@ Runs in one process (a gloo group of one rank, on the CPU) and follows, with ``s
 
 Phases: the Trainer's set-up of the sharded model (``strategy.setup``: wrapping, optimizers), one Trainer training
 step (the third: ``on_train_batch_start`` to ``on_train_batch_end``), for ``DDPFullyShardedStrategy`` and
-``DDPShardedStrategy``; and Fabric's ``setup`` and one step of ``DDPFullyShardedStrategy``.
+``DDPShardedStrategy``, and ``trainer.save_checkpoint`` after ``fit`` (FSDP: ``state_dict_type="sharded"``); Fabric's
+``setup``, one step and a sharded ``fabric.save`` of ``DDPFullyShardedStrategy``.
 
 Usage: ``PYTHONPATH=$PWD/src .venv/bin/python tools/call_path.py [--detail]``.
 """
@@ -111,7 +112,8 @@ def _trainer_phases(strategy_name: str, counter: PathCounter, report: Callable[[
     if strategy_name == "fsdp_fairscale":
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        policy = ModuleWrapPolicy({nn.Sequential})
+        strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy=policy, state_dict_type="sharded")
     else:
         strategy = DDPShardedStrategy()
     setup = type(strategy).setup
@@ -133,6 +135,10 @@ def _trainer_phases(strategy_name: str, counter: PathCounter, report: Callable[[
                 default_root_dir=folder,
             )
             trainer.fit(Module())
+            counter.start()
+            trainer.save_checkpoint(os.path.join(folder, "checkpoint"))
+            counter.stop()
+            report(f"Trainer {strategy_name}: trainer.save_checkpoint", counter.figures())
     finally:
         type(strategy).setup = setup  # type: ignore[method-assign]
 
@@ -143,8 +149,9 @@ def _fabric_phases(counter: PathCounter, report: Callable[[str, dict[str, Any]],
 
     from lightning_fairscale.fabric import DDPFullyShardedStrategy
 
+    policy = ModuleWrapPolicy({nn.Sequential})
     fabric = Fabric(accelerator="cpu", devices=1,
-                    strategy=DDPFullyShardedStrategy(auto_wrap_policy=ModuleWrapPolicy({nn.Sequential})))
+                    strategy=DDPFullyShardedStrategy(auto_wrap_policy=policy, state_dict_type="sharded"))
     fabric.launch()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
@@ -163,6 +170,11 @@ def _fabric_phases(counter: PathCounter, report: Callable[[str, dict[str, Any]],
         if step == 2:
             counter.stop()
             report("Fabric fsdp_fairscale: one training step", counter.figures())
+    with tempfile.TemporaryDirectory() as folder:
+        counter.start()
+        fabric.save(os.path.join(folder, "checkpoint"), {"model": model, "optimizer": optimizer, "step": 3})
+        counter.stop()
+        report("Fabric fsdp_fairscale: fabric.save (sharded)", counter.figures())
 
 
 def main() -> None:
