@@ -72,3 +72,23 @@ def test_what_was_not_set_up_is_refused_naming_what_to_do(fabric: Fabric) -> Non
     assert shapes == {name: tuple(param.shape) for name, param in other.named_parameters()}
     averaged = fabric.strategy.averaged_model(model)
     assert set(averaged.state_dict()) >= {f"module.{name}" for name in Net().state_dict()}
+
+
+def test_an_optimizer_set_up_again_keeps_its_state(fabric: Fabric) -> None:
+    """``fabric.setup_optimizers`` of an optimizer set up already leaves it as it is, as unsharded (Lightning's
+    ``"ddp"``): its state stays (re-pointing it again made its parameters' views anew and dropped its state, 16
+    entries to 0, silently), and the next step goes on from it."""
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, wrapped = fabric.setup(model, optimizer)
+    x, y = batches(1)[0]
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    wrapped.step()
+    state = {key: {name: value.clone() for name, value in entry.items()} for key, entry in optimizer.state.items()}
+    again = fabric.setup_optimizers(optimizer)
+    assert len(optimizer.state_dict()["state"]) == len(state) == 16
+    for param, entry in optimizer.state.items():
+        assert all(torch.equal(value, state[param][name]) for name, value in entry.items())
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    again.step()
+    assert all(int(entry["step"]) == 2 for entry in optimizer.state.values())

@@ -64,12 +64,17 @@ class FsdpSetUp:
 
     def repoint(self, optimizer: Optimizer, config: FullyShardedConfig) -> None:
         """Re-point ``optimizer`` to the shards of the model whose parameters it holds, on the path ``config``
-        chooses (refused when its param groups were made from the shards' shapes).
+        chooses (refused when its param groups were made from the shards' shapes); one re-pointed already stays as
+        it is, with its state.
 
         Raises:
             ValueError: the optimizer holds a parameter of no model set up here.
         """
         params = [param for group in optimizer.param_groups for param in group["params"]]
+        held = self._held.optimizers.get(optimizer)
+        if held is not None and all(held.knows(param) for param in params):
+            return  # set up again (`fabric.setup_optimizers` of the same optimizer): it steps on the shards already,
+            # and re-pointing it again would drop its state (its parameters' views are made anew)
         for root in self._held.models:
             model = fsdp_engine.wrapped_model(root)
             if params and all(model.knows(param) for param in params):
