@@ -309,7 +309,7 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
 #: needs no Lightning import.
 PRIVATE_ATTRIBUTES = {"_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision",
                       "_trainer", "_launcher", "_start_method", "_optimizer", "_compiler_ctx",
-                      "_average_model"}  # fmt: skip
+                      "_average_model", "_forward_module", "_use_lottery_ticket_hypothesis"}  # fmt: skip
 
 
 def test_the_private_attribute_list_is_compats() -> None:

@@ -198,7 +198,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         root = wrapped_root(self.model)
         if root is not None:  # a stage after another one: the module is still sharded; it stays so (given compiled,
             self._sharded, self.model = fsdp_engine.wrapped_model(root, compiler), root  # its layers are compiled)
-            _optimizers.for_sharded_stage(self, trainer, fitting, self._sharded)
+            _optimizers.for_sharded_stage(self, trainer, fitting, self._sharded, self.config)
         else:
             self._setup_unwrapped(trainer, fitting, compiler)
         use_for_model_summaries(trainer)
@@ -231,7 +231,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         )
         self.model = self._sharded.root
         if fitting and not before:
-            _optimizers.configure_on_sharded(self, trainer, self._sharded)
+            _optimizers.configure_on_sharded(self, trainer, self._sharded, self.config)
             self._sharded.forget_originals()
 
     @contextlib.contextmanager
