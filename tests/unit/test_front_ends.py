@@ -30,23 +30,29 @@ def _is_strategy(node: ast.expr) -> bool:
     return name.lstrip("_") == "strategy"
 
 
+def _private_members(node: ast.ClassDef) -> set[str]:
+    """The private members ``node`` defines: methods, and attributes it sets on ``self``."""
+    private = {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    private |= {
+        n.attr for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        and isinstance(n.ctx, ast.Store)
+    }  # fmt: skip
+    return {name for name in private if name.startswith("_") and not name.endswith("__")}
+
+
 def _strategy_classes(root: Path) -> dict[tuple[Path, str], set[str]]:
     """Our strategy classes (in ``strategies/`` and ``fabric/``) by module and name, with the private members each
-    defines (methods, and attributes it sets on ``self``)."""
+    defines, and the strategies' option mixins (``_adapters/options.py``: the base classes whose typed options each
+    strategy inherits)."""
     classes: dict[tuple[Path, str], set[str]] = {}
     for path, tree in _sources(root):
-        if path.parent.name not in ("strategies", "fabric"):
+        mixins = path.parent.name == "_adapters" and path.name == "options.py"
+        if path.parent.name not in ("strategies", "fabric") and not mixins:
             continue
         for node in tree.body:
-            if isinstance(node, ast.ClassDef) and node.name.endswith("Strategy"):
-                private = {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-                private |= {
-                    n.attr for n in ast.walk(node)
-                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
-                    and isinstance(n.ctx, ast.Store)
-                }  # fmt: skip
-                private = {name for name in private if name.startswith("_") and not name.endswith("__")}
-                classes[path, node.name] = private
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Options" if mixins else "Strategy"):
+                classes[path, node.name] = _private_members(node)
     return classes
 
 
@@ -84,6 +90,8 @@ def private_strategy_accesses(root: Path = SOURCE) -> list[str]:
             is_self = isinstance(receiver, ast.Name) and receiver.id in ("self", "cls")
             is_super = isinstance(receiver, ast.Call) and ast.unparse(receiver.func) == "super"
             compat = path == root / COMPAT.name
+            if node.attr in own:  # the class's own machinery in its module (the options' descriptor)
+                continue
             if not compat and (_is_strategy(receiver) or (node.attr in ours - own and not (is_self or is_super))):
                 found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     return found
