@@ -19,14 +19,15 @@ the update off).
 
 Muon's reference sums each gradient in the sharded run's order (``scenarios.whole_optimizers.ranks_backward``: each
 rank's half of the batch, the two gradients added), so that on any CPU it gets the same bits, and ends 0.0 off. With
-the full batch's gradient it did not hold on every CPU: ``torch.optim.Muon`` rounds its input to bfloat16 and its 5
-Newton-Schulz steps multiply the smallest singular values by up to ``3.4445**5`` (~490), and each gradient here
-(a batch of 8 rows; matrices of 16 to 64 columns) has a null space of rounding noise. Under ``MKL_CBWR=COMPATIBLE``
-the owner's whole gradient at step 1 was the full batch's to 3.9e-7 of its largest element (same shape, layout and
-dtype: the summation order alone), which rounded 1 of 2048 elements of ``net.1.up.weight`` (2 of ``net.2.up``) to
-the neighbouring bfloat16, and moved the orthogonalised update by 0.050 (its largest element 0.31): 0.101 of the
-4-step update at the end. The unsharded training itself, under COMPATIBLE or ``ATEN_CPU_CAPABILITY=default``, ends
-0.085 and 0.11 of the update from its own run in this CPU's default order.
+the full batch's gradient it did not hold on every CPU: ``torch.optim.Muon`` rounds its input to bfloat16, and each
+gradient here has rank 8 at most (a batch of 8 rows; matrices of 16 to 64 columns): a rounding that moves one element
+adds a direction of the null space, whose singular value its 5 Newton-Schulz steps multiply by up to
+``3.4445**5`` (~490, their slope at zero). Under ``MKL_CBWR=COMPATIBLE`` the owner's whole gradient at step 1 was the
+full batch's to 3.9e-7 of its largest element (same shape, layout and dtype: the summation order alone), which
+rounded 1 of 2048 elements of the first Block's ``up.weight`` (2 of the second's) to the neighbouring bfloat16 and
+moved the orthogonalised update by 0.050 (its largest element 0.31): 0.101 of the 4-step update at the end. The
+unsharded training itself, under COMPATIBLE or ``ATEN_CPU_CAPABILITY=default``, ends 0.085 and 0.11 of the update
+from the same training in this CPU's default order.
 """
 
 from __future__ import annotations

@@ -144,8 +144,8 @@ def clip(optimizer: torch.optim.Optimizer, value: Optional[float]) -> None:
 def shares_the_ranks_order(config: WholeOptimizers) -> bool:
     """Whether the reference sums each gradient in the sharded run's order (:func:`ranks_backward`): for Muon, whose
     orthogonalisation rounds its input to bfloat16 and then multiplies the smallest singular values by up to
-    ``3.4445**5`` (~490: the slope at zero of its 5 Newton-Schulz steps), so that a gradient one float32 rounding
-    apart changes the update by up to 0.1 of itself (``test_whole_optimizers.py`` says more)."""
+    ``3.4445**5`` (~490: the slope at zero of its 5 Newton-Schulz steps), so that trainings whose gradients are a
+    float32 rounding apart end 0.1 of the update apart (``test_whole_optimizers.py`` says more)."""
     return config.optimizer == "muon" and config.devices > 1
 
 
