@@ -117,9 +117,10 @@ def test_sharded_ddp_training_equals_unsharded_training(tmp_path: Path, package:
     results = torch.load(out, weights_only=False)
     from test_sharded import assert_sharded, reference
 
-    for name, optimizer in (("adamw", "AdamW"), ("sgd-groups", "SGD")):
-        assert_sharded(results[name], optimizer)
-        assert max_difference(results[name]["state_dict"], reference(name)) < 1e-5
+    assert_sharded(results["adamw"], "AdamW")
+    assert_adam_close(results["adamw"]["state_dict"], reference("adamw"))  # as test_sharded does (ADAM_RTOL)
+    assert_sharded(results["sgd-groups"], "SGD")
+    assert max_difference(results["sgd-groups"]["state_dict"], reference("sgd-groups")) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------------------------

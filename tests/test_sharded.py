@@ -173,8 +173,10 @@ def test_resume_is_exact(two_processes: Any, devices: int) -> None:
     results, workdir = two_processes
     resumed = results["resume"] if devices == 2 else run_cases(workdir, ["resume"], devices=1)["resume"]
     assert resumed["global_step"] == 4
-    tolerance = 0.0 if devices == 2 else 1e-6  # one process sums the gradient in another order
-    assert max_difference(resumed["state_dict"], results["straight"]["state_dict"]) <= tolerance
+    if devices == 2:
+        assert max_difference(resumed["state_dict"], results["straight"]["state_dict"]) == 0.0
+    else:  # one process sums the gradient in another order, and these are Adam's steps (ADAM_RTOL)
+        assert_adam_close(resumed["state_dict"], results["straight"]["state_dict"], what="resumed on one process")
 
 
 def test_checkpoint_holds_a_plain_optimizer_state(two_processes: Any) -> None:

@@ -16,6 +16,18 @@ a norm of the gradient: the difference from the reference is compared with the s
 ``|reference - initial|``), at :data:`RELATIVE` of it (the whole path ends 1e-5 of the update off or closer: the
 summation order of the gradient's reduction: 3e-7 to 7.5e-6 of the update measured; the slices' path ends 0.135 of
 the update off).
+
+Muon's reference sums each gradient in the sharded run's order (``scenarios.whole_optimizers.ranks_backward``: each
+rank's half of the batch, the two gradients added), so that on any CPU it gets the same bits, and ends 0.0 off. With
+the full batch's gradient it did not hold on every CPU: ``torch.optim.Muon`` rounds its input to bfloat16, and each
+gradient here has rank 8 at most (a batch of 8 rows; matrices of 16 to 64 columns): a rounding that moves one element
+adds a direction of the null space, whose singular value its 5 Newton-Schulz steps multiply by up to
+``3.4445**5`` (~490, their slope at zero). Under ``MKL_CBWR=COMPATIBLE`` the owner's whole gradient at step 1 was the
+full batch's to 3.9e-7 of its largest element (same shape, layout and dtype: the summation order alone), which
+rounded 1 of 2048 elements of the first Block's ``up.weight`` (2 of the second's) to the neighbouring bfloat16 and
+moved the orthogonalised update by 0.050 (its largest element 0.31): 0.101 of the 4-step update at the end. The
+unsharded training itself, under COMPATIBLE or ``ATEN_CPU_CAPABILITY=default``, ends 0.085 and 0.11 of the update
+from the same training in this CPU's default order.
 """
 
 from __future__ import annotations

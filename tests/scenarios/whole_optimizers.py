@@ -6,7 +6,8 @@ on the 2-D weights with AdamW on the rest (the usual recipe: two optimizers, the
 LARS of the user's own (:class:`LARS`, a subclass of ``torch.optim.Optimizer``: a trust ratio per tensor); LBFGS
 (refused before the first step); Adam (the element-wise path). The model is ``build_network()`` (FP32: FairScale
 refuses float64 parameters), auto-wrapped by ``{Block}`` (and ``nn.Linear`` under manual optimization, whose backward
-runs inside the root's forward).
+runs inside the root's forward). Muon's reference sums each gradient in the sharded run's order
+(:func:`ranks_backward`), which its bfloat16 orthogonalisation needs on every CPU (:func:`shares_the_ranks_order`).
 
 Rank 0 writes ``{"final": state dict after all steps, "reference": the unsharded training's, "initial": the
 weights before training, "paths": each optimizer's path}``. By hand (from the project's root)::
@@ -140,6 +141,38 @@ def clip(optimizer: torch.optim.Optimizer, value: Optional[float]) -> None:
 # The unsharded reference (one process, the whole global batch)
 
 
+def shares_the_ranks_order(config: WholeOptimizers) -> bool:
+    """Whether the reference sums each gradient in the sharded run's order (:func:`ranks_backward`): for Muon, whose
+    orthogonalisation rounds its input to bfloat16 and then multiplies the smallest singular values by up to
+    ``3.4445**5`` (~490: the slope at zero of its 5 Newton-Schulz steps), so that trainings whose gradients are a
+    float32 rounding apart end 0.1 of the update apart (``test_whole_optimizers.py`` says more)."""
+    return config.optimizer == "muon" and config.devices > 1
+
+
+def ranks_backward(config: WholeOptimizers, model: nn.Module, batches: list[Any], step: int) -> None:
+    """The gradients of step ``step`` summed in the order of the sharded run of ``config.devices`` processes: each
+    rank's gradient of its own part of every batch (the ``rank::world`` rows, as both fronts give them: the
+    Trainer's ``DistributedSampler``, Fabric's slicing), accumulated over the micro-batches, then the ranks' gradients
+    added in rank order, each already divided by the number of ranks (FairScale divides before its reduce-scatter;
+    dividing the loss instead divides every gradient by the same power of 2: the same bits). For 2 ranks that is the
+    sharded run's reduction exactly (one addition, which commutes); the per-rank forward and backward run the same
+    kernels on the same shapes as the ranks do, so that on any CPU both sides get the same bits."""
+    world = config.devices
+    params = [p for p in model.parameters() if p.requires_grad]
+    total: list[Optional[torch.Tensor]] = [None] * len(params)
+    for rank in range(world):
+        for p in params:
+            p.grad = None
+        for micro in range(config.accumulate):
+            x, y = batches[(step * config.accumulate + micro) % len(batches)]
+            x, y = x[rank::world].to(next(model.parameters()).dtype), y[rank::world]
+            loss = nn.functional.mse_loss(model(x), y.to(x.dtype)) / (config.accumulate * world)
+            loss.backward()
+        total = [t if p.grad is None else p.grad if t is None else t + p.grad for t, p in zip(total, params)]
+    for p, grad in zip(params, total):
+        p.grad = grad
+
+
 def reference(config: WholeOptimizers, states_at: Optional[list[Any]] = None) -> dict[str, torch.Tensor]:
     """The unsharded training's weights; with ``states_at`` (a list), its optimizers' state dicts after ``save_at``
     steps are appended to it."""
@@ -153,11 +186,14 @@ def reference(config: WholeOptimizers, states_at: Optional[list[Any]] = None) ->
         for step in range(config.steps):
             for optimizer in optimizers:
                 optimizer.zero_grad()
-            for micro in range(config.accumulate):
-                x, y = batches[(step * config.accumulate + micro) % len(batches)]
-                x = x.to(next(model.parameters()).dtype)
-                loss = nn.functional.mse_loss(model(x), y.to(x.dtype)) / config.accumulate
-                loss.backward()
+            if shares_the_ranks_order(config):
+                ranks_backward(config, model, batches, step)
+            else:
+                for micro in range(config.accumulate):
+                    x, y = batches[(step * config.accumulate + micro) % len(batches)]
+                    x = x.to(next(model.parameters()).dtype)
+                    loss = nn.functional.mse_loss(model(x), y.to(x.dtype)) / config.accumulate
+                    loss.backward()
             if model is not master:
                 for p, q in zip(master.parameters(), model.parameters()):
                     if q.grad is not None:
