@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit import sharded_reads, unit_state
 
 __all__ = [
     "ParamView",
@@ -77,11 +77,23 @@ def _shard(managed: nn.Parameter) -> Tensor:
     return (shard if shard is not None else managed.data).view(-1)
 
 
-def attach(managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool) -> ParamView:
-    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``."""
+def attach(
+    managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool,
+    layout: Optional[sharded_reads.ShardLayout] = None,
+) -> ParamView:
+    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``; with
+    ``layout`` (the original parameter's split over the ranks), one that knows it is sharded
+    (:mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), as are the gradients it is given."""
     data = _shard(managed)[start:stop]
-    view = ParamView(nn.Parameter(data, requires_grad=trainable), piece, start, stop, trainable)
-    unit_state.flat_state(managed).views.append(view)
+    if layout is None:
+        param = nn.Parameter(data, requires_grad=trainable)
+    else:
+        param = sharded_reads.ShardedParameter(data, trainable, layout)
+    view = ParamView(param, piece, start, stop, trainable)
+    state = unit_state.flat_state(managed)
+    state.views.append(view)
+    if layout is not None:  # an empty view reads as having a gradient while the other ranks' views have theirs
+        layout.empty_grad = lambda: gets_gradient(view) and state.grad_shared
     return view
 
 
@@ -204,6 +216,9 @@ def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tens
 
 
 def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
+    layout = sharded_reads.layout_of(view.param)
+    if layout is not None:  # a gradient that knows it is sharded, as its parameter
+        grad = sharded_reads.mark(grad, layout)
     view.param.grad = grad
     # Weakly: the gradient is freed with the view's reference to it (`zero_grad()`), as FairScale's is.
     unit_state.flat_state(managed).given[id(view.param)] = weakref.ref(grad)
@@ -222,9 +237,26 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
         return
     flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
     offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
+    given = unit_state.flat_state(managed).given
     for view in views_of(managed):
         if gets_gradient(view) and view.start < view.stop:
+            if view.param.grad is not None and not _holds_given(view, given):
+                _refuse_own_gradient_in_no_sync(view)
             _give(managed, view, flat[offset + view.start : offset + view.stop])
+
+
+def _refuse_own_gradient_in_no_sync(view: ParamView) -> None:
+    """A term computed on the parameter outside the forward got a gradient in a backward that does not synchronise:
+    giving the view FairScale's unreduced gradient would drop it, and the next micro-batches' would be averaged over
+    the ranks with FairScale's (divided by their number): refused rather than trained wrong."""
+    layout = sharded_reads.layout_of(view.param)
+    name = f"`{layout.name}`" if layout is not None else "a parameter"
+    raise RuntimeError(
+        f"{name} got a gradient of its own (a term computed on the parameters, such as a penalty over "
+        "`self.parameters()`) in a backward that accumulates gradients without synchronising (gradient "
+        "accumulation, `no_sync`). DDPFullyShardedStrategy cannot make that exact: add the term on the micro-batch "
+        "that synchronises only (the last of each step; scaled as you want it), or train without accumulation."
+    )
 
 
 @torch.no_grad()

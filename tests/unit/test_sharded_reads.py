@@ -1,0 +1,233 @@
+"""What user code reads outside a unit's forward (:mod:`lightning_fairscale.fsdp.unit.sharded_reads`): the whole
+parameter and gradient, exact, on 2 forked ranks, against the unsharded model in this process.
+
+Each rank trains ``Net`` wrapped with a unit per ``Block`` (shards padded, views empty on some ranks) and records
+what the reads give; the tests compare them with the same reads of an unsharded copy trained on the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fairscale.fsdp.patches import cpu_streams
+from lightning_fairscale.fsdp.unit import shard_layout, sharded_reads
+
+from .helpers import Net, batches, run_ranks, shard
+from models import Block
+
+STEPS = 3
+PENALTY = 0.05
+
+
+def l2(params: Any) -> torch.Tensor:
+    return PENALTY * sum(p.pow(2).sum() for p in params)
+
+
+def orthogonality(weight: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(weight.shape[1])
+    return ((weight.t() @ weight - eye) ** 2).sum()
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> dict[str, Any]:
+    """SGD steps whose loss adds an L2 penalty over ``model.parameters()`` and an orthogonality penalty on the
+    second block's ``up`` matrix, computed outside the forward; clipping over ``model.parameters()``."""
+    reads: dict[str, Any] = {}
+    for x, y in batches(STEPS):
+        x, y = x[rank::world], y[rank::world]
+        loss = nn.functional.mse_loss(model(x), y)
+        loss = loss + l2(model.parameters()) + 0.01 * orthogonality(model.blocks[1].up.weight)
+        loss.backward()
+        reads["total_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+        optimizer.step()
+        optimizer.zero_grad()
+    # EMA weights as user code keeps them: deep copies of the parameters, updated element-wise.
+    ema = copy.deepcopy(list(model.parameters()))
+    with torch.no_grad():
+        for average, p in zip(ema, model.parameters()):
+            average.mul_(0.5).add_(p, alpha=0.5)
+        reads["ema"] = [(average - 1).norm().item() for average in ema]
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()  # gradients to read
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            reads[name] = {
+                "shape": tuple(p.shape), "numel": p.numel(), "dim": p.dim(), "norm": p.norm().item(),
+                "sum": p.sum().item(), "mean": p.mean().item(), "vector_norm": torch.linalg.vector_norm(p).item(),
+                "max": p.abs().max().item(), "pow_sum": p.pow(2).sum().item(), "first": p[0].clone(),
+                "grad_norm": p.grad.norm().item(), "whole": sharded_reads.whole(p).clone(),
+                # an operand of another layout (a whole tensor, EWC / L2-SP style): the whole parameter, gathered
+                "from_ones": (p - torch.ones(tuple(p.shape))).pow(2).sum().item(),
+                "zeros_like": (tuple(torch.zeros_like(p).shape), torch.zeros_like(p).sum().item()),
+                "repr": repr(p.detach().clone()),
+            }
+        reads["foreach"] = [n.item() for n in torch._foreach_norm([p.grad for p in model.parameters()])]
+    return reads
+
+
+def ranked(rank: int, world: int) -> dict[str, Any]:
+    cpu_streams.install()
+    model = Net()
+    sharded = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy={Block})
+    reads = train(sharded.root, sharded.optimizer, rank, world)
+    # An element-wise optimizer's step runs at torch's own speed: not one call into the sharded tensors' rules (each
+    # would cost Python work per operation per parameter: 200 Adam steps took 2.4 times as long that way).
+    adam = torch.optim.Adam(sharded.root.parameters(), lr=1e-3)
+    shard_layout.local_steps(adam)
+    real, calls = sharded_reads._dispatch, []
+    sharded_reads._dispatch = lambda *args: (calls.append(args[0]), real(*args))[1]
+    try:
+        x, y = batches(1)[0]
+        nn.functional.mse_loss(sharded.root(x[rank::world]), y[rank::world]).backward()
+        before = len(calls)
+        adam.step()
+        reads["step_dispatches"] = len(calls) - before
+    finally:
+        sharded_reads._dispatch = real
+    adam.zero_grad()
+    # The optimizer's step sees its local slices; the closure it calls (Lightning's: training_step and the backward)
+    # reads whole parameters again, passed by keyword or by position.
+    shapes = []
+
+    def closure() -> torch.Tensor:
+        shapes.append(tuple(sharded.root.blocks[1].up.weight.shape))
+        x, y = batches(1)[0]
+        loss = nn.functional.mse_loss(sharded.root(x[rank::world]), y[rank::world])
+        loss.backward()
+        return loss
+
+    sharded.optimizer.step(closure=closure)
+    sharded.optimizer.step(closure)
+    sharded.optimizer.zero_grad()
+    reads["closure_shapes"] = shapes
+    # A read on one rank only (a kind of read of that parameter not made on every rank before) ends in an error on
+    # that rank, in seconds.
+    shard_layout.AGREEMENT_TIMEOUT = 2.0
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            sharded.root.blocks[0].down.weight.norm(p=1)
+        reads["one_rank"] = None
+    except RuntimeError as error:
+        reads["one_rank"] = (str(error), time.monotonic() - started)
+    # Writing a parameter in place from a whole tensor cannot be made exact on a slice: refused, naming it.
+    try:
+        with torch.no_grad():
+            sharded.root.blocks[0].up.weight.copy_(torch.zeros(6, 5))
+        reads["whole_write"] = None
+    except RuntimeError as error:
+        reads["whole_write"] = str(error)
+    local = sharded_reads.local_slice(sharded.root.blocks[0].down.weight)
+    reads["local_type"] = (type(local), local.dim())
+    # A penalty in a backward that accumulates without synchronising cannot be made exact: refused, last (the units
+    # are left mid-backward).
+    x, y = batches(1)[0]
+    try:
+        with sharded.root.no_sync():
+            loss = nn.functional.mse_loss(sharded.root(x[rank::world]), y[rank::world])
+            (loss + l2(sharded.root.parameters())).backward()
+        reads["no_sync"] = None
+    except RuntimeError as error:
+        reads["no_sync"] = str(error)
+    return reads
+
+
+def unsharded() -> dict[str, Any]:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return train(model, optimizer, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(ranked, 2, tmp_path_factory.mktemp("reads"))
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, Any]:
+    return unsharded()
+
+
+def test_penalties_and_clipping_over_the_parameters_train_as_unsharded(ranks: Any, expected: Any) -> None:
+    for reads in ranks:
+        assert reads["total_norm"] == pytest.approx(expected["total_norm"], rel=1e-5)
+        for name, got in reads.items():
+            if isinstance(got, dict):
+                torch.testing.assert_close(got["whole"], expected[name]["whole"], atol=1e-6, rtol=0)
+
+
+def test_reads_outside_the_forward_are_the_whole_parameters(ranks: Any, expected: Any) -> None:
+    names = [name for name, value in expected.items() if isinstance(value, dict)]
+    assert names
+    for reads in ranks:
+        for name in names:
+            got, want = reads[name], expected[name]
+            for key in ("shape", "numel", "dim", "zeros_like", "repr"):
+                assert got[key] == want[key], (name, key)
+            for key in ("norm", "sum", "mean", "vector_norm", "max", "pow_sum", "grad_norm", "from_ones"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (name, key)
+            torch.testing.assert_close(got["first"], want["first"], atol=1e-6, rtol=0)
+        assert reads["foreach"] == pytest.approx(expected["foreach"], rel=1e-5)
+        assert reads["ema"] == pytest.approx(expected["ema"], rel=1e-5)
+
+
+def test_a_read_on_one_rank_only_fails_in_seconds_naming_the_parameter(ranks: Any) -> None:
+    message, seconds = ranks[0]["one_rank"]
+    assert "blocks.0.down.weight" in message and "local_slice" in message
+    assert seconds < 10
+    assert ranks[1]["one_rank"] is None
+
+
+def test_the_closure_an_optimizer_step_calls_reads_whole_parameters(ranks: Any) -> None:
+    for reads in ranks:
+        assert reads["closure_shapes"] == [(6, 5), (6, 5)]
+
+
+def test_an_optimizer_step_calls_no_rule_of_the_sharded_tensors(ranks: Any) -> None:
+    for reads in ranks:
+        assert reads["step_dispatches"] == 0
+
+
+def test_a_penalty_in_a_backward_that_accumulates_without_synchronising_is_refused(ranks: Any) -> None:
+    for reads in ranks:
+        assert reads["no_sync"] is not None and "no_sync" in reads["no_sync"] and "got a gradient" in reads["no_sync"]
+
+
+def test_an_in_place_write_from_a_whole_tensor_is_refused_naming_the_parameter(ranks: Any) -> None:
+    for reads in ranks:
+        assert "blocks.0.up.weight" in reads["whole_write"] and "local_reads" in reads["whole_write"]
+
+
+def test_the_local_slice_is_a_plain_1d_tensor(ranks: Any) -> None:
+    assert ranks[0]["local_type"] == (torch.Tensor, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_step_uses_the_foreach_kernels_torch_chooses_for_plain_tensors() -> None:
+    layout = sharded_reads.ShardLayout("w", torch.Size([4]), ((0, 4),), 0)
+    param = sharded_reads.ShardedParameter(torch.ones(4, device="cuda"), True, layout)
+    param.grad = torch.ones(4, device="cuda")
+    optimizer = torch.optim.Adam([param], lr=0.1)
+    shard_layout.local_steps(optimizer)
+    during = []
+    optimizer.register_step_pre_hook(lambda opt, *_: during.append(opt.param_groups[0]["foreach"]))
+    optimizer.step()
+    assert during == [True] and optimizer.param_groups[0]["foreach"] is None
+
+
+def test_a_step_leaves_the_param_groups_as_they_were() -> None:
+    layout = sharded_reads.ShardLayout("w", torch.Size([4]), ((0, 4),), 0)
+    param = sharded_reads.ShardedParameter(torch.ones(4), True, layout)
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.Adam([param], lr=0.1)
+    shard_layout.local_steps(optimizer)
+    before = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    optimizer.step()
+    assert {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} == before
+    assert torch._C._is_torch_function_enabled()
+    torch.testing.assert_close(param.data, torch.full((4,), 0.9))
