@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -93,8 +93,24 @@ def attach(
     state = unit_state.flat_state(managed)
     state.views.append(view)
     if layout is not None:  # an empty view reads as having a gradient while the other ranks' views have theirs
-        layout.empty_grad = lambda: gets_gradient(view) and state.grad_shared
+        layout.empty_grad = _empty_grad(weakref.ref(view), weakref.ref(state))
     return view
+
+
+def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[Any]) -> Callable[[], bool]:
+    """Whether the (empty) view reads as having a gradient now, asked through the view's layout.
+
+    Weakly: the layout is held by the view's gradients too, and a parameter holds its gradient in torch's C++, where
+    the garbage collector cannot see it: a strong reference from the layout back to the view (or to the flat
+    parameter's state, which lists the views) would close a cycle ``param -> grad -> layout -> param`` that the
+    collector never frees, keeping a dropped model's gradients (and everything they hold) alive for good whenever
+    they were not dropped before the model was (a step that raised, a run interrupted)."""
+
+    def empty_grad() -> bool:
+        viewed, flat = view(), state()
+        return viewed is not None and flat is not None and gets_gradient(viewed) and flat.grad_shared
+
+    return empty_grad
 
 
 def forget(managed: nn.Parameter) -> None:
