@@ -94,6 +94,7 @@ def attach(
     state.views.append(view)
     if layout is not None:  # an empty view reads as having a gradient while the other ranks' views have theirs
         layout.empty_grad = _empty_grad(weakref.ref(view), weakref.ref(state))
+    param.register_hook(_set_aside_under_no_sync(weakref.ref(view), weakref.ref(state)))
     return view
 
 
@@ -113,12 +114,40 @@ def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[Any]) -> Callab
     return empty_grad
 
 
+def _set_aside_under_no_sync(
+    view: weakref.ref[ParamView], state: weakref.ref[Any]
+) -> Callable[[Tensor], Optional[Tensor]]:
+    """The hook of a view's parameter, called with each gradient the backward computes for the view itself (a term on
+    the parameters outside the forward) before autograd adds it to the view's ``.grad``.
+
+    While the view holds its slice of this rank's unreduced gradient (between backwards under ``no_sync``), autograd
+    would add it there in place, and the synchronising backward would average it over the ranks with FairScale's:
+    each rank's slice of such a term's gradient is whole already (every rank computed the same term), so it is set
+    aside and added to the reduced shard instead (:func:`_add_own_gradients`). Weakly, as :func:`_empty_grad`."""
+
+    def hook(grad: Tensor) -> Optional[Tensor]:
+        viewed, flat = view(), state()
+        if viewed is None or flat is None or not flat.local_given or not _holds_given(viewed, flat.given):
+            return None  # as computed
+        _set_aside(flat, viewed, grad)
+        return torch.zeros_like(grad)
+
+    return hook
+
+
+def _set_aside(state: Any, view: ParamView, grad: Tensor) -> None:
+    key = id(view.param)
+    grad = sharded_reads.local_slice(grad).detach()
+    kept = state.pending.get(key)
+    state.pending[key] = grad.clone() if kept is None else kept.add_(grad)
+
+
 def forget(managed: nn.Parameter) -> None:
     """Unregister every view of ``managed`` (a new layout of the same model makes its own: the optimizers of an
     earlier stage, which hold the old ones, are gone or no longer stepped)."""
     state = unit_state.peek_flat(managed)
     if state is not None:
-        state.views, state.grad_shared, state.given = [], False, {}
+        state.views, state.grad_shared, state.given, state.local_given, state.pending = [], False, {}, False, {}
 
 
 def views_of(managed: nn.Parameter) -> list[ParamView]:
@@ -219,16 +248,21 @@ def repoint_data(managed: nn.Parameter) -> None:
 def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tensor) -> None:
     """Add into ``flat`` (the flat gradient shard) what the backward gave the views themselves: a term computed on
     the model's parameters outside its forward (``sum(p.pow(2).sum() for p in model.parameters())``) reaches the
-    views, not FairScale's flat parameter. A gradient this module gave a view (its slice of FairScale's gradient, to
-    which autograd adds in place when accumulating) is FairScale's already. Each rank holds its slice of such a term's
-    gradient whole: no reduction, as for an unsharded model's parameter."""
-    state = unit_state.peek_flat(managed)
-    given = state.given if state is not None else {}
+    views, not FairScale's flat parameter; and what the backwards under ``no_sync`` before it gave them (set aside).
+    A gradient this module gave a view (its slice of FairScale's reduced gradient, to which autograd adds in place
+    when accumulating over synchronising backwards) is FairScale's already. Each rank holds its slice of such a
+    term's gradient whole: no reduction, as for an unsharded model's parameter."""
+    state = unit_state.flat_state(managed)
+    pending, state.pending, state.local_given = state.pending, {}, False
     for view in views:
-        own = view.param.grad
-        if own is None or not gets_gradient(view) or view.start == view.stop or _holds_given(view, given):
+        if not gets_gradient(view) or view.start == view.stop:
             continue
-        flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
+        own = view.param.grad
+        if own is not None and not _holds_given(view, state.given):
+            flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
+        kept = pending.get(id(view.param))
+        if kept is not None:
+            flat[view.start : view.stop].add_(kept.to(flat.dtype))
 
 
 def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
@@ -253,26 +287,19 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
         return
     flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
     offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
-    given = unit_state.flat_state(managed).given
+    state = unit_state.flat_state(managed)
     for view in views_of(managed):
         if gets_gradient(view) and view.start < view.stop:
-            if view.param.grad is not None and not _holds_given(view, given):
-                _refuse_own_gradient_in_no_sync(view)
+            own = view.param.grad
+            if own is None:  # dropped since (`zero_grad()`): what was set aside for it goes too
+                state.pending.pop(id(view.param), None)
+            elif not _holds_given(view, state.given):
+                # A term on the parameter outside the forward, in the first backward since the gradients were
+                # dropped: whole already, set aside for the synchronising backward (the later ones' go through the
+                # view's hook, `_set_aside_under_no_sync`).
+                _set_aside(state, view, own)
             _give(managed, view, flat[offset + view.start : offset + view.stop])
-
-
-def _refuse_own_gradient_in_no_sync(view: ParamView) -> None:
-    """A term computed on the parameter outside the forward got a gradient in a backward that does not synchronise:
-    giving the view FairScale's unreduced gradient would drop it, and the next micro-batches' would be averaged over
-    the ranks with FairScale's (divided by their number): refused rather than trained wrong."""
-    layout = sharded_reads.layout_of(view.param)
-    name = f"`{layout.name}`" if layout is not None else "a parameter"
-    raise RuntimeError(
-        f"{name} got a gradient of its own (a term computed on the parameters, such as a penalty over "
-        "`self.parameters()`) in a backward that accumulates gradients without synchronising (gradient "
-        "accumulation, `no_sync`). DDPFullyShardedStrategy cannot make that exact: add the term on the micro-batch "
-        "that synchronises only (the last of each step; scaled as you want it), or train without accumulation."
-    )
+    state.local_given = True
 
 
 @torch.no_grad()
