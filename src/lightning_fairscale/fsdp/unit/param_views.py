@@ -125,6 +125,7 @@ def _set_aside_under_no_sync(
     each rank's slice of such a term's gradient is whole already (every rank computed the same term), so it is set
     aside and added to the reduced shard instead (:func:`_add_own_gradients`). Weakly, as :func:`_empty_grad`."""
 
+    @torch.utils.hooks.unserializable_hook  # a pickled view (no layout: one rank) goes without it, silently
     def hook(grad: Tensor) -> Optional[Tensor]:
         viewed, flat = view(), state()
         if viewed is None or flat is None or not flat.local_given or not _holds_given(viewed, flat.given):
