@@ -69,6 +69,9 @@ class ParamView:
     start: int
     stop: int
     trainable: bool
+    #: The handle of the hook on ``param`` that sets aside its own gradients under ``no_sync``
+    #: (:func:`_set_aside_under_no_sync`), registered the first time it holds an unreduced slice.
+    hook: Any = None
 
 
 def _shard(managed: nn.Parameter) -> Tensor:
@@ -94,7 +97,6 @@ def attach(
     state.views.append(view)
     if layout is not None:  # an empty view reads as having a gradient while the other ranks' views have theirs
         layout.empty_grad = _empty_grad(weakref.ref(view), weakref.ref(state))
-    param.register_hook(_set_aside_under_no_sync(weakref.ref(view), weakref.ref(state)))
     return view
 
 
@@ -299,6 +301,8 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
                 # dropped: whole already, set aside for the synchronising backward (the later ones' go through the
                 # view's hook, `_set_aside_under_no_sync`).
                 _set_aside(state, view, own)
+            if view.hook is None:  # it requires a gradient now (`gets_gradient`)
+                view.hook = view.param.register_hook(_set_aside_under_no_sync(weakref.ref(view), weakref.ref(state)))
             _give(managed, view, flat[offset + view.start : offset + view.stop])
     state.local_given = True
 
