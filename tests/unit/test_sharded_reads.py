@@ -272,3 +272,27 @@ def test_a_penalty_in_every_micro_batch_of_an_accumulation_trains_as_unsharded(
         assert weights.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(weights[name], want[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_step_that_raises_outside_its_closure_leaves_torch_functions_on(process_group: Any) -> None:
+    """A step that raises (not in its closure) never runs its post-hook: the front ends' handling of a failed step
+    (``WrappedModel.abort_steps``: Lightning's ``on_exception``, Fabric's ``optimizer_step``) ends its plain context
+    (before: ``__torch_function__`` stayed off on the thread until the next step)."""
+    from .test_whole_path import sharded_with
+
+    layout = sharded_reads.ShardLayout("w", torch.Size([4]), ((0, 4),), 0)
+    param = sharded_reads.ShardedParameter(torch.ones(4), True, layout)
+    param.grad = torch.ones(4)
+
+    class Exploding(torch.optim.SGD):
+        def step(self, closure: Any = None) -> None:  # type: ignore[override]
+            raise ValueError("not finite")
+
+    optimizer = Exploding([param], lr=0.1)
+    shard_layout.local_steps(optimizer)
+    module = Net()
+    model = sharded_with(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not finite"):
+        optimizer.step()
+    model.abort_steps()
+    assert torch._C._is_torch_function_enabled()
