@@ -22,6 +22,8 @@ ATOL = 1e-5
 
 JOBS = {
     "trainer-penalty": Reads(case="penalty"),
+    # The penalty in both micro-batches of each step, the first under `no_sync` (before: refused at its backward).
+    "trainer-penalty-accumulate": Reads(case="penalty", accumulate=2),
     "trainer-clip": Reads(case="clip"),
     "trainer-log": Reads(case="log"),
     "trainer-one-rank": Reads(case="one_rank", steps=2),

@@ -353,3 +353,5 @@ class Reads(Config):
     case: str = "penalty"
     devices: int = 2
     steps: int = 4
+    #: Micro-batches per step (Trainer: `accumulate_grad_batches`; the first under `no_sync`), the penalty in each
+    accumulate: int = 1

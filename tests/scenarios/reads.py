@@ -8,6 +8,8 @@
   after ``fabric.backward``);
 * ``log``: a callback's ``pl_module.net[2].up.weight.norm()`` and its gradient's norm in ``on_train_batch_end``, on
   every rank;
+* ``accumulate``: micro-batches per step (the Trainer's ``accumulate_grad_batches``: all but the last under
+  ``no_sync``), the penalty in each;
 * ``one_rank``: the same read under ``if trainer.is_global_zero:``: the error it ends in on rank 0, and how long.
 
 Rank 0 writes ``{"final", "reference", "norms": [each rank's], "expected_norms", "one_rank"}``.
@@ -61,10 +63,11 @@ def reference(config: Reads) -> tuple[dict[str, torch.Tensor], list[tuple[float,
     batches = list(DataLoader(dataset(), batch_size=GLOBAL_BATCH))
     logged = []
     for step in range(config.steps):
-        x, y = batches[step % len(batches)]
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        (loss + penalty(model) if config.case == "penalty" else loss).backward()
+        for micro in range(config.accumulate):  # Lightning divides each micro-batch's loss by their number
+            x, y = batches[(step * config.accumulate + micro) % len(batches)]
+            loss = nn.functional.mse_loss(model(x), y)
+            ((loss + penalty(model) if config.case == "penalty" else loss) / config.accumulate).backward()
         if config.case == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
@@ -110,7 +113,8 @@ def run_trainer(config: Reads) -> tuple[nn.Module, LogNorms]:
     model = Model(config.case)
     trainer = Trainer(
         accelerator="cpu", devices=config.devices, strategy=DDPFullyShardedStrategy(auto_wrap_policy={Block}),
-        max_steps=config.steps, callbacks=[callback], logger=False, enable_checkpointing=False,
+        max_steps=config.steps, accumulate_grad_batches=config.accumulate, callbacks=[callback], logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=False,
     )
