@@ -9,18 +9,24 @@ one FSDP unit each, float32, 2 processes, Fabric's loop (one forward, backward a
   owner, the step on whole tensors, the updated slices back);
 * ``fsdp-muon``: ``torch.optim.Muon`` on the matrices (whole path) + ``AdamW`` on the rest (element-wise);
 * ``ddp-adam``, ``ddp-adafactor``, ``ddp-muon``: the same under Lightning's ``"ddp"`` (every rank holds and steps
-  every parameter).
+  every parameter);
+* ``fsdp-adam-l2``, ``ddp-adam-l2``: Adam, the loss plus an L2 penalty over ``model.parameters()`` computed after the
+  forward, as a user's ``training_step`` adds it (under FSDP: each parameter's sum of squares reduced over the shard
+  group, with autograd: ``lightning_fairscale.fsdp.unit.sharded_reads``).
 
 Every configuration runs in a fresh launch, interleaved in ``--rounds`` rounds (a shared machine's load hits all
 alike); a ratio is the median of the rounds' own ratios (the two launches of a round ran side by side). Per rank:
 the median step time (slowest rank), the bytes this rank sent per step through the whole path's exchanges
 (``collectives.point_to_point_bytes``: FSDP's own all-gathers and reduce-scatters are the same for every optimizer),
-the optimizer state it holds (``memory_figures()``) and its peak resident set (``VmHWM``, reset after the warm-up).
+the optimizer state it holds (``memory_figures()``) and its peak resident set (``VmHWM``, reset after the warm-up),
+and the payload of every collective of a step (``collectives.recording_traffic``: FSDP's all-gathers and
+reduce-scatters, the reads' all-reduces, DDP's all-reduce through a hook that calls ``torch.distributed``).
 
 Run it from the project's root (about 5 minutes on two busy CPU cores)::
 
     .venv/bin/python benchmarks/whole_optimizers.py             # or: make bench BENCHMARKS=whole_optimizers
     .venv/bin/python benchmarks/whole_optimizers.py --quick     # a check that it runs
+    .venv/bin/python benchmarks/whole_optimizers.py --configs fsdp-adam fsdp-adam-l2 ddp-adam ddp-adam-l2
 
 It prints markdown tables and writes them to ``benchmarks/results/whole_optimizers.md``.
 """
@@ -45,11 +51,16 @@ import _common  # noqa: E402
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUTPUT = HERE / "results" / "whole_optimizers.md"
 WORLD = 2
-CONFIGS = ("fsdp-adam", "fsdp-adafactor", "fsdp-muon", "ddp-adam", "ddp-adafactor", "ddp-muon")
+CONFIGS = (
+    "fsdp-adam", "fsdp-adafactor", "fsdp-muon", "fsdp-adam-l2", "ddp-adam", "ddp-adafactor", "ddp-muon", "ddp-adam-l2"
+)
+#: The L2 penalty's weight (``*-l2``).
+L2 = 1e-4
 #: (configuration, the one it is compared with): the ratios of step times reported.
 PAIRS = [
     ("fsdp-adafactor", "fsdp-adam"), ("fsdp-muon", "fsdp-adam"), ("fsdp-adafactor", "ddp-adafactor"),
-    ("fsdp-muon", "ddp-muon"), ("fsdp-adam", "ddp-adam"),
+    ("fsdp-muon", "ddp-muon"), ("fsdp-adam", "ddp-adam"), ("fsdp-adam-l2", "fsdp-adam"),
+    ("fsdp-adam-l2", "ddp-adam-l2"), ("ddp-adam-l2", "ddp-adam"),
 ]
 
 
@@ -79,7 +90,8 @@ def run_worker(config: str, args: argparse.Namespace, out: Path) -> None:
     from lightning_fairscale.fabric import DDPFullyShardedStrategy
 
     _common.quiet_known_warnings()
-    front, kind = config.split("-")
+    front, kind = config.split("-", 1)
+    kind, _, penalty = kind.partition("-")
     strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy={type(_common.wide_block(8))}) if front == "fsdp" \
         else "ddp"
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
@@ -88,27 +100,38 @@ def run_worker(config: str, args: argparse.Namespace, out: Path) -> None:
     module = Stack(args.width, args.depth)
     numel = sum(p.numel() for p in module.parameters())
     model, *optimizers = fabric.setup(module, *optimizers_for(kind, module))
+    if front == "ddp":  # DDP's all-reduce through `torch.distributed`, so that the payload counts it
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model._forward_module.register_comm_hook(None, allreduce_hook)
     g = torch.Generator().manual_seed(fabric.global_rank)
     batch = torch.randn(args.batch, args.width, generator=g)
     clock = _common.StepClock()
     sent: list[int] = []
+    payload: list[int] = []
     total = args.warmup + args.steps + 1
     for step in range(total):
         if step == args.warmup:
             _common.reset_peak_rss()
         before = collectives.point_to_point_bytes(every_group=True)
+        recording = collectives.recording_traffic()
+        transfers = recording.__enter__()
         clock.start()
         loss = model(batch).pow(2).mean()
+        if penalty:  # after the forward, over what the user's `self.parameters()` gives
+            loss = loss + L2 * sum(p.pow(2).sum() for p in model.parameters())
         fabric.backward(loss)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
         clock.end()
+        recording.__exit__(None, None, None)
         sent.append(collectives.point_to_point_bytes(every_group=True) - before)
+        payload.append(sum(transfer.nbytes for transfer in transfers))
     held = _common.held_bytes(model, [getattr(o, "optimizer", o) for o in optimizers])
     _common.write_rank_result(out, fabric.global_rank, {
         **clock.marks(), **_common.resident_bytes(), **held, "numel": numel,
-        "sent": statistics.median(sent[args.warmup:]),
+        "sent": statistics.median(sent[args.warmup:]), "payload": statistics.median(payload[args.warmup:]),
     })
 
 
@@ -119,9 +142,10 @@ def launch(config: str, args: argparse.Namespace, work: Path, round_: int) -> li
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, list[dict[str, Any]]]], conditions: str) -> str:
-    times = {c: [_common.step_times(r[c], args.warmup, args.steps).step for r in rounds] for c in CONFIGS}
+    configs = [c for c in CONFIGS if c in rounds[0]]
+    times = {c: [_common.step_times(r[c], args.warmup, args.steps).step for r in rounds] for c in configs}
     first = rounds[0]
-    numel = first[CONFIGS[0]][0]["numel"]
+    numel = first[configs[0]][0]["numel"]
     lines = [
         "# The whole path's cost: Adafactor and Muon under DDPFullyShardedStrategy",
         "",
@@ -134,22 +158,24 @@ def report(args: argparse.Namespace, rounds: list[dict[str, list[dict[str, Any]]
         "",
     ]
     rows = []
-    for config in CONFIGS:
+    for config in configs:
         ranks = [rank for r in rounds for rank in r[config]]
         sent = max(rank["sent"] for rank in ranks)
+        payload = max(rank["payload"] for rank in ranks)
         rows.append([
             config, f"{statistics.median(times[config]) * 1e3:.1f}",
             f"{min(times[config]) * 1e3:.1f}–{max(times[config]) * 1e3:.1f}",
-            f"{sent / 1024:,.1f}", f"{sent / (4 * numel):.4f}",
+            f"{sent / 1024:,.1f}", f"{sent / (4 * numel):.4f}", f"{payload / 1024:,.1f}",
             _common.mib(max(rank["optimizer_state"] for rank in ranks)),
             _common.mib(max(rank["peak_rss"] for rank in ranks)),
         ])
     lines += _common.markdown_table(
         ["configuration", "step (ms)", "range over rounds", "sent by the whole path (KiB/step/rank)",
-         "… in 4Ψ bytes", "optimizer state (MiB/rank)", "peak RSS (MiB/rank)"], "lrrrrrr", rows)
+         "… in 4Ψ bytes", "collectives' payload (KiB/step/rank)", "optimizer state (MiB/rank)",
+         "peak RSS (MiB/rank)"], "lrrrrrrr", rows)
     lines += ["", "## Ratios of step times (median of the rounds' own ratios; each round's)", ""]
     pair_rows = []
-    for a, b in PAIRS:
+    for a, b in (pair for pair in PAIRS if set(pair) <= set(configs)):
         ratios = [x / y for x, y in zip(times[a], times[b])]
         pair_rows.append([f"{a} / {b}", f"{statistics.median(ratios):.2f}", ", ".join(f"{r:.2f}" for r in ratios)])
     lines += _common.markdown_table(["pair", "median ratio", "rounds"], "lrl", pair_rows)
@@ -167,6 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of fresh launches")
     parser.add_argument("--quick", action="store_true", help="a small model, one round: a check that it runs")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the markdown report")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS, help="the configurations to run")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -179,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rounds: list[dict[str, list[dict[str, Any]]]] = []
     with tempfile.TemporaryDirectory(prefix="bench-whole-") as work:
         for round_ in range(args.rounds):
-            rounds.append({config: launch(config, args, Path(work), round_) for config in CONFIGS})
+            rounds.append({config: launch(config, args, Path(work), round_) for config in args.configs})
             print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     conditions += f"; after: {_common.load_average()}; the whole benchmark took {time.perf_counter() - started:.0f} s"
     _common.publish(report(args, rounds, conditions), args.output)

@@ -123,6 +123,9 @@ def test_fabric_hybrid_loop_equals_unsharded_training(jobs: Jobs) -> None:
     assert_adam_close(result["final"], reference_training(3, "adam", clip=(0.05, "norm")))
     _assert_half_of_16_bytes_per_parameter(result["memory"], result["final"])
     assert result["replica_bytes"] == 3 * result["shard_bytes"]
+    # The user's L2 over `model.parameters()` outside the forward: the whole model's, over the shard group only.
+    l2 = sum(value.double().pow(2).sum().item() for value in result["final"].values())
+    assert result["l2_outside_forward"] == pytest.approx(l2, rel=1e-5)
 
 
 def test_process_groups_are_made_once_and_destroyed_with_the_sharded_module(

@@ -36,6 +36,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "compile": ("off", "whole", "inner"),
     "precision": ("32-true", "bf16-mixed", "bf16-true"),
     "optimizer": ("sgd", "adamw-groups", "frozen", "adafactor"),
+    "regulariser": ("off", "l2"),
     "accumulation": ("1", "no_sync", "sync_each_batch"),
     "clipping": ("off", "norm"),
     "checkpoint": ("none", "full", "sharded", "async"),

@@ -33,6 +33,7 @@ from lightning_fairscale.precision import (
 )
 from lightning_fairscale.precision import _RENAMED as _RENAMED_PRECISION
 from lightning_fairscale.strategies import DDPFullyShardedStrategy, DDPShardedStrategy, DDPSpawnShardedStrategy
+from lightning_fairscale.fsdp.unit.sharded_reads import local_reads, local_slice, whole
 
 # Fabric's registry gets the same names (Fabric's classes are in `lightning_fairscale.fabric`).
 importlib.import_module("lightning_fairscale.fabric")
@@ -52,6 +53,9 @@ __all__ = [
     "ShardedMixedPrecisionPlugin",
     "ShardedPrecisionPlugin",
     "__version__",
+    "local_reads",
+    "local_slice",
+    "whole",
 ]
 
 

@@ -332,3 +332,26 @@ class WholeOptimizers(Config):
     #: Fabric: resume from this sharded checkpoint at step `save_at` (saved by another number of processes)
     load_from: Optional[str] = None
     save_dir: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# scenarios/reads.py
+
+
+@dataclass(frozen=True)
+class Reads(Config):
+    """What user code reads outside a unit's forward (``scenarios/reads.py``): a penalty over the parameters in the
+    loss, the user's own clipping, a callback's norms, under the FSDP strategy (Trainer or Fabric), with the
+    unsharded reference computed in the same process."""
+
+    SCRIPT: ClassVar[str] = "reads"
+
+    front: str = "trainer"  # or "fabric"
+    #: "penalty": an L2 penalty over `self.parameters()` and an orthogonality penalty on another unit's matrix in
+    #: the loss; "clip": `clip_grad_norm_(self.parameters(), 0.05)` before each step; "log": a callback's weight and
+    #: gradient norms on every rank; "one_rank": a callback's read on rank 0 only
+    case: str = "penalty"
+    devices: int = 2
+    steps: int = 4
+    #: Micro-batches per step (Trainer: `accumulate_grad_batches`; the first under `no_sync`), the penalty in each
+    accumulate: int = 1

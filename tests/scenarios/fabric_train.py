@@ -35,6 +35,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from lightning_fairscale import local_slice  # noqa: E402
 from lightning_fairscale.distributed import collectives  # noqa: E402
 from lightning_fairscale.fsdp.unit.units import fsdp_instances  # noqa: E402
 from scenarios.common import (  # noqa: E402
@@ -297,7 +298,12 @@ def run(fabric: Any, fields: dict[str, Any], out: str) -> None:
     result["norms"] = train(fabric, model, optimizer, config, config.load_step, config.steps, save=save, record=result)
     if replicas is not None:  # hybrid sharding: the bytes all-reduced across the replicas, and this rank's shards
         result["replica_bytes"] = collectives.all_reduced_bytes(replicas) - replica_start
-        result["shard_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        # This rank's elements: `p.numel()` outside the forward is the whole parameter's, as unsharded.
+        result["shard_bytes"] = sum(local_slice(p).numel() * p.element_size() for p in model.parameters())
+        # A read outside the forward reduces over the shard group only (over the replicas too, it would be twice
+        # the whole model's).
+        with torch.no_grad():
+            result["l2_outside_forward"] = sum(p.pow(2).sum() for p in model.parameters()).item()
     handle.remove()
     if hasattr(fabric.strategy, "memory_figures"):
         result["memory"] = fabric.strategy.memory_figures(model, [optimizer])

@@ -69,6 +69,9 @@ class Cell(Config):
     #: sgd (momentum), adamw-groups (decay on matrices only), frozen (Adam, a layer frozen), adafactor (torch's
     #: Adafactor: row and column means of each matrix, so FSDP steps it on the whole path)
     optimizer: str = "sgd"
+    #: off, l2 (an L2 penalty over the module's parameters, read outside any unit's forward: in `training_step`, or
+    #: after Fabric's forward)
+    regulariser: str = "off"
     accumulation: str = "1"  # 1, no_sync (2 micro-batches), sync_each_batch (2, reduced after each)
     clipping: str = "off"  # off, norm
     checkpoint: str = "none"  # none, full, sharded, async (full, written in the background)
@@ -172,6 +175,17 @@ def batch_loss(net: nn.Module, batch: Any, cell: Cell) -> torch.Tensor:
     return nn.functional.mse_loss(net(x).float(), y.float())
 
 
+#: The L2 penalty's weight (``regulariser="l2"``).
+L2 = 0.01
+
+
+def regularised(loss: torch.Tensor, module: nn.Module, cell: Cell) -> torch.Tensor:
+    """``loss`` plus the cell's regulariser over ``module``'s parameters, read as the user's code reads them."""
+    if cell.regulariser == "l2":
+        return loss + L2 * sum(p.float().pow(2).sum() for p in module.parameters())
+    return loss
+
+
 def cell_dataset(cell: Cell) -> Dataset:
     return token_dataset() if cell.model == "gpt2" else dataset(16)
 
@@ -230,7 +244,7 @@ class CellModule(LightningModule):
             wrap_layers(self.net, self.cell)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = batch_loss(self.net, batch, self.cell)
+        loss = regularised(batch_loss(self.net, batch, self.cell), self, self.cell)
         self.losses.append(float(loss.detach()))
         return loss
 
@@ -406,7 +420,7 @@ def fabric_steps(fabric: Any, model: Any, optimizer: Any, cell: Cell, first: int
         for micro in range(micro_batches):
             batch = [t[rank::world] for t in batches[(step * micro_batches + micro) % len(batches)]]
             with fabric.no_backward_sync(model, enabled=micro < micro_batches - 1):
-                loss = batch_loss(model, batch, cell)
+                loss = regularised(batch_loss(model, batch, cell), model, cell)
                 fabric.backward(loss / micro_batches)
             losses.append(float(loss.detach()))
         if cell.clipping == "norm":

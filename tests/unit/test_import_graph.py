@@ -68,6 +68,8 @@ ENGINE = (
     "fsdp.unit.original_params",
     "fsdp.state.optim_state",
     "fsdp.unit.param_views",
+    "fsdp.unit.shard_layout",
+    "fsdp.unit.sharded_reads",
     "fsdp.wrapping.policies",
     "fsdp.patches.prefetch",
     "fsdp.patches.reduce_scatter",

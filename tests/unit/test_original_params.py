@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_fairscale.fsdp.unit.sharded_reads import ShardedParameter, local_reads
+
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
@@ -79,7 +81,8 @@ def _rank_run(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"tied": model.head.weight is model.embed.weight}
     params = list(model.named_parameters())
     out["names"] = [clean_path(n) for n, _ in params]
-    out["plain_parameters"] = all(type(p) is nn.Parameter for _, p in params)
+    # Views (which know they are sharded: sharded_reads), not FairScale's flat parameters.
+    out["plain_parameters"] = all(type(p) in (nn.Parameter, ShardedParameter) for _, p in params)
     out["optimizer_holds_them"] = optimizer.param_groups[0]["params"][0] is model.embed.weight and all(
         any(p is q for q in optimizer.param_groups[0]["params"] + optimizer.param_groups[1]["params"])
         for _, p in params
@@ -89,16 +92,20 @@ def _rank_run(rank: int, world_size: int) -> dict[str, Any]:
     for step in range(STEPS):
         loss = _loss(sharded.root, *_batch(step, rank, world_size))
         loss.backward()
-        # Between the backward and the step: each attribute is the parameter, with its slice of the gradient.
-        out["grads"].append({clean_path(n): None if p.grad is None else p.grad.clone() for n, p in params})
-        out.setdefault("sizes", {clean_path(n): p.numel() for n, p in params})
+        # Between the backward and the step: each attribute is the parameter, with its slice of the gradient (read
+        # locally: what the optimizer sees; user code reads the whole, test_sharded_reads.py).
+        with local_reads():
+            out["grads"].append({clean_path(n): None if p.grad is None else p.grad.clone() for n, p in params})
+            out.setdefault("sizes", {clean_path(n): p.numel() for n, p in params})
         optimizer.step()
         optimizer.zero_grad()
-        out.setdefault("sums", []).append([float(p.sum()) for _, p in model.named_parameters()])
+        with local_reads():
+            out.setdefault("sums", []).append([float(p.sum()) for _, p in model.named_parameters()])
     # Accumulating (`no_sync`): each parameter's gradient is its slice of this rank's own gradient, not reduced yet.
     with sharded.root.no_sync():
         _loss(sharded.root, *_batch(STEPS, rank, world_size)).backward()
-    out["local_grads"] = {clean_path(n): None if p.grad is None else p.grad.clone() for n, p in params}
+    with local_reads():
+        out["local_grads"] = {clean_path(n): None if p.grad is None else p.grad.clone() for n, p in params}
     optimizer.zero_grad()
     # A later stage (`fit` after `validate`, or a second `fit`): its optimizer is made over `model.parameters()` of
     # the sharded model, and saves its state in their order, shaped like the plain module's parameters.

@@ -30,6 +30,8 @@ __all__ = [
     "has_total_norm_implementation",
     "total_norm_implementation",
     "set_total_norm_implementation",
+    "plain_torch_functions",
+    "torch_functions_again",
 ]
 
 #: The base class of torch's FSDP auto-wrap policy objects (``ModuleWrapPolicy``, ``CustomPolicy``...).
@@ -100,3 +102,15 @@ def set_total_norm_implementation(function: Callable[..., Any]) -> None:
     ``function`` (same signature as ``get_total_norm``; run under ``torch.no_grad()``). Whoever sets it puts back
     what :func:`total_norm_implementation` gave before."""
     _total_norm_cell().cell_contents = function
+
+
+def plain_torch_functions() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called: torch's own operations on their
+    data (what ``torch.Tensor.__torch_function__`` runs its operation in)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def torch_functions_again() -> Any:
+    """Inside :func:`plain_torch_functions`: a context in which tensor subclasses' ``__torch_function__`` is called
+    again."""
+    return torch._C._EnableTorchFunction()

@@ -32,7 +32,7 @@ from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of
-from lightning_fairscale.fsdp.unit import recovery, step_state, unit_state
+from lightning_fairscale.fsdp.unit import recovery, shard_layout, step_state, unit_state
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.wrapping.compile import uncompile_regions
@@ -168,9 +168,13 @@ class WrappedModel:
 
     def abort_steps(self) -> None:
         """After an optimizer step that raised: every whole-path step under way ends (the other ranks told, so that
-        they raise too), and no view keeps a whole tensor (see :meth:`~.whole_step.WholeStep.abort`)."""
+        they raise too), and no view keeps a whole tensor (see :meth:`~.whole_step.WholeStep.abort`); the plain
+        context of the step ends (a step that raised outside its closure never ran its post-hook, which ends it:
+        ``__torch_function__`` stayed off on this thread, so the user's reads were local slices, and any other tensor
+        subclass's rules were skipped, until the next step)."""
         for step in list(self._record.whole.values()):
             step.abort()
+        shard_layout.end_steps()
 
     def unsharded_shapes(
         self, where: str = "inside `configure_optimizers`", instead: str = _VALUES_ELSEWHERE

@@ -28,7 +28,8 @@ from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.unit.units import named_fsdp_instances
 from lightning_fairscale.fsdp.unit.param_views import ParamView
 from lightning_fairscale.fsdp.unit.frozen_params import frozen_pieces
-from lightning_fairscale.fsdp.state.resharding import local_range
+from lightning_fairscale.fsdp.state.resharding import flat_numel, local_range, owned_range
+from lightning_fairscale.fsdp.unit import shard_layout, sharded_reads
 from lightning_fairscale.fsdp.unit.state_names import clean_path
 
 __all__ = [
@@ -192,7 +193,7 @@ class ParameterLayout:
             p = info.pieces[piece]
             lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
             lo, hi = (lo, hi) if lo < hi else (max(min(lo, stop), start),) * 2
-            view = param_views.attach(managed, piece, lo - start, hi - start, p.trainable)
+            view = param_views.attach(managed, piece, lo - start, hi - start, p.trainable, _layout(managed, info, p))
             self._views[key] = view
             self._viewed[id(view.param)] = (managed, piece)
         return view
@@ -219,6 +220,19 @@ class ParameterLayout:
         start, _, _ = local_range(managed, self.managed[managed].unit)
         return start + view.start, start + view.stop
 
+
+
+def _layout(managed: nn.Parameter, info: _Managed, piece: Piece) -> Optional[sharded_reads.ShardLayout]:
+    """How ``piece`` is split over the ranks of its unit's group (``None``: it is not, one rank holds it whole)."""
+    unit = info.unit
+    if not getattr(managed, "_is_sharded", False) or unit.world_size == 1:
+        return None
+    numel = flat_numel(managed)
+    ranges: list[tuple[int, int]] = []
+    for rank in range(unit.world_size):
+        start, stop, _ = owned_range(numel, rank, unit.world_size)
+        ranges.append((min(max(start - piece.offset, 0), piece.numel), min(max(stop - piece.offset, 0), piece.numel)))
+    return sharded_reads.ShardLayout(piece.name, piece.shape, tuple(ranges), unit.rank, unit.process_group)
 
 
 #: For each param group, the pieces in the order the user listed the original parameters.
@@ -260,6 +274,8 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
     units = [layout.managed[m].unit for order in orders for m, _ in order]
     if units:  # every unit of the strategy shards over one group (one replica's, under hybrid sharding)
         param_views.mark_norm_group(optimizer, units[0].process_group)
+    if any(sharded_reads.layout_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
+        shard_layout.local_steps(optimizer)  # the step on plain local tensors, at torch's own speed
     return orders
 
 

@@ -64,6 +64,8 @@ class OriginalSlots:
     views: dict[tuple[int, str], Any] = field(default_factory=dict)
     #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
     spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
+    #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
+    hook: Any = None
 
 
 def _slots(unit: nn.Module) -> Optional[OriginalSlots]:
@@ -116,7 +118,26 @@ def install(
     wrapper = unit.module
     slots.flat = [(name, getattr(wrapper, name)) for name in wrapper.flat_param_names[: unit._num_flatten_params]]
     unit_state.of(unit).originals = slots
+    unit_ref = weakref.ref(unit)
+    slots.hook = unit.module.module.register_forward_pre_hook(lambda *_: expose(unit_ref()))
     show(unit)
+
+
+def expose(unit: Optional[nn.Module]) -> None:
+    """Inside the root unit's forward (where Lightning runs ``training_step``), once FairScale has set its views of
+    the full parameters: the original parameters are in their modules' ``_parameters`` again too, so that the
+    user's ``self.parameters()`` there lists every parameter of the model (a penalty over them is the whole model's:
+    :mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), while the modules compute with FairScale's views (instance
+    attributes, which attribute lookup finds first). Both reach the shards' gradient, each once: the forward's
+    through FairScale's flat parameter, the penalty's through the view (``param_views._add_own_gradients``)."""
+    slots = _slots(unit) if unit is not None else None
+    if slots is None or slots.shown or slots.depth or not getattr(unit, "_is_root", False):
+        return
+    for owner, order in slots.owners:
+        attributes = owner.__dict__
+        for name in order:
+            if name in attributes and (id(owner), name) in slots.params:
+                owner._parameters[name] = slots.params[(id(owner), name)]
 
 
 def show(unit: nn.Module) -> None:
@@ -157,12 +178,12 @@ def _hide(unit: nn.Module, register_flat: bool) -> None:
     slots = _slots(unit)
     if slots is None:
         return
-    if slots.shown:
-        for owner, order in slots.owners:
-            for name in order:
-                if (id(owner), name) in slots.params:
-                    owner._parameters.pop(name, None)
-        slots.shown = False
+    # Also when not shown: the root's forward exposes them (:func:`expose`).
+    for owner, order in slots.owners:
+        for name in order:
+            if (id(owner), name) in slots.params:
+                owner._parameters.pop(name, None)
+    slots.shown = False
     if register_flat:
         wrapper: Any = unit.module
         for name, flat in slots.flat:
@@ -237,4 +258,7 @@ def forget(root: nn.Module) -> None:
     """Put ``root``'s units back in FairScale's layout for good (before unwrapping them)."""
     for unit in _installed_units(root):
         _hide(unit, register_flat=True)
+        slots = _slots(unit)
+        if slots is not None and slots.hook is not None:
+            slots.hook.remove()
         unit_state.of(unit).originals = None

@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit import sharded_reads, unit_state
 
 __all__ = [
     "ParamView",
@@ -69,6 +69,9 @@ class ParamView:
     start: int
     stop: int
     trainable: bool
+    #: The handle of the hook on ``param`` that sets aside its own gradients under ``no_sync``
+    #: (:func:`_set_aside_under_no_sync`), registered the first time it holds an unreduced slice.
+    hook: Any = None
 
 
 def _shard(managed: nn.Parameter) -> Tensor:
@@ -77,12 +80,69 @@ def _shard(managed: nn.Parameter) -> Tensor:
     return (shard if shard is not None else managed.data).view(-1)
 
 
-def attach(managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool) -> ParamView:
-    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``."""
+def attach(
+    managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool,
+    layout: Optional[sharded_reads.ShardLayout] = None,
+) -> ParamView:
+    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``; with
+    ``layout`` (the original parameter's split over the ranks), one that knows it is sharded
+    (:mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), as are the gradients it is given."""
     data = _shard(managed)[start:stop]
-    view = ParamView(nn.Parameter(data, requires_grad=trainable), piece, start, stop, trainable)
-    unit_state.flat_state(managed).views.append(view)
+    if layout is None:
+        param = nn.Parameter(data, requires_grad=trainable)
+    else:
+        param = sharded_reads.ShardedParameter(data, trainable, layout)
+    view = ParamView(param, piece, start, stop, trainable)
+    state = unit_state.flat_state(managed)
+    state.views.append(view)
+    if layout is not None:  # an empty view reads as having a gradient while the other ranks' views have theirs
+        layout.empty_grad = _empty_grad(weakref.ref(view), weakref.ref(state))
     return view
+
+
+def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[Any]) -> Callable[[], bool]:
+    """Whether the (empty) view reads as having a gradient now, asked through the view's layout.
+
+    Weakly: the layout is held by the view's gradients too, and a parameter holds its gradient in torch's C++, where
+    the garbage collector cannot see it: a strong reference from the layout back to the view (or to the flat
+    parameter's state, which lists the views) would close a cycle ``param -> grad -> layout -> param`` that the
+    collector never frees, keeping a dropped model's gradients (and everything they hold) alive for good whenever
+    they were not dropped before the model was (a step that raised, a run interrupted)."""
+
+    def empty_grad() -> bool:
+        viewed, flat = view(), state()
+        return viewed is not None and flat is not None and gets_gradient(viewed) and flat.grad_shared
+
+    return empty_grad
+
+
+def _set_aside_under_no_sync(
+    view: weakref.ref[ParamView], state: weakref.ref[Any]
+) -> Callable[[Tensor], Optional[Tensor]]:
+    """The hook of a view's parameter, called with each gradient the backward computes for the view itself (a term on
+    the parameters outside the forward) before autograd adds it to the view's ``.grad``.
+
+    While the view holds its slice of this rank's unreduced gradient (between backwards under ``no_sync``), autograd
+    would add it there in place, and the synchronising backward would average it over the ranks with FairScale's:
+    each rank's slice of such a term's gradient is whole already (every rank computed the same term), so it is set
+    aside and added to the reduced shard instead (:func:`_add_own_gradients`). Weakly, as :func:`_empty_grad`."""
+
+    @torch.utils.hooks.unserializable_hook  # a pickled view (no layout: one rank) goes without it, silently
+    def hook(grad: Tensor) -> Optional[Tensor]:
+        viewed, flat = view(), state()
+        if viewed is None or flat is None or not flat.local_given or not _holds_given(viewed, flat.given):
+            return None  # as computed
+        _set_aside(flat, viewed, grad)
+        return torch.zeros_like(grad)
+
+    return hook
+
+
+def _set_aside(state: Any, view: ParamView, grad: Tensor) -> None:
+    key = id(view.param)
+    grad = sharded_reads.local_slice(grad).detach()
+    kept = state.pending.get(key)
+    state.pending[key] = grad.clone() if kept is None else kept.add_(grad)
 
 
 def forget(managed: nn.Parameter) -> None:
@@ -90,7 +150,7 @@ def forget(managed: nn.Parameter) -> None:
     earlier stage, which hold the old ones, are gone or no longer stepped)."""
     state = unit_state.peek_flat(managed)
     if state is not None:
-        state.views, state.grad_shared, state.given = [], False, {}
+        state.views, state.grad_shared, state.given, state.local_given, state.pending = [], False, {}, False, {}
 
 
 def views_of(managed: nn.Parameter) -> list[ParamView]:
@@ -191,19 +251,27 @@ def repoint_data(managed: nn.Parameter) -> None:
 def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tensor) -> None:
     """Add into ``flat`` (the flat gradient shard) what the backward gave the views themselves: a term computed on
     the model's parameters outside its forward (``sum(p.pow(2).sum() for p in model.parameters())``) reaches the
-    views, not FairScale's flat parameter. A gradient this module gave a view (its slice of FairScale's gradient, to
-    which autograd adds in place when accumulating) is FairScale's already. Each rank holds its slice of such a term's
-    gradient whole: no reduction, as for an unsharded model's parameter."""
-    state = unit_state.peek_flat(managed)
-    given = state.given if state is not None else {}
+    views, not FairScale's flat parameter; and what the backwards under ``no_sync`` before it gave them (set aside).
+    A gradient this module gave a view (its slice of FairScale's reduced gradient, to which autograd adds in place
+    when accumulating over synchronising backwards) is FairScale's already. Each rank holds its slice of such a
+    term's gradient whole: no reduction, as for an unsharded model's parameter."""
+    state = unit_state.flat_state(managed)
+    pending, state.pending, state.local_given = state.pending, {}, False
     for view in views:
-        own = view.param.grad
-        if own is None or not gets_gradient(view) or view.start == view.stop or _holds_given(view, given):
+        if not gets_gradient(view) or view.start == view.stop:
             continue
-        flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
+        own = view.param.grad
+        if own is not None and not _holds_given(view, state.given):
+            flat[view.start : view.stop].add_(own.reshape(-1).to(flat.dtype))
+        kept = pending.get(id(view.param))
+        if kept is not None:
+            flat[view.start : view.stop].add_(kept.to(flat.dtype))
 
 
 def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
+    layout = sharded_reads.layout_of(view.param)
+    if layout is not None:  # a gradient that knows it is sharded, as its parameter
+        grad = sharded_reads.mark(grad, layout)
     view.param.grad = grad
     # Weakly: the gradient is freed with the view's reference to it (`zero_grad()`), as FairScale's is.
     unit_state.flat_state(managed).given[id(view.param)] = weakref.ref(grad)
@@ -222,9 +290,21 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
         return
     flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
     offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
+    state = unit_state.flat_state(managed)
     for view in views_of(managed):
         if gets_gradient(view) and view.start < view.stop:
+            own = view.param.grad
+            if own is None:  # dropped since (`zero_grad()`): what was set aside for it goes too
+                state.pending.pop(id(view.param), None)
+            elif not _holds_given(view, state.given):
+                # A term on the parameter outside the forward, in the first backward since the gradients were
+                # dropped: whole already, set aside for the synchronising backward (the later ones' go through the
+                # view's hook, `_set_aside_under_no_sync`).
+                _set_aside(state, view, own)
+            if view.hook is None:  # it requires a gradient now (`gets_gradient`)
+                view.hook = view.param.register_hook(_set_aside_under_no_sync(weakref.ref(view), weakref.ref(state)))
             _give(managed, view, flat[offset + view.start : offset + view.stop])
+    state.local_given = True
 
 
 @torch.no_grad()

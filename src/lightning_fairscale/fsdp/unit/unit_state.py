@@ -33,6 +33,12 @@ class FlatState:
     #: The gradient tensor given to each of its views (by ``id`` of the view's parameter, weakly), to tell them from
     #: gradients the backward computed for the views themselves.
     given: dict[int, weakref.ref[Any]] = field(default_factory=dict)
+    #: Whether its views hold slices of this rank's unreduced gradient (after a backward under ``no_sync``, until
+    #: the synchronising one).
+    local_given: bool = False
+    #: What the backwards under ``no_sync`` gave each view itself (a term on the parameters outside the forward), by
+    #: ``id`` of the view's parameter: added to the reduced shard by the synchronising backward.
+    pending: dict[int, Any] = field(default_factory=dict)
     #: Which of its original parameters were frozen when its unit was built (workaround 11); ``None``: none was.
     frozen: Optional[list[bool]] = None
     #: Its gradient accumulator (weakly: its hooks' dictionary) and the ``id`` of each unit whose post-backward hook
