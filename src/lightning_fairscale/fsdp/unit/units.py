@@ -238,10 +238,11 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             prefetcher.before_gathers = agreement.before_collective
             agreement.on_divergence = prefetcher.forget_order
         for module in fsdp_instances(self):
-            module._streams = self._streams
+            module._streams = self._streams  # FairScale's own attributes, which its `_setup_streams` shares too
             module._reducer = reducer
-            module._prefetcher = prefetcher
-            module._agreement = agreement
+            if isinstance(module, FullyShardedDataParallel):  # ours: a unit of FairScale's class (wrapped by hand)
+                module._prefetcher = prefetcher  # runs FairScale's own methods, which use neither
+                module._agreement = agreement
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
