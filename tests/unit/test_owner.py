@@ -35,8 +35,6 @@ ALLOWED = {
     # Flat parameters -> their record: found from the parameter alone (the optimizer's views, the model summary,
     # the gradient hooks FairScale registers on it); weakly, by identity.
     ("fsdp/unit/unit_state.py", "_FLATS"): "not yet moved into the owner (issue 55 item 1, what remains)",
-    ("fsdp/unit/unit_state.py", "_FOREIGN"): "not yet moved into the owner (issue 55 item 1, what remains)",
-    ("fsdp/unit/step_state.py", "_OWNERS"): "not yet moved into the owner (issue 55 item 1, what remains)",
     ("fsdp/unit/param_views.py", "_NORM_GROUPS"): "not yet moved into the owner (issue 55 item 1, what remains)",
     ("fsdp/patches/cpu_streams.py", "_holders"): "not yet moved into the owner (issue 55 item 1, what remains)",
     ("fsdp/wrapping/activation_checkpointing.py", "_CHECKPOINTED"): "not yet moved (issue 55 item 1, what remains)",

@@ -51,7 +51,7 @@ __all__ = ["WrappedModel"]
 
 
 @dataclass
-class _Record:
+class _Record(unit_state.ModelRecord):
     """What a root unit keeps of its sharding, for every :class:`WrappedModel` of it: nothing that refers back to
     the root (the layout does weakly), so that a sharded model nobody uses any more is freed at once, not by the
     garbage collector."""
@@ -97,15 +97,15 @@ class WrappedModel:
         self.root = root
         self._record = _Record(layout, list(checkpointed))
         self._record.originals.update({id(param): param for param in originals})
-        unit_state.of(root).wrapped = self._record
+        unit_state.owner_of(root).wrapped = self._record
 
     @classmethod
     def of(cls, root: FullyShardedDataParallel) -> Optional[WrappedModel]:
         """The sharded model whose root unit is ``root``, if it is one (see
         :func:`~lightning_fairscale.fsdp.engine.wrapped_model`)."""
-        state = unit_state.peek(root)
-        record = state.wrapped if state is not None else None
-        if record is None:
+        owner = unit_state.peek_owner(root)
+        record = owner.wrapped if owner is not None else None
+        if not isinstance(record, _Record):
             return None
         model = cls.__new__(cls)
         model.root, model._record = root, record
@@ -338,5 +338,5 @@ class WrappedModel:
         for step in list(self._record.whole.values()):
             step.remove()  # the optimizers over the shards are forgotten: their steps are hooked no more
         self._record.whole.clear()
-        unit_state.of(root).wrapped = None
+        unit_state.owner_of(root).wrapped = None
         return module

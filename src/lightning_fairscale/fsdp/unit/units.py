@@ -302,8 +302,9 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         # the original parameters come back at the end of the context.
         with original_params.fairscale_layout(self):
             self._finish_backward()
+        owner = unit_state.peek_owner(self)
         for unit in fsdp_instances(self):  # the full views' graph is spent: held longer, they keep the model alive
-            original_params.release_views(unit)
+            original_params.release_views(unit, owner)
 
     def _finish_backward(self) -> None:
         not_run.before_end_of_backward(self)  # workaround 29: the units this backward did not reach
