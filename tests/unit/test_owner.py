@@ -36,10 +36,6 @@ ALLOWED = {
     # the gradient hooks FairScale registers on it); weakly, by identity.
     ("fsdp/unit/unit_state.py", "_FLATS"): "not yet moved into the owner (issue 55 item 1, what remains)",
     ("fsdp/unit/param_views.py", "_NORM_GROUPS"): "not yet moved into the owner (issue 55 item 1, what remains)",
-    ("fsdp/patches/cpu_streams.py", "_holders"): "not yet moved into the owner (issue 55 item 1, what remains)",
-    ("fsdp/wrapping/activation_checkpointing.py", "_CHECKPOINTED"): "not yet moved (issue 55 item 1, what remains)",
-    ("fsdp/wrapping/compile.py", "_COMPILED_FROM"): "not yet moved (issue 55 item 1, what remains)",
-    ("fsdp/wrapping/unwrapping.py", "_ROOTS"): "not yet moved into the owner (issue 55 item 1, what remains)",
 }
 
 

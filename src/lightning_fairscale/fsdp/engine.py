@@ -146,7 +146,9 @@ def wrap_model(
             " put the computation in submodules, or pass the model uncompiled."
         )
     remember_root(module, root)
-    cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
+    owner = unit_state.owner_of(root)
+    if owner.cpu_hold is None:  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
+        owner.cpu_hold = cpu_streams.hold_while_alive(root)
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
     if describe is not None:
         describe(f"{config.owner}: {unit_summary(root)}")

@@ -334,7 +334,9 @@ class WrappedModel:
         forget_root(module)
         uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
-        cpu_streams.release(root)  # the sharded model's hold on the CPU workarounds ends with it
+        owner = unit_state.owner_of(root)
+        cpu_streams.release(owner.cpu_hold)  # the sharded model's hold on the CPU workarounds ends with it
+        owner.cpu_hold = None
         for step in list(self._record.whole.values()):
             step.remove()  # the optimizers over the shards are forgotten: their steps are hooked no more
         self._record.whole.clear()
