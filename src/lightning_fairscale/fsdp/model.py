@@ -85,9 +85,9 @@ class WrappedModel:
     (:class:`~lightning_fairscale.fsdp.state.optim.ParameterLayout`), the layers that recompute their activations, and
     for each optimizer re-pointed to its shards (:meth:`repoint`) the order its state is saved in. Everything a front
     end does with a sharded model goes through it: re-pointing optimizers, state dicts, both checkpoint formats, and
-    giving the model its full parameters back (:meth:`unshard`). What it knows is kept in the root unit's state
-    (:class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`), so that every stage and every strategy that takes
-    the sharded model (:func:`~lightning_fairscale.fsdp.engine.wrapped_model`) knows the same.
+    giving the model its full parameters back (:meth:`unshard`). What it knows is kept by the model's owner
+    (:class:`~lightning_fairscale.fsdp.unit.unit_state.RootState`, held by the root unit), so that every stage and every
+    strategy that takes the sharded model (:func:`~lightning_fairscale.fsdp.engine.wrapped_model`) knows the same.
     """
 
     def __init__(
