@@ -5,6 +5,8 @@ modules or optimizers, nor in attributes written into objects the package did no
 from __future__ import annotations
 
 import ast
+import gc
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 
 from .helpers import Net, fsdp_kwargs
@@ -166,3 +169,25 @@ def test_nothing_of_ours_on_units_of_fairscales_own_class(process_group: dist.Pr
     assert [sorted(set(vars(unit)) - fairscales) for unit in by_hand] == [[], []]
     wrapped.unshard(keep=True)
     assert [sorted(set(vars(unit)) - fairscales) for unit in by_hand] == [[], []]
+
+
+def test_the_owner_is_reachable_from_the_root_and_released_with_it(process_group: dist.ProcessGroup) -> None:
+    """The owner is made at wrap, known by every unit of ours, holds the records of the units wrapped by hand, and
+    dies with the model: dropped without unsharding, nothing else keeps it (or the model) alive."""
+    model = _HandWrapped()
+    config = FullyShardedConfig(bucket_cap_mb=1)
+    groups = fsdp_engine.make_process_groups(config, rank=0, world_size=1, num_nodes=1, timeout=timedelta(60))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    wrapped = fsdp_engine.wrap_model(config, model, torch.device("cpu"), groups, "32-true", None, [optimizer], None)
+    root = wrapped.root
+    owner = unit_state.owner_of(root)
+    ours = [unit for unit in fsdp_instances(root) if type(unit) is not FairScaleFSDP]
+    by_hand = [unit for unit in fsdp_instances(root) if type(unit) is FairScaleFSDP]
+    assert ours == [root] and all(unit_state.peek_owner(unit) is owner for unit in ours)
+    assert owner.wrapped is not None and owner.has_views and owner.keeper is not None
+    assert sorted(map(id, owner.foreign)) == sorted(map(id, by_hand))  # their records: the owner's
+    assert all(unit_state.peek(unit) is None and unit_state.peek(unit, owner) is not None for unit in by_hand)
+    refs = [weakref.ref(owner), weakref.ref(root), weakref.ref(model)]
+    del wrapped, root, owner, ours, by_hand, model, optimizer
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
