@@ -240,9 +240,9 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         for module in fsdp_instances(self):
             module._streams = self._streams  # FairScale's own attributes, which its `_setup_streams` shares too
             module._reducer = reducer
-            if isinstance(module, FullyShardedDataParallel):  # ours: a unit of FairScale's class (wrapped by hand)
-                module._prefetcher = prefetcher  # runs FairScale's own methods, which use neither
-                module._agreement = agreement
+            if isinstance(module, FullyShardedDataParallel):  # ours only: a unit of FairScale's own class (wrapped
+                module._prefetcher = prefetcher  # by hand) runs FairScale's methods, which use neither, and gets
+                module._agreement = agreement  # nothing of ours
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
