@@ -25,15 +25,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import nn
 
 from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit.unit_state import OriginalSlots
 
 __all__ = [
-    "OriginalSlots",
     "before_forward",
     "fairscale_layout",
     "forget",
@@ -44,29 +43,6 @@ __all__ = [
     "show",
     "use_full_views",
 ]
-
-@dataclass(eq=False)
-class OriginalSlots:
-    """Where one unit's original parameters live: each ``(owner module, name) -> parameter`` (tied names included),
-    the order of each owner's parameters as the user's module registered them, and the unit's flat parameters (by
-    their names in FairScale's wrapper). Kept in the unit's
-    :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`."""
-
-    params: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
-    owners: list[tuple[nn.Module, list[str]]] = field(default_factory=list)
-    flat: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    #: Whether the originals are the modules' attributes now (else FairScale's views are).
-    shown: bool = False
-    #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
-    depth: int = 0
-    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
-    #: backward ends (:func:`release_views`).
-    views: dict[tuple[int, str], Any] = field(default_factory=dict)
-    #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
-    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
-    #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
-    hook: Any = None
-
 
 def _slots(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> Optional[OriginalSlots]:
     """``unit``'s slots (kept in its :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`; for a unit of

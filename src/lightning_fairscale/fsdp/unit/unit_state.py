@@ -29,6 +29,7 @@ __all__ = [
     "Failure",
     "FlatState",
     "ModelRecord",
+    "OriginalSlots",
     "RootState",
     "UnitState",
     "adopt",
@@ -63,6 +64,29 @@ class FlatState:
     #: For a parameter sharded in place (the module's own, not flattened): its ``requires_grad`` at its unit's last
     #: forward (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`), ``None`` before the first.
     trained: Optional[bool] = None
+
+
+@dataclass(eq=False)
+class OriginalSlots:
+    """Where one unit's original parameters live: each ``(owner module, name) -> parameter`` (tied names included),
+    the order of each owner's parameters as the user's module registered them, and the unit's flat parameters (by
+    their names in FairScale's wrapper). Kept in the unit's
+    :class:`UnitState` (see :mod:`~lightning_fairscale.fsdp.unit.original_params`)."""
+
+    params: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
+    owners: list[tuple[nn.Module, list[str]]] = field(default_factory=list)
+    flat: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    #: Whether the originals are the modules' attributes now (else FairScale's views are).
+    shown: bool = False
+    #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
+    depth: int = 0
+    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
+    #: backward ends (:func:`release_views`).
+    views: dict[tuple[int, str], Any] = field(default_factory=dict)
+    #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
+    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
+    #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
+    hook: Any = None
 
 
 class ModelRecord:
@@ -121,8 +145,8 @@ class UnitState:
     #: The parameters the unit flattened, ``id -> (weak reference, name)``, to find ties split between units.
     flattened: dict[int, tuple[weakref.ref[nn.Parameter], str]] = field(default_factory=dict)
     #: Where its original parameters live once installed
-    #: (:class:`~lightning_fairscale.fsdp.unit.original_params.OriginalSlots`), else ``None``.
-    originals: Any = None
+    #: (:class:`OriginalSlots`), else ``None``.
+    originals: Optional[OriginalSlots] = None
     #: The owner of the unit's model (:class:`RootState`): on a root unit from when it is set up, on the root's
     #: other units of our class from when the engine sets up the model (:func:`adopt`); ``None`` before.
     owner: Optional[RootState] = None
