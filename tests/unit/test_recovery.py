@@ -159,12 +159,13 @@ def two_models_run(rank: int, world_size: int) -> dict[str, Any]:
     for root in roots:
         recovery.restore(root)  # nothing left in the middle of a step: idempotent
     for root in roots if rank == 0 else roots[::-1]:
-        unit_state.of(root).failure = None  # a step went on, then failed again on every rank
+        unit_state.owner_of(root).failure = None  # a step went on, then failed again on every rank
         _failed(root)
     for root in roots:
         recovery.check_failed_together(root, wait_s=10.0)
     dist.barrier()
-    keys = [f"lightning_fairscale/step_failed/{unit_state.of(root).serial}/2/{r}" for root in roots for r in range(2)]
+    serials = [unit_state.owner_of(root).serial for root in roots]
+    keys = [f"lightning_fairscale/step_failed/{serial}/2/{r}" for serial in serials for r in range(2)]
     return {"alone": alone, "left": [key for key in keys if default_store().check([key])]}
 
 

@@ -22,9 +22,9 @@ from torch import nn
 
 from lightning_fairscale.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp.wrapping import activation_checkpointing
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
+    CheckpointedForward,
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
@@ -60,7 +60,6 @@ def unheld(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         cpu_streams._set_installed(False)
     monkeypatch.setattr(cpu_streams, "_holds", 0)
     monkeypatch.setattr(cpu_streams, "_pinned", False)
-    monkeypatch.setattr(cpu_streams, "_holders", weakref.WeakKeyDictionary())
     yield
     if cpu_streams.is_installed() != installed:
         cpu_streams._set_installed(installed)
@@ -71,16 +70,15 @@ def unheld(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_the_cpu_workarounds_last_as_long_as_a_model_that_needs_them() -> None:
     assert fsdp_module.torch is torch and not record_stream_on_cpu()
     first, second = Wrapped("cpu"), Wrapped("cpu")
-    cpu_streams.hold_while_alive(first)
-    cpu_streams.hold_while_alive(first)  # one hold per model
+    hold = cpu_streams.hold_while_alive(first)  # one per model: its owner keeps it
     cpu_streams.hold_while_alive(second)
     assert cpu_streams.is_installed() and record_stream_on_cpu()
-    cpu_streams.release(first)
+    cpu_streams.release(hold)
     assert cpu_streams.is_installed()  # the second model still needs them
     del second
     gc.collect()
     assert fsdp_module.torch is torch and not record_stream_on_cpu()  # as if never installed
-    cpu_streams.release(first)  # released already: nothing happens
+    cpu_streams.release(hold)  # released already: nothing happens
     assert cpu_streams._holds == 0
 
 
@@ -88,14 +86,12 @@ def test_the_cpu_workarounds_last_as_long_as_a_model_that_needs_them() -> None:
 @pytest.mark.usefixtures("unheld")
 def test_installed_again_after_being_undone_and_pinned_by_install() -> None:
     model = Wrapped("cpu")
-    cpu_streams.hold_while_alive(model)
-    cpu_streams.release(model)
-    cpu_streams.hold_while_alive(Wrapped("meta"))  # computes elsewhere: nothing to hold
+    cpu_streams.release(cpu_streams.hold_while_alive(model))
+    assert cpu_streams.hold_while_alive(Wrapped("meta")) is None  # computes elsewhere: nothing to hold
     assert not cpu_streams.is_installed()
     cpu_streams.install()
     cpu_streams.install()
-    cpu_streams.hold_while_alive(model)
-    cpu_streams.release(model)
+    cpu_streams.release(cpu_streams.hold_while_alive(model))
     assert cpu_streams.is_installed() and record_stream_on_cpu() and cpu_streams._holds == 1  # install()'s, for good
 
 
@@ -196,4 +192,4 @@ def test_checkpoint_wrappers_are_removed_by_their_mark_and_a_users_forward_stays
     assert apply_activation_checkpointing(model, (Block,)) == [model.blocks[0]]
     remove_activation_checkpointing(model)  # finds them itself: any strategy (or Trainer) can unwrap
     assert "forward" not in vars(model.blocks[0]) and vars(model.blocks[1])["forward"] == own_forward
-    assert not any(m in activation_checkpointing._CHECKPOINTED for m in model.modules())
+    assert not any(isinstance(vars(m).get("forward"), CheckpointedForward) for m in model.modules())

@@ -62,7 +62,8 @@ def test_nothing_of_ours_is_written_into_flat_parameters_user_modules_or_the_opt
     # What we know is known, from our side: the state of every unit and flat parameter, the root, the norm group.
     units = list(fsdp_instances(root))
     assert len(units) == 3 and all(isinstance(unit_state.peek(unit), unit_state.UnitState) for unit in units)
-    assert unit_state.of(root).has_views and unit_state.of(root).wrapped is not None
+    owner = unit_state.owner_of(root)  # the model's owner, held by the root unit
+    assert owner.has_views and owner.wrapped is not None
     flat = [param for unit in units for param in unit.params]
     assert all(views_of(param) for param in flat)
     states = [state for unit in units for state in unit_state.flat_states(unit)]

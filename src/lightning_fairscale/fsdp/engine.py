@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, resolve_mesh, sharding_groups
-from lightning_fairscale.fsdp.unit import original_params, recovery, step_state, unit_state
+from lightning_fairscale.fsdp.unit import original_params, recovery, unit_state
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel, fsdp_instances
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import apply_activation_checkpointing
@@ -146,7 +146,9 @@ def wrap_model(
             " put the computation in submodules, or pass the model uncompiled."
         )
     remember_root(module, root)
-    cpu_streams.hold_while_alive(root)  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
+    owner = unit_state.owner_of(root)
+    if owner.cpu_hold is None:  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
+        owner.cpu_hold = cpu_streams.hold_while_alive(root)
     process_exit.release_at_exit(*fsdp_instances(root))  # their process groups are released at exit
     if describe is not None:
         describe(f"{config.owner}: {unit_summary(root)}")
@@ -174,8 +176,8 @@ def wrapped_model(root: Module, compiler: Optional[Compiler] = None) -> WrappedM
 
 def is_set_up(module: Module) -> bool:
     """Whether ``module`` is the root unit of a model :func:`wrap_model` (or :func:`wrapped_model`) set up."""
-    state = unit_state.peek(module) if isinstance(module, FullyShardedDataParallel) else None
-    return state is not None and state.wrapped is not None
+    owner = unit_state.peek_owner(module) if isinstance(module, FullyShardedDataParallel) else None
+    return owner is not None and owner.wrapped is not None
 
 
 def finish_wrapping(
@@ -187,9 +189,9 @@ def finish_wrapping(
     :mod:`~lightning_fairscale.fsdp.unit.original_params`), and the
     :class:`~lightning_fairscale.fsdp.model.WrappedModel` is kept on ``root``."""
     views, orders = layout.originals(), layout.parameter_names
+    owner = unit_state.adopt(root, list(fsdp_instances(root)))  # the model's owner; workaround 28: the loop followed
     for unit in fsdp_instances(root):
-        original_params.install(unit, views, orders)
-    step_state.adopt(root, list(fsdp_instances(root)))  # workaround 28: what the loop changes is followed
+        original_params.install(unit, views, orders, owner)
     recovery.number_root(root)  # names its failed steps alike on every rank
     # A later stage, or another strategy, takes the model as it is (the root keeps what the model knows).
     return WrappedModel(root, layout, checkpointed, originals)

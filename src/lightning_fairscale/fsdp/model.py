@@ -51,7 +51,7 @@ __all__ = ["WrappedModel"]
 
 
 @dataclass
-class _Record:
+class _Record(unit_state.ModelRecord):
     """What a root unit keeps of its sharding, for every :class:`WrappedModel` of it: nothing that refers back to
     the root (the layout does weakly), so that a sharded model nobody uses any more is freed at once, not by the
     garbage collector."""
@@ -85,9 +85,9 @@ class WrappedModel:
     (:class:`~lightning_fairscale.fsdp.state.optim.ParameterLayout`), the layers that recompute their activations, and
     for each optimizer re-pointed to its shards (:meth:`repoint`) the order its state is saved in. Everything a front
     end does with a sharded model goes through it: re-pointing optimizers, state dicts, both checkpoint formats, and
-    giving the model its full parameters back (:meth:`unshard`). What it knows is kept in the root unit's state
-    (:class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`), so that every stage and every strategy that takes
-    the sharded model (:func:`~lightning_fairscale.fsdp.engine.wrapped_model`) knows the same.
+    giving the model its full parameters back (:meth:`unshard`). What it knows is kept by the model's owner
+    (:class:`~lightning_fairscale.fsdp.unit.unit_state.RootState`, held by the root unit), so that every stage and every
+    strategy that takes the sharded model (:func:`~lightning_fairscale.fsdp.engine.wrapped_model`) knows the same.
     """
 
     def __init__(
@@ -97,15 +97,15 @@ class WrappedModel:
         self.root = root
         self._record = _Record(layout, list(checkpointed))
         self._record.originals.update({id(param): param for param in originals})
-        unit_state.of(root).wrapped = self._record
+        unit_state.owner_of(root).wrapped = self._record
 
     @classmethod
     def of(cls, root: FullyShardedDataParallel) -> Optional[WrappedModel]:
         """The sharded model whose root unit is ``root``, if it is one (see
         :func:`~lightning_fairscale.fsdp.engine.wrapped_model`)."""
-        state = unit_state.peek(root)
-        record = state.wrapped if state is not None else None
-        if record is None:
+        owner = unit_state.peek_owner(root)
+        record = owner.wrapped if owner is not None else None
+        if not isinstance(record, _Record):
             return None
         model = cls.__new__(cls)
         model.root, model._record = root, record
@@ -338,9 +338,11 @@ class WrappedModel:
         forget_root(module)
         uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
-        cpu_streams.release(root)  # the sharded model's hold on the CPU workarounds ends with it
+        owner = unit_state.owner_of(root)
+        cpu_streams.release(owner.cpu_hold)  # the sharded model's hold on the CPU workarounds ends with it
+        owner.cpu_hold = None
         for step in list(self._record.whole.values()):
             step.remove()  # the optimizers over the shards are forgotten: their steps are hooked no more
         self._record.whole.clear()
-        unit_state.of(root).wrapped = None
+        unit_state.owner_of(root).wrapped = None
         return module

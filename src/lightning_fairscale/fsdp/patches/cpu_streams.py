@@ -100,8 +100,6 @@ _pinned = False
 _record_stream_library: Optional[torch.library.Library] = None
 #: What FairScale's module held as ``torch`` before the workarounds were installed: given back when they are undone.
 _fairscale_torch: Any = None
-#: The wrapped models holding the workarounds, each with the finalizer that releases its hold.
-_holders: weakref.WeakKeyDictionary[nn.Module, weakref.finalize] = weakref.WeakKeyDictionary()
 
 
 def is_installed() -> bool:
@@ -131,30 +129,28 @@ def install() -> None:
             _acquire()
 
 
-def hold_while_alive(root: nn.Module) -> None:
-    """Keep the workarounds active for as long as ``root`` (a wrapped model) lives, or until :func:`release`.
+def hold_while_alive(root: nn.Module) -> Optional[weakref.finalize]:
+    """Keep the workarounds active for as long as ``root`` (a wrapped model) lives, or until :func:`release` of the
+    hold returned (kept by the model's owner, which takes one hold per model; ``None``: nothing held).
 
     FairScale's code runs on a sharded model after the strategy's ``teardown`` too (``trainer.save_checkpoint``,
     ``unshard_module()``, the next stage, a Fabric model in the user's loop), so the model holds the workarounds, not
     the strategy; once no model computing on the CPU is left, FairScale and torch are as they were. Does nothing
-    when CUDA is available, or for a model computing on a GPU; a second call for the same model too.
+    when CUDA is available, or for a model computing on a GPU.
     """
     device = getattr(root, "compute_device", None)
     if torch.cuda.is_available() or device is None or device.type != "cpu":
-        return
+        return None
     with _lock:
-        if root in _holders:
-            return
         _acquire()
-        _holders[root] = weakref.finalize(root, _release)
+        return weakref.finalize(root, _release)
 
 
-def release(root: nn.Module) -> None:
-    """End ``root``'s hold now (its model was unwrapped), rather than when it is garbage collected."""
-    with _lock:
-        finalizer = _holders.pop(root, None)
-    if finalizer is not None:
-        finalizer()  # runs `_release` once: a finalizer called early does not run again
+def release(hold: Optional[weakref.finalize]) -> None:
+    """End a hold of :func:`hold_while_alive` now (its model was unwrapped), rather than when its model is garbage
+    collected; a hold ended already (or ``None``) stays as it is."""
+    if hold is not None:
+        hold()  # runs `_release` once: a finalizer called early does not run again
 
 
 def _acquire() -> None:

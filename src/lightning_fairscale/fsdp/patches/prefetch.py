@@ -100,14 +100,9 @@ def can_prefetch(unit: Any) -> bool:
 
 
 def _over_gloo(unit: Any) -> bool:
-    """Whether ``unit`` gathers over a gloo group; once torch says so, not asked again (every gather asks, and a
-    unit's group is set for its life)."""
-    if unit.__dict__.get("_gathers_over_gloo"):
-        return True
-    over_gloo = exchanges.is_gloo(unit.process_group)
-    if over_gloo:
-        unit.__dict__["_gathers_over_gloo"] = True
-    return over_gloo
+    """Whether ``unit`` gathers over a gloo group (asked at every gather: torch's answer is a lookup in its map of
+    groups, and nothing of ours is cached in the unit, which may be FairScale's own class)."""
+    return exchanges.is_gloo(unit.process_group)
 
 
 def overlap(backward_prefetch: Optional[str], bucket_cap_mb: float) -> tuple[AsyncReduceScatter, "Prefetcher"]:

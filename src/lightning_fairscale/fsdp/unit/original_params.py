@@ -25,15 +25,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import nn
 
 from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit.unit_state import OriginalSlots
 
 __all__ = [
-    "OriginalSlots",
     "before_forward",
     "fairscale_layout",
     "forget",
@@ -45,39 +44,20 @@ __all__ = [
     "use_full_views",
 ]
 
-@dataclass(eq=False)
-class OriginalSlots:
-    """Where one unit's original parameters live: each ``(owner module, name) -> parameter`` (tied names included),
-    the order of each owner's parameters as the user's module registered them, and the unit's flat parameters (by
-    their names in FairScale's wrapper). Kept in the unit's
-    :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`."""
-
-    params: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
-    owners: list[tuple[nn.Module, list[str]]] = field(default_factory=list)
-    flat: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    #: Whether the originals are the modules' attributes now (else FairScale's views are).
-    shown: bool = False
-    #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
-    depth: int = 0
-    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
-    #: backward ends (:func:`release_views`).
-    views: dict[tuple[int, str], Any] = field(default_factory=dict)
-    #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
-    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
-    #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
-    hook: Any = None
-
-
-def _slots(unit: nn.Module) -> Optional[OriginalSlots]:
-    """``unit``'s slots (kept in its :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`), ``None`` when
-    :func:`install` did not give it its original parameters (or ``unit`` is not a unit)."""
-    state = unit_state.peek(unit)
+def _slots(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> Optional[OriginalSlots]:
+    """``unit``'s slots (kept in its :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`; for a unit of
+    FairScale's own class, held by ``model``, its model's owner), ``None`` when :func:`install` did not give it its
+    original parameters (or ``unit`` is not a unit)."""
+    state = unit_state.peek(unit, model)
     return state.originals if state is not None else None
 
 
-def _installed_units(root: nn.Module) -> list[nn.Module]:
-    """The units of ``root`` (itself included) that :func:`install` gave their original parameters."""
-    return [unit for unit in root.modules() if _slots(unit) is not None]
+def _installed_units(root: nn.Module) -> list[tuple[nn.Module, OriginalSlots]]:
+    """The units of ``root`` (itself included) that :func:`install` gave their original parameters, with their
+    slots."""
+    model = unit_state.peek_owner(root)
+    found = ((unit, _slots(unit, model)) for unit in root.modules())
+    return [(unit, slots) for unit, slots in found if slots is not None]
 
 
 def is_installed_on(unit: nn.Module) -> bool:
@@ -91,13 +71,15 @@ def is_installed(root: nn.Module) -> bool:
 
 
 def install(
-    unit: Any, originals: dict[tuple[int, str], nn.Parameter], orders: dict[int, list[str]]
+    unit: Any, originals: dict[tuple[int, str], nn.Parameter], orders: dict[int, list[str]],
+    model: Optional[unit_state.RootState] = None,
 ) -> None:
     """Make ``originals`` (``(id(owner), name) -> parameter``, for every original parameter of ``unit``'s flat
     parameters) the attributes of their modules, tied names included, in the order ``orders`` records for each
-    owner (``id(owner) -> names``; an owner it lacks keeps FairScale's order), and hide the flat parameters."""
-    if _slots(unit) is not None:  # installed already (the unit belongs to a model wrapped before)
-        show(unit)
+    owner (``id(owner) -> names``; an owner it lacks keeps FairScale's order), and hide the flat parameters.
+    ``model``: the model's owner, which holds the record of a unit of FairScale's own class."""
+    if _slots(unit, model) is not None:  # installed already (the unit belongs to a model wrapped before)
+        show(unit, model)
         return
     slots = OriginalSlots()
     names: dict[int, list[str]] = {}
@@ -117,10 +99,10 @@ def install(
         slots.owners.append((owner, order))
     wrapper = unit.module
     slots.flat = [(name, getattr(wrapper, name)) for name in wrapper.flat_param_names[: unit._num_flatten_params]]
-    unit_state.of(unit).originals = slots
+    unit_state.of(unit, model).originals = slots
     unit_ref = weakref.ref(unit)
     slots.hook = unit.module.module.register_forward_pre_hook(lambda *_: expose(unit_ref()))
-    show(unit)
+    show(unit, model)
 
 
 def expose(unit: Optional[nn.Module]) -> None:
@@ -140,10 +122,11 @@ def expose(unit: Optional[nn.Module]) -> None:
                 owner._parameters[name] = slots.params[(id(owner), name)]
 
 
-def show(unit: nn.Module) -> None:
+def show(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> None:
     """The original parameters become ``unit``'s modules' attributes (FairScale's views of the full parameters, if
-    any, are dropped: autograd keeps what it needs of them); its flat parameters leave ``parameters()``."""
-    slots = _slots(unit)
+    any, are dropped: autograd keeps what it needs of them); its flat parameters leave ``parameters()``. ``model``:
+    the model's owner, which holds the record of a unit of FairScale's own class."""
+    slots = _slots(unit, model)
     if slots is None or slots.shown or slots.depth:
         return
     wrapper: Any = unit.module
@@ -172,10 +155,9 @@ def show(unit: nn.Module) -> None:
     slots.shown = True
 
 
-def _hide(unit: nn.Module, register_flat: bool) -> None:
+def _hide(unit: nn.Module, register_flat: bool, slots: Optional[OriginalSlots]) -> None:
     """Take the original parameters out of ``unit``'s modules (FairScale sets its views there); with
-    ``register_flat``, register the flat parameters with FairScale's wrapper again."""
-    slots = _slots(unit)
+    ``register_flat``, register the flat parameters with FairScale's wrapper again. ``slots``: ``unit``'s."""
     if slots is None:
         return
     # Also when not shown: the root's forward exposes them (:func:`expose`).
@@ -192,7 +174,7 @@ def _hide(unit: nn.Module, register_flat: bool) -> None:
 
 def before_forward(unit: nn.Module) -> None:
     """Before ``unit``'s forward: FairScale's wrapper sets its views of the full parameters."""
-    _hide(unit, register_flat=False)
+    _hide(unit, register_flat=False, slots=_slots(unit))
 
 
 def use_full_views(unit: Any) -> None:
@@ -204,7 +186,7 @@ def use_full_views(unit: Any) -> None:
     slots = _slots(unit)
     if slots is None:
         return
-    _hide(unit, register_flat=False)
+    _hide(unit, register_flat=False, slots=slots)
     for owner, order in slots.owners:
         for name in order:
             view = slots.views.get((id(owner), name))
@@ -214,18 +196,19 @@ def use_full_views(unit: Any) -> None:
                 owner.__dict__[name] = view
 
 
-def release_views(unit: nn.Module) -> None:
+def release_views(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> None:
     """Once the backward of ``unit``'s last forward ended (or the step was abandoned): its views of the full parameters
     are no longer held (weakly: a graph kept for another backward may still hold them), nor FairScale's list of them on
     the module it wraps (read by FairScale's own checkpointing inside the forward only). Each leads through its graph
     to a flat parameter's gradient accumulator, which holds the flat parameter, whose records hold the modules that
     own its parameters: held by the unit, they kept a model whose modules lead back to it (a LightningModule's
-    Trainer, a root's module) alive through autograd's C++ objects, which the garbage collector cannot see."""
+    Trainer, a root's module) alive through autograd's C++ objects, which the garbage collector cannot see.
+    ``model``: the model's owner, which holds the record of a unit of FairScale's own class."""
     wrapper = getattr(unit, "_fsdp_wrapped_module", None)
     inner = getattr(wrapper, "_fpw_module", None)
     if inner is not None:
         inner.__dict__.pop("_unflattened_param_views", None)
-    slots = _slots(unit)
+    slots = _slots(unit, model)
     if slots is None or not slots.views:
         return
     slots.spent.update((key, weakref.ref(view)) for key, view in slots.views.items())
@@ -238,27 +221,24 @@ def fairscale_layout(root: nn.Module) -> Iterator[None]:
     parameters on the modules), for FairScale's state dicts, loading and ``summon_full_params``; the originals come
     back at the end."""
     units = _installed_units(root)
-    for unit in units:
-        slots = _slots(unit)
-        assert slots is not None
+    model = unit_state.peek_owner(root)
+    for unit, slots in units:
         slots.depth += 1
         if slots.depth == 1:
-            _hide(unit, register_flat=True)
+            _hide(unit, register_flat=True, slots=slots)
     try:
         yield
     finally:
-        for unit in units:
-            slots = _slots(unit)
-            assert slots is not None
+        for unit, slots in units:
             slots.depth -= 1
-            show(unit)
+            show(unit, model)
 
 
 def forget(root: nn.Module) -> None:
     """Put ``root``'s units back in FairScale's layout for good (before unwrapping them)."""
-    for unit in _installed_units(root):
-        _hide(unit, register_flat=True)
-        slots = _slots(unit)
-        if slots is not None and slots.hook is not None:
+    model = unit_state.peek_owner(root)
+    for unit, slots in _installed_units(root):
+        _hide(unit, register_flat=True, slots=slots)
+        if slots.hook is not None:
             slots.hook.remove()
-        unit_state.of(unit).originals = None
+        unit_state.of(unit, model).originals = None

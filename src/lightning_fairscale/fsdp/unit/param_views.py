@@ -230,12 +230,12 @@ def norm_group(optimizer: Any) -> Any:
 
 def mark_has_views(root: nn.Module) -> None:
     """Record that the optimizers of ``root``'s model hold views (so its gradient holders are views, on every rank)."""
-    unit_state.of(root).has_views = True
+    unit_state.owner_of(root).has_views = True
 
 
 def has_views(root: nn.Module) -> bool:
     """Whether :func:`mark_has_views` was called for ``root``."""
-    state = unit_state.peek(root)
+    state = unit_state.peek_owner(root)
     return state is not None and state.has_views
 
 

@@ -29,8 +29,7 @@ import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -85,7 +84,7 @@ def restoring(forward: F) -> F:
                 restore_quietly(unit)
             raise
         if unit._is_root:
-            unit_state.of(unit).failure = None  # a step is under way again
+            unit_state.owner_of(unit).failure = None  # a step is under way again
         return result
 
     return wrapper  # type: ignore[return-value]
@@ -115,15 +114,16 @@ def restore(root: nn.Module) -> None:
         registered = getattr(head, "_output_pre_backward_hook_registered", None)
         if registered is not None:
             registered.clear()
+    owner = unit_state.peek_owner(root)
     for unit in units:
-        original_params.show(unit)  # workaround 17: the original parameters (the shards' views) again
-        original_params.release_views(unit)  # the failed step's graph is of no use
-    state = unit_state.of(root)
+        original_params.show(unit, owner)  # workaround 17: the original parameters (the shards' views) again
+        original_params.release_views(unit, owner)  # the failed step's graph is of no use
+    state = unit_state.owner_of(root)
     if state.failure is None:
         error = sys.exc_info()[1]
         state.failures += 1
         key = f"{state.serial}/{state.failures}"
-        state.failure = _Failure(id(error) if error is not None else None, repr(error), key)
+        state.failure = unit_state.Failure(id(error) if error is not None else None, repr(error), key)
 
 
 def restore_quietly(root: nn.Module) -> None:
@@ -135,20 +135,6 @@ def restore_quietly(root: nn.Module) -> None:
         log.warning("The FSDP units could not be restored after the exception (%s: %s).", type(error).__name__, error)
 
 
-@dataclass(eq=False)
-class _Failure:
-    """A root's step that an exception ended (:func:`restore`): which exception (by ``id``, and its ``repr``: the
-    exception itself is not kept, its traceback holds the step's frames, their tensors, and through autograd's C++
-    objects the model, which the record must not keep alive), and which failure it is: the root's number and its
-    count of failures, the same on every rank that fails alike, whatever order a front end restores its models in.
-    Kept in the root's own state."""
-
-    error_id: Optional[int]
-    error_repr: str
-    key: str
-    together: Optional[bool] = None
-
-
 #: How many roots this process wrapped: each root's number (:func:`number_root`). Wrapping is collective, so every
 #: rank numbers its models alike.
 _ROOTS_WRAPPED = itertools.count()
@@ -156,7 +142,7 @@ _ROOTS_WRAPPED = itertools.count()
 
 def number_root(root: nn.Module) -> None:
     """Give ``root`` (a root unit the engine just set up) its number, which names its failures in the store."""
-    unit_state.of(root).serial = next(_ROOTS_WRAPPED)
+    unit_state.owner_of(root).serial = next(_ROOTS_WRAPPED)
 
 
 def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None:
@@ -171,8 +157,8 @@ def check_failed_together(root: nn.Module, wait_s: float = AGREE_WAIT_S) -> None
             a ``RuntimeError`` that says so; the reason is logged. This rank then ends, and the others fail at once
             ("Connection closed by peer").
     """
-    state = unit_state.peek(root)
-    failure: Optional[_Failure] = state.failure if state is not None else None
+    state = unit_state.peek_owner(root)
+    failure = state.failure if state is not None else None
     if failure is None or failure.together or not dist.is_available() or not dist.is_initialized():
         return
     missing = _ranks_not_failed(failure.key, wait_s)

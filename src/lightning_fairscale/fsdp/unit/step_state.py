@@ -51,54 +51,42 @@ from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
 from lightning_fairscale.distributed.torch_private import in_backward
-from lightning_fairscale.fsdp.unit import original_params, param_views
+from lightning_fairscale.fsdp.unit import original_params, param_views, unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 
-__all__ = ["StepState", "adopt", "before_forward", "gathering", "of"]
-
-#: Each unit of a sharded model -> the :class:`StepState` of its model (weakly: it lives with the model).
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, StepState] = weakref.WeakKeyDictionary()
+__all__ = ["StepState", "before_forward", "gathering", "of"]
 
 
 def of(unit: nn.Module) -> Optional[StepState]:
-    """The :class:`StepState` of ``unit``'s model, ``None`` for a unit of no model :func:`adopt` saw."""
-    return _OWNERS.get(unit)
+    """The :class:`StepState` of ``unit``'s model, ``None`` for a unit of no model the engine set up (its units know
+    the model's owner: :func:`~lightning_fairscale.fsdp.unit.unit_state.adopt`)."""
+    return StepState(unit) if _adopted(unit) else None
 
 
 def before_forward(unit: nn.Module) -> None:
-    """Before ``unit``'s forward: :meth:`StepState.before_forward`, for a unit of a model :func:`adopt` saw."""
-    state = _OWNERS.get(unit)
-    if state is not None:
-        state.before_forward(unit)
+    """Before ``unit``'s forward: :meth:`StepState.before_forward`, for a unit of a model the engine set up."""
+    if _adopted(unit):
+        StepState.before_forward(unit)
 
 
 def gathering(unit: nn.Module) -> None:
-    """``unit`` gathers its full parameters: :meth:`StepState.gathering`, for a unit of a model :func:`adopt` saw."""
-    state = _OWNERS.get(unit)
-    if state is not None:
-        state.gathering(unit)
+    """``unit`` gathers its full parameters: :meth:`StepState.gathering`, for a unit of a model the engine set up."""
+    if _adopted(unit):
+        StepState.gathering(unit)
 
 
-def adopt(root: nn.Module, units: list[nn.Module]) -> StepState:
-    """The :class:`StepState` of the model whose root unit is ``root`` (made once; ``units``: all of its units)."""
-    state = _OWNERS.get(root)
-    if state is None:
-        state = StepState(root)
-    for unit in units:
-        _OWNERS[unit] = state
-    return state
+def _adopted(unit: nn.Module) -> bool:
+    owner = unit_state.peek_owner(unit)
+    return owner is not None and owner.adopted
 
 
 class StepState:
     """What FairScale and the engine derived about one sharded model that the loop may change, re-derived when it
-    does (see the module's docstring)."""
+    does (see the module's docstring). What it follows is kept in the records of the model's units and flat
+    parameters (:mod:`~lightning_fairscale.fsdp.unit.unit_state`); this object only refers to the root, weakly."""
 
     def __init__(self, root: nn.Module) -> None:
         self._root = weakref.ref(root)
-        #: ``id(managed)`` -> ``requires_grad`` of a parameter sharded in place at its unit's last forward.
-        self._flags: dict[int, bool] = {}
-        #: ``id(unit)`` -> the versions of its shards when its last forward gathered them.
-        self._versions: dict[int, list[int]] = {}
 
     @property
     def root(self) -> Any:
@@ -109,7 +97,8 @@ class StepState:
     # ------------------------------------------------------------------------------------------------------------
     # Before a unit's forward
 
-    def before_forward(self, unit: Any) -> None:
+    @staticmethod
+    def before_forward(unit: Any) -> None:
         """Read which of ``unit``'s parameters train now; make its flat parameters require gradients accordingly."""
         flat_count = unit._num_flatten_params
         for index, managed in enumerate(unit.params):
@@ -124,24 +113,27 @@ class StepState:
                     managed.requires_grad_(wanted)
             else:  # sharded in place: the module's parameter is the managed one, the optimizer holds a view of it
                 flag = managed.requires_grad
-                if self._flags.get(id(managed), flag) != flag:  # flipped on the module (`BaseFinetuning`): the
-                    for view in views:  # view follows; a flip of the view (`toggle_optimizer`) stays its own
-                        view.param.requires_grad_(flag)
-                self._flags[id(managed)] = flag
+                record = unit_state.flat_state(managed)
+                if record.trained is not None and record.trained != flag:  # flipped on the module
+                    for view in views:  # (`BaseFinetuning`): the view follows; a flip of the view (`toggle_optimizer`)
+                        view.param.requires_grad_(flag)  # stays its own
+                record.trained = flag
                 for view in views:
                     view.trainable = view.param.requires_grad and flag
 
-    def gathering(self, unit: Any) -> None:
+    @staticmethod
+    def gathering(unit: Any) -> None:
         """``unit`` gathers its full parameters: in a forward with gradients, note its shards' versions; in a backward
         (its pre-backward hook, a recomputation, a second backward through a kept graph), refuse shards that an
         optimizer changed since: the backward would differentiate the new weights where the forward computed with the
         old ones, which unsharded torch refuses too ("modified by an inplace operation")."""
         versions = _shard_versions(unit)
+        record = unit_state.of(unit)
         if not in_backward():
             if torch.is_grad_enabled():
-                self._versions[id(unit)] = versions
+                record.shard_versions = versions
             return
-        noted = self._versions.get(id(unit))
+        noted = record.shard_versions
         if noted is not None and noted != versions:
             raise RuntimeError(
                 "A backward reaches an FSDP unit whose parameters an optimizer step changed after the forward it"

@@ -1,12 +1,18 @@
-"""What this package knows about a unit and its flat parameters, in objects of its own.
+"""What this package knows about a sharded model, its units and its flat parameters, in objects of its own.
 
 FairScale's units, their flat parameters and the user's modules and optimizers are not ours: nothing of ours is
-written into them. What we know about a unit is its :class:`UnitState`, made when the unit is built and held by the
-unit (:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` is our class: an ordinary attribute of
-it); a unit of FairScale's own class (wrapped by hand) gets one from a map keyed weakly by the unit. What we know
-about a flat parameter is its :class:`FlatState`, in a map keyed weakly by the parameter (by identity: a tensor's
-``==`` compares values), held here: it is found from the parameter alone, as the optimizer's views and the model
-summary find it, and from its unit (:func:`flat_states`).
+written into them. One sharded model has one owner, its :class:`RootState`, made when the model is set up
+(:func:`owner_of` its root unit) and held by the root unit's :class:`UnitState`: what is known about the model as a
+whole (the front end's record of it, whether its optimizers hold views, its failed step, its hold on FairScale's CPU
+workarounds, the hook that lets the user's module find its root), and the records of its units of FairScale's own
+class (wrapped by hand: not ours, so their records are held here, by the owner). Dropped with the root unit.
+
+What we know about a unit of ours is its :class:`UnitState`, made when the unit is built and held by the unit
+(:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` is our class: an ordinary attribute of it),
+with a reference to the owner once the model is set up. What we know about a flat parameter is its
+:class:`FlatState`, in a map keyed weakly by the parameter (by identity: a tensor's ``==`` compares values), held here:
+it is found from the parameter alone, as the optimizer's views and the model summary find it, and from its unit
+(:func:`flat_states`).
 """
 
 from __future__ import annotations
@@ -16,9 +22,26 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["FlatState", "UnitState", "flat_state", "flat_states", "forget_flat", "of", "peek", "peek_flat"]
+__all__ = [
+    "Failure",
+    "FlatState",
+    "ModelRecord",
+    "OriginalSlots",
+    "RootState",
+    "UnitState",
+    "adopt",
+    "flat_state",
+    "flat_states",
+    "forget_flat",
+    "of",
+    "owner_of",
+    "peek",
+    "peek_flat",
+    "peek_owner",
+]
 
 
 @dataclass(eq=False)
@@ -44,6 +67,81 @@ class FlatState:
     #: Its gradient accumulator (weakly: its hooks' dictionary) and the ``id`` of each unit whose post-backward hook
     #: is on it (workaround 20).
     hooked: Optional[tuple[weakref.ref[Any], set[int]]] = None
+    #: For a parameter sharded in place (the module's own, not flattened): its ``requires_grad`` at its unit's last
+    #: forward (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`), ``None`` before the first.
+    trained: Optional[bool] = None
+
+
+@dataclass(eq=False)
+class OriginalSlots:
+    """Where one unit's original parameters live: each ``(owner module, name) -> parameter`` (tied names included),
+    the order of each owner's parameters as the user's module registered them, and the unit's flat parameters (by
+    their names in FairScale's wrapper). Kept in the unit's
+    :class:`UnitState` (see :mod:`~lightning_fairscale.fsdp.unit.original_params`)."""
+
+    params: dict[tuple[int, str], nn.Parameter] = field(default_factory=dict)
+    owners: list[tuple[nn.Module, list[str]]] = field(default_factory=list)
+    flat: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    #: Whether the originals are the modules' attributes now (else FairScale's views are).
+    shown: bool = False
+    #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
+    depth: int = 0
+    #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
+    #: backward ends (:func:`release_views`).
+    views: dict[tuple[int, str], Any] = field(default_factory=dict)
+    #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
+    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
+    #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
+    hook: Any = None
+
+
+class ModelRecord:
+    """What the front ends' object of a sharded model (:class:`~lightning_fairscale.fsdp.model.WrappedModel`) keeps
+    of it: the base of its record, held by the model's :class:`RootState`."""
+
+
+@dataclass(eq=False)
+class Failure:
+    """A root's step that an exception ended (:func:`~lightning_fairscale.fsdp.unit.recovery.restore`): which
+    exception (by ``id``, and its ``repr``: the exception itself is not kept, its traceback holds the step's frames,
+    their tensors, and through autograd's C++ objects the model, which the record must not keep alive), and which
+    failure it is: the root's number and its count of failures, the same on every rank that fails alike, whatever
+    order a front end restores its models in. Kept by the model's owner."""
+
+    error_id: Optional[int]
+    error_repr: str
+    key: str
+    together: Optional[bool] = None
+
+
+@dataclass(eq=False)
+class RootState:
+    """The owner of what this package knows about one sharded model (see the module's docstring): held by its root
+    unit, released with it. Nothing here refers back to the root (a sharded model nobody uses any more is freed at
+    once, not by the garbage collector)."""
+
+    #: Whether the engine set the model up (:func:`adopt`): what the loop changes between steps is followed
+    #: (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`).
+    adopted: bool = False
+    #: The records of the model's units of FairScale's own class (wrapped by hand), which are not ours.
+    foreign: dict[nn.Module, UnitState] = field(default_factory=dict)
+    #: Whether the optimizers of the model hold views (on every rank alike, even one holding none).
+    has_views: bool = False
+    #: What the model's :class:`~lightning_fairscale.fsdp.model.WrappedModel` knows, once the engine set it up.
+    wrapped: Optional[ModelRecord] = None
+    #: The model's step that an exception ended (:mod:`~lightning_fairscale.fsdp.unit.recovery`), else ``None``.
+    failure: Optional[Failure] = None
+    #: Its number among the roots this process wrapped (:func:`~lightning_fairscale.fsdp.unit.recovery.number_root`),
+    #: the same on every rank (wrapping is collective).
+    serial: int = -1
+    #: How many of its steps an exception ended so far (the ranks that fail alike count alike).
+    failures: int = 0
+    #: Its hold on FairScale's CPU workarounds (:func:`~lightning_fairscale.fsdp.patches.cpu_streams.hold_while_alive`):
+    #: the finalizer that ends it, ``None`` when it holds none.
+    cpu_hold: Optional[weakref.finalize] = None
+    #: The hook on the user's module by which it finds its root while kept sharded
+    #: (:func:`~lightning_fairscale.fsdp.wrapping.unwrapping.remember_root`), ``None`` when none is registered.
+    keeper: Optional[RemovableHandle] = None
 
 
 @dataclass(eq=False)
@@ -53,49 +151,69 @@ class UnitState:
     #: The parameters the unit flattened, ``id -> (weak reference, name)``, to find ties split between units.
     flattened: dict[int, tuple[weakref.ref[nn.Parameter], str]] = field(default_factory=dict)
     #: Where its original parameters live once installed
-    #: (:class:`~lightning_fairscale.fsdp.unit.original_params.OriginalSlots`), else ``None``.
-    originals: Any = None
-    #: On a root unit: whether the optimizers of its model hold views (on every rank alike, even one holding none).
-    has_views: bool = False
-    #: On a root unit set up by the engine: what its ``WrappedModel`` knows, else ``None``.
-    wrapped: Any = None
+    #: (:class:`OriginalSlots`), else ``None``.
+    originals: Optional[OriginalSlots] = None
+    #: The owner of the unit's model (:class:`RootState`): on a root unit from when it is set up, on the root's
+    #: other units of our class from when the engine sets up the model (:func:`adopt`); ``None`` before.
+    owner: Optional[RootState] = None
     #: The gradient accumulators its running forward hooked (workaround 20), held until the forward's graph holds
     #: them, and not after: held longer, each keeps the model alive through its hook.
     accumulators: list[Any] = field(default_factory=list)
-    #: On a root unit: its step that an exception ended (:mod:`~lightning_fairscale.fsdp.unit.recovery`), else
-    #: ``None``.
-    failure: Any = None
-    #: On a root unit set up by the engine: its number among the roots this process wrapped
-    #: (:func:`~lightning_fairscale.fsdp.unit.recovery.number_root`), the same on every rank (wrapping is collective).
-    serial: int = -1
-    #: On a root unit: how many of its steps an exception ended so far (the ranks that fail alike count alike).
-    failures: int = 0
+    #: The version counters of its shards (and their views) when its last forward with gradients gathered them
+    #: (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`), ``None`` before.
+    shard_versions: Optional[list[int]] = None
 
 
 #: The name of the attribute of our unit class that holds its :class:`UnitState`.
 ATTRIBUTE = "unit_state"
 
-#: Units of FairScale's own class (not ours) -> their state.
-_FOREIGN: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
 #: Flat parameters -> their state (weakly, by identity).
 _FLATS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def peek(unit: nn.Module) -> Optional[UnitState]:
+def peek(unit: nn.Module, owner: Optional[RootState] = None) -> Optional[UnitState]:
     """``unit``'s state, ``None`` for a module that has none (not a unit, or a unit of FairScale's class that
-    nothing was recorded for)."""
+    ``owner``, its model's owner, holds nothing for)."""
     state = vars(unit).get(ATTRIBUTE)
     if isinstance(state, UnitState):
         return state
-    return _FOREIGN.get(unit)
+    return owner.foreign.get(unit) if owner is not None else None
 
 
-def of(unit: nn.Module) -> UnitState:
-    """``unit``'s state (made for a unit of FairScale's own class that had none)."""
-    state = peek(unit)
+def of(unit: nn.Module, owner: Optional[RootState] = None) -> UnitState:
+    """``unit``'s state (for a unit of FairScale's own class, held by ``owner``, its model's owner: made there when
+    it had none)."""
+    state = peek(unit, owner)
     if state is None:
-        state = _FOREIGN[unit] = UnitState()
+        if owner is None:
+            raise ValueError(f"A unit of FairScale's own class ({type(unit).__name__}) has no state outside its model.")
+        state = owner.foreign[unit] = UnitState()
     return state
+
+
+def owner_of(root: nn.Module) -> RootState:
+    """The owner of the model whose root unit (of our class) is ``root``, made when it had none."""
+    state = of(root)
+    if state.owner is None:
+        state.owner = RootState()
+    return state.owner
+
+
+def peek_owner(unit: nn.Module) -> Optional[RootState]:
+    """The owner of ``unit``'s model, ``None`` for a unit of FairScale's class or one of no model set up yet."""
+    state = peek(unit)
+    return state.owner if state is not None else None
+
+
+def adopt(root: nn.Module, units: list[nn.Module]) -> RootState:
+    """The owner of ``root``'s model (:func:`owner_of`), known from now on by each of its ``units`` of our class."""
+    owner = owner_of(root)
+    owner.adopted = True
+    for unit in units:
+        state = peek(unit)
+        if state is not None:
+            state.owner = owner
+    return owner
 
 
 def peek_flat(flat: nn.Parameter) -> Optional[FlatState]:

@@ -238,10 +238,11 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             prefetcher.before_gathers = agreement.before_collective
             agreement.on_divergence = prefetcher.forget_order
         for module in fsdp_instances(self):
-            module._streams = self._streams
+            module._streams = self._streams  # FairScale's own attributes, which its `_setup_streams` shares too
             module._reducer = reducer
-            module._prefetcher = prefetcher
-            module._agreement = agreement
+            if isinstance(module, FullyShardedDataParallel):  # ours only: a unit of FairScale's own class (wrapped
+                module._prefetcher = prefetcher  # by hand) runs FairScale's methods, which use neither, and gets
+                module._agreement = agreement  # nothing of ours
 
     def _rebuild_full_params(self, force_full_precision: bool = False) -> Any:
         one_rank.forget_freed_half_params(self)  # workaround 21
@@ -301,8 +302,9 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         # the original parameters come back at the end of the context.
         with original_params.fairscale_layout(self):
             self._finish_backward()
+        owner = unit_state.peek_owner(self)
         for unit in fsdp_instances(self):  # the full views' graph is spent: held longer, they keep the model alive
-            original_params.release_views(unit)
+            original_params.release_views(unit, owner)
 
     def _finish_backward(self) -> None:
         not_run.before_end_of_backward(self)  # workaround 29: the units this backward did not reach

@@ -20,10 +20,6 @@ from torch.utils.checkpoint import checkpoint
 from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 
-#: Each layer checkpointed here -> the ``forward`` :func:`apply_activation_checkpointing` gave it (weakly keyed: it
-#: lives with the layer, and the ``forward`` refers to the layer weakly; nothing of ours is written into the layer).
-_CHECKPOINTED: weakref.WeakKeyDictionary[nn.Module, CheckpointedForward] = weakref.WeakKeyDictionary()
-
 __all__ = [
     "CheckpointedForward",
     "apply_activation_checkpointing",
@@ -112,8 +108,7 @@ def apply_activation_checkpointing(
             )
         if isinstance(submodule, classes) and "forward" not in submodule.__dict__:
             patch_batchnorm(submodule)  # its batch norms update their statistics once, not again when recomputed
-            submodule.forward = CheckpointedForward(submodule, offload_to_cpu)
-            _CHECKPOINTED[submodule] = submodule.__dict__["forward"]
+            submodule.forward = CheckpointedForward(submodule, offload_to_cpu)  # its mark: an object of ours
             checkpointed.append(submodule)
     return checkpointed
 
@@ -132,16 +127,23 @@ class CheckpointedForward:
     layer, as FairScale's: the layer holds its ``forward``.
     """
 
-    def __init__(self, layer: nn.Module, offload_to_cpu: bool, inner: Optional[Callable[..., Any]] = None) -> None:
+    def __init__(
+        self, layer: nn.Module, offload_to_cpu: bool, inner: Optional[Callable[..., Any]] = None,
+        compiled_from: Optional[CheckpointedForward] = None,
+    ) -> None:
         self._layer = weakref.ref(layer)
         self.offload_to_cpu = offload_to_cpu
         self.inner: Callable[..., Any] = inner if inner is not None else type(layer).forward
+        #: The checkpointed forward this one replaced, computing the compiled ``inner``
+        #: (:mod:`~lightning_fairscale.fsdp.wrapping.compile`), else ``None``.
+        self.compiled_from = compiled_from
 
     def with_inner(self, inner: Callable[..., Any]) -> CheckpointedForward:
-        """The same checkpointed forward of the same layer, computing ``inner``."""
+        """The same checkpointed forward of the same layer, computing ``inner`` (compiled: this one is given back
+        when it is uncompiled)."""
         layer = self._layer()
         assert layer is not None
-        return CheckpointedForward(layer, self.offload_to_cpu, inner)
+        return CheckpointedForward(layer, self.offload_to_cpu, inner, compiled_from=self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self._layer()
@@ -168,7 +170,7 @@ def _is_checkpointed(module: nn.Module) -> bool:
     torch_wrapper = type(module).__name__ == "CheckpointWrapper" and type(module).__module__.startswith("torch.")
     forward = getattr(module.__dict__.get("forward"), "func", None)  # FairScale's partial over its function
     patched = getattr(forward, "__name__", "") == "_checkpointed_forward"
-    return torch_wrapper or (patched and module not in _CHECKPOINTED)
+    return torch_wrapper or patched
 
 
 def remove_activation_checkpointing(module: nn.Module) -> None:
@@ -179,6 +181,5 @@ def remove_activation_checkpointing(module: nn.Module) -> None:
     the module (``unshard_module()`` after a second ``fit`` with another Trainer) gives it back without wrappers.
     """
     for submodule in module.modules():
-        forward = _CHECKPOINTED.pop(submodule, None)
-        if forward is not None and submodule.__dict__.get("forward") is forward:
+        if isinstance(submodule.__dict__.get("forward"), CheckpointedForward):
             del submodule.__dict__["forward"]

@@ -34,7 +34,6 @@ through the views as in eager mode.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -59,9 +58,19 @@ __all__ = [
 #: ``torch.compile(backend=...)`` without a model, which returns one).
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
-#: Each region compiled here -> its ``forward`` before (``None``: its class's), to give it back (weakly keyed: it
-#: lives with the region; nothing of ours is written into the user's module).
-_COMPILED_FROM: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+class CompiledForward:
+    """A region's compiled ``forward`` (:func:`compile_regions`), the mark by which it is found again, with the
+    ``forward`` it replaced (``None``: its class's) to give back. A checkpointed region's is its
+    :class:`~lightning_fairscale.fsdp.wrapping.activation_checkpointing.CheckpointedForward` computing the compiled
+    function, which knows the one it replaced (``compiled_from``)."""
+
+    def __init__(self, compiled: Callable[..., Any], replaced: Optional[Callable[..., Any]]) -> None:
+        self.compiled = compiled
+        self.replaced = replaced
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
 
 
 def compiler_from_options(options: dict[str, Any]) -> Compiler:
@@ -159,7 +168,10 @@ def _inside_compiled(region: nn.Module, compiled: Sequence[nn.Module]) -> bool:
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether :func:`compile_regions` compiled ``module``'s ``forward``."""
-    return module in _COMPILED_FROM
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, CheckpointedForward):
+        return forward.compiled_from is not None
+    return isinstance(forward, CompiledForward)
 
 
 def _compile_forward(region: nn.Module, compiler: Compiler) -> None:
@@ -171,18 +183,18 @@ def _compile_forward(region: nn.Module, compiler: Compiler) -> None:
         # checkpoint, so that both run compiled code.
         region.forward = own.with_inner(compiler(own.inner))
     else:
-        region.forward = compiler(region.forward)
-    _COMPILED_FROM[region] = own
+        region.forward = CompiledForward(compiler(region.forward), own)
 
 
 def uncompile_regions(module: nn.Module) -> None:
     """Give every region of ``module`` that :func:`compile_regions` compiled its ``forward`` back (before the
     activation checkpointing is removed, which recognises its own ``forward``)."""
     for submodule in module.modules():
-        if submodule not in _COMPILED_FROM:
-            continue
-        own = _COMPILED_FROM.pop(submodule)
-        if own is None:
-            del submodule.__dict__["forward"]
-        else:
-            submodule.__dict__["forward"] = own
+        forward = submodule.__dict__.get("forward")
+        if isinstance(forward, CheckpointedForward) and forward.compiled_from is not None:
+            submodule.__dict__["forward"] = forward.compiled_from
+        elif isinstance(forward, CompiledForward):
+            if forward.replaced is None:
+                del submodule.__dict__["forward"]
+            else:
+                submodule.__dict__["forward"] = forward.replaced

@@ -4,14 +4,12 @@ unit a LightningModule keeps between stages."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_fairscale.fsdp.unit import original_params, unit_state
 from lightning_fairscale.fsdp.unit.frozen_params import trainable_pieces
@@ -104,30 +102,34 @@ class _RootKeeper:
         return None
 
 
-#: Each LightningModule kept sharded -> its root unit (weakly: the module holds it, see :class:`_RootKeeper`) and the
-#: handle that removes the keeper.
-_ROOTS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, RemovableHandle]] = weakref.WeakKeyDictionary()
-
-
 def remember_root(module: nn.Module, root: _FairScaleFSDP) -> None:
     """Record that ``module`` is wrapped by ``root``, so that a later stage (``validate`` after ``fit``...) reuses
-    the sharded model instead of gathering and wrapping it again. Not a submodule: ``root`` contains ``module``."""
+    the sharded model instead of gathering and wrapping it again. Not a submodule: ``root`` contains ``module``. The
+    keeper is found again among ``module``'s hooks (:func:`wrapped_root`); its handle is kept by the model's owner."""
     forget_root(module)
-    _ROOTS[module] = (weakref.ref(root), module.register_state_dict_pre_hook(_RootKeeper(root)))
+    unit_state.owner_of(root).keeper = module.register_state_dict_pre_hook(_RootKeeper(root))
+
+
+def _keepers(module: nn.Module) -> list[_RootKeeper]:
+    """The :class:`_RootKeeper` hooks registered on ``module`` (by :func:`remember_root`)."""
+    return [hook for hook in module._state_dict_pre_hooks.values() if isinstance(hook, _RootKeeper)]
 
 
 def wrapped_root(module: nn.Module) -> Optional[_FairScaleFSDP]:
     """The root unit that wraps ``module`` (see :func:`remember_root`), or ``None`` when it is not wrapped."""
-    entry = _ROOTS.get(module)
-    root = entry[0]() if entry is not None else None
-    return root if isinstance(root, _FairScaleFSDP) and unwrapped(root) is module else None
+    for keeper in _keepers(module):
+        if unwrapped(keeper.root) is module:
+            return keeper.root
+    return None
 
 
 def forget_root(module: nn.Module) -> None:
     """Undo :func:`remember_root` (after unwrapping)."""
-    entry = _ROOTS.pop(module, None)
-    if entry is not None:
-        entry[1].remove()
+    for keeper in _keepers(module):
+        owner = unit_state.peek_owner(keeper.root)
+        if owner is not None and owner.keeper is not None:
+            owner.keeper.remove()
+            owner.keeper = None
 
 
 def _flat_pieces(
