@@ -32,6 +32,7 @@ from pytorch_lightning import Callback, LightningModule, Trainer, seed_everythin
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_fairscale import local_slice
 from lightning_fairscale.strategies import DDPFullyShardedStrategy
 
 VOCAB, SEQ_LEN, WIDTH, HEADS, DEPTH = 64, 32, 64, 4, 3
@@ -104,7 +105,9 @@ class ReportShards(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: TinyLM) -> None:
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-        local = sum(p.numel() * p.element_size() for p in trainer.strategy.model.parameters())
+        # Outside the forward a parameter reads as the whole tensor (its shape, its norm...): `local_slice` is the part
+        # this rank holds.
+        local = sum(local_slice(p).numel() * p.element_size() for p in trainer.strategy.model.parameters())
         full = pl_module.full_param_bytes
         units = sum(isinstance(m, FullyShardedDataParallel) for m in trainer.strategy.model.modules())
         line = (

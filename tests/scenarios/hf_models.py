@@ -373,8 +373,8 @@ class ProbedCausalLM(CausalLM):
         return True if names == self.plain_names else f"self.named_parameters() names {names}, not {self.plain_names}"
 
     def _gradients(self) -> Any:
-        # A rank holding no element of a parameter gets no gradient for it (as under torch FSDP's original
-        # parameters); every parameter it holds a part of has one.
+        # Every trainable parameter reads as having a gradient on every rank, in every micro-batch (a rank holding no
+        # element of it holds an empty slice: a read of the gradient is a collective, made on every rank alike).
         missing = [n for n, p in self.named_parameters() if p.requires_grad and p.numel() and p.grad is None]
         return True if not missing else f"no .grad on {missing}"
 
@@ -755,7 +755,8 @@ def fabric_probes(model: Any, optimizer: Any, kind: str) -> dict[str, Any]:
     return {
         "tied": inner.lm_head.weight is embedding,
         "optimizer_holds_the_parameters": held == {id(p) for p in params},
-        "plain_parameters": all(type(p) is torch.nn.Parameter for p in params),
+        # Parameters (the views know they are sharded: a subclass of torch's, as `isinstance` checks in HF see).
+        "plain_parameters": all(isinstance(p, torch.nn.Parameter) for p in params),
         "copies": len(copy.deepcopy(params)) == len(params),
     }
 

@@ -274,7 +274,7 @@ def paths_of(strategy: Any, optimizers: list[Any]) -> list[str]:
     sharded = getattr(strategy, "_sharded", None)
     models = getattr(strategy, "_set_up", None)
     found = [sharded] * len(optimizers) if sharded is not None else [
-        models.optimizers.get(o) for o in optimizers] if models is not None else []
+        models.model_of(o) if models.holds(o) else None for o in optimizers] if models is not None else []
     return [model.path(o) for model, o in zip(found, optimizers) if hasattr(model, "path")]
 
 

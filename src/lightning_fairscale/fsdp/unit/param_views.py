@@ -111,7 +111,10 @@ def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[Any]) -> Callab
 
     def empty_grad() -> bool:
         viewed, flat = view(), state()
-        return viewed is not None and flat is not None and gets_gradient(viewed) and flat.grad_shared
+        # After a synchronising backward (shared) or one under `no_sync` (this rank's unreduced slices given): the
+        # ranks holding elements of the view hold its gradient then, and a read of it is a collective on every rank.
+        shared = flat is not None and (flat.grad_shared or flat.local_given)
+        return viewed is not None and shared and gets_gradient(viewed)
 
     return empty_grad
 
