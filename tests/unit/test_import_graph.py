@@ -26,6 +26,7 @@ ENGINE = (
     "checkpoint.files",
     "checkpoint.legacy",
     "checkpoint.safetensors",
+    "checkpointer",
     "consolidate",
     "convert_1x",
     "distributed",

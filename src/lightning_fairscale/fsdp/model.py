@@ -2,13 +2,12 @@
 that :mod:`lightning_fairscale.fsdp.engine` wrapped.
 
 Everything a front end does with a sharded model once it is made goes through it: re-pointing the optimizers made
-over the unwrapped module, the state dicts in the two checkpoint formats, saving and loading checkpoints through the
-checkpoint service (:mod:`~lightning_fairscale.fsdp.state.checkpoints`, fed plain values: into this rank's shards,
-gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does), putting
-the units back after an exception inside a step, and giving the model its full parameters back
-(:meth:`WrappedModel.unshard`). Its methods take what the run adds (the ranks, the checkpoint's
-:class:`~lightning_fairscale.checkpoint.files.ShardedStorage`, its files and their layout), passed in by the
-strategies: nothing here imports Lightning or calls back into a strategy.
+over the unwrapped module, the state dicts in the two checkpoint formats, a full state dict loaded into this rank's
+shards (gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does),
+what the checkpointer needs of it (:meth:`WrappedModel.settled`: checkpoint files are saved and loaded by
+:mod:`lightning_fairscale.checkpointer`), putting the units back after an exception inside a step, and giving the
+model its full parameters back (:meth:`WrappedModel.unshard`). Nothing here imports Lightning or calls back into a
+strategy.
 
 A module of its own: making a sharded model (the options checked against the device, the process groups, the
 wrapping) happens once, in :mod:`~lightning_fairscale.fsdp.engine`, from the strategy's configuration; what is done
@@ -205,7 +204,7 @@ class WrappedModel:
         return self.for_checkpoints().order(optimizer)
 
     def for_checkpoints(self) -> ShardedModel:
-        """What the checkpoint service needs of this model, as plain values: the root unit, where the original
+        """What the checkpointer needs of this model, as plain values: the root unit, where the original
         parameters went, and the order of each re-pointed optimizer's state."""
         whole = {optimizer: step.plan for optimizer, step in self._record.whole.items()}
         return ShardedModel(self.root, self.layout, self._record.orders, whole)
@@ -316,6 +315,12 @@ class WrappedModel:
         self._settle()
         model = self.for_checkpoints()
         return saving.load_sharded(ranks, storage, path, model, optimizers, weights_only, strict, relax)
+
+    def settled(self) -> ShardedModel:
+        """What the checkpointer (:mod:`lightning_fairscale.checkpointer`) needs of this model, once its units are
+        settled (see :meth:`_settle`): :meth:`for_checkpoints`."""
+        self._settle()
+        return self.for_checkpoints()
 
     # ------------------------------------------------------------------------------------------------------------
     # The end of sharding
