@@ -1,9 +1,9 @@
 """Parts of Fabric's FSDP strategy (:class:`lightning_fairscale.fabric.DDPFullyShardedStrategy`) that are plain
-functions over it: ``fabric.save`` and ``fabric.load`` (the sharded format through the engine's checkpoint service,
-:mod:`lightning_fairscale.fsdp.state.checkpoints`, in Fabric's file layout; full files through the strategy's
-CheckpointIO plugin), the average over the shards, the unsharded shapes for an optimizer made after set-up, and the
-units' recovery after an exception in a backward. Kept apart so that the strategy's class holds its hooks and
-settings (`make lightning` copies this module for the unified package too).
+functions over it: ``fabric.save`` and ``fabric.load`` (both formats through the checkpointer,
+:mod:`lightning_fairscale.checkpointer`, in Fabric's file layout, with the strategy's CheckpointIO plugin), the
+average over the shards, the unsharded shapes for an optimizer made after set-up, and the units' recovery after an
+exception in a backward. Kept apart so that the strategy's class holds its hooks and settings (`make lightning`
+copies this module for the unified package too).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any, Optional, Union
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale import checkpointer
 from lightning_fairscale._compat import collective_timeout
 from lightning_fairscale.checkpoint.fabric import Roles
-from lightning_fairscale.fabric._common import read_full, write_full
+from lightning_fairscale.checkpointer import FabricLayout, Files
 from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model
 from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
 from lightning_fairscale.fsdp.wrapping.compile import unwrap_compiled
-from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files
-from lightning_fairscale.fsdp.state.saving import Ranks, is_sharded_checkpoint
-from lightning_fairscale.plugins.checkpoint_io import in_background, settle_background, sharded_storage
+from lightning_fairscale.fsdp.state.saving import is_sharded_checkpoint
+from lightning_fairscale.plugins.checkpoint_io import checkpoint_files
 
 __all__ = ["averaged_model", "load", "recover", "save", "unsharded_shapes"]
 
@@ -39,25 +39,20 @@ def save(
     filter: Optional[dict[str, Callable[[str, Any], bool]]],
 ) -> None:
     """``fabric.save``: with ``state_dict_type="sharded"``, every rank writes its shard of the checkpoint directory
-    ``path`` through the checkpoint service (in the background with such a plugin), gathering nothing; else the full
-    states, gathered on rank 0, in one file."""
+    ``path`` (in the background with such a plugin), gathering nothing; else the full states, gathered on rank 0, in
+    one file (also where ``state_dict_type="sharded"`` has no set-up model to shard)."""
     roles = Roles.of(state, strategy._is_ours)
     model = _model(state[roles.model]) if roles.model else None
-    io = strategy.checkpoint_io
-    if model is not None and strategy.config.state_dict_type == "sharded":
-        files = Files(Ranks(strategy.global_rank), sharded_storage(io), in_background(io, collective_timeout(strategy)))
-        model.save(files, path, state, FabricLayout(roles, filter))
-        return
-    # A full file, also where `state_dict_type="sharded"` has no set-up model to shard: the background writes that
-    # failed so far end every rank here, as before the Trainer's full saves (rank 0 alone writes the file, so without
-    # this agreement another rank would go on past its own failed write).
-    settle_background(io, Ranks(strategy.global_rank).agree, wait=False)
+    sharded = model is not None and strategy.config.state_dict_type == "sharded"
+    files = checkpoint_files(strategy.checkpoint_io, strategy.global_rank, collective_timeout(strategy), sharded)
+    if model is not None and sharded:
+        return checkpointer.save_sharded(model.settled(), files, path, state, FabricLayout(roles, filter))
     states = {  # collective calls, in the state's order on every rank
         key: strategy._model_state(value, False) if key == roles.model else strategy._optimizer_state(value, False)
         for key, value in state.items()
         if key == roles.model or key in roles.optimizers
     }
-    write_full(io, strategy.is_global_zero, path, state, roles, states, storage_options, filter)
+    return checkpointer.save_full(files, path, state, storage_options, (FabricLayout(roles, filter), states))
 
 
 def load(
@@ -66,13 +61,12 @@ def load(
 ) -> dict[str, Any]:
     """``fabric.load``: restore ``state`` from a checkpoint (Fabric's or the Trainer's, full or sharded); returns what
     the state did not ask for."""
-    io = strategy.checkpoint_io
-    storage = sharded_storage(io, saving=False)
-    if is_sharded_checkpoint(storage, path):
-        return _load_sharded(strategy, Files(Ranks(strategy.global_rank), storage), path, state, strict, weights_only)
+    files = checkpoint_files(strategy.checkpoint_io, strategy.global_rank)
+    if is_sharded_checkpoint(files.storage, path):
+        return _load_sharded(strategy, files, path, state, strict, weights_only)
     roles = Roles.of(state, strategy._is_ours) if isinstance(state, dict) and state else None
     keys = strategy._model_keys(state) if isinstance(state, Module) else None
-    restored = read_full(io, path, state, roles, keys, strict, weights_only)
+    restored = checkpointer.read_fabric(files, path, state, roles, keys, strict, weights_only)
     for obj, value in restored.loads:
         if isinstance(obj, Optimizer):
             strategy._load_optimizer(obj, value)
@@ -89,7 +83,8 @@ def _load_sharded(
     if isinstance(state, Module) and strategy._is_ours(state):  # `fabric.load_raw`: the model's part
         model = _model(state)
         assert model is not None
-        model.load(files, path, FabricLayout(Roles(model="model")), strict, weights_only, state={"model": state})
+        layout = FabricLayout(Roles(model="model"))
+        checkpointer.load(model.settled(), files, path, layout, strict, weights_only, state={"model": state})
         return {}
     if not isinstance(state, dict) or not state:
         raise ValueError(
@@ -104,7 +99,7 @@ def _load_sharded(
             f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
             " `fabric.load(path, {'model': model, ...})`."
         )
-    return model.load(files, path, FabricLayout(roles), strict, weights_only, state=state)
+    return checkpointer.load(model.settled(), files, path, FabricLayout(roles), strict, weights_only, state=state)
 
 
 def averaged_model(strategy: Any, module: Module, **kwargs: Any) -> ShardAveragedModel:
