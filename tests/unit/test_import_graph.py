@@ -74,7 +74,6 @@ ENGINE = (
     "fsdp.unit.recovery",
     "fsdp.state.resharding",
     "fsdp.state.saving",
-    "fsdp.state.checkpoints",
     "fsdp.state.sharded_checkpoint",
     "fsdp.wrapping.summary",
     "fsdp.unit.ties",

@@ -21,14 +21,13 @@ import sys
 import weakref
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
-from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of
 from lightning_fairscale.fsdp.unit import recovery, step_state, unit_state
@@ -36,14 +35,14 @@ from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.wrapping.compile import uncompile_regions
 from lightning_fairscale.fsdp.wrapping.unwrapping import forget_root, unwrap_module, unwrapped
-from lightning_fairscale.fsdp.state import checkpoints, saving
+from lightning_fairscale.fsdp.state import saving
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.fsdp.state.optim_state import consolidate_state
 from lightning_fairscale.fsdp.state.optimizer_paths import Path, choose_path, refusal
 from lightning_fairscale.fsdp.state.whole_owners import make_plan
 from lightning_fairscale.fsdp.state.whole_state import consolidate as consolidate_whole, load_plain
 from lightning_fairscale.fsdp.state.whole_step import WholeStep
-from lightning_fairscale.fsdp.state.saving import Ranks, ShardedModel
+from lightning_fairscale.fsdp.state.saving import ShardedModel
 from lightning_fairscale.fsdp.state.unsharded_shapes import param_group_problem, unsharded_shapes
 
 __all__ = ["WrappedModel"]
@@ -283,38 +282,6 @@ class WrappedModel:
         (see :func:`~lightning_fairscale.fsdp.state.saving.load_full`)."""
         self._settle()
         return saving.load_full(self.for_checkpoints(), state_dict, strict, optimizers, relax)
-
-    def save(
-        self, files: checkpoints.Files, path: Any, content: dict[str, Any], layout: checkpoints.Layout,
-        optimizers: Sequence[Optimizer] = (),
-    ) -> None:
-        """Write a sharded checkpoint directory in the strategy's file layout (see
-        :func:`~lightning_fairscale.fsdp.state.checkpoints.save`)."""
-        self._settle()
-        checkpoints.save(self.for_checkpoints(), files, path, content, layout, optimizers)
-
-    def load(
-        self, files: checkpoints.Files, path: Any, layout: checkpoints.Layout, strict: bool,
-        weights_only: Optional[bool], state: Optional[dict[str, Any]] = None, optimizers: Sequence[Optimizer] = (),
-        read_file: Optional[Callable[[], dict[str, Any]]] = None,
-    ) -> dict[str, Any]:
-        """Load a checkpoint in the strategy's file layout into this rank's shards; returns what the strategy
-        restores itself (see :func:`~lightning_fairscale.fsdp.state.checkpoints.load`)."""
-        self._settle()
-        return checkpoints.load(
-            self.for_checkpoints(), files, path, layout, strict, weights_only, state, optimizers, read_file
-        )
-
-    def load_sharded(
-        self, ranks: Ranks, storage: ShardedStorage, path: Any,
-        optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
-        weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
-    ) -> tuple[dict[str, Any], IncompatibleKeys]:
-        """Load a sharded checkpoint directory saved by any number of processes into this rank's shards, with the
-        keys it and the model did not share (see :func:`~lightning_fairscale.fsdp.state.saving.load_sharded`)."""
-        self._settle()
-        model = self.for_checkpoints()
-        return saving.load_sharded(ranks, storage, path, model, optimizers, weights_only, strict, relax)
 
     def settled(self) -> ShardedModel:
         """What the checkpointer (:mod:`lightning_fairscale.checkpointer`) needs of this model, once its units are

@@ -45,7 +45,7 @@ from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, snapshot
+from lightning_fairscale.checkpoint.background import BackgroundWriter, snapshot
 from lightning_fairscale.checkpoint.files import (
     META_FILE,
     CheckpointFileError,
@@ -59,7 +59,7 @@ from lightning_fairscale.checkpoint.files import (
 )
 from lightning_fairscale.checkpointer import Files
 from lightning_fairscale.distributed.collectives import all_agree
-from lightning_fairscale.fsdp.state.saving import InBackground, Ranks
+from lightning_fairscale.fsdp.state.saving import Ranks
 
 # The file-level names are re-exported here, where they were first defined.
 __all__ = [
@@ -72,9 +72,6 @@ __all__ = [
     "checkpoint_files",
     "default_checkpoint_io",
     "finish_background",
-    "in_background",
-    "save_full",
-    "settle_background",
     "shard_file_name",
     "sharded_storage",
 ]
@@ -300,35 +297,6 @@ def background_writer(io: Any) -> Optional[BackgroundWriter]:
     """The thread on which the plugin ``io`` writes in the background (see :func:`background_io`), if it does."""
     background = background_io(io)
     return None if background is None else background.writer
-
-
-def save_full(io: Any, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-    """Rank 0: write a full checkpoint with the strategy's plugin ``io``; in the background when it saves there
-    (see :func:`background_io`)."""
-    background = background_io(io)
-    if background is not None and storage_options is None and _is_local(path):
-        background.save_in_background(checkpoint, path)
-    else:
-        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-
-
-def settle_background(io: Any, agree: Callable[[bool], bool], wait: bool = True) -> None:
-    """Before a save (``wait=False``: the writes that failed so far) or a load (``wait=True``: every write done), with
-    a plugin ``io`` that writes in the background: every rank together, its background writes succeeded everywhere
-    (see :func:`~lightning_fairscale.checkpoint.background.settle`; ``agree`` is the strategy's agreement of all
-    ranks, a collective). Nothing, and no collective, for a plugin that writes as it is called."""
-    writer = background_writer(io)
-    if writer is not None:
-        settle(writer, agree, wait=wait)
-
-
-def in_background(io: Any, timeout: Optional[timedelta]) -> Optional[InBackground]:
-    """How a sharded save runs in the background with the plugin ``io`` (``None``: as it is called): on its thread,
-    rank 0 waiting for the other ranks' shards at most ``timeout`` (the strategy's collective timeout)."""
-    writer = background_writer(io)
-    if writer is None:
-        return None
-    return InBackground(writer, (timeout or default_pg_timeout).total_seconds())
 
 
 def finish_background(io: Any, failed: bool = False) -> None:
