@@ -133,6 +133,14 @@ class FabricLayout:
 Layout = Union[TrainerLayout, FabricLayout]
 
 
+def _settle(files: Files, wait: bool) -> None:
+    """Before a save (``wait=False``: the background writes failed so far) or a load (``wait=True``: all of them
+    done), every rank together: the plugin's background writes succeeded everywhere. Nothing, and no collective, for a
+    plugin that writes as it is called."""
+    if files.writer is not None:
+        settle(files.writer, files.ranks.agree, wait=wait)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Saving
 
@@ -153,7 +161,7 @@ def save_full(
             gathered, collectively), which replace them in the file
             (:func:`~lightning_fairscale.checkpoint.fabric.convert`).
     """
-    settle(files.writer, files.ranks.agree, wait=False)
+    _settle(files, wait=False)
     if fabric is not None:
         layout, states = fabric
         content = convert(content, layout.roles, states, layout.filter)
@@ -251,7 +259,7 @@ def load(
         optimizers: in the Trainer's layout, the optimizers to restore (none outside ``fit``); the rest of the
             checkpoint (loops, callbacks, LR schedulers) returned for Lightning to restore.
     """
-    settle(files.writer, files.ranks.agree)
+    _settle(files, wait=True)
     if isinstance(layout, FabricLayout):
         assert state is not None
         return _load_fabric(model, files, path, layout.roles, state, strict, weights_only)
@@ -264,7 +272,7 @@ def read_full(
     """A full checkpoint file read whole (a collective call, after every background write is done everywhere);
     with ``trainer`` (the running Lightning's version and the LightningModule's state dict keys), a Fabric file is
     read in the Trainer's layout (:func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`)."""
-    settle(files.writer, files.ranks.agree)
+    _settle(files, wait=True)
     assert files.full is not None
     checkpoint = files.full.read(path, weights_only)
     if trainer is None or is_trainer_layout(checkpoint):
