@@ -19,7 +19,7 @@ from lightning_fairscale import fabric
 from lightning_fairscale.plugins.checkpoint_io import sharded_storage
 from lightning_fairscale.precision import FullyShardedHalfPrecisionPlugin, FullyShardedMixedPrecisionPlugin
 from lightning_fairscale.sharded_ddp import config as sharded_config
-from lightning_fairscale.fsdp import config as fsdp_config, run as fsdp_run
+from lightning_fairscale.fsdp import config as fsdp_config, fairscale_kwargs, run as fsdp_run
 from lightning_fairscale.checkpoint.checks import (
     RELAX_FABRIC,
     RELAX_TRAINER,
@@ -99,7 +99,7 @@ def test_an_unknown_fsdp_argument_lists_the_ones_that_can_be_passed() -> None:
     assert "unexpected argument `reshard_after_fwd`" in message
     listed = set(message.split("which takes: ")[1].rstrip(".").split(", "))
     assert {"reshard_after_forward", "verbose", "bucket_cap_mb"} <= listed
-    assert not listed & set(fsdp_config._MANAGED_FSDP_ARGUMENTS)  # those set by the strategy are not offered
+    assert not listed & set(fairscale_kwargs._MANAGED_FSDP_ARGUMENTS)  # those set by the strategy are not offered
 
 
 def test_fsdp_validates_the_policy() -> None:

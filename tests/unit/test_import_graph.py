@@ -61,6 +61,7 @@ ENGINE = (
     "fsdp.patches.workarounds",
     "fsdp.patches.workaround_table",
     "fsdp.config",
+    "fsdp.fairscale_kwargs",
     "fsdp.patches.cpu_streams",
     "fsdp.patches.deprecations",
     "fsdp.unit.materialize",
@@ -215,7 +216,8 @@ def test_the_fsdp_folders_are_layers() -> None:
     rank = {name: level for level, name in enumerate(FSDP_LAYERS)}
     folders = {p.name for p in (SOURCE / "fsdp").iterdir() if (p / "__init__.py").is_file()}
     assert folders == set(FSDP_LAYERS), "a new folder of fsdp/: place it in FSDP_LAYERS"
-    assert {p.stem for p in (SOURCE / "fsdp").glob("*.py")} == {"__init__", "config", "engine", "model", "run"}
+    top = {"__init__", "config", "engine", "fairscale_kwargs", "model", "run"}
+    assert {p.stem for p in (SOURCE / "fsdp").glob("*.py")} == top
     offenders = []
     for layer, level in rank.items():
         for path in (SOURCE / "fsdp" / layer).glob("*.py"):
@@ -320,7 +322,7 @@ def test_only_the_compatibility_module_imports_private_lightning_names() -> None
 #: needs no Lightning import.
 PRIVATE_ATTRIBUTES = {"_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision",
                       "_trainer", "_launcher", "_start_method", "_optimizer", "_compiler_ctx",
-                      "_average_model"}  # fmt: skip
+                      "_average_model", "_forward_module", "_use_lottery_ticket_hypothesis"}  # fmt: skip
 
 
 def test_the_private_attribute_list_is_compats() -> None:

@@ -82,7 +82,7 @@ def test_mypy_sees_the_options_types(tmp_path: Path) -> None:
         reveal_type(FabricFSDP().state_dict_type)
         reveal_type(DDPShardedStrategy().config)
         reveal_type(FabricDDP().sync_each_batch)
-        strategy.min_num_params = 1e6
+        strategy.min_num_params = 10**6
         strategy.exclude_wrap_modules = []
         strategy.min_num_params = "big"
         FabricFSDP().state_dict_type = "local"
@@ -106,7 +106,7 @@ def test_mypy_sees_the_options_types(tmp_path: Path) -> None:
         '''6: note: Revealed type is "Literal['full'] | Literal['sharded']"''',
         '7: note: Revealed type is "lightning_fairscale.sharded_ddp.config.ShardedDDPConfig"',
         '8: note: Revealed type is "bool"',
-        '11: error: Incompatible types in assignment (expression has type "str", variable has type "float")'
+        '11: error: Incompatible types in assignment (expression has type "str", variable has type "int")'
         "  [assignment]",
         '12: error: Incompatible types in assignment (expression has type "Literal[\'local\']", variable has type'
         ' "Literal[\'full\', \'sharded\']")  [assignment]',

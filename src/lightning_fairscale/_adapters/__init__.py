@@ -5,7 +5,7 @@ engine's configuration (:class:`~lightning_fairscale.fsdp.config.FullyShardedCon
 :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig`) as ``strategy.config``. Its constructor takes the
 arguments of both: :func:`lightning_arguments` are those its Lightning base class gets, :func:`config_arguments` those
 of the configuration; :func:`register_strategies` puts its names in a Lightning registry. The options' typed
-properties, the mixin each strategy puts after Lightning's class, are :mod:`lightning_fairscale._adapters.options`.
+attributes, the mixin each strategy puts after Lightning's class, are :mod:`lightning_fairscale._adapters.options`.
 
 This is adapter knowledge (the names of Lightning's arguments, when a strategy is set up), kept apart from the engine;
 this package imports no Lightning module, so that the Trainer's adapters (``strategies/``, which need
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 __all__ = [
     "LIGHTNING_ARGUMENTS",
@@ -91,20 +91,26 @@ def config_arguments(config_class: type, arguments: Mapping[str, Any]) -> dict[s
         )
     return {
         **{name: value for name, value in arguments.items() if name in names},
-        "fairscale_kwargs": _without_base_defaults(arguments.get("self"), arguments["kwargs"]),
+        "fairscale_kwargs": _without_base_defaults(_class_of(arguments.get("self")), arguments["kwargs"]),
     }
 
 
-def _without_base_defaults(strategy: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``kwargs`` less the arguments of the strategy's Lightning base class that hold that class's default.
+def _class_of(owner: Optional[object]) -> Optional[type]:
+    return None if owner is None else type(owner)
+
+
+def _without_base_defaults(strategy_class: Optional[type], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less the arguments of the Lightning base class of ``strategy_class`` that hold that class's
+    default.
 
     LightningCLI (jsonargparse) reads a strategy's ``**kwargs`` as going to the base class its constructor calls
     (``DDPStrategy``), and passes that class's own arguments with their defaults (``ddp_comm_hook=None``...):
     nothing was chosen, so nothing is lost. Such an argument with another value still fails, as any unknown one.
     """
-    base = next((c for c in type(strategy).__mro__ if not c.__module__.startswith("lightning_fairscale")), object)
+    mro = strategy_class.__mro__ if strategy_class is not None else ()
+    base = next((c for c in mro if not c.__module__.startswith("lightning_fairscale")), object)
     try:
-        parameters = inspect.signature(base).parameters if strategy is not None and base is not object else {}
+        parameters = inspect.signature(base).parameters if base is not object else {}
     except (TypeError, ValueError):  # a class without a Python signature: nothing to drop
         parameters = {}
     defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}

@@ -1,33 +1,40 @@
-"""The strategies' options as typed properties: :class:`FullyShardedOptions` (``DDPFullyShardedStrategy``) and
+"""The strategies' options as typed attributes: :class:`FullyShardedOptions` (``DDPFullyShardedStrategy``) and
 :class:`ShardedDDPOptions` (``DDPShardedStrategy``), the Trainer's and Fabric's alike.
 
 Each is a mixin after Lightning's class (``class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions)``): it adds names
-Lightning does not have, and overrides nothing. Its properties read the strategy's configuration
-(``strategy.config``); setting one replaces it with a checked copy, and after setup raises for an option the run has
-already used (see :class:`_StrategyOptions`). Written in the source, so that editors and type checkers see each
-option's type and docstring; it imports no Lightning module, as the rest of :mod:`lightning_fairscale._adapters`.
+Lightning does not have, and overrides nothing. Each option is an :class:`Option`, a typed descriptor that reads the
+strategy's configuration (``strategy.config``); setting one replaces it with a checked copy, and after setup raises
+for an option the run has already used (see :class:`_StrategyOptions`). The attributes are written from the
+configurations' fields by ``make options`` (``tools/generate_options.py``; the option is declared there once), so
+that editors and type checkers see each one's types and docstring; it imports no Lightning module, as the rest of
+:mod:`lightning_fairscale._adapters`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Optional, TypeVar, Union, overload
 
 import torch
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
+from torch.distributed.fsdp import CPUOffload
 from torch.nn import Module
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
+from lightning_fairscale.option_fields import declaration, declared
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FullyShardedOptions", "ShardedDDPOptions"]
+__all__ = ["FullyShardedOptions", "Option", "ShardedDDPOptions"]
+
+#: What an option reads as (the configuration's type) and what setting it takes (the constructors' type).
+Value = TypeVar("Value")
+Given = TypeVar("Given")
 
 
 class _StrategyOptions:
@@ -42,7 +49,7 @@ class _StrategyOptions:
     time it uses them (at each save, at each load), may change at any time.
     """
 
-    #: The options that may change after setup: the strategy reads them each time it uses them.
+    #: The options that may change after setup (declared ``changeable``): the strategy reads them at each use.
     _CHANGEABLE: ClassVar[frozenset[str]] = frozenset()
     #: Set when the strategy is set up (see :meth:`_fix_options`); the class's ``False`` until then.
     _options_fixed: bool = False
@@ -81,8 +88,33 @@ def _differs(new: Any, old: Any) -> bool:
     return new is not old and bool(new != old)
 
 
+class Option(Generic[Value, Given]):
+    """One option of the strategy as a typed attribute: reading it gives the configuration's value (a ``Value``),
+    setting it (a ``Given``, what the constructor takes) replaces the configuration by a checked copy."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, strategy: None, owner: type) -> Option[Value, Given]: ...
+
+    @overload
+    def __get__(self, strategy: _StrategyOptions, owner: type) -> Value: ...
+
+    def __get__(self, strategy: Optional[_StrategyOptions], owner: type) -> Any:
+        return self if strategy is None else getattr(strategy._options_config, self.name)
+
+    def __set__(self, strategy: _StrategyOptions, value: Given) -> None:
+        strategy._set_option(self.name, value)
+
+
+def _changeable(config_class: type) -> frozenset[str]:
+    """The options of ``config_class`` declared changeable after setup."""
+    return frozenset(name for name, field in declared(config_class) if declaration(field).changeable)
+
+
 class FullyShardedOptions(_StrategyOptions):
-    """The options of ``DDPFullyShardedStrategy`` (the Trainer's and Fabric's), as typed properties.
+    """The options of ``DDPFullyShardedStrategy`` (the Trainer's and Fabric's), as typed attributes.
 
     Each reads the strategy's :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` (``strategy.config``) and
     setting one makes a checked copy of it. Before setup every option may change; after it only ``state_dict_type``
@@ -92,7 +124,7 @@ class FullyShardedOptions(_StrategyOptions):
     when the model is wrapped (all the others) use them once, at setup.
     """
 
-    _CHANGEABLE = frozenset({"state_dict_type", "lightning_1x_optimizer_state"})
+    _CHANGEABLE = _changeable(FullyShardedConfig)
 
     @property
     def config(self) -> FullyShardedConfig:
@@ -104,221 +136,112 @@ class FullyShardedOptions(_StrategyOptions):
     def config(self, config: FullyShardedConfig) -> None:
         self._set_config(config)
 
-    @property
-    def cpu_offload(self) -> bool:
-        """Keep the FP32 parameter shards on the CPU (CUDA only). Fixed at setup."""
-        return self.config.cpu_offload
-
-    @cpu_offload.setter
-    def cpu_offload(self, value: Union[bool, CPUOffload]) -> None:
-        self._set_option("cpu_offload", value)
-
-    @property
-    def flatten_parameters(self) -> bool:
-        """Flatten each unit's parameters into one contiguous tensor. Fixed at setup."""
-        return self.config.flatten_parameters
-
-    @flatten_parameters.setter
-    def flatten_parameters(self, value: bool) -> None:
-        self._set_option("flatten_parameters", value)
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        """Free full parameters after the forward pass (as given: the ZeRO-2 sharding strategies keep them whatever
-        it says). Fixed at setup."""
-        return self.config.reshard_after_forward
-
-    @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool) -> None:
-        self._set_option("reshard_after_forward", value)
-
-    @property
-    def move_grads_to_cpu(self) -> Optional[bool]:
-        """Move gradient shards to the CPU after reduction (``None``: as ``cpu_offload``). Fixed at setup."""
-        return self.config.move_grads_to_cpu
-
-    @move_grads_to_cpu.setter
-    def move_grads_to_cpu(self, value: Optional[bool]) -> None:
-        self._set_option("move_grads_to_cpu", value)
-
-    @property
-    def fp32_reduce_scatter(self) -> Optional[bool]:
-        """Reduce-scatter gradients in FP32 under mixed precision. Fixed at setup."""
-        return self.config.fp32_reduce_scatter
-
-    @fp32_reduce_scatter.setter
-    def fp32_reduce_scatter(self, value: Optional[bool]) -> None:
-        self._set_option("fp32_reduce_scatter", value)
-
-    @property
-    def compute_dtype(self) -> Optional[torch.dtype]:
-        """The dtype of the full parameters in computation (``None``: from the precision). Fixed at setup."""
-        return self.config.compute_dtype
-
-    @compute_dtype.setter
-    def compute_dtype(self, value: Optional[torch.dtype]) -> None:
-        self._set_option("compute_dtype", value)
-
-    @property
-    def bucket_cap_mb(self) -> int:
-        """The size of the reduce-scatter buckets in MB (``<= 0``: no buckets). Fixed at setup."""
-        return self.config.bucket_cap_mb
-
-    @bucket_cap_mb.setter
-    def bucket_cap_mb(self, value: int) -> None:
-        self._set_option("bucket_cap_mb", value)
-
-    @property
-    def min_num_params(self) -> int:
-        """Auto wrap by size: a module with at least this many unwrapped parameters becomes its own unit. Fixed at
-        setup."""
-        return self.config.min_num_params
-
-    @min_num_params.setter
-    def min_num_params(self, value: float) -> None:  # Lightning 1.x's default was `1e8`
-        self._set_option("min_num_params", value)
-
-    @property
-    def state_dict_to_cpu(self) -> bool:
-        """Return full state dicts on the CPU instead of the compute device. Fixed at setup."""
-        return self.config.state_dict_to_cpu
-
-    @state_dict_to_cpu.setter
-    def state_dict_to_cpu(self, value: bool) -> None:
-        self._set_option("state_dict_to_cpu", value)
-
-    @property
-    def auto_wrap_policy(self) -> Optional[AutoWrapPolicy]:
-        """Which submodules become units (``None``: by size, ``min_num_params``). Fixed at setup."""
-        return self.config.auto_wrap_policy
-
-    @auto_wrap_policy.setter
-    def auto_wrap_policy(self, value: Optional[AutoWrapPolicy]) -> None:
-        self._set_option("auto_wrap_policy", value)
-
-    @property
-    def exclude_wrap_modules(self) -> Optional[tuple[type[Module], ...]]:
-        """Layer classes that never become units themselves under auto wrap. Fixed at setup."""
-        return self.config.exclude_wrap_modules
-
-    @exclude_wrap_modules.setter
-    def exclude_wrap_modules(self, value: Optional[Iterable[type[Module]]]) -> None:
-        self._set_option("exclude_wrap_modules", value)
-
-    @property
-    def force_leaf_modules(self) -> Optional[tuple[type[Module], ...]]:
-        """Layer classes that auto wrap does not descend into. Fixed at setup."""
-        return self.config.force_leaf_modules
-
-    @force_leaf_modules.setter
-    def force_leaf_modules(self, value: Optional[Iterable[type[Module]]]) -> None:
-        self._set_option("force_leaf_modules", value)
-
-    @property
-    def activation_checkpointing(self) -> tuple[type[Module], ...]:
-        """The layer classes whose activations are recomputed in the backward pass. Fixed at setup."""
-        return self.config.activation_checkpointing
-
-    @activation_checkpointing.setter
-    def activation_checkpointing(self, value: Optional[Union[type[Module], list[type[Module]]]]) -> None:
-        self._set_option("activation_checkpointing", value)
-
-    @property
-    def activation_checkpointing_offload(self) -> bool:
-        """Keep the checkpointed layers' inputs in CPU memory until backward. Fixed at setup."""
-        return self.config.activation_checkpointing_offload
-
-    @activation_checkpointing_offload.setter
-    def activation_checkpointing_offload(self, value: bool) -> None:
-        self._set_option("activation_checkpointing_offload", value)
-
-    @property
-    def state_dict_type(self) -> Literal["full", "sharded"]:
-        """``"full"`` (one checkpoint file, gathered on rank 0) or ``"sharded"`` (one file per rank). Read at each
-        save: may change at any time."""
-        return self.config.state_dict_type
-
-    @state_dict_type.setter
-    def state_dict_type(self, value: Literal["full", "sharded"]) -> None:
-        self._set_option("state_dict_type", value)
-
-    @property
-    def lightning_1x_optimizer_state(self) -> OptimizerStatePolicy:
-        """Resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` or ``"reset"``. Read at each load:
-        may change at any time."""
-        return self.config.lightning_1x_optimizer_state
-
-    @lightning_1x_optimizer_state.setter
-    def lightning_1x_optimizer_state(self, value: OptimizerStatePolicy) -> None:
-        self._set_option("lightning_1x_optimizer_state", value)
-
-    @property
-    def param_init_fn(self) -> Optional[ParamInitFn]:
-        """Initialises the modules of a model built on the ``meta`` device, unit by unit. Fixed at setup."""
-        return self.config.param_init_fn
-
-    @param_init_fn.setter
-    def param_init_fn(self, value: Optional[ParamInitFn]) -> None:
-        self._set_option("param_init_fn", value)
-
-    @property
-    def sharding_strategy(self) -> str:
-        """``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"`` or ``"_HYBRID_SHARD_ZERO2"``. Fixed at setup."""
-        return self.config.sharding_strategy
-
-    @sharding_strategy.setter
-    def sharding_strategy(self, value: Union[str, ShardingStrategy]) -> None:
-        self._set_option("sharding_strategy", value)
-
-    @property
-    def device_mesh(self) -> Optional[tuple[int, int]]:
-        """Under hybrid sharding, ``(replicas, shard_size)`` (``None``: one replica per node). Fixed at setup."""
-        return self.config.device_mesh
-
-    @device_mesh.setter
-    def device_mesh(self, value: Optional[Union[tuple[int, int], DeviceMesh]]) -> None:
-        self._set_option("device_mesh", value)
-
-    @property
-    def backward_prefetch(self) -> Optional[str]:
-        """When the backward on CPU gathers the next unit: ``"BACKWARD_POST"``, ``"BACKWARD_PRE"`` or ``None``.
-        Fixed at setup."""
-        return self.config.backward_prefetch
-
-    @backward_prefetch.setter
-    def backward_prefetch(self, value: Optional[Union[str, BackwardPrefetch]]) -> None:
-        self._set_option("backward_prefetch", value)
-
-    @property
-    def sync_each_batch(self) -> bool:
-        """Reduce-scatter after every micro-batch when accumulating, instead of FairScale's ``no_sync``. Fixed at
-        setup (checked against the device then, and one way of accumulating for the whole run)."""
-        return self.config.sync_each_batch
-
-    @sync_each_batch.setter
-    def sync_each_batch(self, value: bool) -> None:
-        self._set_option("sync_each_batch", value)
-
-    @property
-    def optimizer_path(self) -> Literal["auto", "elementwise", "whole"]:
-        """How the optimizers step the sharded parameters: ``"auto"``, ``"elementwise"`` or ``"whole"``. Fixed at
-        setup."""
-        return self.config.optimizer_path
-
-    @optimizer_path.setter
-    def optimizer_path(self, value: Literal["auto", "elementwise", "whole"]) -> None:
-        self._set_option("optimizer_path", value)
+    # BEGIN generated from FullyShardedConfig by `make options`
+    cpu_offload: Option[bool, Union[bool, CPUOffload]] = Option()
+    """Keep the FP32 parameter shards on the CPU (CUDA only; ignored with a warning on CPU runs). A bool, or torch's
+    ``CPUOffload(offload_params=...)`` as Lightning's ``FSDPStrategy`` takes it. Fixed at setup."""
+    flatten_parameters: Option[bool, bool] = Option()
+    """Flatten each unit's parameters into one contiguous tensor (faster). Fixed at setup."""
+    reshard_after_forward: Option[bool, bool] = Option()
+    """Free full parameters after the forward pass, gathering them again for backward. Under
+    ``sharding_strategy="SHARD_GRAD_OP"`` or ``"_HYBRID_SHARD_ZERO2"`` FSDP does not reshard, whatever this says (the
+    strategy keeps the value given, for another ``sharding_strategy``). Fixed at setup."""
+    move_grads_to_cpu: Option[Optional[bool], Optional[bool]] = Option()
+    """Move gradient shards to the CPU after reduction (defaults to ``cpu_offload``). Fixed at setup."""
+    fp32_reduce_scatter: Option[Optional[bool], Optional[bool]] = Option()
+    """Reduce-scatter gradients in FP32 under mixed precision (an error under true half precision, whose gradients
+    are fp16 or bf16). Fixed at setup."""
+    compute_dtype: Option[Optional[torch.dtype], Optional[torch.dtype]] = Option()
+    """Dtype of the full parameters used in computation (defaults from ``precision``); under true half precision
+    (``"bf16-true"``, ``"16-true"``) only that dtype is accepted. Fixed at setup."""
+    bucket_cap_mb: Option[int, int] = Option()
+    """Size of the reduce-scatter buckets in MB; ``<= 0`` disables bucketing. On CPU (gloo) also what the units the
+    forward gathers ahead may hold together (at least the next unit is gathered). Fixed at setup."""
+    min_num_params: Option[int, int] = Option()
+    """A module with at least this many unwrapped parameters becomes its own unit (auto wrap). Fixed at setup."""
+    state_dict_to_cpu: Option[bool, bool] = Option()
+    """Return full state dicts on the CPU instead of the compute device. Fixed at setup."""
+    auto_wrap_policy: Option[Optional[AutoWrapPolicy], Optional[AutoWrapPolicy]] = Option()
+    """Which submodules become units when the model wraps nothing itself: a set of layer classes (each instance its
+    own unit), a callable with FairScale's policy signature ``(module, recurse, unwrapped_params, module_is_root) ->
+    bool``, or what Lightning's ``FSDPStrategy`` takes: a callable with torch's signature ``(module, recurse,
+    nonwrapped_numel) -> bool`` (such as ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``) or
+    torch's ``ModuleWrapPolicy``/``CustomPolicy``, making the units torch's FSDP would. Default: by size
+    (``min_num_params``). Fixed at setup."""
+    exclude_wrap_modules: Option[Optional[tuple[type[Module], ...]], Optional[Iterable[type[Module]]]] = Option()
+    """Layer classes that never become units themselves under auto wrap (their children still can). Default:
+    FairScale's (``nn.ModuleList``, ``nn.ModuleDict``) for the size policy, none else. Fixed at setup."""
+    force_leaf_modules: Option[Optional[tuple[type[Module], ...]], Optional[Iterable[type[Module]]]] = Option()
+    """Layer classes auto wrap does not descend into: neither they nor their children become units, their parameters
+    belong to the enclosing unit. Default: FairScale's (``nn.MultiheadAttention``) for the size policy, none else.
+    Fixed at setup."""
+    activation_checkpointing: Option[
+        tuple[type[Module], ...], Optional[Union[type[Module], list[type[Module]]]]
+    ] = Option()
+    """A layer class, or a list of them, whose instances recompute their activations in the backward pass instead of
+    keeping them (FairScale's ``checkpoint_wrapper``, inside the FSDP unit). Fixed at setup."""
+    activation_checkpointing_offload: Option[bool, bool] = Option()
+    """Keep the checkpointed layers' inputs in CPU memory until backward. Fixed at setup."""
+    state_dict_type: Option[Literal["full", "sharded"], Literal["full", "sharded"]] = Option()
+    """``"full"`` (default): checkpoints are one file with the full model and optimizer state, gathered on rank 0,
+    loadable anywhere. ``"sharded"``: every rank writes its own shard into a checkpoint directory, in parallel, and
+    no rank gathers the full model; it resumes on the same number of processes, and
+    ``lightning-fairscale-consolidate`` turns it into a full checkpoint. Loading accepts either kind. Read at each
+    use: may change at any time."""
+    lightning_1x_optimizer_state: Option[OptimizerStatePolicy, OptimizerStatePolicy] = Option()
+    """Resuming a checkpoint of Lightning 1.x's FairScale FSDP strategy, whose optimizer state is rank 0's shard
+    only: ``"error"`` (default) fails before training when the optimizer has per-parameter state (Adam...);
+    ``"reset"`` starts that state afresh, with the checkpoint's hyperparameters. Stateless optimizers (SGD without
+    momentum) resume exactly either way. Read at each use: may change at any time."""
+    param_init_fn: Option[Optional[ParamInitFn], Optional[ParamInitFn]] = Option()
+    """For a model built on the ``meta`` device (``trainer.init_module(empty_init=True)``,
+    ``fabric.init_module(empty_init=True)``, or ``torch.device("meta")``): called with each module that holds meta
+    tensors, once they are on the device (uninitialised), to initialise them in place, just before its FSDP unit is
+    sharded (torch FSDP's argument). Default: each such module's ``reset_parameters()``. Fixed at setup."""
+    sharding_strategy: Option[str, Any] = Option()
+    """``"FULL_SHARD"`` (default: over all ranks), ``"SHARD_GRAD_OP"`` (as ``reshard_after_forward=False``),
+    ``"HYBRID_SHARD"`` (shard over the ranks of each node, replicate across nodes: the gradient shards are
+    all-reduced over the replicas) or ``"_HYBRID_SHARD_ZERO2"`` (hybrid, without resharding after forward); a string
+    or torch's ``ShardingStrategy``. Fixed at setup."""
+    device_mesh: Option[Optional[tuple[int, int]], Optional[Union[tuple[int, int], "DeviceMesh"]]] = Option()
+    """Under hybrid sharding, ``(replicas, shard_size)`` to shard over other groups than the nodes (consecutive ranks
+    form a replica); torch's 2-D ``DeviceMesh`` is taken for its shape (which ``strategy.device_mesh`` then is).
+    Fixed at setup."""
+    backward_prefetch: Option[Optional[str], Any] = Option()
+    """When the backward of a run on CPU (gloo) gathers the next unit's parameters, torch's ``BackwardPrefetch`` or
+    its name: ``BACKWARD_POST`` (default) once the current unit's gradient is done, alongside its reduce-scatter (the
+    peak memory of the synchronous backward); ``BACKWARD_PRE`` before the current unit's backward, which it overlaps
+    (faster, about a unit's parameters and gradient more); ``None``: no prefetch in the backward. The forward on CPU
+    always gathers ahead (the next units that fit in ``bucket_cap_mb``, at least one). On CUDA, FairScale's streams
+    overlap the collectives and this is not used. Fixed at setup."""
+    sync_each_batch: Option[bool, bool] = Option()
+    """How gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``, Fabric's
+    ``no_backward_sync``). ``False`` (default): FairScale's ``no_sync``, each rank keeps the full, unsharded gradient
+    of every unit until the last micro-batch, which reduce-scatters it once (least traffic, but the memory of a full
+    gradient per rank). ``True``: every micro-batch reduce-scatters, and between micro-batches a rank holds only its
+    gradient shard (what Lightning's own ``FSDPStrategy`` does in the Trainer; Accelerate's
+    ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's ``no_backward_sync`` then skips nothing. Same
+    result either way. On CUDA not with ``cpu_offload`` or ``move_grads_to_cpu`` (FairScale cannot accumulate into
+    gradient shards in CPU memory). Fixed at setup."""
+    optimizer_path: Option[Literal["auto", "elementwise", "whole"], Literal["auto", "elementwise", "whole"]] = Option()
+    """How the optimizers step the sharded parameters. ``"auto"`` (default): element-wise optimizers (SGD, Adam,
+    AdamW...) step this rank's 1-D slices, with no more communication than FSDP's; those that read a parameter as a
+    tensor (Adafactor, Muon, a LARS or LAMB of the user's) step each parameter whole on one owner rank, which
+    receives its gradient and data slices and sends the updated slices back; an optimizer the table does not know is
+    checked by a throwaway step of a small matrix whole against its slices. ``"elementwise"`` or ``"whole"`` force a
+    path (see the guide, "Reading parameters outside the forward"). Fixed at setup."""
+    # END generated
 
 
 class ShardedDDPOptions(_StrategyOptions):
-    """The options of ``DDPShardedStrategy`` (the Trainer's and Fabric's), as typed properties.
+    """The options of ``DDPShardedStrategy`` (the Trainer's and Fabric's), as typed attributes.
 
     Each reads the strategy's :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig` (``strategy.config``)
     and setting one makes a checked copy of it. After setup only ``lightning_1x_optimizer_state`` (read at each load)
     may change; the others raise.
     """
 
-    _CHANGEABLE = frozenset({"lightning_1x_optimizer_state"})
+    _CHANGEABLE = _changeable(ShardedDDPConfig)
 
     @property
     def config(self) -> ShardedDDPConfig:
@@ -330,31 +253,20 @@ class ShardedDDPOptions(_StrategyOptions):
     def config(self, config: ShardedDDPConfig) -> None:
         self._set_config(config)
 
-    @property
-    def find_unused_parameters(self) -> bool:
-        """Only ``False``: ``ShardedDataParallel`` has no search for unused parameters. Fixed at setup."""
-        return self.config.find_unused_parameters
-
-    @find_unused_parameters.setter
-    def find_unused_parameters(self, value: bool) -> None:
-        self._set_option("find_unused_parameters", value)
-
-    @property
-    def lightning_1x_optimizer_state(self) -> OptimizerStatePolicy:
-        """Resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` or ``"reset"``. Read at each load:
-        may change at any time."""
-        return self.config.lightning_1x_optimizer_state
-
-    @lightning_1x_optimizer_state.setter
-    def lightning_1x_optimizer_state(self, value: OptimizerStatePolicy) -> None:
-        self._set_option("lightning_1x_optimizer_state", value)
-
-    @property
-    def sync_each_batch(self) -> bool:
-        """Reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``. Fixed at
-        setup (one way of accumulating for the whole run)."""
-        return self.config.sync_each_batch
-
-    @sync_each_batch.setter
-    def sync_each_batch(self, value: bool) -> None:
-        self._set_option("sync_each_batch", value)
+    # BEGIN generated from ShardedDDPConfig by `make options`
+    find_unused_parameters: Option[bool, bool] = Option()
+    """Only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A parameter that no rank uses
+    keeps no gradient and is not reduced; one used on some ranks only is not supported (use Lightning's
+    ``"ddp_find_unused_parameters_true"``). Fixed at setup."""
+    lightning_1x_optimizer_state: Option[OptimizerStatePolicy, OptimizerStatePolicy] = Option()
+    """Resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's ``"ddp_sharded"`` checkpoints resume
+    exactly): ``"error"`` (default) or ``"reset"``, as in
+    :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`. Read at each use: may change at any time."""
+    sync_each_batch: Option[bool, bool] = Option()
+    """How gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``, Fabric's
+    ``no_backward_sync``). ``False`` (default): ``ShardedDataParallel.no_sync``, each rank keeps the gradients of
+    every parameter until the last micro-batch, which reduces them once. ``True``: every micro-batch reduces each
+    gradient to the rank that owns its parameter, and between micro-batches a rank holds only the gradients of the
+    parameters it owns (Accelerate's ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's
+    ``no_backward_sync`` then skips nothing. Same result either way. Fixed at setup."""
+    # END generated

@@ -65,16 +65,16 @@ def default_group() -> Optional[dist.ProcessGroup]:
     return None
 
 
-def close_process_group_at_exit(strategy: Any, default_before: Optional[dist.ProcessGroup]) -> None:
-    """Have the groups that ``strategy``'s set-up made closed, and freed, when the interpreter exits.
+def close_process_group_at_exit(holder: object, default_before: Optional[dist.ProcessGroup]) -> None:
+    """Have the groups that ``holder``'s set-up made closed, and freed, when the interpreter exits.
 
     Args:
-        strategy: a strategy that may keep process groups as attributes (dropped at exit).
+        holder: a strategy (of either front end), which may keep process groups as attributes (dropped at exit).
         default_before: :func:`default_group` before the set-up: the default group is closed at exit only when the
             set-up created it.
     """
     global _default
-    _strategies.add(strategy)
+    _strategies.add(holder)
     current = default_group()
     if current is not None and current is not default_before:
         _default = current
@@ -82,12 +82,12 @@ def close_process_group_at_exit(strategy: Any, default_before: Optional[dist.Pro
 
 
 @contextlib.contextmanager
-def closing_at_exit(strategy: Any) -> Iterator[None]:
+def closing_at_exit(holder: object) -> Iterator[None]:
     """Around a strategy's set-up of its process groups (Lightning's ``setup_environment``): what it made is closed
     when the interpreter exits (see :func:`close_process_group_at_exit`)."""
     before = default_group()
     yield
-    close_process_group_at_exit(strategy, before)
+    close_process_group_at_exit(holder, before)
 
 
 def record_groups(*groups: Any) -> None:

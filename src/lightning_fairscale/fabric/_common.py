@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Generic, Optional, TypeVar, Union
+from typing import Any, Callable, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
@@ -72,26 +72,33 @@ def checked_norm(norm: Tensor, norm_type: Union[float, int], error_if_nonfinite:
     return norm
 
 
+class SyncOption(Protocol):
+    """What :class:`NoBackwardSync` reads of a strategy: its option ``sync_each_batch``."""
+
+    @property
+    def sync_each_batch(self) -> bool: ...
+
+
 class NoBackwardSync(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: FairScale's ``no_sync`` of the root FSDP unit or ``ShardedDataParallel``.
 
     Inside it, backward keeps this rank's gradients (whole, for FSDP) and reduces nothing; the first backward outside
     it reduces what was accumulated, so the result equals one backward over all the micro-batches.
 
-    Under ``sync_each_batch=True`` (the strategy's ``config``, read at each call) it skips nothing, as for
+    Under ``sync_each_batch=True`` (the strategy's option, read at each call) it skips nothing, as for
     ``enabled=False``: every micro-batch reduces, and a rank holds only its gradient shard between them. The loop is
     the same in both modes (``enabled=`` on the accumulating micro-batches), as the Trainer's is.
 
     Args:
-        strategy: the strategy whose ``config.sync_each_batch`` decides.
+        options: the strategy's options, whose ``sync_each_batch`` decides.
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self._strategy = strategy
+    def __init__(self, options: SyncOption) -> None:
+        self._options = options
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        if not enabled or self._strategy.config.sync_each_batch:
+        if not enabled or self._options.sync_each_batch:
             return nullcontext()
         if not isinstance(module, (FullyShardedDataParallel, ShardedDataParallel)):
             raise TypeError(

@@ -19,7 +19,7 @@ import torch
 from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.rank_zero import rank_zero_info
-from lightning_fairscale._compat import _PATH, _Sharded, collective_timeout, fabric_compile_options
+from lightning_fairscale._compat import _PATH, _Sharded, collective_timeout, fabric_compile_options, forward_module
 from lightning_fairscale._compat import fabric_precision_property
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -32,15 +32,15 @@ from lightning_fairscale._adapters import config_arguments, lightning_arguments,
 from lightning_fairscale._adapters.options import FullyShardedOptions
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
-from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model, run as fsdp_run
+from lightning_fairscale.fsdp import engine as fsdp_engine, run as fsdp_run
 from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
 from lightning_fairscale.plugins.checkpoint_io import default_checkpoint_io, finish_background
 from lightning_fairscale.plugins.checkpoint_io import sharded_storage
-from lightning_fairscale.fabric._common import NoBackwardSync, SetUp, checked_norm, fabric_precision
-from lightning_fairscale.fabric._common import refuse_groups_by_shard_shapes
+from lightning_fairscale.fabric._common import NoBackwardSync, checked_norm, fabric_precision
+from lightning_fairscale.fabric._fsdp_set_up import FsdpSetUp, sharded_model, unsharded_shapes
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
 from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
@@ -63,7 +63,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     Shards parameters, gradients and optimizer state across processes (ZeRO stage 3), on GPUs (NCCL) and CPUs (gloo).
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPFullyShardedStrategy`; Fabric
     passes its precision plugin as ``precision``. Registered as ``"fsdp_fairscale"`` and ``"ddp_fully_sharded"``. The
-    options are typed properties (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`), fixed at launch.
+    options are typed attributes (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`), fixed at launch;
+    each is declared once, by :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` (``make options``).
 
     * ``fabric.setup(model, optimizer)``: the optimizer is made over ``model.parameters()`` before (as for any
       strategy) and re-pointed to the shards. ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)``
@@ -133,7 +134,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         fp32_reduce_scatter: Optional[bool] = None,
         compute_dtype: Optional[torch.dtype] = None,
         bucket_cap_mb: int = 25,
-        min_num_params: int = int(1e8),
+        min_num_params: int = 100_000_000,
         state_dict_to_cpu: bool = True,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -153,7 +154,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
+        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
         optimizer_path: Literal["auto", "elementwise", "whole"] = "auto",
@@ -164,8 +165,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         self.config = config  # the options (see `FullyShardedOptions`)
         #: FSDP's process groups, made in ``setup_environment``.
         self._groups = ProcessGroups()
-        #: The root units of the models set up, and the sharded model each optimizer was re-pointed to.
-        self._set_up: SetUp[fsdp_model.WrappedModel] = SetUp()
+        #: The sharded models set up, and the sharded model each optimizer was re-pointed to.
+        self._set_up = FsdpSetUp()
         self._backward_sync_control = NoBackwardSync(self)
 
     @classmethod
@@ -202,7 +203,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     def teardown(self) -> None:
         """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
         still alive: it shards over them (see :mod:`lightning_fairscale.fsdp.patches.hybrid`)."""
-        if release_groups(self._groups.sharding(), list(self._set_up.models)):
+        if release_groups(self._groups.sharding(), self._set_up.roots):
             self._groups = ProcessGroups()
         super().teardown()
         finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place
@@ -260,26 +261,14 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
             self.config, module, self.root_device, self._groups, self.precision.precision, rank_zero_info, None,
             compiler,
         )
-        self._set_up.models.add(wrapped.root)
-        return wrapped.root
+        return self._set_up.add(wrapped)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-point the optimizer to the shards of the model whose parameters it holds (refused when its param
         groups were made from the shards' shapes: see :func:`~._common.refuse_groups_by_shard_shapes`)."""
-        params = [param for group in optimizer.param_groups for param in group["params"]]
-        for root in self._set_up.models:
-            model = fsdp_engine.wrapped_model(root)
-            if params and all(model.knows(param) for param in params):
-                refuse_groups_by_shard_shapes(model.param_group_problem(optimizer), optimizer)
-                model.repoint(optimizer, path=self.config.optimizer_path, owner=self.config.owner)
-                self._set_up.optimizers[optimizer] = model
-                return optimizer
-        raise ValueError(
-            "The optimizer holds parameters that are not those of a model set up with this strategy. Create it over"
-            " `model.parameters()`, before `fabric.setup(model, optimizer)` (or over the parameters of the model that"
-            " `fabric.setup_module` returned), and keep every trained module inside that model."
-        )
+        self._set_up.repoint(optimizer, self.config)
+        return optimizer
 
     def averaged_model(self, module: Module, **kwargs: Any) -> ShardAveragedModel:
         """``torch.optim.swa_utils.AveragedModel(module, **kwargs)`` (EMA with ``avg_fn=get_ema_avg_fn(...)``, SWA by
@@ -287,14 +276,14 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         averaged.swapped_in(): ...`` to evaluate or save the average; ``state_dict()`` is its full state dict (rank 0;
         a collective call), which ``load_state_dict`` takes back (see
         :mod:`lightning_fairscale.fsdp.state.averaging`)."""
-        return _fsdp_parts.averaged_model(self, module, **kwargs)
+        return self._set_up.averaged_model(module, self.is_global_zero, **kwargs)
 
     def unsharded_shapes(self, module: Module) -> AbstractContextManager[None]:
         """A context in which the parameters of ``module`` (set up) show their unsharded ``shape``, ``ndim``,
         ``numel()``, names, dtype, device and ``requires_grad`` (1-D shards outside it), and no values, for an
         optimizer's param groups: ``with fabric.strategy.unsharded_shapes(model): optimizer = AdamW([{"params":
         [p for p in model.parameters() if p.ndim >= 2], ...}, ...])``, then ``fabric.setup_optimizers(optimizer)``."""
-        return _fsdp_parts.unsharded_shapes(self, module)
+        return unsharded_shapes(module)
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
@@ -303,7 +292,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         try:
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:
-            _fsdp_parts.recover(self)
+            self._set_up.recover()
             raise
 
     @override
@@ -313,22 +302,8 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         try:
             return super().optimizer_step(optimizer, **kwargs)
         except BaseException:
-            model = self._set_up.optimizers.get(getattr(optimizer, "optimizer", optimizer))
-            if model is not None:
-                model.abort_steps()
+            self._set_up.abort_steps(optimizer)
             raise
-
-    def _fsdp_model(self, module: Any) -> Optional[fsdp_model.WrappedModel]:
-        """The sharded model ``module`` is the root unit of, when it was set up (by this strategy or another)."""
-        return fsdp_engine.wrapped_model(module) if fsdp_engine.is_set_up(module) else None
-
-    def _model_of(self, optimizer: Optimizer) -> fsdp_model.WrappedModel:
-        if optimizer not in self._set_up.optimizers:
-            raise ValueError(
-                f"The {type(optimizer).__name__} was not set up with this strategy: pass it to `fabric.setup` or"
-                " `fabric.setup_optimizers` before saving or loading it."
-            )
-        return self._set_up.optimizers[optimizer]
 
     @override
     def clip_gradients_norm(
@@ -350,8 +325,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state of ``module`` (set up), and peak device
         memory on CUDA; e.g. ``fabric.log_dict(fabric.strategy.memory_figures(model, [optimizer]))``."""
-        root = getattr(module, "_forward_module", module)  # what `fabric.setup` returned, or the unit itself
-        return memory_figures(root, [getattr(opt, "optimizer", opt) for opt in optimizers or []])
+        return memory_figures(forward_module(module), [getattr(opt, "optimizer", opt) for opt in optimizers or []])
 
     # ------------------------------------------------------------------------------------------------------------
     # State dicts and checkpoints
@@ -372,7 +346,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         With a plugin that saves in the background (``ShardedCheckpointIO(async_save=True)``), the files are written
         on its thread: every rank first checks that no earlier background write failed (a sharded save waits until
         the previous one is complete), then copies what it writes and returns."""
-        _fsdp_parts.save(self, path, state, storage_options, filter)
+        _fsdp_parts.save(self, self._set_up, self.config, path, state, storage_options, filter)
 
     @override
     def load_checkpoint(
@@ -389,12 +363,12 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
         keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
         left as they are. Checkpoints still being written in the background are written first, on every rank."""
-        return _fsdp_parts.load(self, path, state, strict, weights_only)
+        return _fsdp_parts.load(self, self._set_up, path, state, strict, weights_only)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The full state dict with the unwrapped module's keys, on rank 0 (a collective call)."""
-        model = self._fsdp_model(module)
+        model = sharded_model(module)
         if model is None:
             return super().get_module_state_dict(module)
         return model.state_dict(sharded=False, is_global_zero=self.is_global_zero)
@@ -405,7 +379,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
 
         With ``strict=False``, the model's parameters and buffers that the state dict lacks keep their values and its
         other entries are ignored (a warning names them); shapes must still match."""
-        model = self._fsdp_model(module)
+        model = sharded_model(module)
         if model is None:
             return super().load_module_state_dict(module, state_dict, strict=strict)
         model.load_full(state_dict, strict)
@@ -414,26 +388,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The state of a plain optimizer over the unwrapped module, on rank 0 (a collective call)."""
-        return self._optimizer_state(optimizer, sharded=False)
-
-    def _load_optimizer(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        if optimizer not in self._set_up.optimizers:
-            optimizer.load_state_dict(state)
-            return
-        self._model_of(optimizer).load_optimizer_state(optimizer, state)
-
-    def _is_ours(self, module: Module) -> bool:
-        return self._fsdp_model(module) is not None
-
-    def _model_state(self, module: Module, sharded: bool) -> dict[str, Any]:
-        model = self._fsdp_model(module)
-        return module.state_dict() if model is None else model.state_dict(sharded, self.is_global_zero)
-
-    def _optimizer_state(self, optimizer: Optimizer, sharded: bool) -> dict[str, Any]:
-        if optimizer not in self._set_up.optimizers:
+        if not self._set_up.holds(optimizer):
             return super().get_optimizer_state(optimizer)
-        return self._model_of(optimizer).optimizer_state(optimizer, sharded)
-
-    def _model_keys(self, module: Module) -> list[str]:
-        model = self._fsdp_model(module)
-        return model.state_dict_keys() if model is not None else list(module.state_dict())
+        return self._set_up.optimizer_state(optimizer, sharded=False)

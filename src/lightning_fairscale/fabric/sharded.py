@@ -63,9 +63,10 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     """Optimizer state and gradient sharding with FairScale (OSS + ShardedDDP), for Fabric (``Fabric(strategy=...)``).
 
     The arguments are those of the Trainer's :class:`lightning_fairscale.strategies.DDPShardedStrategy`; Fabric
-    passes its precision plugin as ``precision``. Registered as ``"ddp_sharded"``. The options are typed properties
+    passes its precision plugin as ``precision``. Registered as ``"ddp_sharded"``. The options are typed attributes
     (:class:`~lightning_fairscale._adapters.options.ShardedDDPOptions`), fixed at launch but
-    ``lightning_1x_optimizer_state``.
+    ``lightning_1x_optimizer_state``; each is declared once, by
+    :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig` (``make options``).
 
     * ``fabric.setup(model, optimizer, scheduler=...)`` (together: ``ShardedDataParallel`` needs the optimizers):
       each optimizer is rebuilt as ``fairscale.optim.OSS`` and returned in its place, and the LR scheduler given is

@@ -18,18 +18,29 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from lightning.fabric import Fabric
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy, Strategy as FabricStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from lightning.pytorch.strategies import DDPStrategy as TrainerDDPStrategy, ParallelStrategy
+from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.compile import to_uncompiled
 from lightning.pytorch.utilities.model_helpers import _ModuleMode
+from lightning.fabric.wrappers import _FabricModule
+from torch.nn import Module
 
 __all__ = [
+    "AnyDDPStrategy",
+    "AnyStrategy",
     "PRIVATE_ATTRIBUTES",
     "attached_trainer",
     "fabric_compile_options",
@@ -37,12 +48,14 @@ __all__ = [
     "checkpoint_io_slot",
     "collective_timeout",
     "layer_sync_plugin",
+    "lottery_ticket_reset",
     "plain_optimizer",
     "precision_plugin_property",
     "set_checkpoint_io_slot",
     "set_weight_averaging_model",
     "weight_averaging_model",
     "fabric_precision_property",
+    "forward_module",
     "use_multiprocessing_launcher",
     "_PATH",
     "_BackwardSyncControl",
@@ -57,29 +70,47 @@ __all__ = [
 #: The private attributes of Lightning objects that the package uses (all through this module).
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
-    "_launcher", "_start_method", "_optimizer", "_compiler_ctx", "_average_model",
+    "_launcher", "_start_method", "_optimizer", "_compiler_ctx", "_average_model", "_forward_module",
+    "_use_lottery_ticket_hypothesis",
 )  # fmt: skip
 
 
 # The private attributes of Lightning's strategy classes (the Trainer's and Fabric's ``Strategy`` and ``DDPStrategy``)
 # that our strategies read or write, behind functions of ours: a renamed attribute breaks this module only.
 
+#: A strategy of the Trainer's or of Fabric's (our strategies are one or the other).
+AnyStrategy = Union[TrainerStrategy, FabricStrategy]
+#: A ``DDPStrategy`` of the Trainer's or of Fabric's (our strategies extend one or the other).
+AnyDDPStrategy = Union[TrainerDDPStrategy, FabricDDPStrategy]
 
-def collective_timeout(strategy: Any) -> Optional[timedelta]:
+
+def collective_timeout(strategy: AnyDDPStrategy) -> Optional[timedelta]:
     """``DDPStrategy._timeout``: the timeout the strategy's collectives were given (``timeout=``)."""
     return strategy._timeout
 
 
-def checkpoint_io_slot(strategy: Any) -> Optional[Any]:
+def checkpoint_io_slot(strategy: AnyStrategy) -> Optional[CheckpointIO]:
     """``Strategy._checkpoint_io``: the CheckpointIO plugin given to the strategy, ``None`` when none was."""
     return strategy._checkpoint_io
 
 
-def set_checkpoint_io_slot(strategy: Any, io: Optional[Any]) -> None:
+def set_checkpoint_io_slot(strategy: AnyStrategy, io: Optional[CheckpointIO]) -> None:
     strategy._checkpoint_io = io
 
 
-def layer_sync_plugin(strategy: Any) -> Optional[Any]:
+def forward_module(module: Module) -> Module:
+    """``_FabricModule._forward_module``: inside what ``fabric.setup`` returned, the module the strategy's
+    ``setup_module`` returned (compiled by Fabric: the compiled one); another module as it is."""
+    return module._forward_module if isinstance(module, _FabricModule) else module
+
+
+def lottery_ticket_reset(callback: ModelPruning) -> bool:
+    """``ModelPruning._use_lottery_ticket_hypothesis``: whether the callback resets the weights to their first values
+    (``use_lottery_ticket_hypothesis``, on by default)."""
+    return bool(callback._use_lottery_ticket_hypothesis)
+
+
+def layer_sync_plugin(strategy: ParallelStrategy) -> Optional[LayerSync]:
     """The Trainer's ``DDPStrategy._layer_sync``: ``SyncBatchNorm`` conversion when ``sync_batchnorm=True``."""
     return strategy._layer_sync
 
@@ -88,17 +119,17 @@ def precision_plugin_property(default: Callable[[], Any], convert: Callable[[Any
     """The ``precision_plugin`` property of the Trainer's strategies (``Strategy._precision_plugin``): the plugin
     the strategy was given, as ``convert`` makes it (its own plugin class for Lightning's), else ``default()``."""
 
-    def get(strategy: Any) -> Any:
+    def get(strategy: TrainerStrategy) -> Any:
         plugin = strategy._precision_plugin
         return plugin if plugin is not None else default()
 
-    def set_(strategy: Any, plugin: Optional[Any]) -> None:
+    def set_(strategy: TrainerStrategy, plugin: Optional[Any]) -> None:
         strategy._precision_plugin = None if plugin is None else convert(plugin)
 
     return property(get, set_, doc="The precision plugin (the Trainer's ``precision`` flag chooses it).")
 
 
-def use_multiprocessing_launcher(strategy: Any, launcher_class: type) -> None:
+def use_multiprocessing_launcher(strategy: TrainerDDPStrategy, launcher_class: type) -> None:
     """``Strategy._launcher``: where Lightning chose its multiprocessing launcher (``start_method`` ``"spawn"``,
     ``"fork"`` or ``"forkserver"``), put ``launcher_class`` (a subclass of it) in its place, built the same way
     (``DDPStrategy._start_method``). Call it after Lightning's ``_configure_launcher``."""
@@ -112,7 +143,7 @@ def fabric_precision_property(base: Any, convert: Callable[[Optional[Any], str],
     Fabric's default)."""
     inherited = base.precision  # Lightning's property
 
-    def set_(strategy: Any, precision: Optional[Any]) -> None:
+    def set_(strategy: FabricStrategy, precision: Optional[Any]) -> None:
         strategy._precision = convert(precision, type(strategy).__name__)
 
     return property(inherited.fget, set_, doc="The precision plugin (Fabric's ``precision`` flag chooses it).")
@@ -123,7 +154,7 @@ def plain_optimizer(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def attached_trainer(module: Any) -> Optional[Any]:
+def attached_trainer(module: pl.LightningModule) -> Optional[pl.Trainer]:
     """``LightningModule._trainer``: the Trainer the module is attached to, ``None`` when none (the public
     ``module.trainer`` raises then)."""
     return module._trainer
@@ -139,13 +170,13 @@ def set_weight_averaging_model(callback: Any, model: Optional[Any]) -> None:
     callback._average_model = model
 
 
-def take_trainer_compile(module: Any) -> Optional[Callable[..., Any]]:
+def take_trainer_compile(module: Optional[pl.LightningModule]) -> Optional[Callable[..., Any]]:
     """``LightningModule._compiler_ctx``: the compiler (dynamo context, with the user's options) of a
     ``trainer.fit(torch.compile(model))``, which Lightning's ``from_compiled`` applied to the module's ``forward``
     and step methods; taken off here (Lightning's ``to_uncompiled``: the module's own methods again). ``None`` when
     the module was not given compiled."""
-    context = getattr(module, "_compiler_ctx", None)
-    if context is None:
+    context = getattr(module, "_compiler_ctx", None) if module is not None else None
+    if module is None or context is None:
         return None
     to_uncompiled(module)
     return context["dynamo_ctx"]

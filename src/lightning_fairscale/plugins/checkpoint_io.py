@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from fsspec.implementations.local import LocalFileSystem
+from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
-from lightning_fairscale._compat import _PATH, checkpoint_io_slot, set_checkpoint_io_slot
+from lightning_fairscale._compat import _PATH, AnyStrategy, checkpoint_io_slot, set_checkpoint_io_slot
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
@@ -324,7 +325,7 @@ def default_checkpoint_io(base: Any) -> Any:
     """
     inherited = base.checkpoint_io  # Lightning's property
 
-    def get(strategy: Any) -> Any:
+    def get(strategy: AnyStrategy) -> Any:
         plugin = checkpoint_io_slot(strategy)
         if plugin is None:
             set_checkpoint_io_slot(strategy, ShardedCheckpointIO())
@@ -332,7 +333,7 @@ def default_checkpoint_io(base: Any) -> Any:
             plugin.checkpoint_io = ShardedCheckpointIO()  # `AsyncCheckpointIO()` alone: around ours, not Torch's
         return inherited.fget(strategy)
 
-    def set_(strategy: Any, io: Optional[Any]) -> None:
+    def set_(strategy: AnyStrategy, io: Optional[CheckpointIO]) -> None:
         set_checkpoint_io_slot(strategy, io)
 
     return property(

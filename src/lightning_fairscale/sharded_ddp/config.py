@@ -1,6 +1,7 @@
 """The configuration of ``DDPShardedStrategy``, for the Trainer's strategy and for Fabric's.
 
-:class:`ShardedDDPConfig` holds what the user chose, checked once, when it is built, and frozen. Both strategies
+:class:`ShardedDDPConfig` holds what the user chose (each option declared once, as a field: see
+:mod:`lightning_fairscale.option_fields`), checked once, when it is built, and frozen. Both strategies
 build one in their constructor and hold it as ``strategy.config``; the functions here turn it, with what a run adds
 (the number of nodes, the precision), into the arguments of ``ShardedDataParallel`` and OSS. Nothing here imports
 Lightning.
@@ -22,6 +23,7 @@ from typing import Any
 from fairscale.nn.data_parallel import ShardedDataParallel
 
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy, validate_policy
+from lightning_fairscale.option_fields import check_options, documented, option
 
 __all__ = [
     "ShardedDDPConfig",
@@ -42,57 +44,68 @@ _SDP_ARGUMENTS = set(inspect.signature(ShardedDataParallel.__init__).parameters)
 _MULTI_NODE_REDUCE_BUFFER_SIZE = 2**23
 
 
+@documented
 @dataclass(frozen=True)
 class ShardedDDPConfig:
     """The options of ``DDPShardedStrategy``, checked when built; frozen.
 
-    The arguments are those of the strategies (the Trainer's and Fabric's, whose ``Args:`` are these), less
-    Lightning's own; the strategy's extra keyword arguments are :attr:`fairscale_kwargs`.
-
-    Args:
-        find_unused_parameters: only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A
-            parameter that no rank uses keeps no gradient and is not reduced; one used on some ranks only is not
-            supported (use Lightning's ``"ddp_find_unused_parameters_true"``).
-        lightning_1x_optimizer_state: resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's
-            ``"ddp_sharded"`` checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
-            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.
-        sync_each_batch: how gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``,
-            Fabric's ``no_backward_sync``). ``False`` (default): ``ShardedDataParallel.no_sync``, each rank keeps the
-            gradients of every parameter until the last micro-batch, which reduces them once. ``True``: every
-            micro-batch reduces each gradient to the rank that owns its parameter, and between micro-batches a rank
-            holds only the gradients of the parameters it owns (Accelerate's
-            ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's ``no_backward_sync`` then skips nothing.
-            Same result either way.
-        fairscale_kwargs: keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are (the
-            strategies' ``**kwargs``).
-        owner: the strategy's class name, which the error messages name.
+    Each option is declared here once, as a field made by :func:`~lightning_fairscale.option_fields.option`; the
+    strategies' constructors (the Trainer's and Fabric's), their ``Args:`` and their typed attributes are written from
+    these fields (``make options``). Lightning's own arguments are not options; the strategy's extra keyword arguments
+    are :attr:`fairscale_kwargs`.
 
     Raises:
         ValueError, TypeError: an argument is not accepted; the message says what is.
     """
 
-    #: Only ``False``: ``ShardedDataParallel`` has no search for unused parameters.
-    find_unused_parameters: bool = False
-    lightning_1x_optimizer_state: OptimizerStatePolicy = "error"
-    #: Reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``.
-    sync_each_batch: bool = False
-    #: Keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are.
+    find_unused_parameters: bool = option(
+        False,
+        summary="only ``False``: ``ShardedDataParallel`` has no search for unused parameters.",
+        doc="""only ``False``: ``ShardedDataParallel`` has no search for unused parameters. A parameter that no
+            rank uses keeps no gradient and is not reduced; one used on some ranks only is not supported (use
+            Lightning's ``"ddp_find_unused_parameters_true"``).""",
+    )
+    lightning_1x_optimizer_state: OptimizerStatePolicy = option(
+        "error",
+        check=lambda value, config: validate_policy(value, config.owner),
+        changeable=True,
+        summary="""resuming a Lightning 1.x FSDP checkpoint's optimizer state: ``"error"`` (default)
+            or ``"reset"``, as in ``DDPFullyShardedStrategy``.""",
+        doc="""resuming a checkpoint of Lightning 1.x's FairScale *FSDP* strategy (1.x's ``"ddp_sharded"``
+            checkpoints resume exactly): ``"error"`` (default) or ``"reset"``, as in
+            :class:`~lightning_fairscale.strategies.DDPFullyShardedStrategy`.""",
+    )
+    sync_each_batch: bool = option(
+        False,
+        check=lambda value, config: _check_sync_each_batch(value),
+        summary="reduce after every micro-batch when accumulating, instead of ``ShardedDataParallel.no_sync``.",
+        doc="""how gradients accumulate over micro-batches (the Trainer's ``accumulate_grad_batches``, Fabric's
+            ``no_backward_sync``). ``False`` (default): ``ShardedDataParallel.no_sync``, each rank keeps the
+            gradients of every parameter until the last micro-batch, which reduces them once. ``True``: every
+            micro-batch reduces each gradient to the rank that owns its parameter, and between micro-batches a rank
+            holds only the gradients of the parameters it owns (Accelerate's
+            ``GradientAccumulationPlugin(sync_each_batch=True)``); Fabric's ``no_backward_sync`` then skips nothing.
+            Same result either way.""",
+    )
+    #: Keyword arguments passed to FairScale's ``ShardedDataParallel`` as they are (the strategies' ``**kwargs``).
     fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The strategy's class name, which the error messages name.
     owner: str = "DDPShardedStrategy"
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "lightning_1x_optimizer_state", validate_policy(self.lightning_1x_optimizer_state, self.owner)
-        )
+        check_options(self)  # each option's own check, in their order
         validate_arguments(self.owner, self.find_unused_parameters, self.fairscale_kwargs)
-        if not isinstance(self.sync_each_batch, bool):  # a string such as "false" would be true
-            raise TypeError(
-                "`sync_each_batch` must be True (reduce the gradients after every micro-batch: each rank holds only"
-                " those of the parameters it owns while accumulating) or False (accumulate unreduced, the default),"
-                f" got {self.sync_each_batch!r}."
-            )
         object.__setattr__(self, "fairscale_kwargs", dict(self.fairscale_kwargs))
+
+
+def _check_sync_each_batch(value: Any) -> bool:
+    if not isinstance(value, bool):  # a string such as "false" would be true
+        raise TypeError(
+            "`sync_each_batch` must be True (reduce the gradients after every micro-batch: each rank holds only"
+            " those of the parameters it owns while accumulating) or False (accumulate unreduced, the default),"
+            f" got {value!r}."
+        )
+    return value
 
 
 def reduce_buffer_size(config: ShardedDDPConfig, num_nodes: int) -> int:

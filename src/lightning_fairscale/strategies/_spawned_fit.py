@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 import pytorch_lightning as pl
 import torch
 from lightning_fairscale._compat import _MultiProcessingLauncher
+from pytorch_lightning.strategies import ParallelStrategy, Strategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -37,7 +38,7 @@ def writes_optimizer_states(trainer: pl.Trainer) -> bool:
     return any(not getattr(callback, "save_weights_only", False) for callback in trainer.checkpoint_callbacks)
 
 
-def end_of_fit_state(strategy: Any, trainer: pl.Trainer) -> Optional[EndOfFit]:
+def end_of_fit_state(strategy: Strategy, trainer: pl.Trainer) -> Optional[EndOfFit]:
     """Rank 0's training state (``None`` on the other ranks): every entry of a checkpoint but the module's own.
 
     The optimizer and LR scheduler states only when the run writes checkpoints that hold them: gathering the
@@ -97,7 +98,9 @@ class SpawnLauncher(_MultiProcessingLauncher):
     """Lightning's launcher for processes started by ``torch.multiprocessing``, which also brings rank 0's training
     state at the end of ``fit`` (:class:`EndOfFit`) back to the launching process."""
 
-    def __init__(self, strategy: Any, start_method: Literal["spawn", "fork", "forkserver"] = "spawn") -> None:
+    def __init__(
+        self, strategy: ParallelStrategy, start_method: Literal["spawn", "fork", "forkserver"] = "spawn"
+    ) -> None:
         super().__init__(strategy, start_method=start_method)
         #: Rank 0's state at the end of ``fit``: set there by the strategy, then here in the launching process.
         self.end_of_fit: Optional[EndOfFit] = None

@@ -77,9 +77,10 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
     hyperparameters, LR schedulers follow them, and the module is wrapped in FairScale's ``ShardedDataParallel``
     while fitting (validation, test and predict run on the plain module). Checkpoints hold the model's and a plain
     optimizer's state dicts, consolidated on rank 0, so they load without FairScale and resume on any number of
-    processes. Runs on GPUs (NCCL) and on CPUs (gloo). The options are kept in :attr:`config` and are typed properties
+    processes. Runs on GPUs (NCCL) and on CPUs (gloo). The options are kept in :attr:`config` and are typed attributes
     (:class:`~lightning_fairscale._adapters.options.ShardedDDPOptions`), fixed at setup but
-    ``lightning_1x_optimizer_state``.
+    ``lightning_1x_optimizer_state``; each is declared once, by
+    :class:`~lightning_fairscale.sharded_ddp.config.ShardedDDPConfig` (``make options``).
 
     Args:
         accelerator: the accelerator; the Trainer sets it.
@@ -135,7 +136,7 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         self._trainability: Optional[Trainability] = None
 
     # ------------------------------------------------------------------------------------------------------------
-    # Configuration (the options' properties come with `ShardedDDPOptions`)
+    # Configuration (the options' attributes come with `ShardedDDPOptions`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+from lightning.pytorch.strategies import Strategy
 from torch import nn
 
 from lightning_fairscale.lightning._compat import set_weight_averaging_model, weight_averaging_model
@@ -37,12 +38,13 @@ __all__ = ["drop_stale_full_params", "release", "shard"]
 
 
 def shard(
-    callbacks: Iterable[Callback], strategy: Any, model_state: Callable[[], dict[str, Any]]
+    callbacks: Iterable[Callback], strategy: Strategy, model_state: Callable[[], dict[str, Any]]
 ) -> list[WeightAveraging]:
     """Give each ``WeightAveraging`` callback that made an average for this ``fit`` an average over this rank's
     shards of the strategy's LightningModule (sharded already); ``model_state`` is the strategy's state dict of it,
     as it saves it. Returns the callbacks changed."""
-    module: nn.Module = strategy.lightning_module
+    module, root = strategy.lightning_module, strategy.model
+    assert module is not None and root is not None  # the strategy has set up the module
     changed = []
     for callback in callbacks:
         if not isinstance(callback, WeightAveraging):
@@ -52,7 +54,7 @@ def shard(
             continue
         sharded = ShardAveragedModel(
             module, model_state, device=full.n_averaged.device, avg_fn=full.avg_fn, multi_avg_fn=full.multi_avg_fn,
-            use_buffers=full.use_buffers, root=strategy.model,
+            use_buffers=full.use_buffers, root=root,
         )  # fmt: skip
         set_weight_averaging_model(callback, sharded)
         changed.append(callback)

@@ -11,12 +11,11 @@ tested), which alone is refused there.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.strategies import Strategy
 
-from lightning_fairscale.lightning._compat import attached_trainer
+from lightning_fairscale.lightning._compat import attached_trainer, lottery_ticket_reset
 
 #: Callback classes, why they cannot work under FSDP, and what to do instead.
 _UNSUPPORTED: dict[type[Callback], tuple[str, str]] = {
@@ -46,7 +45,7 @@ def check_sharded_ddp_callbacks(callbacks: Iterable[Callback], strategy: str) ->
     own it: training goes on with stale weights, silently (0.26 off after 3 epochs of the tests' model).
     """
     for callback in callbacks:
-        if isinstance(callback, ModelPruning) and callback._use_lottery_ticket_hypothesis:
+        if isinstance(callback, ModelPruning) and lottery_ticket_reset(callback):
             raise MisconfigurationException(
                 f"`ModelPruning(use_lottery_ticket_hypothesis=...)` does not work with `{strategy}`: resetting the"
                 " weights rebinds their `.data`, which detaches them from the buffers through which FairScale's OSS"
@@ -74,8 +73,11 @@ def check_callbacks(callbacks: Iterable[Callback], strategy: str) -> None:
                 )
 
 
-def trainer_callbacks(strategy: Any) -> list[Callback]:
+def trainer_callbacks(strategy: Strategy) -> list[Callback]:
     """The callbacks of the Trainer running ``strategy``: known in ``setup_environment``, before any process group
     exists, so that every rank refuses a callback alike; none before the LightningModule is connected."""
     module = strategy.lightning_module
-    return list(module.trainer.callbacks) if module is not None and attached_trainer(module) is not None else []
+    if module is None or attached_trainer(module) is None:
+        return []
+    callbacks: list[Callback] = module.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors
+    return list(callbacks)

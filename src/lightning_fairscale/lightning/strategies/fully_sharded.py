@@ -53,9 +53,9 @@ if TYPE_CHECKING:
 class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
     """Fully Sharded Data Parallel training with FairScale, for Lightning 2.x.
 
-    Lightning 1.x's strategy: shards parameters, gradients and optimizer state (ZeRO stage 3), on GPUs and CPUs. The
-    options are checked once into :attr:`config` (a frozen :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig`,
-    which details them) and are typed properties (:class:`~lightning_fairscale._adapters.options.FullyShardedOptions`).
+    Lightning 1.x's strategy: shards parameters, gradients and optimizer state (ZeRO stage 3), on GPUs and CPUs. Each
+    option is declared once, by :class:`~lightning_fairscale.fsdp.config.FullyShardedConfig` (``strategy.config``),
+    whence its parameter and ``Args:`` entry here and its typed attribute come (``make options``).
 
     Args:
         accelerator: the accelerator; the Trainer sets it.
@@ -109,7 +109,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         fp32_reduce_scatter: Optional[bool] = None,
         compute_dtype: Optional[torch.dtype] = None,
         bucket_cap_mb: int = 25,
-        min_num_params: int = int(1e8),
+        min_num_params: int = 100_000_000,
         state_dict_to_cpu: bool = True,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -129,7 +129,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         activation_checkpointing_policy: Optional[Union[AutoWrapPolicy, type[Module]]] = None,
         param_init_fn: Optional[ParamInitFn] = None,
         sharding_strategy: Any = "FULL_SHARD",
-        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,  # Lightning's FSDPStrategy's annotation
+        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,
         backward_prefetch: Any = "BACKWARD_POST",
         sync_each_batch: bool = False,
         optimizer_path: Literal["auto", "elementwise", "whole"] = "auto",
@@ -145,7 +145,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         self._failed, self._averaging = False, []  # type: tuple[bool, list[Any]]
 
     # ------------------------------------------------------------------------------------------------------------
-    # FSDP configuration (the options' properties come with `FullyShardedOptions`)
+    # FSDP configuration (the options' attributes come with `FullyShardedOptions`)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -196,7 +196,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         root = wrapped_root(self.model)
         if root is not None:  # a stage after another one: the module is still sharded; it stays so (given compiled,
             self._sharded, self.model = fsdp_engine.wrapped_model(root, compiler), root  # its layers are compiled)
-            _optimizers.for_sharded_stage(self, trainer, fitting, self._sharded)
+            _optimizers.for_sharded_stage(self, trainer, fitting, self._sharded, self.config)
         else:
             self._setup_unwrapped(trainer, fitting, compiler)
         use_for_model_summaries(trainer)
@@ -229,7 +229,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         )
         self.model = self._sharded.root
         if fitting and not before:
-            _optimizers.configure_on_sharded(self, trainer, self._sharded)
+            _optimizers.configure_on_sharded(self, trainer, self._sharded, self.config)
             self._sharded.forget_originals()
 
     @contextlib.contextmanager
