@@ -43,6 +43,7 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fairscale._compat import _PATH, AnyStrategy, checkpoint_io_slot, set_checkpoint_io_slot
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
+import torch
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
@@ -276,6 +277,7 @@ class _PluginFiles:
             self.io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def read(self, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        torch.cuda.empty_cache()  # as Lightning's strategies do before reading a checkpoint
         return self.io.load_checkpoint(path, weights_only=weights_only)
 
 
