@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, Optional
 
-from lightning_fairscale.checkpoint.files import CheckpointFileError, find_checkpoint, is_sharded, write_atomically
+from lightning_fairscale import checkpointer
+from lightning_fairscale.checkpoint.files import CheckpointFileError, find_checkpoint, is_sharded
 from lightning_fairscale.fsdp.state.export import ExportReport, export_safetensors
-from lightning_fairscale.fsdp.state.sharded_checkpoint import consolidate
 
 __all__ = ["ExportReport", "export_safetensors", "main"]
 
@@ -95,12 +95,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: the output must not be the sharded checkpoint directory itself.", file=sys.stderr)
         return 2
     try:
-        checkpoint = consolidate(args.source, progress=say)
+        checkpointer.consolidate(args.source, args.output, progress=say)
     except (CheckpointFileError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    say(f"writing {args.output}")
-    write_atomically(checkpoint, args.output)
     size = args.output.stat().st_size / 2**20
     say(f"done: {size:.1f} MiB")
     return 0
@@ -108,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _export(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     try:
-        report = export_safetensors(
+        report = checkpointer.export(
             args.source, args.output, prefix=args.prefix, max_shard_size=args.max_shard_size,
             drop_keys=args.drop_key, key=args.key, progress=say,
         )  # fmt: skip

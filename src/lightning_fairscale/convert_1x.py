@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from lightning_fairscale.checkpoint.files import CheckpointFileError, read_file, write_atomically
-from lightning_fairscale.checkpoint.legacy import convert_checkpoint, written_version
+from lightning_fairscale import checkpointer
+from lightning_fairscale.checkpoint.files import CheckpointFileError
+from lightning_fairscale.checkpoint.legacy import written_version
 
 __all__ = ["main"]
 
@@ -39,12 +40,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: write the converted checkpoint to another file; the original stays as it is.", file=sys.stderr)
         return 2
     try:
-        checkpoint = read_file(args.source, weights_only=False)  # 1.x files hold pickled paths and callback keys
-        converted, report = convert_checkpoint(checkpoint)
+        checkpoint, report = checkpointer.convert_1x(args.source, args.output)
     except (CheckpointFileError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    write_atomically(converted, args.output)
     for line in report:
         print(line)
     print(

@@ -22,7 +22,8 @@ from lightning_fairscale.checkpoint.files import (
     save_shard,
     wait_for_shards,
 )
-from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO, background_io, save_full
+from lightning_fairscale import checkpointer
+from lightning_fairscale.plugins.checkpoint_io import ShardedCheckpointIO, background_io, checkpoint_files
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
 
@@ -111,7 +112,7 @@ def test_lightning_async_checkpoint_io_around_ours_saves_on_our_thread(tmp_path:
     wrapped = AsyncCheckpointIO(ShardedCheckpointIO())
     assert background_io(wrapped) is wrapped.checkpoint_io
     assert background_io(ShardedCheckpointIO()) is None
-    save_full(wrapped, {"step": 1}, tmp_path / "last.ckpt")
+    checkpointer.save_full(checkpoint_files(wrapped, 0), tmp_path / "last.ckpt", {"step": 1})
     assert wrapped._executor is None  # Lightning's thread is not used: one thread, one order
     assert wrapped.load_checkpoint(tmp_path / "last.ckpt") == {"step": 1}
     wrapped.checkpoint_io.teardown()

@@ -26,6 +26,7 @@ ENGINE = (
     "checkpoint.files",
     "checkpoint.legacy",
     "checkpoint.safetensors",
+    "checkpointer",
     "consolidate",
     "convert_1x",
     "distributed",
@@ -76,7 +77,6 @@ ENGINE = (
     "fsdp.unit.recovery",
     "fsdp.state.resharding",
     "fsdp.state.saving",
-    "fsdp.state.checkpoints",
     "fsdp.state.sharded_checkpoint",
     "fsdp.wrapping.summary",
     "fsdp.unit.ties",
@@ -148,7 +148,7 @@ def closure(name: str) -> set[str]:
 
 def test_the_engine_list_names_every_engine_module() -> None:
     """Every module of the engine's folders (and the command-line tools) is in ``ENGINE``, so each is checked."""
-    folders = {"checkpoint", "distributed", "fsdp", "mixed_precision", "sharded_ddp"}
+    folders = {"checkpoint", "checkpointer", "distributed", "fsdp", "mixed_precision", "sharded_ddp"}
     modules = {
         ".".join(path.relative_to(SOURCE).with_suffix("").parts).removesuffix(".__init__")
         for path in SOURCE.rglob("*.py")
@@ -171,8 +171,9 @@ def test_an_engine_module_imports_no_lightning_module(name: str) -> None:
 
 #: The engine's folders, lowest first: a folder imports only folders of lower layers, so there is no cycle between
 #: them. The adapters (``strategies``, ``fabric``, ``precision``, ``plugins``, ``callbacks``, and ``_adapters``, what
-#: they share) sit above all of them; the command-line tools (``consolidate``, ``convert_1x``) too.
-LAYERS = (("distributed",), ("mixed_precision",), ("checkpoint",), ("fsdp", "sharded_ddp"))
+#: they share) sit above all of them; the command-line tools (``consolidate``, ``convert_1x``) too. The checkpointer
+#: (every save and load goes through it) is the top layer: it calls the engines, none calls it.
+LAYERS = (("distributed",), ("mixed_precision",), ("checkpoint",), ("fsdp", "sharded_ddp"), ("checkpointer",))
 
 
 def _folder_imports(folder: str) -> set[str]:

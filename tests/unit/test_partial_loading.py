@@ -17,8 +17,9 @@ from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.model import WrappedModel
 from lightning_fairscale.checkpoint.fabric import Roles
 from lightning_fairscale.checkpoint.files import FABRIC_RECORD, FORMAT_KEY
-from lightning_fairscale.fsdp.state import checkpoints
-from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files, TrainerLayout
+from lightning_fairscale import checkpointer
+from lightning_fairscale.checkpointer import FabricLayout, Files, TrainerLayout
+from lightning_fairscale.fsdp.state import saving
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
@@ -76,7 +77,8 @@ def save_sharded(model: WrappedModel, path: Path, optimizer: Any = None) -> None
         checkpoint["optimizer_states"] = [optimizer.state_dict()]
     optimizers = [optimizer] if optimizer is not None else []
     layout = TrainerLayout(version="2.6.0", owner="DDPFullyShardedStrategy")
-    model.save(Files(ranks, ShardedStorage()), path, {**checkpoint, "global_step": 3}, layout, optimizers)
+    files = Files(ranks, ShardedStorage())
+    checkpointer.save_sharded(model.settled(), files, path, {**checkpoint, "global_step": 3}, layout, optimizers)
 
 
 def load_sharded(model: WrappedModel, path: Path, strict: bool, optimizer: Any = None) -> Any:
@@ -87,7 +89,7 @@ def load_sharded(model: WrappedModel, path: Path, strict: bool, optimizer: Any =
         return [(0, optimizer)] if optimizer is not None else []
 
     storage = ShardedStorage()
-    return model.load_sharded(this_rank(), storage, path, optimizers, False, strict=strict, relax=RELAX_TRAINER)
+    return saving.load_sharded(this_rank(), storage, path, model.settled(), optimizers, False, strict, RELAX_TRAINER)
 
 
 @pytest.mark.parametrize("flatten", [True, False], ids=["flat", "unflattened"])
@@ -182,7 +184,7 @@ def test_a_sharded_optimizer_state_does_not_follow_the_parameters_by_name(proces
 
 
 def test_the_checkpoint_service_takes_plain_values_in_fabrics_layout(process_group: None, tmp_path: Path) -> None:
-    """The checkpoint service alone, fed plain values (no strategy): ``fabric.save``'s state in Fabric's layout, the
+    """The checkpointer alone, fed plain values (no strategy): ``fabric.save``'s state in Fabric's layout, the
     roles recorded with it, then into another model and optimizer, the state's other entries restored in place."""
     source = Net(seed=0)
     optimizer = torch.optim.Adam(source.parameters(), lr=0.1)
@@ -191,7 +193,7 @@ def test_the_checkpoint_service_takes_plain_values_in_fabrics_layout(process_gro
     step(model.root, optimizer, batches(1)[0])
     state = {"model": model.root, "optimizer": optimizer, "step": 3}
     files, path = Files(this_rank(), ShardedStorage()), tmp_path / "ck"
-    checkpoints.save(model.for_checkpoints(), files, path, state, FabricLayout(Roles.of(state, lambda m: True)))
+    checkpointer.save_sharded(model.settled(), files, path, state, FabricLayout(Roles.of(state, lambda m: True)))
     meta = files.storage.load_meta(path)
     assert meta[FORMAT_KEY][FABRIC_RECORD] == {"model": "model", "optimizers": ["optimizer"]} and meta["step"] == 3
 
@@ -201,7 +203,7 @@ def test_the_checkpoint_service_takes_plain_values_in_fabrics_layout(process_gro
     target.repoint(fresh)
     into = {"model": target.root, "optimizer": fresh, "step": 0}
     layout = FabricLayout(Roles.of(into, lambda m: True))
-    rest = checkpoints.load(target.for_checkpoints(), files, path, layout, True, False, state=into)
+    rest = checkpointer.load(target.settled(), files, path, layout, True, False, state=into)
     assert rest == {} and into["step"] == 3
     assert_optimizer_states_equal(target.optimizer_state(fresh, False), model.optimizer_state(optimizer, False), 0)
     assert_parameters(target, parameters_of(unwrap_module(model.root)))

@@ -2,13 +2,12 @@
 that :mod:`lightning_fairscale.fsdp.engine` wrapped.
 
 Everything a front end does with a sharded model once it is made goes through it: re-pointing the optimizers made
-over the unwrapped module, the state dicts in the two checkpoint formats, saving and loading checkpoints through the
-checkpoint service (:mod:`~lightning_fairscale.fsdp.state.checkpoints`, fed plain values: into this rank's shards,
-gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does), putting
-the units back after an exception inside a step, and giving the model its full parameters back
-(:meth:`WrappedModel.unshard`). Its methods take what the run adds (the ranks, the checkpoint's
-:class:`~lightning_fairscale.checkpoint.files.ShardedStorage`, its files and their layout), passed in by the
-strategies: nothing here imports Lightning or calls back into a strategy.
+over the unwrapped module, the state dicts in the two checkpoint formats, a full state dict loaded into this rank's
+shards (gathering nothing; with strict loading off, what fits, reporting the keys that did not as ``torch`` does),
+what the checkpointer needs of it (:meth:`WrappedModel.settled`: checkpoint files are saved and loaded by
+:mod:`lightning_fairscale.checkpointer`), putting the units back after an exception inside a step, and giving the
+model its full parameters back (:meth:`WrappedModel.unshard`). Nothing here imports Lightning or calls back into a
+strategy.
 
 A module of its own: making a sharded model (the options checked against the device, the process groups, the
 wrapping) happens once, in :mod:`~lightning_fairscale.fsdp.engine`, from the strategy's configuration; what is done
@@ -22,14 +21,13 @@ import sys
 import weakref
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
-from lightning_fairscale.checkpoint.files import ShardedStorage
 from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of
 from lightning_fairscale.fsdp.unit import recovery, shard_layout, step_state, unit_state
@@ -37,14 +35,14 @@ from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import remove_activation_checkpointing
 from lightning_fairscale.fsdp.wrapping.compile import uncompile_regions
 from lightning_fairscale.fsdp.wrapping.unwrapping import forget_root, unwrap_module, unwrapped
-from lightning_fairscale.fsdp.state import checkpoints, saving
+from lightning_fairscale.fsdp.state import saving
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
 from lightning_fairscale.fsdp.state.optim_state import consolidate_state
 from lightning_fairscale.fsdp.state.optimizer_paths import Path, choose_path, refusal
 from lightning_fairscale.fsdp.state.whole_owners import make_plan
 from lightning_fairscale.fsdp.state.whole_state import consolidate as consolidate_whole, load_plain
 from lightning_fairscale.fsdp.state.whole_step import WholeStep
-from lightning_fairscale.fsdp.state.saving import Ranks, ShardedModel
+from lightning_fairscale.fsdp.state.saving import ShardedModel
 from lightning_fairscale.fsdp.state.unsharded_shapes import param_group_problem, unsharded_shapes
 
 __all__ = ["WrappedModel"]
@@ -209,7 +207,7 @@ class WrappedModel:
         return self.for_checkpoints().order(optimizer)
 
     def for_checkpoints(self) -> ShardedModel:
-        """What the checkpoint service needs of this model, as plain values: the root unit, where the original
+        """What the checkpointer needs of this model, as plain values: the root unit, where the original
         parameters went, and the order of each re-pointed optimizer's state."""
         whole = {optimizer: step.plan for optimizer, step in self._record.whole.items()}
         return ShardedModel(self.root, self.layout, self._record.orders, whole)
@@ -289,37 +287,11 @@ class WrappedModel:
         self._settle()
         return saving.load_full(self.for_checkpoints(), state_dict, strict, optimizers, relax)
 
-    def save(
-        self, files: checkpoints.Files, path: Any, content: dict[str, Any], layout: checkpoints.Layout,
-        optimizers: Sequence[Optimizer] = (),
-    ) -> None:
-        """Write a sharded checkpoint directory in the strategy's file layout (see
-        :func:`~lightning_fairscale.fsdp.state.checkpoints.save`)."""
+    def settled(self) -> ShardedModel:
+        """What the checkpointer (:mod:`lightning_fairscale.checkpointer`) needs of this model, once its units are
+        settled (see :meth:`_settle`): :meth:`for_checkpoints`."""
         self._settle()
-        checkpoints.save(self.for_checkpoints(), files, path, content, layout, optimizers)
-
-    def load(
-        self, files: checkpoints.Files, path: Any, layout: checkpoints.Layout, strict: bool,
-        weights_only: Optional[bool], state: Optional[dict[str, Any]] = None, optimizers: Sequence[Optimizer] = (),
-        read_file: Optional[Callable[[], dict[str, Any]]] = None,
-    ) -> dict[str, Any]:
-        """Load a checkpoint in the strategy's file layout into this rank's shards; returns what the strategy
-        restores itself (see :func:`~lightning_fairscale.fsdp.state.checkpoints.load`)."""
-        self._settle()
-        return checkpoints.load(
-            self.for_checkpoints(), files, path, layout, strict, weights_only, state, optimizers, read_file
-        )
-
-    def load_sharded(
-        self, ranks: Ranks, storage: ShardedStorage, path: Any,
-        optimizers: Callable[[dict[str, Any], int], Sequence[tuple[int, Optimizer]]],
-        weights_only: Optional[bool], strict: bool = True, relax: str = RELAX_FABRIC,
-    ) -> tuple[dict[str, Any], IncompatibleKeys]:
-        """Load a sharded checkpoint directory saved by any number of processes into this rank's shards, with the
-        keys it and the model did not share (see :func:`~lightning_fairscale.fsdp.state.saving.load_sharded`)."""
-        self._settle()
-        model = self.for_checkpoints()
-        return saving.load_sharded(ranks, storage, path, model, optimizers, weights_only, strict, relax)
+        return self.for_checkpoints()
 
     # ------------------------------------------------------------------------------------------------------------
     # The end of sharding

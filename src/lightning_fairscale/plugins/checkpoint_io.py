@@ -43,10 +43,11 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fairscale._compat import _PATH, AnyStrategy, checkpoint_io_slot, set_checkpoint_io_slot
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
+import torch
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_fairscale.checkpoint.background import BackgroundWriter, settle, snapshot
+from lightning_fairscale.checkpoint.background import BackgroundWriter, snapshot
 from lightning_fairscale.checkpoint.files import (
     META_FILE,
     CheckpointFileError,
@@ -58,7 +59,9 @@ from lightning_fairscale.checkpoint.files import (
     shard_file_name,
     write_atomically,
 )
-from lightning_fairscale.fsdp.state.saving import InBackground
+from lightning_fairscale.checkpointer import Files
+from lightning_fairscale.distributed.collectives import all_agree
+from lightning_fairscale.fsdp.state.saving import Ranks
 
 # The file-level names are re-exported here, where they were first defined.
 __all__ = [
@@ -68,11 +71,9 @@ __all__ = [
     "ShardedStorage",
     "background_io",
     "background_writer",
+    "checkpoint_files",
     "default_checkpoint_io",
     "finish_background",
-    "in_background",
-    "save_full",
-    "settle_background",
     "shard_file_name",
     "sharded_storage",
 ]
@@ -246,9 +247,9 @@ def background_io(io: Any) -> Optional[ShardedCheckpointIO]:
     """The :class:`ShardedCheckpointIO` that writes a strategy's checkpoints in the background, if any: the plugin
     ``io`` itself with ``async_save=True``, or the one inside Lightning's ``AsyncCheckpointIO``.
 
-    The strategies then write through it (full checkpoints with :func:`save_full`, the shards of sharded ones on its
-    :attr:`~ShardedCheckpointIO.writer`), so that writes and removals share one thread and one order; Lightning's
-    ``AsyncCheckpointIO``'s own thread is not used.
+    The checkpointer then writes through it (full checkpoints with :meth:`ShardedCheckpointIO.save_in_background`,
+    the shards of sharded ones on its :attr:`~ShardedCheckpointIO.writer`), so that writes and removals share one
+    thread and one order; Lightning's ``AsyncCheckpointIO``'s own thread is not used.
     """
     plugin = _unwrapped(io)
     if not isinstance(plugin, ShardedCheckpointIO):
@@ -261,39 +262,44 @@ def background_io(io: Any) -> Optional[ShardedCheckpointIO]:
     return plugin if plugin.async_save or wrapped_async else None
 
 
-def save_full(io: Any, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-    """Rank 0: write a full checkpoint with the strategy's plugin ``io``; in the background when it saves there
-    (see :func:`background_io`)."""
-    background = background_io(io)
-    if background is not None and storage_options is None and _is_local(path):
-        background.save_in_background(checkpoint, path)
-    else:
-        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+class _PluginFiles:
+    """The full files of :class:`~lightning_fairscale.checkpointer.Files`: written and read with the plugin ``io``,
+    in the background where it saves there (see :func:`background_io`)."""
+
+    def __init__(self, io: Any) -> None:
+        self.io = io
+
+    def write(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any]) -> None:
+        background = background_io(self.io)
+        if background is not None and storage_options is None and _is_local(path):
+            background.save_in_background(checkpoint, path)
+        else:
+            self.io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def read(self, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        torch.cuda.empty_cache()  # as Lightning's strategies do before reading a checkpoint
+        return self.io.load_checkpoint(path, weights_only=weights_only)
+
+
+def checkpoint_files(
+    io: Any, global_rank: int, timeout: Optional[timedelta] = None, sharded_save: bool = False,
+    agree: Callable[[bool], bool] = all_agree,
+) -> Files:
+    """Where the checkpointer (:mod:`lightning_fairscale.checkpointer`) writes and reads a strategy's checkpoints
+    with its CheckpointIO plugin ``io``: this rank (``agree``: how all ranks agree, a collective), the plugin's
+    sharded storage (for a ``sharded_save``, only a :class:`ShardedCheckpointIO`'s: see :func:`sharded_storage`), its
+    full files, and its background writer (see :func:`background_io`), on which rank 0 waits at most ``timeout`` (the
+    strategy's collective timeout) for the other ranks' shards."""
+    return Files(
+        Ranks(global_rank, agree), sharded_storage(io, saving=sharded_save), _PluginFiles(io), background_writer(io),
+        (timeout or default_pg_timeout).total_seconds(),
+    )
 
 
 def background_writer(io: Any) -> Optional[BackgroundWriter]:
     """The thread on which the plugin ``io`` writes in the background (see :func:`background_io`), if it does."""
     background = background_io(io)
     return None if background is None else background.writer
-
-
-def settle_background(io: Any, agree: Callable[[bool], bool], wait: bool = True) -> None:
-    """Before a save (``wait=False``: the writes that failed so far) or a load (``wait=True``: every write done), with
-    a plugin ``io`` that writes in the background: every rank together, its background writes succeeded everywhere
-    (see :func:`~lightning_fairscale.checkpoint.background.settle`; ``agree`` is the strategy's agreement of all
-    ranks, a collective). Nothing, and no collective, for a plugin that writes as it is called."""
-    writer = background_writer(io)
-    if writer is not None:
-        settle(writer, agree, wait=wait)
-
-
-def in_background(io: Any, timeout: Optional[timedelta]) -> Optional[InBackground]:
-    """How a sharded save runs in the background with the plugin ``io`` (``None``: as it is called): on its thread,
-    rank 0 waiting for the other ranks' shards at most ``timeout`` (the strategy's collective timeout)."""
-    writer = background_writer(io)
-    if writer is None:
-        return None
-    return InBackground(writer, (timeout or default_pg_timeout).total_seconds())
 
 
 def finish_background(io: Any, failed: bool = False) -> None:

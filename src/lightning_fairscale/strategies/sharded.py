@@ -59,16 +59,10 @@ from lightning_fairscale.sharded_ddp.engine import (
     wrap_model,
 )
 from lightning_fairscale.precision.sharded import ShardedPrecisionPlugin, sharded_precision_plugin
-from lightning_fairscale.distributed.collectives import all_agree
-from lightning_fairscale.plugins.checkpoint_io import (
-    settle_background,
-    default_checkpoint_io,
-    finish_background,
-    save_full,
-)
+from lightning_fairscale import checkpointer
+from lightning_fairscale.plugins.checkpoint_io import checkpoint_files, default_checkpoint_io, finish_background
 from lightning_fairscale.strategies._callbacks import check_sharded_ddp_callbacks, trainer_callbacks
 from lightning_fairscale.checkpoint.checks import resumable_optimizer_states
-from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.strategies._lost_ranks import report_collective_failure
 from lightning_fairscale.strategies._spawned_fit import SpawnLauncher, end_of_fit_state
 
@@ -286,8 +280,10 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         end_of_fit = self.launcher.end_of_fit if isinstance(self.launcher, SpawnLauncher) else None
         if end_of_fit is not None:
             checkpoint = end_of_fit.complete(checkpoint, type(self).__name__)
-        if self.is_global_zero:  # in the background where the plugin saves there
-            save_full(self.checkpoint_io, checkpoint, filepath, storage_options)
+        # Rank 0 writes (in the background where the plugin saves there), after the failed background writes are
+        # agreed on every rank.
+        checkpointer.save_full(checkpoint_files(self.checkpoint_io, self.global_rank), filepath, checkpoint,
+                               storage_options)
 
     @override
     def setup_environment(self) -> None:
@@ -302,12 +298,10 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         """The checkpoint, a Fabric checkpoint (``fabric.save``) read in the Trainer's layout (see
         :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`); the file is not changed. A checkpoint
         still being written in the background is written first."""
-        settle_background(self.checkpoint_io, all_agree)
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if is_trainer_layout(checkpoint):
-            return checkpoint
         assert self.lightning_module is not None
-        return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
+        keys = list(self.lightning_module.state_dict())  # a Fabric file's model entry: these keys
+        files = checkpoint_files(self.checkpoint_io, self.global_rank)
+        return checkpointer.read_full(files, checkpoint_path, weights_only, (pl.__version__, keys))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

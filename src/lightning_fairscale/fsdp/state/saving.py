@@ -9,9 +9,8 @@ stays as it was. The files themselves are a :class:`~lightning_fairscale.checkpo
 
 Everything here takes plain values: the sharded model as a :class:`ShardedModel` (its root unit, where its
 parameters went, the order of each optimizer's state), this rank as :class:`Ranks`, the files as a
-:class:`~lightning_fairscale.checkpoint.files.ShardedStorage`. The checkpoint service
-(:mod:`~lightning_fairscale.fsdp.state.checkpoints`) calls these for the Trainer's and Fabric's file layouts; the engine
-(:class:`~lightning_fairscale.fsdp.model.WrappedModel`) calls the service.
+:class:`~lightning_fairscale.checkpoint.files.ShardedStorage`. The checkpointer
+(:mod:`lightning_fairscale.checkpointer`) calls these for the Trainer's and Fabric's file layouts.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 # Generated from lightning_fairscale/fabric/_common.py by `make lightning`: do not edit.
 """What the Fabric strategies share, as values they hold and functions they call (no base class of theirs): the
-models and optimizers they set up (:class:`SetUp`), writing and reading the full files of ``fabric.save`` and
-``fabric.load`` (:func:`write_full`, :func:`read_full`; the sharded format is the engine's checkpoint service,
-:mod:`lightning_fairscale.fsdp.state.checkpoints`), skipping the gradient synchronization, the check of the clipped
-norm, and the precision plugins they accept."""
+models and optimizers they set up (:class:`SetUp`), refusing a sharded checkpoint where only full files load
+(:func:`refuse_sharded`; checkpoints are saved and loaded by :mod:`lightning_fairscale.checkpointer`), skipping the
+gradient synchronization, the check of the clipped norm, and the precision plugins they accept."""
 
 from __future__ import annotations
 
@@ -21,19 +20,16 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fairscale.checkpoint.fabric import Restored, Roles, convert, model_state_of, restore
 from lightning_fairscale.mixed_precision.settings import unsupported
 from lightning_fairscale.fsdp.state.saving import is_sharded_checkpoint
-from lightning_fairscale.lightning.plugins.checkpoint_io import save_full, sharded_storage
+from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
 
 __all__ = [
     "NoBackwardSync",
     "SetUp",
     "checked_norm",
     "fabric_precision",
-    "read_full",
     "refuse_sharded",
-    "write_full",
 ]
 
 #: What a strategy records of each optimizer it set up.
@@ -56,20 +52,6 @@ class SetUp(Generic[Record]):
         return type(self), ()
 
 
-def write_full(
-    io: Any, is_global_zero: bool, path: _PATH, state: dict[str, Any], roles: Roles, states: dict[str, dict[str, Any]],
-    storage_options: Optional[Any] = None, filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
-) -> None:
-    """``fabric.save`` of a full checkpoint: the state's keys, the model and the optimizers replaced by their full
-    states (``states``, by key: what the strategy gathered, collectively), every other stateful object by its state
-    dict (see :func:`~lightning_fairscale.checkpoint.fabric.convert`), in one file written by rank 0 with the plugin
-    ``io`` (atomically with :class:`~lightning_fairscale.ShardedCheckpointIO`; in the background where it saves
-    there)."""
-    converted = convert(state, roles, states, filter)
-    if is_global_zero:
-        save_full(io, converted, path, storage_options)
-
-
 def refuse_sharded(io: Any, path: _PATH) -> None:
     """A strategy without the sharded format refuses a sharded checkpoint directory, naming the command that makes
     one file of it."""
@@ -78,37 +60,6 @@ def refuse_sharded(io: Any, path: _PATH) -> None:
             f"{path} is a sharded checkpoint (of `DDPFullyShardedStrategy`): consolidate it into one file first"
             " (`lightning-fairscale-consolidate`) to load it with this strategy."
         )
-
-
-def read_full(
-    io: Any, path: _PATH, state: Optional[Union[Module, Optimizer, dict[str, Any]]], roles: Optional[Roles],
-    model_keys: Optional[list[str]], strict: bool, weights_only: Optional[bool],
-) -> Restored:
-    """``fabric.load`` of a full file (Fabric's or the Trainer's) read with the plugin ``io``: the state's other
-    entries restored in place; the model's and the optimizers' states returned with their objects, for the strategy
-    to load (see :func:`~lightning_fairscale.checkpoint.fabric.restore`).
-
-    Args:
-        io: the strategy's CheckpointIO plugin.
-        path: the file.
-        state: ``fabric.load``'s state; ``None`` or empty: the whole file is returned. A module or an optimizer
-            (``fabric.load_raw``): the file is its state (a module's: the model's entry of a checkpoint, in either
-            layout, or the file itself).
-        roles: the roles of a dict ``state`` (:meth:`~lightning_fairscale.checkpoint.fabric.Roles.of`).
-        model_keys: the keys of a module ``state``'s state dict (unwrapped), known without gathering anything.
-        strict: ``fabric.load``'s ``strict``.
-        weights_only: passed to ``torch.load``.
-    """
-    file = io.load_checkpoint(path, weights_only=weights_only)
-    if not state:
-        return Restored(file, [])
-    if isinstance(state, Module):  # `fabric.load_raw`: a module's state dict
-        assert model_keys is not None
-        return Restored({}, [(state, dict(model_state_of(file, model_keys)))])
-    if isinstance(state, Optimizer):  # `fabric.load_raw`: a plain optimizer's state
-        return Restored({}, [(state, file)])
-    assert roles is not None
-    return restore(file, state, roles, strict)
 
 
 def checked_norm(norm: Tensor, norm_type: Union[float, int], error_if_nonfinite: bool) -> Tensor:

@@ -1,11 +1,11 @@
 # Generated from lightning_fairscale/fabric/_fsdp_parts.py by `make lightning`: do not edit.
 """``fabric.save`` and ``fabric.load`` of Fabric's FSDP strategy
-(:class:`lightning_fairscale.fabric.DDPFullyShardedStrategy`): the sharded format through the engine's checkpoint
-service (:mod:`lightning_fairscale.fsdp.state.checkpoints`), in Fabric's file layout; full files through the
-strategy's CheckpointIO plugin. Functions over the models the strategy set up
-(:class:`~lightning_fairscale.fabric._fsdp_set_up.FsdpSetUp`), its options, and Lightning's public members of the
-strategy (its plugin, rank, and state dict methods). Kept apart so that the strategy's class holds its hooks and
-settings (`make lightning` copies this module for the unified package too).
+(:class:`lightning_fairscale.fabric.DDPFullyShardedStrategy`): both formats through the checkpointer
+(:mod:`lightning_fairscale.checkpointer`), in Fabric's file layout, with the strategy's CheckpointIO plugin.
+Functions over the models the strategy set up (:class:`~lightning_fairscale.fabric._fsdp_set_up.FsdpSetUp`), its
+options, and Lightning's public members of the strategy (its plugin, rank, and state dict methods). Kept apart so
+that the strategy's class holds its hooks and settings (`make lightning` copies this module for the unified package
+too).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from lightning.fabric.strategies import DDPStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fairscale import checkpointer
 from lightning_fairscale.lightning._compat import collective_timeout
 from lightning_fairscale.checkpoint.fabric import Roles
-from lightning_fairscale.lightning.fabric._common import read_full, write_full
+from lightning_fairscale.checkpointer import FabricLayout, Files
 from lightning_fairscale.lightning.fabric._fsdp_set_up import FsdpSetUp, sharded_model
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.state.checkpoints import FabricLayout, Files
-from lightning_fairscale.fsdp.state.saving import Ranks, is_sharded_checkpoint
-from lightning_fairscale.lightning.plugins.checkpoint_io import in_background, settle_background, sharded_storage
+from lightning_fairscale.fsdp.state.saving import is_sharded_checkpoint
+from lightning_fairscale.lightning.plugins.checkpoint_io import checkpoint_files
 
 __all__ = ["load", "save"]
 
@@ -34,25 +34,21 @@ def save(
     storage_options: Optional[Any], filter: Optional[dict[str, Callable[[str, Any], bool]]],
 ) -> None:
     """``fabric.save``: with ``state_dict_type="sharded"``, every rank writes its shard of the checkpoint directory
-    ``path`` through the checkpoint service (in the background with such a plugin), gathering nothing; else the full
-    states (the strategy's ``get_module_state_dict`` and ``get_optimizer_state``), gathered on rank 0, in one file."""
+    ``path`` (in the background with such a plugin), gathering nothing; else the full states (the strategy's
+    ``get_module_state_dict`` and ``get_optimizer_state``), gathered on rank 0, in one file (also where
+    ``state_dict_type="sharded"`` has no set-up model to shard)."""
     roles = Roles.of(state, set_up.is_ours)
     model = sharded_model(state[roles.model]) if roles.model else None
-    io = strategy.checkpoint_io
-    if model is not None and config.state_dict_type == "sharded":
-        files = Files(Ranks(strategy.global_rank), sharded_storage(io), in_background(io, collective_timeout(strategy)))
-        model.save(files, path, state, FabricLayout(roles, filter))
-        return
-    # A full file, also where `state_dict_type="sharded"` has no set-up model to shard: the background writes that
-    # failed so far end every rank here, as before the Trainer's full saves (rank 0 alone writes the file, so without
-    # this agreement another rank would go on past its own failed write).
-    settle_background(io, Ranks(strategy.global_rank).agree, wait=False)
+    sharded = model is not None and config.state_dict_type == "sharded"
+    files = checkpoint_files(strategy.checkpoint_io, strategy.global_rank, collective_timeout(strategy), sharded)
+    if model is not None and sharded:
+        return checkpointer.save_sharded(model.settled(), files, path, state, FabricLayout(roles, filter))
     states = {  # collective calls, in the state's order on every rank
         key: strategy.get_module_state_dict(value) if key == roles.model else strategy.get_optimizer_state(value)
         for key, value in state.items()
         if key == roles.model or key in roles.optimizers
     }
-    write_full(io, strategy.is_global_zero, path, state, roles, states, storage_options, filter)
+    return checkpointer.save_full(files, path, state, storage_options, (FabricLayout(roles, filter), states))
 
 
 def load(
@@ -61,13 +57,12 @@ def load(
 ) -> dict[str, Any]:
     """``fabric.load``: restore ``state`` from a checkpoint (Fabric's or the Trainer's, full or sharded); returns what
     the state did not ask for."""
-    io = strategy.checkpoint_io
-    storage = sharded_storage(io, saving=False)
-    if is_sharded_checkpoint(storage, path):
-        return _load_sharded(set_up, Files(Ranks(strategy.global_rank), storage), path, state, strict, weights_only)
+    files = checkpoint_files(strategy.checkpoint_io, strategy.global_rank)
+    if is_sharded_checkpoint(files.storage, path):
+        return _load_sharded(set_up, files, path, state, strict, weights_only)
     roles = Roles.of(state, set_up.is_ours) if isinstance(state, dict) and state else None
     keys = set_up.model_keys(state) if isinstance(state, Module) else None
-    restored = read_full(io, path, state, roles, keys, strict, weights_only)
+    restored = checkpointer.read_fabric(files, path, state, roles, keys, strict, weights_only)
     for obj, value in restored.loads:
         if isinstance(obj, Optimizer):
             set_up.load_optimizer(obj, value)
@@ -84,7 +79,8 @@ def _load_sharded(
     if isinstance(state, Module) and set_up.is_ours(state):  # `fabric.load_raw`: the model's part
         model = sharded_model(state)
         assert model is not None
-        model.load(files, path, FabricLayout(Roles(model="model")), strict, weights_only, state={"model": state})
+        layout = FabricLayout(Roles(model="model"))
+        checkpointer.load(model.settled(), files, path, layout, strict, weights_only, state={"model": state})
         return {}
     if not isinstance(state, dict) or not state:
         raise ValueError(
@@ -99,4 +95,4 @@ def _load_sharded(
             f"{path} is a sharded checkpoint: the state to load needs the model set up with this strategy, as"
             " `fabric.load(path, {'model': model, ...})`."
         )
-    return model.load(files, path, FabricLayout(roles), strict, weights_only, state=state)
+    return checkpointer.load(model.settled(), files, path, FabricLayout(roles), strict, weights_only, state=state)

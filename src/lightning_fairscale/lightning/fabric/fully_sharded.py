@@ -38,7 +38,7 @@ from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options, unw
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, finish_background, settle_background
+from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, finish_background
 from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
 from lightning_fairscale.lightning.fabric._common import NoBackwardSync, checked_norm, fabric_precision
 from lightning_fairscale.lightning.fabric._fsdp_set_up import FsdpSetUp, sharded_model, unsharded_shapes
@@ -47,7 +47,6 @@ from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, to_device_keeping_meta
-from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.wrapping.summary import memory_figures
 from lightning_fairscale.fsdp.state.averaging import ShardAveragedModel
 from lightning_fairscale.lightning.fabric import _fsdp_parts
@@ -365,7 +364,6 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         the model's part of a sharded checkpoint. With ``strict=False`` the model's entries that the checkpoint lacks
         keep their values and its other entries are ignored; the entries of ``state`` that the checkpoint lacks are
         left as they are. Checkpoints still being written in the background are written first, on every rank."""
-        settle_background(self.checkpoint_io, Ranks(self.global_rank).agree)
         return _fsdp_parts.load(self, self._set_up, path, state, strict, weights_only)
 
     @override

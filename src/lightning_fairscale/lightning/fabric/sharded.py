@@ -40,20 +40,19 @@ from lightning_fairscale.sharded_ddp import config as sharded_config
 from lightning_fairscale.sharded_ddp import engine as oss
 from lightning_fairscale.sharded_ddp.config import ShardedDDPConfig
 from lightning_fairscale.sharded_ddp.trainability import Trainability, clip_grad_norm
+from lightning_fairscale import checkpointer
 from lightning_fairscale.checkpoint.fabric import Roles
+from lightning_fairscale.checkpointer import FabricLayout
 from lightning_fairscale.lightning.fabric._common import (
     NoBackwardSync,
     SetUp,
     checked_norm,
     fabric_precision,
-    read_full,
     refuse_sharded,
-    write_full,
 )
 from lightning_fairscale.mixed_precision.grad_scaler import sharded_grad_scaler
-from lightning_fairscale.distributed.collectives import all_agree
 from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, settle_background
+from lightning_fairscale.lightning.plugins.checkpoint_io import checkpoint_files, default_checkpoint_io
 
 if TYPE_CHECKING:
     from lightning_fairscale.distributed.torch_private import TorchLRScheduler
@@ -260,7 +259,8 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
             for key, value in state.items()
             if key == roles.model or key in roles.optimizers
         }
-        write_full(self.checkpoint_io, self.is_global_zero, path, state, roles, states, storage_options, filter)
+        files = checkpoint_files(self.checkpoint_io, self.global_rank)
+        checkpointer.save_full(files, path, state, storage_options, (FabricLayout(roles, filter), states))
 
     @override
     def load_checkpoint(
@@ -276,11 +276,11 @@ class DDPShardedStrategy(DDPStrategy, ShardedDDPOptions):
         ``fabric.load_raw(path, model)`` reads a plain state dict file or the model's entry of a checkpoint. With
         ``strict=False`` the entries of ``state`` that the checkpoint lacks are left as they are. A checkpoint still
         being written in the background is written first."""
-        settle_background(self.checkpoint_io, all_agree)
         refuse_sharded(self.checkpoint_io, path)
         roles = Roles.of(state, self._is_ours) if isinstance(state, dict) and state else None
         keys = list(_unwrap(state).state_dict()) if isinstance(state, Module) else None
-        restored = read_full(self.checkpoint_io, path, state, roles, keys, strict, weights_only)
+        files = checkpoint_files(self.checkpoint_io, self.global_rank)
+        restored = checkpointer.read_fabric(files, path, state, roles, keys, strict, weights_only)
         for obj, value in restored.loads:
             if isinstance(obj, Optimizer):
                 self._load_optimizer(obj, value)

@@ -3,7 +3,6 @@
 
 # No postponed annotations: jsonargparse (LightningCLI) reads the constructor's from `inspect.signature`.
 import contextlib
-import functools
 from collections.abc import Generator, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -28,7 +27,6 @@ from lightning_fairscale.lightning._compat import _PATH, _optimizers_to_device, 
 from lightning_fairscale.lightning._compat import attached_trainer, collective_timeout, layer_sync_plugin, plain_optimizer
 from lightning_fairscale.lightning.callbacks.model_summary import restore_model_summaries, use_for_model_summaries
 from lightning_fairscale.lightning.callbacks import weight_averaging
-from lightning_fairscale.checkpoint.fabric import is_trainer_layout, to_trainer_layout
 from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model, run as fsdp_run
@@ -36,14 +34,13 @@ from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
-from lightning_fairscale.fsdp.state.checkpoints import Files, TrainerLayout
-from lightning_fairscale.fsdp.state.saving import Ranks
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
 from lightning_fairscale.fsdp.wrapping.compile import Compiler
 from lightning_fairscale.fsdp.wrapping.summary import memory_figures
 from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
-from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, finish_background, in_background
-from lightning_fairscale.lightning.plugins.checkpoint_io import save_full, settle_background, sharded_storage
+from lightning_fairscale import checkpointer
+from lightning_fairscale.lightning.plugins.checkpoint_io import checkpoint_files, default_checkpoint_io, finish_background
+from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
 from lightning_fairscale.lightning.precision.fully_sharded import FullyShardedPrecisionPlugin, fully_sharded_precision_plugin
 from lightning_fairscale.lightning.strategies import _optimizers
 from lightning_fairscale.lightning.strategies._callbacks import check_callbacks, trainer_callbacks
@@ -317,25 +314,24 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         """Rank 0 writes a full checkpoint file; with ``state_dict_type="sharded"`` every rank writes its shard of a
         checkpoint directory (see :class:`~lightning_fairscale.plugins.checkpoint_io.ShardedCheckpointIO`); with a
         plugin that saves in the background, on its thread, from a copy (earlier background writes agreed first)."""
-        ranks, io = Ranks(self.global_rank), self.checkpoint_io
         if not self._saves_sharded():
             if self.config.state_dict_type == "sharded" and self.lightning_module is not None:
                 rank_zero_warn(
                     f"The model is not sharded (`unshard_module()` gave it its full parameters back), so {filepath} is"
                     " written as a full checkpoint file.",
                 )
-            settle_background(io, ranks.agree, wait=False)
-            if self.is_global_zero:
-                save_full(io, checkpoint, filepath, storage_options)
-            return None
+            return checkpointer.save_full(self._files(), filepath, checkpoint, storage_options)
         assert self._sharded is not None
-        files = Files(ranks, sharded_storage(io), in_background(io, collective_timeout(self)))
-        self._sharded.save(files, filepath, checkpoint, self._layout(), _optimizers.plain(self.optimizers))
+        checkpointer.save_sharded(self._sharded.settled(), self._files(sharded_save=True), filepath, checkpoint,
+                                  self._layout(), _optimizers.plain(self.optimizers))
         return None
 
-    def _layout(self) -> TrainerLayout:  # the Trainer's file layout, for the checkpoint service
+    def _files(self, sharded_save: bool = False) -> checkpointer.Files:  # the checkpointer's, with our plugin
+        return checkpoint_files(self.checkpoint_io, self.global_rank, collective_timeout(self), sharded_save)
+
+    def _layout(self) -> checkpointer.TrainerLayout:  # the Trainer's file layout, for the checkpointer
         policy, averaging = self.config.lightning_1x_optimizer_state, bool(self._averaging)
-        return TrainerLayout(pl.__version__, type(self).__name__, policy, averaging)
+        return checkpointer.TrainerLayout(pl.__version__, type(self).__name__, policy, averaging)
 
     @property
     @override
@@ -358,19 +354,13 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         :func:`~lightning_fairscale.checkpoint.fabric.to_trainer_layout`): its model, optimizers and LR schedulers
         resume; the file is not changed. Checkpoints still being written in the background are written first.
         """
-        settle_background(self.checkpoint_io, Ranks(self.global_rank).agree)
+        assert self.lightning_module is not None
         if self._sharded is None:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            if is_trainer_layout(checkpoint):
-                return checkpoint
-            assert self.lightning_module is not None
-            return to_trainer_layout(checkpoint, pl.__version__, list(self.lightning_module.state_dict()))
-        assert self._sharded is not None and self.lightning_module is not None
+            keys = list(self.lightning_module.state_dict())  # a Fabric file's model entry: these keys
+            return checkpointer.read_full(self._files(), checkpoint_path, weights_only, (pl.__version__, keys))
         optimizers = _optimizers.plain(self.optimizers) if _optimizers.restored(self) else []
-        read_file = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        files = Files(Ranks(self.global_rank), sharded_storage(self.checkpoint_io, saving=False))
-        return self._sharded.load(files, checkpoint_path, self._layout(), self.lightning_module.strict_loading,
-                                  weights_only, optimizers=optimizers, read_file=read_file)
+        return checkpointer.load(self._sharded.settled(), self._files(), checkpoint_path, self._layout(),
+                                 self.lightning_module.strict_loading, weights_only, optimizers=optimizers)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
