@@ -35,10 +35,6 @@ ALLOWED = {
     # goes with its object; nothing per model is kept here.
     ("distributed/process_exit.py", "_strategies"): "process-wide exit registry",
     ("distributed/process_exit.py", "_holders"): "process-wide exit registry",
-    # Flat parameters -> their record: found from the parameter alone (the optimizer's views, the model summary,
-    # the gradient hooks FairScale registers on it); weakly, by identity.
-    ("fsdp/unit/unit_state.py", "_FLATS"): "not yet moved into the owner (issue 55 item 1, what remains)",
-    ("fsdp/unit/param_views.py", "_NORM_GROUPS"): "not yet moved into the owner (issue 55 item 1, what remains)",
 }
 
 

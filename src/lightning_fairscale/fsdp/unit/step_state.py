@@ -102,7 +102,7 @@ class StepState:
         """Read which of ``unit``'s parameters train now; make its flat parameters require gradients accordingly."""
         flat_count = unit._num_flatten_params
         for index, managed in enumerate(unit.params):
-            views = param_views.views_of(managed)
+            views = param_views.views_of(unit_state.peek_flat(unit, managed))
             if not views:
                 continue
             if index < flat_count:
@@ -113,7 +113,7 @@ class StepState:
                     managed.requires_grad_(wanted)
             else:  # sharded in place: the module's parameter is the managed one, the optimizer holds a view of it
                 flag = managed.requires_grad
-                record = unit_state.flat_state(managed)
+                record = unit_state.flat_record(unit, managed)
                 if record.trained is not None and record.trained != flag:  # flipped on the module
                     for view in views:  # (`BaseFinetuning`): the view follows; a flip of the view (`toggle_optimizer`)
                         view.param.requires_grad_(flag)  # stays its own
@@ -202,5 +202,5 @@ def _shard_versions(unit: Any) -> list[int]:
     versions = []
     for managed in unit.params:
         versions.append(getattr(managed, "_fp32_shard", managed)._version)
-        versions.extend(view.param._version for view in param_views.views_of(managed))
+        versions.extend(view.param._version for view in param_views.views_of(unit_state.peek_flat(unit, managed)))
     return versions

@@ -10,9 +10,9 @@ class (wrapped by hand: not ours, so their records are held here, by the owner).
 What we know about a unit of ours is its :class:`UnitState`, made when the unit is built and held by the unit
 (:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` is our class: an ordinary attribute of it),
 with a reference to the owner once the model is set up. What we know about a flat parameter is its
-:class:`FlatState`, in a map keyed weakly by the parameter (by identity: a tensor's ``==`` compares values), held here:
-it is found from the parameter alone, as the optimizer's views and the model summary find it, and from its unit
-(:func:`flat_states`).
+:class:`FlatState`, held by its unit's :class:`UnitState` (by the owner for a unit of FairScale's class): found from
+the unit and the parameter (:func:`flat_record`, :func:`peek_flat`, :func:`flat_states`), never from the parameter
+alone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "Failure",
@@ -33,7 +32,7 @@ __all__ = [
     "RootState",
     "UnitState",
     "adopt",
-    "flat_state",
+    "flat_record",
     "flat_states",
     "forget_flat",
     "of",
@@ -162,14 +161,13 @@ class UnitState:
     #: The version counters of its shards (and their views) when its last forward with gradients gathered them
     #: (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`), ``None`` before.
     shard_versions: Optional[list[int]] = None
+    #: Each of its flat (or sharded) parameters' record, once one was made (the dictionary hashes a tensor by
+    #: identity; the unit holds these parameters anyway, in FairScale's ``params``).
+    flats: dict[nn.Parameter, FlatState] = field(default_factory=dict)
 
 
 #: The name of the attribute of our unit class that holds its :class:`UnitState`.
 ATTRIBUTE = "unit_state"
-
-#: Flat parameters -> their state (weakly, by identity).
-_FLATS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
 
 def peek(unit: nn.Module, owner: Optional[RootState] = None) -> Optional[UnitState]:
     """``unit``'s state, ``None`` for a module that has none (not a unit, or a unit of FairScale's class that
@@ -216,26 +214,33 @@ def adopt(root: nn.Module, units: list[nn.Module]) -> RootState:
     return owner
 
 
-def peek_flat(flat: nn.Parameter) -> Optional[FlatState]:
-    """``flat``'s state, ``None`` when nothing was recorded for it."""
-    return _FLATS.get(flat)
+def peek_flat(unit: nn.Module, flat: nn.Parameter, owner: Optional[RootState] = None) -> Optional[FlatState]:
+    """The record of ``flat``, a parameter of ``unit`` (``owner``: its model's owner, for a unit of FairScale's
+    class), ``None`` when nothing was recorded for it."""
+    state = peek(unit, owner)
+    return state.flats.get(flat) if state is not None else None
 
 
-def flat_state(flat: nn.Parameter) -> FlatState:
-    """``flat``'s state (made when it had none)."""
-    state = _FLATS.get(flat)
-    if state is None:
-        state = _FLATS[flat] = FlatState()
-    return state
+def flat_record(unit: nn.Module, flat: nn.Parameter, owner: Optional[RootState] = None) -> FlatState:
+    """The record of ``flat``, a parameter of ``unit`` (made when it had none; see :func:`of` for ``owner``)."""
+    flats = of(unit, owner).flats
+    record = flats.get(flat)
+    if record is None:
+        record = flats[flat] = FlatState()
+    return record
 
 
-def forget_flat(flat: nn.Parameter) -> None:
+def forget_flat(unit: nn.Module, flat: nn.Parameter, owner: Optional[RootState] = None) -> None:
     """Drop everything recorded for ``flat`` (its unit is unwrapped: the gradient accumulator in its record holds
     the unit's hook, which refers back to the unit)."""
-    _FLATS.pop(flat, None)
+    state = peek(unit, owner)
+    if state is not None:
+        state.flats.pop(flat, None)
 
 
-def flat_states(unit: nn.Module) -> list[Optional[FlatState]]:
-    """The state of each of ``unit``'s own parameters (FairScale's ``unit.params``: flat ones first), ``None`` for one
-    that has none: what we know about a unit's flat parameters, from the unit."""
-    return [_FLATS.get(param) for param in getattr(unit, "params", [])]
+def flat_states(unit: nn.Module, owner: Optional[RootState] = None) -> list[Optional[FlatState]]:
+    """The record of each of ``unit``'s own parameters (FairScale's ``unit.params``: flat ones first), ``None`` for
+    one that has none (see :func:`of` for ``owner``)."""
+    state = peek(unit, owner)
+    flats = state.flats if state is not None else {}
+    return [flats.get(param) for param in getattr(unit, "params", [])]
