@@ -118,6 +118,31 @@ def test_no_module_level_map_of_units_parameters_modules_or_optimizers() -> None
     assert sorted(set(ALLOWED) - found) == []  # the list stays true
 
 
+def _any_parameters(path: Path, names: frozenset[str] = frozenset({"unit", "root", "model"})) -> list[str]:
+    """The parameters of ``path``'s functions named ``unit``, ``root`` or ``model`` typed ``Any``: ``function:name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            found.extend(
+                f"{node.name}:{arg.arg}" for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]
+                if arg.arg in names and arg.annotation is not None and ast.unparse(arg.annotation) == "Any"
+            )  # fmt: skip
+    return found
+
+
+def test_units_roots_and_models_are_typed() -> None:
+    """Issue 55 item 1: a parameter that takes a unit, a root unit or a model says which (FairScale's FSDP class, ours,
+    torch's ``Module``, the ``WrappedModel``), not ``Any`` (there were 40, all in ``fsdp/``)."""
+    found = {
+        f"{path.relative_to(SOURCE)}:{where}"
+        for path in sorted(SOURCE.rglob("*.py"))
+        if "lightning" not in path.relative_to(SOURCE).parts[:1]
+        for where in _any_parameters(path)
+    }
+    assert sorted(found) == []
+
+
 class _HandWrapped(nn.Module):
     """``Net``'s layers, its blocks wrapped by hand in FairScale's own class (as in a ``configure_model``)."""
 

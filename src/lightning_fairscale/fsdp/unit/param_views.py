@@ -24,14 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.unit import sharded_reads, unit_state
-from lightning_fairscale.fsdp.unit.unit_state import FlatState
+from lightning_fairscale.fsdp.unit.unit_state import FlatState, ParamView
 
 __all__ = [
     "ParamView",
@@ -47,26 +46,6 @@ __all__ = [
     "trainable_views",
     "views_of",
 ]
-
-@dataclass(eq=False)
-class ParamView:
-    """The part of original parameter ``piece`` of ``managed`` that this rank holds.
-
-    ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
-    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad`` when its
-    unit last computed (at set-up, then before each forward of the unit:
-    :mod:`~lightning_fairscale.fsdp.unit.step_state`).
-    """
-
-    param: nn.Parameter
-    piece: int
-    start: int
-    stop: int
-    trainable: bool
-    #: The handle of the hook on ``param`` that sets aside its own gradients under ``no_sync``
-    #: (:func:`_set_aside_under_no_sync`), registered the first time it holds an unreduced slice.
-    hook: Any = None
-
 
 def _shard(managed: nn.Parameter) -> Tensor:
     """The 1-D shard of ``managed`` that the optimizer updates (FairScale's ``_fp32_shard`` once initialised)."""

@@ -21,7 +21,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from torch import nn
+from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "FlatState",
     "ModelRecord",
     "OriginalSlots",
+    "ParamView",
     "RootState",
     "UnitState",
     "adopt",
@@ -44,23 +46,45 @@ __all__ = [
 
 
 @dataclass(eq=False)
+class ParamView:
+    """The part of original parameter ``piece`` of ``managed`` (a flat parameter) that this rank holds: the
+    optimizer's view of it (:mod:`~lightning_fairscale.fsdp.unit.param_views`), listed in ``managed``'s
+    :class:`FlatState`.
+
+    ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
+    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad`` when its
+    unit last computed (at set-up, then before each forward of the unit:
+    :mod:`~lightning_fairscale.fsdp.unit.step_state`).
+    """
+
+    param: nn.Parameter
+    piece: int
+    start: int
+    stop: int
+    trainable: bool
+    #: The handle of the hook on ``param`` that sets aside its own gradients under ``no_sync``
+    #: (:func:`~lightning_fairscale.fsdp.unit.param_views.share_local_gradients`), registered the first time it holds
+    #: an unreduced slice.
+    hook: Optional[RemovableHandle] = None
+
+
+@dataclass(eq=False)
 class FlatState:
     """What we know about one flat (or sharded) parameter of a unit on this rank."""
 
-    #: The optimizer's views of its original parameters on this rank
-    #: (:class:`~lightning_fairscale.fsdp.unit.param_views.ParamView`).
-    views: list[Any] = field(default_factory=list)
+    #: The optimizer's views of its original parameters on this rank.
+    views: list[ParamView] = field(default_factory=list)
     #: Whether its gradient is the one shared with its views (after a synchronising backward, until taken back).
     grad_shared: bool = False
     #: The gradient tensor given to each of its views (by ``id`` of the view's parameter, weakly), to tell them from
     #: gradients the backward computed for the views themselves.
-    given: dict[int, weakref.ref[Any]] = field(default_factory=dict)
+    given: dict[int, weakref.ref[Tensor]] = field(default_factory=dict)
     #: Whether its views hold slices of this rank's unreduced gradient (after a backward under ``no_sync``, until
     #: the synchronising one).
     local_given: bool = False
     #: What the backwards under ``no_sync`` gave each view itself (a term on the parameters outside the forward), by
     #: ``id`` of the view's parameter: added to the reduced shard by the synchronising backward.
-    pending: dict[int, Any] = field(default_factory=dict)
+    pending: dict[int, Tensor] = field(default_factory=dict)
     #: Which of its original parameters were frozen when its unit was built (workaround 11); ``None``: none was.
     frozen: Optional[list[bool]] = None
     #: Its gradient accumulator (weakly: its hooks' dictionary) and the ``id`` of each unit whose post-backward hook
@@ -157,7 +181,7 @@ class UnitState:
     owner: Optional[RootState] = None
     #: The gradient accumulators its running forward hooked (workaround 20), held until the forward's graph holds
     #: them, and not after: held longer, each keeps the model alive through its hook.
-    accumulators: list[Any] = field(default_factory=list)
+    accumulators: list[Node] = field(default_factory=list)
     #: The version counters of its shards (and their views) when its last forward with gradients gathered them
     #: (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`), ``None`` before.
     shard_versions: Optional[list[int]] = None
