@@ -111,11 +111,11 @@ class OriginalSlots:
     depth: int = 0
     #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
     #: backward ends (:func:`release_views`).
-    views: dict[tuple[int, str], Any] = field(default_factory=dict)
+    views: dict[tuple[int, str], Tensor] = field(default_factory=dict)
     #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
-    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
+    spent: dict[tuple[int, str], weakref.ref[Tensor]] = field(default_factory=dict)
     #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
-    hook: Any = None
+    hook: Optional[RemovableHandle] = None
 
 
 class ModelRecord:
