@@ -139,6 +139,7 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
 
     import lightning_fairscale  # noqa: F401  (registers the strategy names)
     from lightning_fairscale.fsdp.unit.param_views import views_of
+    from lightning_fairscale.fsdp.unit.unit_state import flat_states, peek_owner
     from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
     from scenarios.common import Block, RegressionModel
     from scenarios.flavor import Callback, DDPFullyShardedStrategy, Trainer
@@ -164,7 +165,7 @@ def fit_twice(strategy_name: str, user_group: bool) -> Any:
         views = {
             id(view.param)
             for unit in (root.modules() if root is not None else []) if isinstance(unit, FullyShardedDataParallel)
-            for param in unit.params for view in views_of(param)
+            for state in flat_states(unit, peek_owner(root)) for view in views_of(state)
         }  # fmt: skip
         originals = [
             weakref.ref(param) for param in model.parameters()

@@ -280,7 +280,8 @@ def test_no_module_imports_itself_through_others() -> None:
 
 #: The prefix of the attributes the package wrote into objects it does not own (FairScale's units and flat
 #: parameters, the user's modules and optimizers) before issue 49; what it knows lives in objects of its own now
-#: (``fsdp.unit.unit_state`` and the owners' weak maps). Spelt in two parts, so that this file does not hold it.
+#: (``fsdp.unit.unit_state``: the units' records and the models' owners). Spelt in two parts, so that this file
+#: does not hold it.
 _MARKER = "_lightning" + "_fairscale_"
 
 

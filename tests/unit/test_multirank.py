@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_fairscale.distributed import collectives, exchanges
 from lightning_fairscale.fsdp.patches import cpu_streams, prefetch, reduce_scatter
-from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.state.optim import norm_group
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler
@@ -119,7 +119,7 @@ def view_checks(rank: int, world_size: int) -> dict[str, Any]:
                   min_num_params=0)  # fmt: skip
     (alone.root(x) ** 2).mean().backward()
     held = [p for group in alone.optimizer.param_groups for p in group["params"] if p.grad is not None]
-    lone_norm = clip_grad_norm_(held, 1e9, 2.0, group=param_views.norm_group(alone.optimizer))
+    lone_norm = clip_grad_norm_(held, 1e9, 2.0, group=norm_group(alone.orders, alone.layout))
     model_norm = alone.root.clip_grad_norm_(1e9)
     return {
         "lone_norm": lone_norm,

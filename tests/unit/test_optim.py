@@ -18,6 +18,7 @@ from torch import nn
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.state.optim import ParameterLayout, Piece
 from lightning_fairscale.fsdp.state.optim_state import load_plain_state, plain_state_dict
+from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.param_views import views_of
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
@@ -172,7 +173,8 @@ def test_a_later_stage_takes_the_same_parameters_and_views() -> None:
     optimizer = torch.optim.SGD(sharded.root.parameters(), lr=0.1)
     wrapped.repoint(optimizer)
     [managed] = wrapped.layout.managed
-    assert [view.param for view in views_of(managed)] == optimizer.param_groups[0]["params"] == first
+    record = unit_state.peek_flat(wrapped.layout.managed[managed].unit, managed)
+    assert [view.param for view in views_of(record)] == optimizer.param_groups[0]["params"] == first
 
 
 def test_zero_grad_reaches_the_flat_gradient_and_accumulation_without_it_adds() -> None:

@@ -35,10 +35,6 @@ ALLOWED = {
     # goes with its object; nothing per model is kept here.
     ("distributed/process_exit.py", "_strategies"): "process-wide exit registry",
     ("distributed/process_exit.py", "_holders"): "process-wide exit registry",
-    # Flat parameters -> their record: found from the parameter alone (the optimizer's views, the model summary,
-    # the gradient hooks FairScale registers on it); weakly, by identity.
-    ("fsdp/unit/unit_state.py", "_FLATS"): "not yet moved into the owner (issue 55 item 1, what remains)",
-    ("fsdp/unit/param_views.py", "_NORM_GROUPS"): "not yet moved into the owner (issue 55 item 1, what remains)",
 }
 
 
@@ -120,6 +116,31 @@ def test_no_module_level_map_of_units_parameters_modules_or_optimizers() -> None
     }
     assert sorted(found - set(ALLOWED)) == []
     assert sorted(set(ALLOWED) - found) == []  # the list stays true
+
+
+def _any_parameters(path: Path, names: frozenset[str] = frozenset({"unit", "root", "model"})) -> list[str]:
+    """The parameters of ``path``'s functions named ``unit``, ``root`` or ``model`` typed ``Any``: ``function:name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            found.extend(
+                f"{node.name}:{arg.arg}" for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]
+                if arg.arg in names and arg.annotation is not None and ast.unparse(arg.annotation) == "Any"
+            )  # fmt: skip
+    return found
+
+
+def test_units_roots_and_models_are_typed() -> None:
+    """Issue 55 item 1: a parameter that takes a unit, a root unit or a model says which (FairScale's FSDP class, ours,
+    torch's ``Module``, the ``WrappedModel``), not ``Any`` (there were 40, all in ``fsdp/``)."""
+    found = {
+        f"{path.relative_to(SOURCE)}:{where}"
+        for path in sorted(SOURCE.rglob("*.py"))
+        if "lightning" not in path.relative_to(SOURCE).parts[:1]
+        for where in _any_parameters(path)
+    }
+    assert sorted(found) == []
 
 
 class _HandWrapped(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_fairscale.fsdp.patches import cpu_streams
-from lightning_fairscale.fsdp.unit import param_views, shard_layout, sharded_reads
+from lightning_fairscale.fsdp.unit import param_views, shard_layout, sharded_reads, unit_state
 
 from .helpers import Net, batches, run_ranks, shard
 from models import Block
@@ -227,11 +227,12 @@ def test_a_dropped_model_s_gradients_are_freed_while_its_views_hold_them() -> No
     trial whose step raised kept its shards' gradients for good: ~17 MB a trial in test_lifetimes)."""
     managed = nn.Parameter(torch.zeros(8))
     layout = sharded_reads.ShardLayout("w", torch.Size([2, 4]), ((0, 4), (4, 8)), 0)
-    view = param_views.attach(managed, 0, 0, 4, True, layout)
+    record = unit_state.FlatState()  # its unit's record of it
+    view = param_views.attach(managed, record, 0, 0, 4, True, layout)
     flat_grad = torch.ones(8)
     view.param.grad = sharded_reads.mark(flat_grad[:4], layout)  # as a synchronising backward gives it
     freed = weakref.ref(flat_grad)
-    del managed, view, flat_grad, layout
+    del managed, record, view, flat_grad, layout
     gc.collect()
     assert freed() is None
 

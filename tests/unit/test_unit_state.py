@@ -1,5 +1,6 @@
 """What the package knows about units, flat parameters, the user's modules and optimizers lives in objects of its own
-(``fsdp.unit.unit_state`` and its owners' weak maps): nothing of ours is written into objects we do not own."""
+(``fsdp.unit.unit_state``: the units' records and the model's owner): nothing of ours is written into objects we do
+not own."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
-from lightning_fairscale.fsdp.unit.param_views import norm_group, views_of
+from lightning_fairscale.fsdp.unit.param_views import views_of
 from lightning_fairscale.fsdp.wrapping.unwrapping import wrapped_root
 
 from .helpers import Block, Net, batches
@@ -65,11 +66,11 @@ def test_nothing_of_ours_is_written_into_flat_parameters_user_modules_or_the_opt
     owner = unit_state.owner_of(root)  # the model's owner, held by the root unit
     assert owner.has_views and owner.wrapped is not None
     flat = [param for unit in units for param in unit.params]
-    assert all(views_of(param) for param in flat)
+    assert all(views_of(unit_state.peek_flat(unit, param)) for unit in units for param in unit.params)
     states = [state for unit in units for state in unit_state.flat_states(unit)]
     assert all(state is not None and state.views and state.hooked for state in states)
     assert unit_state.flat_states(root)[0].frozen == [True, False, False, False]  # type: ignore[union-attr]
-    assert wrapped_root(model) is root and norm_group(optimizer) is root.process_group
+    assert wrapped_root(model) is root and wrapped.norm_group(optimizer) is root.process_group
     # ... and nothing of ours in their objects.
     assert all(not name.startswith(MARKER) for unit in units for name in vars(unit))
     assert [sorted(set(vars(param)) - FAIRSCALE_FLAT) for param in flat] == [[]] * len(flat)

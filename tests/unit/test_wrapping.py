@@ -27,6 +27,7 @@ from lightning_fairscale.fsdp.wrapping.activation_checkpointing import (
     validate_layer_classes,
 )
 from lightning_fairscale.fsdp.wrapping.policies import validate_auto_wrap_policy
+from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.frozen_params import frozen_pieces
 from lightning_fairscale.fsdp.unit.state_names import add_aliases, apply_aliases, clean_path, is_wrapped, state_aliases
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
@@ -431,8 +432,9 @@ def test_a_unit_flattens_frozen_and_trainable_parameters_together_and_records_wh
     original = model.inp.weight
     root = wrap(model, policy={Block})
     flat = {path: unit.params[0] for path, unit in unit_paths_and_units(root)}
-    assert flat[""].requires_grad and frozen_pieces(flat[""]) == [True, False, False, False]
-    assert not flat["blocks.0"].requires_grad and frozen_pieces(flat["blocks.0"]) is None
+    records = {path: unit_state.peek_flat(unit, unit.params[0]) for path, unit in unit_paths_and_units(root)}
+    assert flat[""].requires_grad and frozen_pieces(records[""]) == [True, False, False, False]
+    assert not flat["blocks.0"].requires_grad and frozen_pieces(records["blocks.0"]) is None
     assert not original.requires_grad  # the user's parameter object keeps its flag
     back = unwrap_module(root)
     assert [n for n, p in back.named_parameters() if not p.requires_grad] == [

@@ -28,6 +28,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSD
 from fairscale.nn.misc import FlattenParamsWrapper
 from pytorch_lightning.callbacks import ModelSummary as ModelSummaryCallback
 from lightning_fairscale._compat import _ModuleMode, attached_trainer
+from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.frozen_params import trainable_pieces
 from lightning_fairscale.fsdp.unit.units import fsdp_instances
 from pytorch_lightning.utilities.model_summary.model_summary import (
@@ -83,6 +84,7 @@ class ParameterCounts:
         self._owned: dict[int, list[_Key]] = {}  # id(module) -> the keys of the parameters it owns
         pieces: dict[tuple[int, str], _Key] = {}  # (id(owner), name) -> key, for the pieces of flat parameters
         flat: set[int] = set()
+        model_owner = unit_state.peek_owner(root)  # the records of the units wrapped by hand are its
         for unit in fsdp_instances(root):
             self.rank = unit.rank
             for index, param in enumerate(unit.params):
@@ -94,7 +96,7 @@ class ParameterCounts:
                 flat.add(id(param))
                 total, offset = sum(param._param_numels), 0
                 # Frozen pieces of a unit that also trains (FairScale workarounds 11 and 22) count as frozen.
-                trains = trainable_pieces(param)
+                trains = trainable_pieces(param, unit_state.peek_flat(unit, param, model_owner))
                 for piece, ((_, owner, name), numel) in enumerate(zip(param._param_infos, param._param_numels)):
                     local = _local_elements(offset, numel, total, unit.world_size, unit.rank)
                     self._counts[(id(param), piece)] = _Count(numel, local, trains[piece])

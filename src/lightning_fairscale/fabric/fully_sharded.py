@@ -42,7 +42,6 @@ from lightning_fairscale.plugins.checkpoint_io import sharded_storage
 from lightning_fairscale.fabric._common import NoBackwardSync, checked_norm, fabric_precision
 from lightning_fairscale.fabric._fsdp_set_up import FsdpSetUp, sharded_model, unsharded_shapes
 from lightning_fairscale.mixed_precision.grad_scaler import fsdp_grad_scaler
-from lightning_fairscale.fsdp.unit import param_views
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, to_device_keeping_meta
@@ -319,7 +318,9 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
         self.precision.unscale_gradients(optimizer)
         # The global norm of all shards: `torch.nn.utils.clip_grad_norm_` of the unsharded model.
         params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-        norm = clip_grad_norm_(params, max_norm, norm_type, group=param_views.norm_group(optimizer))
+        # Over the group the optimizer's units shard over (one replica's under hybrid sharding), on every rank alike.
+        group = self._set_up.model_of(optimizer).norm_group(optimizer) if self._set_up.holds(optimizer) else None
+        norm = clip_grad_norm_(params, max_norm, norm_type, group=group)
         return checked_norm(norm, norm_type, error_if_nonfinite)
 
     def memory_figures(self, module: Module, optimizers: Optional[list[Optimizer]] = None) -> dict[str, float]:

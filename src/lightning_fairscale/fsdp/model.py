@@ -36,7 +36,7 @@ from lightning_fairscale.fsdp.wrapping.activation_checkpointing import remove_ac
 from lightning_fairscale.fsdp.wrapping.compile import uncompile_regions
 from lightning_fairscale.fsdp.wrapping.unwrapping import forget_root, unwrap_module, unwrapped
 from lightning_fairscale.fsdp.state import saving
-from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, repoint_optimizer
+from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, norm_group, repoint_optimizer
 from lightning_fairscale.fsdp.state.optim_state import consolidate_state
 from lightning_fairscale.fsdp.state.optimizer_paths import Path, choose_path, refusal
 from lightning_fairscale.fsdp.state.whole_owners import make_plan
@@ -159,6 +159,13 @@ class WrappedModel:
                 step = WholeStep(make_plan(optimizer, layout, self._record.orders[optimizer]))
                 step.install(optimizer)
                 self._record.whole[optimizer] = step
+
+    def norm_group(self, optimizer: Optimizer) -> Any:
+        """The process group over which the norm of ``optimizer``'s gradients is taken (``None``: the default group,
+        for an optimizer not re-pointed here): the group its units shard over, one replica's under hybrid sharding
+        (every unit of a model shards over one group), the same on every rank, also one that holds no view."""
+        orders = self._record.orders.get(optimizer)
+        return norm_group(orders, self.layout) if orders is not None else None
 
     def path(self, optimizer: Optimizer) -> str:
         """``"whole"`` or ``"elementwise"``: the path ``optimizer`` (re-pointed) steps on."""

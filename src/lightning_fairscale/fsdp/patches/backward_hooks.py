@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Callable, Optional, Protocol
 
 import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 
 __all__ = ["HookRecord", "register_post_backward_hooks"]
 
@@ -56,7 +57,7 @@ class _PostBackwardHook:
 
     __slots__ = ("param", "unit")
 
-    def __init__(self, unit: Any, param: torch.nn.Parameter) -> None:
+    def __init__(self, unit: _FairScaleFSDP, param: torch.nn.Parameter) -> None:
         self.unit = weakref.ref(unit)
         self.param = param  # the accumulator holds it anyway
 
@@ -66,7 +67,9 @@ class _PostBackwardHook:
             unit._post_backward_hook(self.param, *unused)
 
 
-def register_post_backward_hooks(unit: Any, record_of: Callable[[torch.nn.Parameter], HookRecord]) -> list[Any]:
+def register_post_backward_hooks(
+    unit: _FairScaleFSDP, record_of: Callable[[torch.nn.Parameter], HookRecord]
+) -> list[torch.autograd.graph.Node]:
     """FairScale's ``_register_post_backward_hooks`` for ``unit``, with at most one hook of it per accumulator
     (``record_of``: each flat parameter's record, where the hooks on its accumulator are noted). Returns the
     accumulators hooked, which nothing else holds until the module's forward puts them in its graph."""

@@ -25,8 +25,8 @@ def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: 
 
     Shards are disjoint (padding gradients are zero), so the p-norm of the whole is the p-th root of the sum of
     the shards' p-th powers, and the infinity norm is the maximum of the shards' maxima. Under hybrid sharding every
-    replica holds the same shards: the callers pass one replica's ``group`` (the unit's ``process_group``, which the
-    optimizer records when it is re-pointed: :func:`lightning_fairscale.fsdp.unit.param_views.norm_group`), which every
+    replica holds the same shards: the callers pass one replica's ``group`` (the ``process_group`` the optimizer's
+    units shard over: :meth:`lightning_fairscale.fsdp.model.WrappedModel.norm_group`), which every
     replica computes alike.
     """
     grads = [p.grad.detach() for p in params if p.grad is not None]

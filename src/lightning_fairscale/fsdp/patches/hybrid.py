@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed import collectives
 
 __all__ = [
@@ -204,7 +205,7 @@ def release_groups(groups: Iterable[Any], roots: Iterable[Any]) -> bool:
     return _destroy(groups[0])
 
 
-def drop_groups_of(root: Any) -> None:
+def drop_groups_of(root: _FairScaleFSDP) -> None:
     """Destroy the groups that ``root`` (a root unit being unsharded or dropped) shards over, if this module made
     them. Call it on every rank, when nothing will run a collective on them any more."""
     group = getattr(root, "process_group", None)

@@ -20,15 +20,15 @@ own) or without mixed precision.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import Tensor
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 
 __all__ = ["forget_freed_half_params", "keep_cast_gradient"]
 
 
-def keep_cast_gradient(unit: Any, param: torch.nn.Parameter, reduced: Tensor) -> None:
+def keep_cast_gradient(unit: _FairScaleFSDP, param: torch.nn.Parameter, reduced: Tensor) -> None:
     """After FairScale's post-reduction hook for ``param`` of ``unit``: where the gradient it reduced (``reduced``)
     is no longer the parameter's own (FairScale cast the alias it was given, or our hook reduced a copy), the
     parameter's gradient becomes it. Not for a sharded parameter (FairScale keeps its shard apart) nor when gradients
@@ -39,7 +39,7 @@ def keep_cast_gradient(unit: Any, param: torch.nn.Parameter, reduced: Tensor) ->
         param.grad = reduced
 
 
-def forget_freed_half_params(unit: Any) -> None:
+def forget_freed_half_params(unit: _FairScaleFSDP) -> None:
     """Before ``unit`` rebuilds its full parameters: if a half copy that stands for an unsharded full parameter was
     freed, ``unit`` no longer holds its full parameters."""
     if not (unit.mixed_precision and unit.has_full_params):

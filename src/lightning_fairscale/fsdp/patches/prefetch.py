@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed import exchanges
 from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.patches.reduce_scatter import AsyncReduceScatter
@@ -87,7 +88,7 @@ def _alloc_storage(tensor: Tensor) -> None:
         tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
 
-def can_prefetch(unit: Any) -> bool:
+def can_prefetch(unit: _FairScaleFSDP) -> bool:
     """Whether ``unit``'s full parameters can be gathered ahead: a unit that computes on CPU over gloo, whose
     parameters are all sharded and its own (what FairScale's ``_rebuild_full_params`` then does is one all-gather per
     parameter into ``_full_param_padded``, of the shard cast to the compute dtype under mixed precision, which this
@@ -99,7 +100,7 @@ def can_prefetch(unit: Any) -> bool:
     return all(getattr(p, "_is_sharded", False) and hasattr(p, "_full_param_padded") for p in unit.params)
 
 
-def _over_gloo(unit: Any) -> bool:
+def _over_gloo(unit: _FairScaleFSDP) -> bool:
     """Whether ``unit`` gathers over a gloo group (asked at every gather: torch's answer is a lookup in its map of
     groups, and nothing of ours is cached in the unit, which may be FairScale's own class)."""
     return exchanges.is_gloo(unit.process_group)
@@ -208,7 +209,7 @@ class Prefetcher:
         elif self.backward == "BACKWARD_POST" and self.order and self.order[-1] in self._kept:
             self._start_window(self.order[-2::-1], at_least_first=False)
 
-    def keeps(self, unit: Any) -> bool:
+    def keeps(self, unit: _FairScaleFSDP) -> bool:
         """Whether ``unit``'s forward, ending, keeps its full parameters for its backward instead of freeing them, in
         a root forward with gradients (a backward is expected, which would gather the same shards again at once):
         the units of the recorded order's tail (:meth:`_tail_to_keep`), the last one if no unit is on its way, the
@@ -236,7 +237,7 @@ class Prefetcher:
             self._kept.add(unit)
         return keep
 
-    def freed(self, unit: Any) -> None:
+    def freed(self, unit: _FairScaleFSDP) -> None:
         """``unit`` freed its full parameters (some or all): what its forward kept is gone."""
         self._kept.discard(unit)
 
@@ -255,7 +256,7 @@ class Prefetcher:
             self.settle(unit)
             unit._free_full_params()
 
-    def settle(self, unit: Any) -> bool:
+    def settle(self, unit: _FairScaleFSDP) -> bool:
         """Wait for ``unit``'s prefetched all-gathers, if any; then its full parameters are complete. Returns
         whether there were any."""
         if unit not in self._pending:
@@ -266,7 +267,7 @@ class Prefetcher:
         unit.has_full_params = True
         return True
 
-    def rebuild(self, unit: Any, rebuild: Callable[[], Any]) -> Any:
+    def rebuild(self, unit: _FairScaleFSDP, rebuild: Callable[[], Any]) -> Any:
         """FairScale's ``rebuild()`` of ``unit``'s full parameters, from its prefetched all-gathers if there are
         any. In the forward, the units ahead start gathering first (:meth:`_start_next`); in the backward's
         ``"BACKWARD_PRE"`` mode the unit before it once its parameters are there."""
@@ -289,7 +290,7 @@ class Prefetcher:
             self._start_next(unit, backward)
         return result
 
-    def after_post_backward(self, unit: Any) -> None:
+    def after_post_backward(self, unit: _FairScaleFSDP) -> None:
         """``unit``'s post-backward hook has run for one of its parameters (and started its reduce-scatter). In the
         ``"BACKWARD_POST"`` mode, once the unit holds no full parameters, the unit before it starts gathering (if it
         is not on its way already), alongside the reduce-scatter, and the ones before that which fit the budget
@@ -309,7 +310,7 @@ class Prefetcher:
             index = self._positions.get(unit)
             self._settle_beside(self.order[index - 1] if index else None)  # the unit whose layers compute next
 
-    def _start_next(self, unit: Any, backward: bool) -> bool:
+    def _start_next(self, unit: _FairScaleFSDP, backward: bool) -> bool:
         """Start gathering the units the pass meets after ``unit`` (the last forward's order; reversed in a
         backward); whether the first of them is on its way. In the forward, the units after it; in the backward's
         ``"BACKWARD_POST"`` mode (``unit``'s gradient is done, its full parameters freed), the units before it:
@@ -366,7 +367,7 @@ class Prefetcher:
         ``computing``'s."""
         return sum(self._to_keep[unit] for unit in self._kept if unit is not computing)
 
-    def _start(self, unit: Any) -> bool:
+    def _start(self, unit: _FairScaleFSDP) -> bool:
         """Start gathering ``unit``, unless it is on its way or this module does not gather it; whether it started."""
         if unit in self._pending or not _to_gather(unit):
             return False
@@ -376,13 +377,13 @@ class Prefetcher:
         return True
 
 
-def _to_gather(unit: Any) -> bool:
+def _to_gather(unit: _FairScaleFSDP) -> bool:
     """Whether this module gathers ``unit``'s full parameters: it can (:func:`can_prefetch`) and the unit holds none
     of them (FairScale's own rebuild completes a partly freed one)."""
     return not unit.has_full_params and can_prefetch(unit) and not _still_gathered(unit)
 
 
-def _gather(unit: Any) -> tuple[list[Any], list[Tensor]]:
+def _gather(unit: _FairScaleFSDP) -> tuple[list[Any], list[Tensor]]:
     """Start gathering ``unit``'s full parameters (:func:`can_prefetch`) into their ``_full_param_padded``: the
     exchanges' handles, and the shards they read (kept alive until waited for)."""
     works, sources = [], []
@@ -395,7 +396,7 @@ def _gather(unit: Any) -> tuple[list[Any], list[Tensor]]:
     return works, sources
 
 
-def _ahead_bytes(unit: Any) -> int:
+def _ahead_bytes(unit: _FairScaleFSDP) -> int:
     """The bytes that gathering ``unit`` ahead of its forward holds beyond the synchronous path: its full parameters',
     none for a unit that keeps them from its forward to its backward."""
     if not unit.reshard_after_forward:
@@ -404,6 +405,6 @@ def _ahead_bytes(unit: Any) -> int:
     return sum(f.numel() * f.element_size() for f in full)
 
 
-def _still_gathered(unit: Any) -> bool:
+def _still_gathered(unit: _FairScaleFSDP) -> bool:
     """Whether any of ``unit``'s full parameters still has its storage."""
     return any(_holds_storage(p._full_param_padded) for p in unit.params if hasattr(p, "_full_param_padded"))

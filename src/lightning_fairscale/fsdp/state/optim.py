@@ -17,14 +17,14 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.unit import param_views, unit_state
 from lightning_fairscale.fsdp.unit.units import named_fsdp_instances
 from lightning_fairscale.fsdp.unit.param_views import ParamView
 from lightning_fairscale.fsdp.unit.frozen_params import frozen_pieces
@@ -37,6 +37,7 @@ __all__ = [
     "ParameterLayout",
     "Piece",
     "managed_params",
+    "norm_group",
     "repoint_optimizer",
 ]
 
@@ -111,14 +112,16 @@ class ParameterLayout:
 
     def after_wrapping(self, root: nn.Module) -> ParameterLayout:
         self._root = weakref.ref(root)
+        model_owner = self._owner()  # the records of the units wrapped by hand are its
         for path, unit in named_fsdp_instances(root):
-            for param in unit.params:
-                param_views.forget(param)  # the views of an earlier layout of this model (an earlier stage)
+            for param in unit.params:  # the views of an earlier layout of this model (an earlier stage)
+                param_views.forget(unit_state.peek_flat(unit, param, model_owner))
             prefix = clean_path(path + ".") if path else ""
             flat_count = unit._num_flatten_params
             for managed in unit.params[:flat_count]:
                 pieces, offset = [], 0
-                frozen = frozen_pieces(managed) or [not managed.requires_grad] * len(managed._param_infos)
+                recorded = frozen_pieces(unit_state.peek_flat(unit, managed, model_owner))
+                frozen = recorded or [not managed.requires_grad] * len(managed._param_infos)
                 for (module_name, owner, name), numel, shape, is_frozen in zip(
                     managed._param_infos, managed._param_numels, managed._param_shapes, frozen
                 ):
@@ -181,6 +184,12 @@ class ParameterLayout:
         found = self._viewed.get(id(param)) or self._original.get(id(param))
         return [found] if found is not None else []
 
+    def _owner(self) -> Optional[unit_state.RootState]:
+        """The owner of the model (it holds the records of its units wrapped by hand), ``None`` for a root of
+        FairScale's own class."""
+        root = self.root
+        return unit_state.owner_of(root) if root is not None and unit_state.peek(root) is not None else None
+
     def view(self, managed: nn.Parameter, piece: int) -> ParamView:
         """This rank's view of original parameter ``piece`` of ``managed``, made on first use: the elements of this
         rank's shard that belong to it, none when it lies in other ranks' shards (as torch FSDP's original
@@ -193,7 +202,10 @@ class ParameterLayout:
             p = info.pieces[piece]
             lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
             lo, hi = (lo, hi) if lo < hi else (max(min(lo, stop), start),) * 2
-            view = param_views.attach(managed, piece, lo - start, hi - start, p.trainable, _layout(managed, info, p))
+            record = unit_state.flat_record(info.unit, managed, self._owner())
+            view = param_views.attach(
+                managed, record, piece, lo - start, hi - start, p.trainable, _layout(managed, info, p)
+            )
             self._views[key] = view
             self._viewed[id(view.param)] = (managed, piece)
         return view
@@ -271,12 +283,17 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
     optimizer.state = defaultdict(dict)
     if layout.root is not None:  # its gradient holders are views now, on every rank alike
         param_views.mark_has_views(layout.root)
-    units = [layout.managed[m].unit for order in orders for m, _ in order]
-    if units:  # every unit of the strategy shards over one group (one replica's, under hybrid sharding)
-        param_views.mark_norm_group(optimizer, units[0].process_group)
     if any(sharded_reads.layout_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
         shard_layout.local_steps(optimizer)  # the step on plain local tensors, at torch's own speed
     return orders
+
+
+def norm_group(orders: GroupOrder, layout: ParameterLayout) -> Any:
+    """The process group over which the norm of the gradients of an optimizer re-pointed to ``orders`` is taken: the
+    group its units shard over, one replica's under hybrid sharding (every unit of a model shards over one group),
+    the same on every rank, also one that holds no view (``None``, the default group, for an empty optimizer)."""
+    managed = next((m for order in orders for m, _ in order), None)
+    return layout.managed[managed].unit.process_group if managed is not None else None
 
 
 def managed_params(orders: GroupOrder) -> list[nn.Parameter]:

@@ -33,6 +33,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.fsdp.unit.state_names import apply_aliases, fairscale_ties
 from lightning_fairscale.fsdp.unit.units import fsdp_instances
 
@@ -397,7 +398,7 @@ def _saved_param(shard: dict[str, Any], unit: int, index: int) -> Tensor:
     return shard["state_dict"][prefix + list(entry["params"])[index]]
 
 
-def _local_range(param: nn.Parameter, numel: int, unit: Any) -> tuple[int, int, int]:
+def _local_range(param: nn.Parameter, numel: int, unit: _FairScaleFSDP) -> tuple[int, int, int]:
     """This rank's slice of ``param``: FairScale keeps parameters whole (not sharded) in a group of one process."""
     if not getattr(param, "_is_sharded", False):
         return 0, numel, numel
@@ -409,7 +410,7 @@ def _local_range(param: nn.Parameter, numel: int, unit: Any) -> tuple[int, int, 
     return start, stop, shard
 
 
-def local_range(param: nn.Parameter, unit: Any) -> tuple[int, int, int]:
+def local_range(param: nn.Parameter, unit: _FairScaleFSDP) -> tuple[int, int, int]:
     """``(start, stop, shard_numel)`` of this rank's slice of the FSDP-managed ``param`` of ``unit``."""
     return _local_range(param, flat_numel(param), unit)
 

@@ -45,7 +45,7 @@ def record_frozen(unit: _FairScaleFSDP, frozen: dict[tuple[int, str], torch.nn.P
     flat_count = unit._num_flatten_params
     for flat in unit.params[:flat_count]:
         pieces = [(id(owner), name) in frozen for _, owner, name in flat._param_infos]
-        unit_state.flat_state(flat).frozen = pieces
+        unit_state.flat_record(unit, flat).frozen = pieces
         if all(pieces):
             flat.requires_grad_(False)
     for param in unit.params[flat_count:]:
@@ -66,19 +66,19 @@ def reshard_frozen(root: _FairScaleFSDP) -> None:
     root._use_fp32_param_shard(frozen)
 
 
-def frozen_pieces(flat: torch.nn.Parameter) -> Optional[list[bool]]:
-    """Which original parameters of ``flat`` were frozen when its unit was built (:func:`record_frozen`), ``None``
-    when none was recorded (a unit whose parameters all agreed)."""
-    state = unit_state.peek_flat(flat)
+def frozen_pieces(state: Optional[unit_state.FlatState]) -> Optional[list[bool]]:
+    """Which original parameters of a flat parameter (``state``: its record) were frozen when its unit was built
+    (:func:`record_frozen`), ``None`` when none was recorded (a unit whose parameters all agreed)."""
     return state.frozen if state is not None else None
 
 
-def trainable_pieces(flat: torch.nn.Parameter) -> list[bool]:
-    """Whether each original parameter of ``flat`` (a flat parameter) trains: as its view says now (the model's
-    parameter, which the loop may have frozen or unfrozen since set-up: workaround 28), else as it did at set-up."""
+def trainable_pieces(flat: torch.nn.Parameter, state: Optional[unit_state.FlatState]) -> list[bool]:
+    """Whether each original parameter of ``flat`` (a flat parameter; ``state``: its record) trains: as its view says
+    now (the model's parameter, which the loop may have frozen or unfrozen since set-up: workaround 28), else as it
+    did at set-up."""
     infos = flat._param_infos  # type: ignore[attr-defined]
-    views = {view.piece: view for view in param_views.views_of(flat)}
+    views = {view.piece: view for view in param_views.views_of(state)}
     if len(views) == len(infos):
         return [views[k].param.requires_grad for k in range(len(infos))]
-    frozen = frozen_pieces(flat) or [False] * len(infos)
+    frozen = frozen_pieces(state) or [False] * len(infos)
     return [flat.requires_grad and not is_frozen for is_frozen in frozen]

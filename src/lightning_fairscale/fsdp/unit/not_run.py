@@ -21,16 +21,16 @@ checks.
 
 from __future__ import annotations
 
-from typing import Any
 
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 
 __all__ = ["before_end_of_backward"]
 
 
-def before_end_of_backward(root: Any) -> None:
+def before_end_of_backward(root: _FairScaleFSDP) -> None:
     """Before FairScale's end of a backward on ``root``: settle the units of ``root`` that the backward did not reach
     (see the module's docstring)."""
     for unit in fsdp_instances(root):

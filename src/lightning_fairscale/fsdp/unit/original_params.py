@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.unit_state import OriginalSlots
 
@@ -71,7 +72,7 @@ def is_installed(root: nn.Module) -> bool:
 
 
 def install(
-    unit: Any, originals: dict[tuple[int, str], nn.Parameter], orders: dict[int, list[str]],
+    unit: _FairScaleFSDP, originals: dict[tuple[int, str], nn.Parameter], orders: dict[int, list[str]],
     model: Optional[unit_state.RootState] = None,
 ) -> None:
     """Make ``originals`` (``(id(owner), name) -> parameter``, for every original parameter of ``unit``'s flat
@@ -177,7 +178,7 @@ def before_forward(unit: nn.Module) -> None:
     _hide(unit, register_flat=False, slots=_slots(unit))
 
 
-def use_full_views(unit: Any) -> None:
+def use_full_views(unit: _FairScaleFSDP) -> None:
     """In ``unit``'s backward (its full parameters gathered again): its modules hold FairScale's views of them from
     its forward, so that a layer that recomputes its forward (activation checkpointing) computes with the full
     parameters. Those views, not new ones: FairScale's gradient hook is on the gradient accumulator the forward's

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fairscale.fsdp.unit import sharded_reads, unit_state
+from lightning_fairscale.fsdp.unit.unit_state import FlatState, ParamView
 
 __all__ = [
     "ParamView",
@@ -39,8 +39,6 @@ __all__ = [
     "gets_gradient",
     "has_views",
     "mark_has_views",
-    "mark_norm_group",
-    "norm_group",
     "repoint_data",
     "share_gradients",
     "share_local_gradients",
@@ -49,31 +47,6 @@ __all__ = [
     "views_of",
 ]
 
-#: Each optimizer that holds views -> the process group over which the norm of its gradients is taken (weakly: it
-#: lives with the optimizer; nothing of ours is written into it).
-_NORM_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-@dataclass(eq=False)
-class ParamView:
-    """The part of original parameter ``piece`` of ``managed`` that this rank holds.
-
-    ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
-    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad`` when its
-    unit last computed (at set-up, then before each forward of the unit:
-    :mod:`~lightning_fairscale.fsdp.unit.step_state`).
-    """
-
-    param: nn.Parameter
-    piece: int
-    start: int
-    stop: int
-    trainable: bool
-    #: The handle of the hook on ``param`` that sets aside its own gradients under ``no_sync``
-    #: (:func:`_set_aside_under_no_sync`), registered the first time it holds an unreduced slice.
-    hook: Any = None
-
-
 def _shard(managed: nn.Parameter) -> Tensor:
     """The 1-D shard of ``managed`` that the optimizer updates (FairScale's ``_fp32_shard`` once initialised)."""
     shard = getattr(managed, "_fp32_shard", None)
@@ -81,10 +54,11 @@ def _shard(managed: nn.Parameter) -> Tensor:
 
 
 def attach(
-    managed: nn.Parameter, piece: int, start: int, stop: int, trainable: bool,
+    managed: nn.Parameter, state: FlatState, piece: int, start: int, stop: int, trainable: bool,
     layout: Optional[sharded_reads.ShardLayout] = None,
 ) -> ParamView:
-    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered with ``managed``; with
+    """A view parameter over elements ``[start, stop)`` of ``managed``'s shard, registered in ``state`` (``managed``'s
+    record); with
     ``layout`` (the original parameter's split over the ranks), one that knows it is sharded
     (:mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), as are the gradients it is given."""
     data = _shard(managed)[start:stop]
@@ -93,14 +67,13 @@ def attach(
     else:
         param = sharded_reads.ShardedParameter(data, trainable, layout)
     view = ParamView(param, piece, start, stop, trainable)
-    state = unit_state.flat_state(managed)
     state.views.append(view)
     if layout is not None:  # an empty view reads as having a gradient while the other ranks' views have theirs
         layout.empty_grad = _empty_grad(weakref.ref(view), weakref.ref(state))
     return view
 
 
-def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[Any]) -> Callable[[], bool]:
+def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[FlatState]) -> Callable[[], bool]:
     """Whether the (empty) view reads as having a gradient now, asked through the view's layout.
 
     Weakly: the layout is held by the view's gradients too, and a parameter holds its gradient in torch's C++, where
@@ -120,7 +93,7 @@ def _empty_grad(view: weakref.ref[ParamView], state: weakref.ref[Any]) -> Callab
 
 
 def _set_aside_under_no_sync(
-    view: weakref.ref[ParamView], state: weakref.ref[Any]
+    view: weakref.ref[ParamView], state: weakref.ref[FlatState]
 ) -> Callable[[Tensor], Optional[Tensor]]:
     """The hook of a view's parameter, called with each gradient the backward computes for the view itself (a term on
     the parameters outside the forward) before autograd adds it to the view's ``.grad``.
@@ -141,24 +114,22 @@ def _set_aside_under_no_sync(
     return hook
 
 
-def _set_aside(state: Any, view: ParamView, grad: Tensor) -> None:
+def _set_aside(state: FlatState, view: ParamView, grad: Tensor) -> None:
     key = id(view.param)
     grad = sharded_reads.local_slice(grad).detach()
     kept = state.pending.get(key)
     state.pending[key] = grad.clone() if kept is None else kept.add_(grad)
 
 
-def forget(managed: nn.Parameter) -> None:
-    """Unregister every view of ``managed`` (a new layout of the same model makes its own: the optimizers of an
-    earlier stage, which hold the old ones, are gone or no longer stepped)."""
-    state = unit_state.peek_flat(managed)
+def forget(state: Optional[FlatState]) -> None:
+    """Unregister every view of a flat parameter (``state``: its record; a new layout of the same model makes its
+    own: the optimizers of an earlier stage, which hold the old ones, are gone or no longer stepped)."""
     if state is not None:
         state.views, state.grad_shared, state.given, state.local_given, state.pending = [], False, {}, False, {}
 
 
-def views_of(managed: nn.Parameter) -> list[ParamView]:
-    """The views registered with ``managed`` on this rank."""
-    state = unit_state.peek_flat(managed)
+def views_of(state: Optional[FlatState]) -> list[ParamView]:
+    """The views registered on this rank with a flat parameter (``state``: its record, ``None``: it has none)."""
     return state.views if state is not None else []
 
 
@@ -169,13 +140,14 @@ def gets_gradient(view: ParamView) -> bool:
     return view.trainable and view.param.requires_grad
 
 
-def trainable_views(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The view parameters of trainable original parameters among the views of ``params`` (flat parameters)."""
-    return [view.param for managed in params for view in views_of(managed) if gets_gradient(view)]
+def trainable_views(states: Iterable[Optional[FlatState]]) -> list[nn.Parameter]:
+    """The view parameters of trainable original parameters among the views of flat parameters (``states``: their
+    records)."""
+    return [view.param for state in states for view in views_of(state) if gets_gradient(view)]
 
 
 @torch.no_grad()
-def take_back_gradients(managed: nn.Parameter) -> None:
+def take_back_gradients(managed: nn.Parameter, state: Optional[FlatState]) -> None:
     """Before a backward: make ``managed.grad`` reflect what was done to its views' gradients since they got them.
 
     All dropped (``zero_grad()``): the flat gradient is dropped, the backward starts afresh. Some dropped (an
@@ -185,16 +157,16 @@ def take_back_gradients(managed: nn.Parameter) -> None:
     it was given: ``None``, or one the backward has begun computing for the view itself (a term on the model's
     parameters outside its forward, whose gradient reaches the view before this unit's backward starts). A view
     frozen since (``requires_grad=False``) keeps the gradient it holds, as a frozen parameter of an unsharded model
-    does, but apart from the flat gradient: nothing accumulates into it (workaround 28).
+    does, but apart from the flat gradient: nothing accumulates into it (workaround 28). ``state``: ``managed``'s
+    record.
     """
-    state = unit_state.peek_flat(managed)
     if state is None or not state.grad_shared:
         return
     state.grad_shared = False
     if managed.grad is None:
         return
     given = state.given
-    views = [view for view in views_of(managed) if view.start < view.stop]
+    views = [view for view in state.views if view.start < view.stop]
     kept = []
     for view in views:
         if not _holds_given(view, given):
@@ -217,20 +189,6 @@ def _holds_given(view: ParamView, given: dict[int, Any]) -> bool:
     return view.param.grad is not None and ref is not None and view.param.grad is ref()
 
 
-def mark_norm_group(optimizer: Any, group: Any) -> None:
-    """Record the group ``optimizer``'s gradients' norm is taken over (every rank records the same, also one that
-    holds no view of its parameters: all ranks must take part in the same collective)."""
-    _NORM_GROUPS[optimizer] = group
-
-
-def norm_group(optimizer: Any) -> Any:
-    """The group recorded by :func:`mark_norm_group` (``None``: the default group)."""
-    try:
-        return _NORM_GROUPS.get(optimizer)
-    except TypeError:  # an object that cannot be referred to weakly was never recorded
-        return None
-
-
 def mark_has_views(root: nn.Module) -> None:
     """Record that the optimizers of ``root``'s model hold views (so its gradient holders are views, on every rank)."""
     unit_state.owner_of(root).has_views = True
@@ -243,22 +201,21 @@ def has_views(root: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def repoint_data(managed: nn.Parameter) -> None:
-    """Point every view of ``managed`` at its current shard (FairScale replaces it with a pinned copy at its lazy
-    initialisation when shards live in CPU memory)."""
+def repoint_data(managed: nn.Parameter, state: Optional[FlatState]) -> None:
+    """Point every view of ``managed`` (``state``: its record) at its current shard (FairScale replaces it with a
+    pinned copy at its lazy initialisation when shards live in CPU memory)."""
     shard = _shard(managed)
-    for view in views_of(managed):
+    for view in views_of(state):
         view.param.data = shard[view.start : view.stop]
 
 
-def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tensor) -> None:
+def _add_own_gradients(state: FlatState, views: list[ParamView], flat: Tensor) -> None:
     """Add into ``flat`` (the flat gradient shard) what the backward gave the views themselves: a term computed on
     the model's parameters outside its forward (``sum(p.pow(2).sum() for p in model.parameters())``) reaches the
     views, not FairScale's flat parameter; and what the backwards under ``no_sync`` before it gave them (set aside).
     A gradient this module gave a view (its slice of FairScale's reduced gradient, to which autograd adds in place
     when accumulating over synchronising backwards) is FairScale's already. Each rank holds its slice of such a
     term's gradient whole: no reduction, as for an unsharded model's parameter."""
-    state = unit_state.flat_state(managed)
     pending, state.pending, state.local_given = state.pending, {}, False
     for view in views:
         if not gets_gradient(view) or view.start == view.stop:
@@ -271,30 +228,30 @@ def _add_own_gradients(managed: nn.Parameter, views: list[ParamView], flat: Tens
             flat[view.start : view.stop].add_(kept.to(flat.dtype))
 
 
-def _give(managed: nn.Parameter, view: ParamView, grad: Tensor) -> None:
+def _give(state: FlatState, view: ParamView, grad: Tensor) -> None:
     layout = sharded_reads.layout_of(view.param)
     if layout is not None:  # a gradient that knows it is sharded, as its parameter
         grad = sharded_reads.mark(grad, layout)
     view.param.grad = grad
     # Weakly: the gradient is freed with the view's reference to it (`zero_grad()`), as FairScale's is.
-    unit_state.flat_state(managed).given[id(view.param)] = weakref.ref(grad)
+    state.given[id(view.param)] = weakref.ref(grad)
 
 
 @torch.no_grad()
-def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
+def share_local_gradients(managed: nn.Parameter, state: FlatState, rank: int) -> None:
     """After a backward that did not synchronise (``no_sync``, accumulating): give each trainable view its slice of
     this rank's own gradient, not reduced yet (FairScale holds it unsharded until the synchronising backward), as
     DDP's parameters hold theirs in ``no_sync``. Its dtype must be the view's (under mixed precision it is the compute
     dtype: the views then get none until the synchronising backward). Changing them changes nothing: the
-    synchronising backward reduces FairScale's gradient and gives the views its shard."""
+    synchronising backward reduces FairScale's gradient and gives the views its shard. ``state``: ``managed``'s
+    record."""
     grad = managed.grad
     shard = _shard(managed)
     if grad is None or grad.dtype != shard.dtype:
         return
     flat = grad.view(-1)  # the whole parameter's (one rank alone: its shard is the whole parameter)
     offset = min(rank * shard.numel(), flat.numel()) if getattr(managed, "_is_sharded", False) else 0
-    state = unit_state.flat_state(managed)
-    for view in views_of(managed):
+    for view in state.views:
         if gets_gradient(view) and view.start < view.stop:
             own = view.param.grad
             if own is None:  # dropped since (`zero_grad()`): what was set aside for it goes too
@@ -306,19 +263,19 @@ def share_local_gradients(managed: nn.Parameter, rank: int) -> None:
                 _set_aside(state, view, own)
             if view.hook is None:  # it requires a gradient now (`gets_gradient`)
                 view.hook = view.param.register_hook(_set_aside_under_no_sync(weakref.ref(view), weakref.ref(state)))
-            _give(managed, view, flat[offset + view.start : offset + view.stop])
+            _give(state, view, flat[offset + view.start : offset + view.stop])
     state.local_given = True
 
 
 @torch.no_grad()
-def share_gradients(managed: nn.Parameter) -> None:
+def share_gradients(managed: nn.Parameter, state: Optional[FlatState]) -> None:
     """After a synchronising backward: point every view at the current shard, and give the trainable ones their
-    slice of the flat gradient shard (a view: clipping or unscaling them changes the flat gradient too)."""
-    views = views_of(managed)
-    if not views:
+    slice of the flat gradient shard (a view: clipping or unscaling them changes the flat gradient too). ``state``:
+    ``managed``'s record."""
+    views = views_of(state)
+    if state is None or not views:
         return
-    repoint_data(managed)
-    state = unit_state.flat_state(managed)
+    repoint_data(managed, state)
     if state.grad_shared:
         # Given already, and not taken back since: this backward did not reach the unit (its gradient is the last
         # one's, which the views may have dropped since: not given again).
@@ -327,11 +284,11 @@ def share_gradients(managed: nn.Parameter) -> None:
     grad = managed.grad
     shares = grad is not None and grad.numel() == shard.numel()  # a shard, not an unsharded accumulation
     if shares:
-        _add_own_gradients(managed, views, grad.view(-1))  # type: ignore[union-attr]
+        _add_own_gradients(state, views, grad.view(-1))  # type: ignore[union-attr]
     for view in views:
         # A view of no element of this shard gets no gradient (as torch FSDP's original parameters outside the
         # shard): an optimizer then keeps no state for it.
         if gets_gradient(view) and shares and view.start < view.stop:
-            _give(managed, view, grad.view(-1)[view.start : view.stop])  # type: ignore[union-attr]
+            _give(state, view, grad.view(-1)[view.start : view.stop])  # type: ignore[union-attr]
     if shares:
         state.grad_shared = True

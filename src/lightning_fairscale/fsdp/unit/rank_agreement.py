@@ -24,10 +24,11 @@ on every rank but whose output the loss uses on some ranks only.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.fsdp.unit.instances import named_fsdp_instances
 from lightning_fairscale.fsdp.unit.state_names import clean_path
@@ -48,7 +49,7 @@ class Agreement:
         root: the root unit (only its units' names and process groups are read; it is not kept).
     """
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: _FairScaleFSDP) -> None:
         names = [(clean_path(path + ".").rstrip(".") or "(root)", unit) for path, unit in named_fsdp_instances(root)]
         #: Each unit's position in the root (by identity), and its module path in the user's model.
         self._positions = {id(unit): position for position, (_, unit) in enumerate(names)}
@@ -68,7 +69,7 @@ class Agreement:
         """A root forward begins (not a recomputation inside a backward)."""
         self.sequence, self._digest, self._checked = [], 0, None
 
-    def unit_runs(self, unit: Any) -> None:
+    def unit_runs(self, unit: _FairScaleFSDP) -> None:
         """``unit``'s forward begins, on this rank."""
         if self.sequence is None:
             return

@@ -25,6 +25,7 @@ from typing import Any
 
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.unit import original_params
 
@@ -33,12 +34,12 @@ __all__ = ["forward", "runs_in_backward", "state_restored_on_error"]
 _IN_BACKWARD = (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
 
 
-def runs_in_backward(unit: Any) -> bool:
+def runs_in_backward(unit: _FairScaleFSDP) -> bool:
     """Whether a call of ``unit``'s forward now recomputes values for its own backward (see the module)."""
     return unit.training_state in _IN_BACKWARD and in_backward()
 
 
-def forward(unit: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def forward(unit: _FairScaleFSDP, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``unit``'s module on ``args``, computed with the full parameters its backward holds; its state unchanged.
 
     FairScale's ``FlattenParamsWrapper`` would make new views of the flat parameters, which under mixed precision
@@ -59,7 +60,7 @@ class state_restored_on_error:
     own backward): if torch's checkpoint stops the forward by its exception, the unit's state goes back to what it
     was, so that its backward hooks find it as they expect."""
 
-    def __init__(self, unit: Any) -> None:
+    def __init__(self, unit: _FairScaleFSDP) -> None:
         self.unit = unit
         self.state = unit.training_state
         self.active = in_backward()

@@ -74,7 +74,7 @@ def restoring(forward: F) -> F:
     exception a Fabric loop caught)."""
 
     @functools.wraps(forward)
-    def wrapper(unit: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(unit: _FairScaleFSDP, *args: Any, **kwargs: Any) -> Any:
         if unit._is_root and needs_restore(unit) and unit.training_state != TrainingState.FORWARD:
             restore(unit)  # an unfinished backward (not a forward inside the root's own)
         try:
@@ -203,14 +203,14 @@ def _ranks_not_failed(failure: str, wait_s: float) -> list[int]:
         time.sleep(0.05)
 
 
-def _wait_for_streams(root: Any) -> None:
+def _wait_for_streams(root: _FairScaleFSDP) -> None:
     """On CUDA, let the current stream wait for FairScale's side streams (their copies and reductions)."""
     for stream in getattr(root, "_streams", {}).values():
         if isinstance(stream, torch.cuda.Stream):
             torch.cuda.current_stream().wait_stream(stream)
 
 
-def _drain_prefetcher(root: Any) -> None:
+def _drain_prefetcher(root: _FairScaleFSDP) -> None:
     """Workaround 16: wait for the gathers this rank started ahead and free them, and what a forward kept."""
     prefetcher = getattr(root, "_prefetcher", None)
     if prefetcher is None:
@@ -220,7 +220,7 @@ def _drain_prefetcher(root: Any) -> None:
     prefetcher.release_kept()
 
 
-def _drop_reductions(root: Any) -> None:
+def _drop_reductions(root: _FairScaleFSDP) -> None:
     """The reductions of an unfinished backward: those in flight are waited for (every rank that got as far started
     them), a bucket's unsent gradients are dropped (sending them would start a collective)."""
     reducer = getattr(root, "_reducer", None)
@@ -238,7 +238,7 @@ def _drop_reductions(root: Any) -> None:
     reducer.teardown()
 
 
-def _reshard(unit: Any) -> None:
+def _reshard(unit: _FairScaleFSDP) -> None:
     """Free ``unit``'s full parameters (and fp16 shards) and point its parameters at their fp32 shards."""
     params = [p for p in unit.params if hasattr(p, "_fp32_shard")]
     if not params:
@@ -251,7 +251,7 @@ def _reshard(unit: Any) -> None:
     unit.has_full_params = False
 
 
-def _drop_gradients(unit: Any, in_backward: bool) -> None:
+def _drop_gradients(unit: _FairScaleFSDP, in_backward: bool) -> None:
     """The gradients of an unfinished backward (``in_backward``): the full ones FairScale had not reduced yet, the
     reduced shards not yet handed to the optimizer's views. An exception in a forward leaves the gradients of the
     last completed backward as they are (the views hold theirs)."""

@@ -50,6 +50,7 @@ import torch
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 from torch import nn
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed.torch_private import in_backward
 from lightning_fairscale.fsdp.unit import original_params, param_views, unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
@@ -98,11 +99,11 @@ class StepState:
     # Before a unit's forward
 
     @staticmethod
-    def before_forward(unit: Any) -> None:
+    def before_forward(unit: _FairScaleFSDP) -> None:
         """Read which of ``unit``'s parameters train now; make its flat parameters require gradients accordingly."""
         flat_count = unit._num_flatten_params
         for index, managed in enumerate(unit.params):
-            views = param_views.views_of(managed)
+            views = param_views.views_of(unit_state.peek_flat(unit, managed))
             if not views:
                 continue
             if index < flat_count:
@@ -113,7 +114,7 @@ class StepState:
                     managed.requires_grad_(wanted)
             else:  # sharded in place: the module's parameter is the managed one, the optimizer holds a view of it
                 flag = managed.requires_grad
-                record = unit_state.flat_state(managed)
+                record = unit_state.flat_record(unit, managed)
                 if record.trained is not None and record.trained != flag:  # flipped on the module
                     for view in views:  # (`BaseFinetuning`): the view follows; a flip of the view (`toggle_optimizer`)
                         view.param.requires_grad_(flag)  # stays its own
@@ -122,7 +123,7 @@ class StepState:
                     view.trainable = view.param.requires_grad and flag
 
     @staticmethod
-    def gathering(unit: Any) -> None:
+    def gathering(unit: _FairScaleFSDP) -> None:
         """``unit`` gathers its full parameters: in a forward with gradients, note its shards' versions; in a backward
         (its pre-backward hook, a recomputation, a second backward through a kept graph), refuse shards that an
         optimizer changed since: the backward would differentiate the new weights where the forward computed with the
@@ -170,7 +171,7 @@ class StepState:
             raise
         self._end_backward(root)
 
-    def _end_backward(self, root: Any) -> None:
+    def _end_backward(self, root: _FairScaleFSDP) -> None:
         """FairScale's end of the backward, for a backward that ran inside the root's forward; the forward goes on."""
         with original_params.fairscale_layout(root):  # FairScale checks each unit's state by its flat parameters
             for unit in _units(root):
@@ -185,7 +186,7 @@ def _units(root: nn.Module) -> list[Any]:
     return list(fsdp_instances(root))
 
 
-def _end_state(unit: Any) -> Optional[TrainingState]:
+def _end_state(unit: _FairScaleFSDP) -> Optional[TrainingState]:
     """The state FairScale's end of the backward expects ``unit`` in (``None``: ``IDLE`` or ``BACKWARD_PRE``, as it
     is): a unit this backward did not reach is ``IDLE`` (its forward's output, or the part of it used, led elsewhere),
     which is fine, not the failure FairScale's check takes it for."""
@@ -196,11 +197,11 @@ def _end_state(unit: Any) -> Optional[TrainingState]:
     return TrainingState.BACKWARD_PRE
 
 
-def _shard_versions(unit: Any) -> list[int]:
+def _shard_versions(unit: _FairScaleFSDP) -> list[int]:
     """The version counters of ``unit``'s shards and of their views (the optimizer updates the shards in place through
     the views, whose ``.data`` is set to slices of them: each has a counter of its own)."""
     versions = []
     for managed in unit.params:
         versions.append(getattr(managed, "_fp32_shard", managed)._version)
-        versions.extend(view.param._version for view in param_views.views_of(managed))
+        versions.extend(view.param._version for view in param_views.views_of(unit_state.peek_flat(unit, managed)))
     return versions

@@ -10,9 +10,9 @@ class (wrapped by hand: not ours, so their records are held here, by the owner).
 What we know about a unit of ours is its :class:`UnitState`, made when the unit is built and held by the unit
 (:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` is our class: an ordinary attribute of it),
 with a reference to the owner once the model is set up. What we know about a flat parameter is its
-:class:`FlatState`, in a map keyed weakly by the parameter (by identity: a tensor's ``==`` compares values), held here:
-it is found from the parameter alone, as the optimizer's views and the model summary find it, and from its unit
-(:func:`flat_states`).
+:class:`FlatState`, held by its unit's :class:`UnitState` (by the owner for a unit of FairScale's class): found from
+the unit and the parameter (:func:`flat_record`, :func:`peek_flat`, :func:`flat_states`), never from the parameter
+alone.
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from torch import nn
+from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "Failure",
     "FlatState",
     "ModelRecord",
     "OriginalSlots",
+    "ParamView",
     "RootState",
     "UnitState",
     "adopt",
-    "flat_state",
+    "flat_record",
     "flat_states",
     "forget_flat",
     "of",
@@ -45,23 +46,45 @@ __all__ = [
 
 
 @dataclass(eq=False)
+class ParamView:
+    """The part of original parameter ``piece`` of ``managed`` (a flat parameter) that this rank holds: the
+    optimizer's view of it (:mod:`~lightning_fairscale.fsdp.unit.param_views`), listed in ``managed``'s
+    :class:`FlatState`.
+
+    ``param`` is ``managed``'s shard elements ``[start, stop)``, which are the original parameter's flattened
+    elements ``[start - offset_in_piece ...]``; ``trainable`` is the original parameter's ``requires_grad`` when its
+    unit last computed (at set-up, then before each forward of the unit:
+    :mod:`~lightning_fairscale.fsdp.unit.step_state`).
+    """
+
+    param: nn.Parameter
+    piece: int
+    start: int
+    stop: int
+    trainable: bool
+    #: The handle of the hook on ``param`` that sets aside its own gradients under ``no_sync``
+    #: (:func:`~lightning_fairscale.fsdp.unit.param_views.share_local_gradients`), registered the first time it holds
+    #: an unreduced slice.
+    hook: Optional[RemovableHandle] = None
+
+
+@dataclass(eq=False)
 class FlatState:
     """What we know about one flat (or sharded) parameter of a unit on this rank."""
 
-    #: The optimizer's views of its original parameters on this rank
-    #: (:class:`~lightning_fairscale.fsdp.unit.param_views.ParamView`).
-    views: list[Any] = field(default_factory=list)
+    #: The optimizer's views of its original parameters on this rank.
+    views: list[ParamView] = field(default_factory=list)
     #: Whether its gradient is the one shared with its views (after a synchronising backward, until taken back).
     grad_shared: bool = False
     #: The gradient tensor given to each of its views (by ``id`` of the view's parameter, weakly), to tell them from
     #: gradients the backward computed for the views themselves.
-    given: dict[int, weakref.ref[Any]] = field(default_factory=dict)
+    given: dict[int, weakref.ref[Tensor]] = field(default_factory=dict)
     #: Whether its views hold slices of this rank's unreduced gradient (after a backward under ``no_sync``, until
     #: the synchronising one).
     local_given: bool = False
     #: What the backwards under ``no_sync`` gave each view itself (a term on the parameters outside the forward), by
     #: ``id`` of the view's parameter: added to the reduced shard by the synchronising backward.
-    pending: dict[int, Any] = field(default_factory=dict)
+    pending: dict[int, Tensor] = field(default_factory=dict)
     #: Which of its original parameters were frozen when its unit was built (workaround 11); ``None``: none was.
     frozen: Optional[list[bool]] = None
     #: Its gradient accumulator (weakly: its hooks' dictionary) and the ``id`` of each unit whose post-backward hook
@@ -88,11 +111,11 @@ class OriginalSlots:
     depth: int = 0
     #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
     #: backward ends (:func:`release_views`).
-    views: dict[tuple[int, str], Any] = field(default_factory=dict)
+    views: dict[tuple[int, str], Tensor] = field(default_factory=dict)
     #: The same views once their backward ended, weakly: a graph kept for another backward may still hold them.
-    spent: dict[tuple[int, str], weakref.ref[Any]] = field(default_factory=dict)
+    spent: dict[tuple[int, str], weakref.ref[Tensor]] = field(default_factory=dict)
     #: The forward pre-hook on the wrapped module that calls :func:`expose` (removed by :func:`forget`).
-    hook: Any = None
+    hook: Optional[RemovableHandle] = None
 
 
 class ModelRecord:
@@ -158,18 +181,17 @@ class UnitState:
     owner: Optional[RootState] = None
     #: The gradient accumulators its running forward hooked (workaround 20), held until the forward's graph holds
     #: them, and not after: held longer, each keeps the model alive through its hook.
-    accumulators: list[Any] = field(default_factory=list)
+    accumulators: list[Node] = field(default_factory=list)
     #: The version counters of its shards (and their views) when its last forward with gradients gathered them
     #: (workaround 28, :mod:`~lightning_fairscale.fsdp.unit.step_state`), ``None`` before.
     shard_versions: Optional[list[int]] = None
+    #: Each of its flat (or sharded) parameters' record, once one was made (the dictionary hashes a tensor by
+    #: identity; the unit holds these parameters anyway, in FairScale's ``params``).
+    flats: dict[nn.Parameter, FlatState] = field(default_factory=dict)
 
 
 #: The name of the attribute of our unit class that holds its :class:`UnitState`.
 ATTRIBUTE = "unit_state"
-
-#: Flat parameters -> their state (weakly, by identity).
-_FLATS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
 
 def peek(unit: nn.Module, owner: Optional[RootState] = None) -> Optional[UnitState]:
     """``unit``'s state, ``None`` for a module that has none (not a unit, or a unit of FairScale's class that
@@ -216,26 +238,33 @@ def adopt(root: nn.Module, units: list[nn.Module]) -> RootState:
     return owner
 
 
-def peek_flat(flat: nn.Parameter) -> Optional[FlatState]:
-    """``flat``'s state, ``None`` when nothing was recorded for it."""
-    return _FLATS.get(flat)
+def peek_flat(unit: nn.Module, flat: nn.Parameter, owner: Optional[RootState] = None) -> Optional[FlatState]:
+    """The record of ``flat``, a parameter of ``unit`` (``owner``: its model's owner, for a unit of FairScale's
+    class), ``None`` when nothing was recorded for it."""
+    state = peek(unit, owner)
+    return state.flats.get(flat) if state is not None else None
 
 
-def flat_state(flat: nn.Parameter) -> FlatState:
-    """``flat``'s state (made when it had none)."""
-    state = _FLATS.get(flat)
-    if state is None:
-        state = _FLATS[flat] = FlatState()
-    return state
+def flat_record(unit: nn.Module, flat: nn.Parameter, owner: Optional[RootState] = None) -> FlatState:
+    """The record of ``flat``, a parameter of ``unit`` (made when it had none; see :func:`of` for ``owner``)."""
+    flats = of(unit, owner).flats
+    record = flats.get(flat)
+    if record is None:
+        record = flats[flat] = FlatState()
+    return record
 
 
-def forget_flat(flat: nn.Parameter) -> None:
+def forget_flat(unit: nn.Module, flat: nn.Parameter, owner: Optional[RootState] = None) -> None:
     """Drop everything recorded for ``flat`` (its unit is unwrapped: the gradient accumulator in its record holds
     the unit's hook, which refers back to the unit)."""
-    _FLATS.pop(flat, None)
+    state = peek(unit, owner)
+    if state is not None:
+        state.flats.pop(flat, None)
 
 
-def flat_states(unit: nn.Module) -> list[Optional[FlatState]]:
-    """The state of each of ``unit``'s own parameters (FairScale's ``unit.params``: flat ones first), ``None`` for one
-    that has none: what we know about a unit's flat parameters, from the unit."""
-    return [_FLATS.get(param) for param in getattr(unit, "params", [])]
+def flat_states(unit: nn.Module, owner: Optional[RootState] = None) -> list[Optional[FlatState]]:
+    """The record of each of ``unit``'s own parameters (FairScale's ``unit.params``: flat ones first), ``None`` for
+    one that has none (see :func:`of` for ``owner``)."""
+    state = peek(unit, owner)
+    flats = state.flats if state is not None else {}
+    return [flats.get(param) for param in getattr(unit, "params", [])]

@@ -15,6 +15,7 @@ by the workarounds above that say "all devices".
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -284,7 +285,9 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             self._prefetcher.backward_started()  # workaround 16: the root's backward begins
 
     def _register_post_backward_hooks(self) -> None:
-        hooked = backward_hooks.register_post_backward_hooks(self, unit_state.flat_state)  # workaround 20
+        hooked = backward_hooks.register_post_backward_hooks(
+            self, functools.partial(unit_state.flat_record, self)
+        )  # workaround 20
         unit_state.of(self).accumulators.extend(hooked)  # until the module's forward puts them in its graph
 
     def _post_backward_hook(self, param: nn.Parameter, *unused: Any) -> None:
@@ -294,7 +297,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
 
     def _prep_grads_for_backward(self) -> None:
         for param in self.params:  # workaround 12
-            param_views.take_back_gradients(param)
+            param_views.take_back_gradients(param, unit_state.peek_flat(self, param))
         super()._prep_grads_for_backward()
 
     def _wait_for_post_backward(self) -> None:
@@ -309,12 +312,13 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     def _finish_backward(self) -> None:
         not_run.before_end_of_backward(self)  # workaround 29: the units this backward did not reach
         super()._wait_for_post_backward()
+        owner = unit_state.owner_of(self)  # the records of the units wrapped by hand are its
         for unit in fsdp_instances(self):  # workaround 12
             for param in unit.params:
                 if self._require_backward_grad_sync:
-                    param_views.share_gradients(param)
+                    param_views.share_gradients(param, unit_state.peek_flat(unit, param, owner))
                 else:
-                    param_views.share_local_gradients(param, unit.rank)
+                    param_views.share_local_gradients(param, unit_state.flat_record(unit, param, owner), unit.rank)
         frozen_params.reshard_frozen(self)  # workaround 15
         if self._prefetcher is not None:  # workaround 16: nothing gathered ahead or kept outlives the backward
             self._prefetcher.pass_ended()
@@ -377,11 +381,17 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         """The parameters whose gradients are the model's, with a gradient: the trainable original parameters' views
         where the model's optimizers hold views (frozen parameters' elements excluded; decided alike on every rank,
         also one that holds no trainable view), else FSDP's own parameters."""
-        own = [param for unit in fsdp_instances(self) for param in unit.params]
-        holders = param_views.trainable_views(own) if param_views.has_views(self) else own
+        units = list(fsdp_instances(self))
+        if param_views.has_views(self):
+            owner = unit_state.peek_owner(self)
+            records = (record for unit in units for record in unit_state.flat_states(unit, owner))
+            holders = param_views.trainable_views(records)
+        else:
+            holders = [param for unit in units for param in unit.params]
         return [p for p in holders if p.grad is not None]
 
     def _init_param_attributes(self, p: torch.nn.Parameter) -> None:
         super()._init_param_attributes(p)
-        param_views.repoint_data(p)  # FairScale may have replaced the shard (a pinned copy): views follow it
+        # FairScale may have replaced the shard (a pinned copy): views follow it.
+        param_views.repoint_data(p, unit_state.peek_flat(self, p))
 

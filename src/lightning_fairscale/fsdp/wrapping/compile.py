@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import CheckpointedForward
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel, fsdp_instances
 
@@ -128,7 +129,7 @@ def _holds_unit(module: nn.Module) -> bool:
     return next(fsdp_instances(module), None) is not None
 
 
-def _wrapped_module(unit: Any) -> nn.Module:
+def _wrapped_module(unit: _FairScaleFSDP) -> nn.Module:
     """The user's module inside a FairScale unit (inside its ``FlattenParamsWrapper`` when it has one)."""
     inner = unit.module
     return getattr(inner, "module", inner) if type(inner).__name__ == "FlattenParamsWrapper" else inner

@@ -45,6 +45,7 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
     if not units:
         return root
     original_params.forget(root)  # FairScale's own layout, which its unflattening expects
+    model_owner = unit_state.peek_owner(root)  # the records of the units wrapped by hand are its
     full = {}
     for unit in units:  # one unit at a time: each unit's gathered parameters are freed before the next is gathered
         full[id(unit)] = _full_parameters(unit, device, keep)
@@ -56,17 +57,20 @@ def unwrap_module(root: nn.Module, device: torch.device = torch.device("cpu"), k
         flat_params, flat_data = unit.params[:flat_count], tensors[:flat_count]
         if flat_params:
             unit.module._unflatten_params(external_data=flat_data)
-            for _, (_, owner, name), trainable in _flat_pieces(flat_params):
-                getattr(owner, name).requires_grad_(trainable)
+            for _, (_, module, name), trainable in _flat_pieces(unit, flat_params, model_owner):
+                getattr(module, name).requires_grad_(trainable)
             for flat in flat_params:
                 # The flat parameter's gradient hook refers back to its unit through autograd, a cycle that Python's
                 # garbage collector cannot see: without this, every unwrapped unit (and its shards) would live on.
                 _forget_fsdp_attributes(flat)
+                # What we knew of it: workaround 20's record of the accumulator holds the unit's hook.
+                unit_state.forget_flat(unit, flat, model_owner)
         plain = unit.params[flat_count:]
         owners = _owners(unit.module, plain) if plain and not keep else {}
         for param, data in zip(plain, tensors[flat_count:]):
             param.grad = None
             _forget_fsdp_attributes(param)
+            unit_state.forget_flat(unit, param, model_owner)
             if keep:
                 param.data = data
                 continue
@@ -133,14 +137,15 @@ def forget_root(module: nn.Module) -> None:
 
 
 def _flat_pieces(
-    flat_params: Iterable[nn.Parameter],
+    unit: nn.Module, flat_params: Iterable[nn.Parameter], owner: Optional[unit_state.RootState],
 ) -> Iterable[tuple[nn.Parameter, tuple[str, nn.Module, str], bool]]:
-    """Each original parameter of ``flat_params``: its flat parameter, FairScale's ``(module name, owner, name)``,
-    and whether it trains (as the loop left it:
+    """Each original parameter of ``flat_params`` (``unit``'s; ``owner``: its model's owner): its flat parameter,
+    FairScale's ``(module name, owner, name)``, and whether it trains (as the loop left it:
     :func:`~lightning_fairscale.fsdp.unit.frozen_params.trainable_pieces`)."""
     for flat in flat_params:
         infos = flat._param_infos  # type: ignore[attr-defined]
-        yield from ((flat, info, trainable) for info, trainable in zip(infos, trainable_pieces(flat)))
+        trains = trainable_pieces(flat, unit_state.peek_flat(unit, flat, owner))
+        yield from ((flat, info, trainable) for info, trainable in zip(infos, trains))
 
 
 _FSDP_PARAM_ATTRIBUTES = (
@@ -159,8 +164,6 @@ def _forget_fsdp_attributes(param: nn.Parameter) -> None:
     for name in _FSDP_PARAM_ATTRIBUTES:
         if hasattr(param, name):
             delattr(param, name)
-    # What we knew of it: workaround 20's record of the accumulator holds the unit's hook, a cycle through autograd.
-    unit_state.forget_flat(param)
 
 
 def unwrapped(unit: _FairScaleFSDP) -> nn.Module:

@@ -4,6 +4,7 @@ half precision."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -11,7 +12,7 @@ from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGr
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_fairscale.fsdp.unit import param_views
+from lightning_fairscale.fsdp.model import WrappedModel
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
 from lightning_fairscale.mixed_precision.grad_scaler import ShardedGradScaler, fsdp_grad_scaler
 from lightning_fairscale.mixed_precision.settings import (
@@ -37,11 +38,21 @@ class _GlobalNormClipping:
     Lightning's own clipping would take the norm of this rank's shard only, which differs from rank to rank.
     """
 
+    #: The sharded model whose optimizers the plugin clips, handed over by the strategy when it sets the model up
+    #: (:meth:`clip_for`), weakly: the plugin does not keep a model alive.
+    _sharded_model: Optional[weakref.ref[WrappedModel]] = None
+
+    def clip_for(self, model: Optional[WrappedModel]) -> None:
+        """Clip the optimizers of ``model`` (``None``: of no sharded model, over the default group)."""
+        self._sharded_model = weakref.ref(model) if model is not None else None
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float], norm_type: float = 2.0) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # Over the group recorded when the optimizer was re-pointed: one replica's under hybrid sharding, on every
-        # rank alike (a rank holding no trainable element has no parameter to tell it).
-        clip_grad_norm_(parameters, clip_val, norm_type, group=param_views.norm_group(optimizer))
+        # Over the group the optimizer's units shard over: one replica's under hybrid sharding, on every rank alike
+        # (a rank holding no trainable element has no parameter to tell it).
+        model = self._sharded_model() if self._sharded_model is not None else None
+        group = model.norm_group(optimizer) if model is not None else None
+        clip_grad_norm_(parameters, clip_val, norm_type, group=group)
 
 
 class FullyShardedPrecisionPlugin(_GlobalNormClipping, Precision):

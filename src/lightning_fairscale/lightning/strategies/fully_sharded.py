@@ -201,6 +201,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
             self._setup_unwrapped(trainer, fitting, compiler)
         use_for_model_summaries(trainer)
         self.setup_precision_plugin()
+        self.precision_plugin.clip_for(self._sharded)  # always one of ours: it clips by the norm over the model's group
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             # `WeightAveraging` copied the module before it was sharded: its average goes over the shards now.
@@ -253,8 +254,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         # With `cpu_offload` FairScale keeps (and asserts) the shards in CPU memory: a module moved to the GPU goes
         # back first; buffers go to the GPU when FSDP first runs; meta tensors stay (each unit materialises its own).
         offload = fsdp_run.offloads_to_cpu(self.config, self.root_device)
-        device = torch.device("cpu") if offload else self.root_device
-        to_device_keeping_meta(self.model, device)
+        to_device_keeping_meta(self.model, torch.device("cpu") if offload else self.root_device)
 
     def memory_figures(self) -> dict[str, float]:
         """This rank's bytes of parameters, gradients and optimizer state (and peak device memory on CUDA); log them
