@@ -12,7 +12,9 @@ one FSDP unit each, float32, 2 processes, Fabric's loop (one forward, backward a
   every parameter);
 * ``fsdp-adam-l2``, ``ddp-adam-l2``: Adam, the loss plus an L2 penalty over ``model.parameters()`` computed after the
   forward, as a user's ``training_step`` adds it (under FSDP: each parameter's sum of squares reduced over the shard
-  group, with autograd: ``lightning_fairscale.fsdp.unit.sharded_reads``).
+  group, with autograd: ``lightning_fairscale.fsdp.unit.sharded_reads``);
+* ``fsdp-adam-local``: ``fsdp-adam`` with the loop inside ``lightning_fairscale.local_reads()`` (every read of a
+  parameter outside the forward this rank's slice): what the whole reads cost an element-wise step.
 
 Every configuration runs in a fresh launch, interleaved in ``--rounds`` rounds (a shared machine's load hits all
 alike); a ratio is the median of the rounds' own ratios (the two launches of a round ran side by side). Per rank:
@@ -34,6 +36,7 @@ It prints markdown tables and writes them to ``benchmarks/results/whole_optimize
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -52,7 +55,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUTPUT = HERE / "results" / "whole_optimizers.md"
 WORLD = 2
 CONFIGS = (
-    "fsdp-adam", "fsdp-adafactor", "fsdp-muon", "fsdp-adam-l2", "ddp-adam", "ddp-adafactor", "ddp-muon", "ddp-adam-l2"
+    "fsdp-adam", "fsdp-adafactor", "fsdp-muon", "fsdp-adam-l2", "fsdp-adam-local", "ddp-adam", "ddp-adafactor",
+    "ddp-muon", "ddp-adam-l2",
 )
 #: The L2 penalty's weight (``*-l2``).
 L2 = 1e-4
@@ -61,6 +65,10 @@ PAIRS = [
     ("fsdp-adafactor", "fsdp-adam"), ("fsdp-muon", "fsdp-adam"), ("fsdp-adafactor", "ddp-adafactor"),
     ("fsdp-muon", "ddp-muon"), ("fsdp-adam", "ddp-adam"), ("fsdp-adam-l2", "fsdp-adam"),
     ("fsdp-adam-l2", "ddp-adam-l2"), ("ddp-adam-l2", "ddp-adam"),
+    # The Adam path with the parameters' whole reads on (the default) against the same loop inside `local_reads()`
+    # (every read of a parameter outside the forward this rank's slice, as before whole reads existed): their cost
+    # on an element-wise step.
+    ("fsdp-adam", "fsdp-adam-local"),
 ]
 
 
@@ -86,12 +94,14 @@ def optimizers_for(kind: str, module: nn.Module) -> list[torch.optim.Optimizer]:
 def run_worker(config: str, args: argparse.Namespace, out: Path) -> None:
     from lightning_fabric import Fabric
 
+    from lightning_fairscale import local_reads
     from lightning_fairscale.distributed import collectives
     from lightning_fairscale.fabric import DDPFullyShardedStrategy
 
     _common.quiet_known_warnings()
     front, kind = config.split("-", 1)
-    kind, _, penalty = kind.partition("-")
+    kind, _, extra = kind.partition("-")
+    penalty, local = extra == "l2", extra == "local"
     strategy: Any = DDPFullyShardedStrategy(auto_wrap_policy={type(_common.wide_block(8))}) if front == "fsdp" \
         else "ddp"
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
@@ -117,13 +127,14 @@ def run_worker(config: str, args: argparse.Namespace, out: Path) -> None:
         recording = collectives.recording_traffic()
         transfers = recording.__enter__()
         clock.start()
-        loss = model(batch).pow(2).mean()
-        if penalty:  # after the forward, over what the user's `self.parameters()` gives
-            loss = loss + L2 * sum(p.pow(2).sum() for p in model.parameters())
-        fabric.backward(loss)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        with local_reads() if local else contextlib.nullcontext():
+            loss = model(batch).pow(2).mean()
+            if penalty:  # after the forward, over what the user's `self.parameters()` gives
+                loss = loss + L2 * sum(p.pow(2).sum() for p in model.parameters())
+            fabric.backward(loss)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
         clock.end()
         recording.__exit__(None, None, None)
         sent.append(collectives.point_to_point_bytes(every_group=True) - before)
