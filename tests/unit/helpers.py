@@ -154,6 +154,20 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[Tensor
 
 
 @contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """A run of one process in this one (a Trainer on one CPU process: a gloo group of one rank); its process group
+    and the environment variables it set are gone after."""
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@contextlib.contextmanager
 def fabric_on_one_process(strategy: Any, **fabric_kwargs: Any) -> Iterator[Any]:
     """``Fabric(accelerator="cpu", devices=1, strategy=strategy, **fabric_kwargs)``, launched: one process of a gloo
     group in this process; the group and the environment variables it set are gone after."""

@@ -9,24 +9,20 @@ The Trainer and Fabric run on one CPU process, in this process.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from scenarios.common import RegressionModel
 from torch import nn
 
 from lightning_fairscale import DDPFullyShardedStrategy, DDPShardedStrategy, checkpointer, consolidate, convert_1x
 from lightning_fairscale import fabric as fabric_strategies
 
-from .helpers import Block, Net, batches, fabric_on_one_process
+from .helpers import one_process, Block, Net, batches, fabric_on_one_process
 
 ENTRIES = ("save_full", "save_sharded", "load", "read_full", "read_fabric", "consolidate", "export", "convert_1x")
 FIXTURE_1X = Path(__file__).parents[1] / "fixtures" / "lightning_1x" / "fsdp_sgd.ckpt"
@@ -92,19 +88,6 @@ class Module(pl.LightningModule):
     def train_dataloader(self) -> Any:
         x, y = (torch.cat(tensors) for tensors in zip(*batches(2)))
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x) // 2)
-
-
-@contextlib.contextmanager
-def one_process() -> Iterator[None]:
-    """A run of one process in this one; its process group and the environment variables it set are gone after."""
-    environ = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
 
 
 def trainer(strategy: Any, steps: int, model: pl.LightningModule, ckpt_path: Any = None) -> pl.Trainer:

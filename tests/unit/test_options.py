@@ -9,25 +9,22 @@ one rank), so the options are fixed by the strategies' own set-up, not by a call
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import inspect
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_fairscale import fabric, strategies
 from lightning_fairscale._adapters import options
 
-from .helpers import fabric_on_one_process
+from .helpers import one_process, fabric_on_one_process
 
 SOURCE = Path(__file__).resolve().parents[2] / "src"
 FSDP = [strategies.DDPFullyShardedStrategy, fabric.DDPFullyShardedStrategy]
@@ -136,20 +133,6 @@ def test_before_setup_every_option_reads_and_writes_through_a_checked_config(str
 # After setup
 
 
-@contextlib.contextmanager
-def trainer_on_one_process() -> Iterator[None]:
-    """A Trainer on one CPU process runs in this process (a gloo group of one rank): the group and the environment
-    variables it set are gone after."""
-    environ = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-
-
 def fit(strategy: Any, tmp_path: Path) -> Any:
     from pytorch_lightning import Trainer
     from pytorch_lightning.demos.boring_classes import BoringModel
@@ -175,7 +158,7 @@ def assert_fixed(strategy: Any, name: str, value: Any) -> None:
 
 def test_trainer_fsdp_options_are_fixed_at_setup_but_the_checkpoint_format(tmp_path: Path) -> None:
     strategy = strategies.DDPFullyShardedStrategy(state_dict_type="sharded", min_num_params=100)
-    with trainer_on_one_process():
+    with one_process():
         trainer = fit(strategy, tmp_path)
         for name, value in [("min_num_params", 10), ("sharding_strategy", "SHARD_GRAD_OP"), ("cpu_offload", True),
                             ("sync_each_batch", True), ("auto_wrap_policy", {torch.nn.Linear})]:
@@ -190,7 +173,7 @@ def test_trainer_fsdp_options_are_fixed_at_setup_but_the_checkpoint_format(tmp_p
 
 def test_trainer_sharded_options_are_fixed_at_setup_but_the_1x_policy(tmp_path: Path) -> None:
     strategy = strategies.DDPShardedStrategy()
-    with trainer_on_one_process():
+    with one_process():
         fit(strategy, tmp_path)
     assert_fixed(strategy, "sync_each_batch", True)
     strategy.lightning_1x_optimizer_state = "reset"

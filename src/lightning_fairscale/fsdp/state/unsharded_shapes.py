@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
+from lightning_fairscale.fsdp.unit.sharded_reads import tensors_in
 
 __all__ = ["ValuesUnavailableError", "param_group_problem", "shaped_params", "unsharded_shapes"]
 
@@ -58,18 +59,6 @@ def _answered() -> frozenset[Callable[..., Any]]:
 _ANSWERED = _answered()
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """The tensors in a function's arguments (inside lists, tuples and dicts)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 class _ShapesOnly(TorchFunctionMode):
     """Raises :class:`ValuesUnavailableError` for any function but the metadata ones (:func:`_answered`) that gets a
     stood-in parameter."""
@@ -83,7 +72,7 @@ class _ShapesOnly(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func not in _ANSWERED:
-            for leaf in _tensors((args, kwargs)):
+            for leaf in tensors_in((args, kwargs)):
                 if id(leaf) in self._names:
                     raise ValuesUnavailableError(self._message(leaf, func))
         return func(*args, **kwargs)

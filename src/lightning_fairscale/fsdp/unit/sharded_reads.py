@@ -175,7 +175,7 @@ def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if name in _PLAIN and func not in _WHOLE_GETTERS:
         with plain_torch_functions():
             return func(*args, **kwargs)
-    tensors = list(_tensors((args, kwargs)))
+    tensors = list(tensors_in((args, kwargs)))
     layouts = [layout for layout in map(layout_of, tensors) if layout is not None]
     if not layouts:  # a view whose `.data` is the whole tensor now (another path's step): plain
         with plain_torch_functions():
@@ -211,15 +211,16 @@ def _dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return _whole_call(func, args, kwargs)
 
 
-def _tensors(tree: Any) -> Iterator[Tensor]:
+def tensors_in(tree: Any) -> Iterator[Tensor]:
+    """The tensors in a function's arguments (inside lists, tuples and dicts)."""
     if isinstance(tree, Tensor):
         yield tree
     elif isinstance(tree, (list, tuple)):
         for item in tree:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(tree, dict):
         for item in tree.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 def _replace(tree: Any, fn: Callable[[Tensor], Tensor]) -> Any:
