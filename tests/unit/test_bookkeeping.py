@@ -34,7 +34,7 @@ def test_a_step_writes_fairscales_plain_state_without_modules_setattr(monkeypatc
     monkeypatch.setattr(fsdp_units.FullyShardedDataParallel, "_rebuild_full_params", _spy(states))
     step(root, optimizer, batches(2)[1])
     assert states, "the step did not run FairScale's bookkeeping"
-    assert written == []  # with `__setattr__ = bookkeeping.set_attribute` removed, FairScale's dozens come back
+    assert written == []  # with the unit class's `__setattr__` removed, FairScale's dozens come back
 
 
 def _spy(states: list[Any]) -> Any:
@@ -48,24 +48,25 @@ def _spy(states: list[Any]) -> Any:
 
 
 def test_set_attribute_still_registers_parameters_modules_and_buffers() -> None:
+    set_attribute = fsdp_units.FullyShardedDataParallel.__setattr__  # the unit class's, on a plain module
     module = nn.Linear(2, 2)
-    bookkeeping.set_attribute(module, "extra", nn.Parameter(torch.ones(1)))
-    bookkeeping.set_attribute(module, "child", nn.ReLU())
+    set_attribute(module, "extra", nn.Parameter(torch.ones(1)))
+    set_attribute(module, "child", nn.ReLU())
     module.register_buffer("scale", torch.ones(1))
-    bookkeeping.set_attribute(module, "scale", torch.zeros(1))
-    bookkeeping.set_attribute(module, "flag", True)
-    bookkeeping.set_attribute(module, "flag", False)  # now a plain attribute: written directly
+    set_attribute(module, "scale", torch.zeros(1))
+    set_attribute(module, "flag", True)
+    set_attribute(module, "flag", False)  # now a plain attribute: written directly
     assert module.flag is False
-    bookkeeping.set_attribute(module, "flag", nn.ReLU())  # a plain attribute given a module: registered
+    set_attribute(module, "flag", nn.ReLU())  # a plain attribute given a module: registered
     assert "flag" in module._modules and "flag" not in module.__dict__
-    bookkeeping.set_attribute(module, "plain", 1)
-    bookkeeping.set_attribute(module, "plain", nn.Parameter(torch.ones(1)))
+    set_attribute(module, "plain", 1)
+    set_attribute(module, "plain", nn.Parameter(torch.ones(1)))
     assert "plain" in module._parameters and "plain" not in module.__dict__
     assert dict(module.named_parameters())["extra"] is module.extra
     assert dict(module.named_children()) == {"child": module.child, "flag": module.flag}
     assert torch.equal(dict(module.named_buffers())["scale"], torch.zeros(1))
     with pytest.raises(TypeError, match="cannot assign"):  # a parameter's name still takes only a parameter
-        bookkeeping.set_attribute(module, "weight", 3)
+        set_attribute(module, "weight", 3)
 
 
 class Normed(nn.Module):

@@ -6,7 +6,9 @@ policy's ``min_num_params``) that Python work is a share of the step that the la
 
 * It writes its plain state (``training_state``, ``has_full_params``, ``_pre_backward_hook_has_run``, ...) a dozen
   times a unit a step through ``nn.Module.__setattr__``, which looks the name up in the parameters, submodules and
-  buffers first. :func:`set_attribute` writes an attribute that is already a plain one directly.
+  buffers first. The unit class's own ``__setattr__``
+  (:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel`) writes an attribute that is already a
+  plain one directly.
 * The root casts every buffer to its unit's device and dtype at every forward (``_cast_buffers``), and each unit
   walks its whole subtree and calls the same on every unit inside it, which walks its subtree again: a model's
   modules are visited once per unit above them. :func:`cast_buffers` visits each once, with the nearest unit above
@@ -16,29 +18,13 @@ policy's ``min_num_params``) that Python work is a share of the step that the la
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Iterator, Optional
 
 import torch
 from fairscale.nn.data_parallel.fully_sharded_data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
 
-__all__ = ["cast_buffers", "set_attribute"]
-
-#: The types of FairScale's plain per-step state: values ``nn.Module.__setattr__`` would only store.
-_PLAIN_TYPES = (bool, int, float, str, type(None))
-
-
-def set_attribute(module: nn.Module, name: str, value: Any) -> None:
-    """``nn.Module.__setattr__``, which stores an attribute that is already a plain one (in the instance's
-    ``__dict__``: never a parameter, submodule or buffer, which ``nn.Module`` keeps elsewhere) to a plain value
-    (``None``, a number, a string or an enum member) without looking it up in the registries first, as
-    ``object.__setattr__``, where ``nn.Module``'s would end up after them."""
-    if name in module.__dict__ and (type(value) in _PLAIN_TYPES or isinstance(value, enum.Enum)):
-        object.__setattr__(module, name, value)
-    else:
-        nn.Module.__setattr__(module, name, value)
-
+__all__ = ["cast_buffers"]
 
 def cast_buffers(
     root: nn.Module, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,

@@ -31,6 +31,7 @@ from torch import nn
 
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 from lightning_fairscale.fsdp.unit.unit_state import OriginalSlots
 
 __all__ = [
@@ -39,13 +40,13 @@ __all__ = [
     "forget",
     "install",
     "is_installed",
-    "is_installed_on",
     "release_views",
     "show",
+    "slots_of",
     "use_full_views",
 ]
 
-def _slots(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> Optional[OriginalSlots]:
+def slots_of(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> Optional[OriginalSlots]:
     """``unit``'s slots (kept in its :class:`~lightning_fairscale.fsdp.unit.unit_state.UnitState`; for a unit of
     FairScale's own class, held by ``model``, its model's owner), ``None`` when :func:`install` did not give it its
     original parameters (or ``unit`` is not a unit)."""
@@ -57,13 +58,8 @@ def _installed_units(root: nn.Module) -> list[tuple[nn.Module, OriginalSlots]]:
     """The units of ``root`` (itself included) that :func:`install` gave their original parameters, with their
     slots."""
     model = unit_state.peek_owner(root)
-    found = ((unit, _slots(unit, model)) for unit in root.modules())
+    found = ((unit, slots_of(unit, model)) for unit in fsdp_instances(root))
     return [(unit, slots) for unit, slots in found if slots is not None]
-
-
-def is_installed_on(unit: nn.Module) -> bool:
-    """Whether :func:`install` gave ``unit`` (itself) its original parameters."""
-    return _slots(unit) is not None
 
 
 def is_installed(root: nn.Module) -> bool:
@@ -79,8 +75,9 @@ def install(
     parameters) the attributes of their modules, tied names included, in the order ``orders`` records for each
     owner (``id(owner) -> names``; an owner it lacks keeps FairScale's order), and hide the flat parameters.
     ``model``: the model's owner, which holds the record of a unit of FairScale's own class."""
-    if _slots(unit, model) is not None:  # installed already (the unit belongs to a model wrapped before)
-        show(unit, model)
+    installed = slots_of(unit, model)
+    if installed is not None:  # installed already (the unit belongs to a model wrapped before)
+        show(unit, installed)
         return
     slots = OriginalSlots()
     names: dict[int, list[str]] = {}
@@ -103,7 +100,7 @@ def install(
     unit_state.of(unit, model).originals = slots
     unit_ref = weakref.ref(unit)
     slots.hook = unit.module.module.register_forward_pre_hook(lambda *_: expose(unit_ref()))
-    show(unit, model)
+    show(unit, slots)
 
 
 def expose(unit: Optional[nn.Module]) -> None:
@@ -113,7 +110,7 @@ def expose(unit: Optional[nn.Module]) -> None:
     :mod:`~lightning_fairscale.fsdp.unit.sharded_reads`), while the modules compute with FairScale's views (instance
     attributes, which attribute lookup finds first). Both reach the shards' gradient, each once: the forward's
     through FairScale's flat parameter, the penalty's through the view (``param_views._add_own_gradients``)."""
-    slots = _slots(unit) if unit is not None else None
+    slots = slots_of(unit) if unit is not None else None
     if slots is None or slots.shown or slots.depth or not getattr(unit, "_is_root", False):
         return
     for owner, order in slots.owners:
@@ -123,11 +120,10 @@ def expose(unit: Optional[nn.Module]) -> None:
                 owner._parameters[name] = slots.params[(id(owner), name)]
 
 
-def show(unit: nn.Module, model: Optional[unit_state.RootState] = None) -> None:
+def show(unit: nn.Module, slots: Optional[OriginalSlots]) -> None:
     """The original parameters become ``unit``'s modules' attributes (FairScale's views of the full parameters, if
-    any, are dropped: autograd keeps what it needs of them); its flat parameters leave ``parameters()``. ``model``:
-    the model's owner, which holds the record of a unit of FairScale's own class."""
-    slots = _slots(unit, model)
+    any, are dropped: autograd keeps what it needs of them); its flat parameters leave ``parameters()``. ``slots``:
+    ``unit``'s (:func:`slots_of`; ``None``: nothing to do)."""
     if slots is None or slots.shown or slots.depth:
         return
     wrapper: Any = unit.module
@@ -173,18 +169,17 @@ def _hide(unit: nn.Module, register_flat: bool, slots: Optional[OriginalSlots]) 
             wrapper._parameters[name] = flat
 
 
-def before_forward(unit: nn.Module) -> None:
-    """Before ``unit``'s forward: FairScale's wrapper sets its views of the full parameters."""
-    _hide(unit, register_flat=False, slots=_slots(unit))
+def before_forward(unit: nn.Module, slots: Optional[OriginalSlots]) -> None:
+    """Before ``unit``'s forward: FairScale's wrapper sets its views of the full parameters. ``slots``: ``unit``'s."""
+    _hide(unit, register_flat=False, slots=slots)
 
 
-def use_full_views(unit: _FairScaleFSDP) -> None:
+def use_full_views(unit: _FairScaleFSDP, slots: Optional[OriginalSlots]) -> None:
     """In ``unit``'s backward (its full parameters gathered again): its modules hold FairScale's views of them from
     its forward, so that a layer that recomputes its forward (activation checkpointing) computes with the full
     parameters. Those views, not new ones: FairScale's gradient hook is on the gradient accumulator the forward's
     views lead to, which torch replaces when the flat parameter's dtype changes (under mixed precision, at every
-    switch between the fp32 shard and the fp16 full parameter)."""
-    slots = _slots(unit)
+    switch between the fp32 shard and the fp16 full parameter). ``slots``: ``unit``'s."""
     if slots is None:
         return
     _hide(unit, register_flat=False, slots=slots)
@@ -209,7 +204,7 @@ def release_views(unit: nn.Module, model: Optional[unit_state.RootState] = None)
     inner = getattr(wrapper, "_fpw_module", None)
     if inner is not None:
         inner.__dict__.pop("_unflattened_param_views", None)
-    slots = _slots(unit, model)
+    slots = slots_of(unit, model)
     if slots is None or not slots.views:
         return
     slots.spent.update((key, weakref.ref(view)) for key, view in slots.views.items())
@@ -222,7 +217,6 @@ def fairscale_layout(root: nn.Module) -> Iterator[None]:
     parameters on the modules), for FairScale's state dicts, loading and ``summon_full_params``; the originals come
     back at the end."""
     units = _installed_units(root)
-    model = unit_state.peek_owner(root)
     for unit, slots in units:
         slots.depth += 1
         if slots.depth == 1:
@@ -232,7 +226,7 @@ def fairscale_layout(root: nn.Module) -> Iterator[None]:
     finally:
         for unit, slots in units:
             slots.depth -= 1
-            show(unit, model)
+            show(unit, slots)
 
 
 def forget(root: nn.Module) -> None:

@@ -49,7 +49,7 @@ def forward(unit: _FairScaleFSDP, args: tuple[Any, ...], kwargs: dict[str, Any])
     try:
         if not unit.has_full_params:  # gathered by the pre-backward hook; a unit freed since is gathered again
             unit._rebuild_full_params()
-        original_params.use_full_views(unit)
+        original_params.use_full_views(unit, original_params.slots_of(unit))
         return unit.module.module(*args, **kwargs)
     finally:
         unit.training_state = state

@@ -116,7 +116,8 @@ def restore(root: nn.Module) -> None:
             registered.clear()
     owner = unit_state.peek_owner(root)
     for unit in units:
-        original_params.show(unit, owner)  # workaround 17: the original parameters (the shards' views) again
+        # workaround 17: the original parameters (the shards' views) again
+        original_params.show(unit, original_params.slots_of(unit, owner))
         original_params.release_views(unit, owner)  # the failed step's graph is of no use
     state = unit_state.owner_of(root)
     if state.failure is None:

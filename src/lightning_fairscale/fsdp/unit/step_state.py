@@ -52,7 +52,8 @@ from torch import nn
 
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed.torch_private import in_backward
-from lightning_fairscale.fsdp.unit import original_params, param_views, unit_state
+from lightning_fairscale.fsdp.unit import original_params, unit_state
+from lightning_fairscale.fsdp.unit.unit_state import UnitState
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 
 __all__ = ["StepState", "before_forward", "gathering", "of"]
@@ -64,16 +65,18 @@ def of(unit: nn.Module) -> Optional[StepState]:
     return StepState(unit) if _adopted(unit) else None
 
 
-def before_forward(unit: nn.Module) -> None:
-    """Before ``unit``'s forward: :meth:`StepState.before_forward`, for a unit of a model the engine set up."""
-    if _adopted(unit):
-        StepState.before_forward(unit)
+def before_forward(unit: nn.Module, state: UnitState) -> None:
+    """Before ``unit``'s forward: :meth:`StepState.before_forward`, for a unit of a model the engine set up
+    (``state``: ``unit``'s)."""
+    if state.owner is not None and state.owner.adopted:
+        StepState.before_forward(unit, state)
 
 
-def gathering(unit: nn.Module) -> None:
-    """``unit`` gathers its full parameters: :meth:`StepState.gathering`, for a unit of a model the engine set up."""
-    if _adopted(unit):
-        StepState.gathering(unit)
+def gathering(unit: nn.Module, state: UnitState) -> None:
+    """``unit`` gathers its full parameters: :meth:`StepState.gathering`, for a unit of a model the engine set up
+    (``state``: ``unit``'s)."""
+    if state.owner is not None and state.owner.adopted:
+        StepState.gathering(unit, state)
 
 
 def _adopted(unit: nn.Module) -> bool:
@@ -99,11 +102,13 @@ class StepState:
     # Before a unit's forward
 
     @staticmethod
-    def before_forward(unit: _FairScaleFSDP) -> None:
-        """Read which of ``unit``'s parameters train now; make its flat parameters require gradients accordingly."""
+    def before_forward(unit: _FairScaleFSDP, state: UnitState) -> None:
+        """Read which of ``unit``'s parameters train now; make its flat parameters require gradients accordingly
+        (``state``: ``unit``'s)."""
         flat_count = unit._num_flatten_params
         for index, managed in enumerate(unit.params):
-            views = param_views.views_of(unit_state.peek_flat(unit, managed))
+            record = state.flats.get(managed)
+            views = record.views if record is not None else None
             if not views:
                 continue
             if index < flat_count:
@@ -114,7 +119,7 @@ class StepState:
                     managed.requires_grad_(wanted)
             else:  # sharded in place: the module's parameter is the managed one, the optimizer holds a view of it
                 flag = managed.requires_grad
-                record = unit_state.flat_record(unit, managed)
+                assert record is not None  # it has views
                 if record.trained is not None and record.trained != flag:  # flipped on the module
                     for view in views:  # (`BaseFinetuning`): the view follows; a flip of the view (`toggle_optimizer`)
                         view.param.requires_grad_(flag)  # stays its own
@@ -123,13 +128,13 @@ class StepState:
                     view.trainable = view.param.requires_grad and flag
 
     @staticmethod
-    def gathering(unit: _FairScaleFSDP) -> None:
+    def gathering(unit: _FairScaleFSDP, state: UnitState) -> None:
         """``unit`` gathers its full parameters: in a forward with gradients, note its shards' versions; in a backward
         (its pre-backward hook, a recomputation, a second backward through a kept graph), refuse shards that an
         optimizer changed since: the backward would differentiate the new weights where the forward computed with the
-        old ones, which unsharded torch refuses too ("modified by an inplace operation")."""
-        versions = _shard_versions(unit)
-        record = unit_state.of(unit)
+        old ones, which unsharded torch refuses too ("modified by an inplace operation"). ``state``: ``unit``'s."""
+        versions = _shard_versions(unit, state)
+        record = state
         if not in_backward():
             if torch.is_grad_enabled():
                 record.shard_versions = versions
@@ -197,11 +202,13 @@ def _end_state(unit: _FairScaleFSDP) -> Optional[TrainingState]:
     return TrainingState.BACKWARD_PRE
 
 
-def _shard_versions(unit: _FairScaleFSDP) -> list[int]:
+def _shard_versions(unit: _FairScaleFSDP, state: UnitState) -> list[int]:
     """The version counters of ``unit``'s shards and of their views (the optimizer updates the shards in place through
     the views, whose ``.data`` is set to slices of them: each has a counter of its own)."""
     versions = []
     for managed in unit.params:
         versions.append(getattr(managed, "_fp32_shard", managed)._version)
-        versions.extend(view.param._version for view in param_views.views_of(unit_state.peek_flat(unit, managed)))
+        record = state.flats.get(managed)
+        if record is not None:
+            versions.extend(view.param._version for view in record.views)
     return versions

@@ -15,7 +15,9 @@ by the workarounds above that say "all devices".
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import itertools
 import inspect
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -33,6 +35,7 @@ from lightning_fairscale.fsdp.unit import copying, frozen_params, not_run, origi
 from lightning_fairscale.fsdp.unit import rank_agreement, recovery
 from lightning_fairscale.fsdp.unit import step_state, ties, unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances, named_fsdp_instances
+from lightning_fairscale.fsdp.unit.unit_state import UnitState
 from lightning_fairscale.fsdp.patches.bucketing import GlooReduceScatterBucketer, ReduceScatterBucketer
 from lightning_fairscale.fsdp.patches.cpu_streams import _CPU_STREAM
 from lightning_fairscale.fsdp.patches.grad_norm import clip_grad_norm_
@@ -55,6 +58,9 @@ def _cast_float32(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]
     with torch.no_grad():
         return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
 
+
+#: The types of FairScale's plain per-step state: values ``nn.Module.__setattr__`` would only store.
+_PLAIN_TYPES = (bool, int, float, str, type(None))
 
 _FSDP_SIGNATURE = inspect.signature(_FairScaleFSDP.__init__)
 
@@ -143,6 +149,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         self.compute_dtype = half
         self.buffer_dtype = arguments.get("buffer_dtype") or half
 
+    #: What we know about this unit and its flat parameters (made in ``__init__``).
+    unit_state: UnitState
     #: The CPU prefetcher of this unit's root (workaround 16), ``None`` where it does not apply (CUDA).
     _prefetcher: Optional[prefetch.Prefetcher] = None
     #: The check that every rank runs this unit's root's units alike (issue 54 item 4), shared by them; ``None``
@@ -154,8 +162,18 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     # it its own compiler back). A skipped call, not a graph break: a `fullgraph=True` compile around a unit works.
     __call__ = torch.compiler.disable(_FairScaleFSDP.__call__)
 
-    # FairScale's per-step bookkeeping, for less Python work (the same effect).
-    __setattr__ = bookkeeping.set_attribute
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``nn.Module.__setattr__``, for less Python work with the same effect: FairScale writes its plain per-step
+        state (``training_state``, ``has_full_params``, ...) a dozen times a unit a step, and ``nn.Module``'s looks
+        each name up in the parameters, submodules and buffers first. An attribute that is already a plain one (in
+        the instance's ``__dict__``: never a parameter, submodule or buffer) given a plain value (``None``, a number,
+        a string, an enum member) is stored directly, where ``nn.Module``'s would end up after its lookups."""
+        if name in self.__dict__ and (type(value) in _PLAIN_TYPES or isinstance(value, enum.Enum)):
+            object.__setattr__(self, name, value)
+        else:
+            nn.Module.__setattr__(self, name, value)
+
+    # FairScale's cast of the buffers at every forward, each module once (the same effect).
     _cast_buffers = bookkeeping.cast_buffers
 
     @recovery.restoring  # after an exception in a step, the units as the last completed step left them
@@ -171,7 +189,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._is_root is None:  # FairScale's forward starts with it too; here it decides the root and sets up
             self._lazy_init()  # the prefetcher, once (again after FairScale resets it): it walks the whole model
-        step_state.before_forward(self)  # workaround 28: which parameters train now
+        step_state.before_forward(self, self.unit_state)  # workaround 28: which parameters train now
         agreement = self._agreement if not prefetch.in_backward() else None
         if agreement is not None:
             if self._is_root:
@@ -180,7 +198,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         computes_in_bf16 = self.mixed_precision and self.compute_dtype is torch.bfloat16
         if computes_in_bf16 and self._is_root:  # the root: inputs enter here
             args, kwargs = _cast_float32(self.compute_dtype, args, kwargs)
-        original_params.before_forward(self)  # workaround 17: FairScale's views while the unit computes
+        # workaround 17: FairScale's views while the unit computes
+        original_params.before_forward(self, self.unit_state.originals)
         try:
             with forward_grads.gradients_set_aside(self.params):  # workaround 26: what dynamo may trace
                 if not self._is_root or self._prefetcher is None:
@@ -195,7 +214,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
                 agreement.forward_ended()  # every rank ran the same units
             return result
         finally:
-            original_params.show(self)  # workaround 17: the original parameters again
+            original_params.show(self, self.unit_state.originals)  # workaround 17: the original parameters again
             if agreement is not None and self._is_root:
                 agreement.outside_forward()
 
@@ -204,18 +223,22 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
     ) -> Iterator[tuple[str, nn.Module]]:
         """``nn.Module.named_modules``, but once the unit holds the original parameters (workaround 17) its wrappers
         (this unit and FairScale's ``FlattenParamsWrapper``) take the path of the module they wrap, so that
-        ``model.named_parameters()`` names the parameters as the unwrapped model does."""
-        if not original_params.is_installed_on(self):
-            yield from super().named_modules(memo, prefix, remove_duplicate)
-            return
+        ``model.named_parameters()`` names the parameters as the unwrapped model does.
+
+        Not a generator: the iterator it returns is torch's (each module the walk yields is not a call into this
+        file), and this unit's wrappers are entered in ``memo`` when it is called, as torch's walk of a parent does
+        before it iterates a child's."""
+        if self.unit_state.originals is None:
+            return super().named_modules(memo, prefix, remove_duplicate)
         memo = set() if memo is None else memo
         wrapper = self._fsdp_wrapped_module
+        head = []
         for module in (self, wrapper):
             if module not in memo:
                 if remove_duplicate:
                     memo.add(module)
-                yield prefix, module
-        yield from wrapper.module.named_modules(memo, prefix, remove_duplicate)
+                head.append((prefix, module))
+        return itertools.chain(head, wrapper.module.named_modules(memo, prefix, remove_duplicate))
 
     def _setup_streams(self) -> None:
         if len(self._streams) > 0 or not self._is_root:
@@ -250,7 +273,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         if self._agreement is not None and self._prefetcher is None and not self.has_full_params:
             if not prefetch.in_backward():  # FairScale gathers, in a forward: every rank is at the same unit
                 self._agreement.before_collective()
-        step_state.gathering(self)  # workaround 28: the shards a backward differentiates are its forward's
+        # workaround 28: the shards a backward differentiates are its forward's
+        step_state.gathering(self, self.unit_state)
         if self._prefetcher is None or force_full_precision:
             if self._prefetcher is not None:
                 self._prefetcher.settle(self)
@@ -258,7 +282,8 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         else:
             result = self._prefetcher.rebuild(self, super()._rebuild_full_params)  # workaround 16
         if prefetch.in_backward() and not force_full_precision:
-            original_params.use_full_views(self)  # workaround 17: a recomputed forward sees the full parameters
+            # workaround 17: a recomputed forward sees the full parameters
+            original_params.use_full_views(self, self.unit_state.originals)
         return result
 
     def _use_full_params(self) -> None:
@@ -267,7 +292,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
             return
         super()._use_full_params()
         if prefetch.in_backward():
-            original_params.use_full_views(self)  # workaround 17
+            original_params.use_full_views(self, self.unit_state.originals)  # workaround 17
 
     def _free_full_params(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
         if self._prefetcher is not None:
