@@ -112,8 +112,10 @@ def test_throughput_and_device_stats_report_what_ddp_reports(runs: Jobs, name: s
     per_sample = flops / (GLOBAL_BATCH // 2)
     assert ours["train/device/flops_per_sec"] == pytest.approx(ours["train/device/samples_per_sec"] * per_sample,
                                                                 rel=1e-6)
-    # Samples per second: the same quantity (same order of magnitude on a shared CPU), not a shard's share.
-    assert 0.05 < ours["train/samples_per_sec"] / ddp["train/samples_per_sec"] < 20
+    # Samples per second: the whole world's, as under "ddp" (each rank's rate times the 2 ranks), not a shard's share.
+    # (A relation, not a ratio to "ddp"'s rate: the two runs' speeds depend on the machine's load.)
+    for logged in (ours, ddp):
+        assert logged["train/samples_per_sec"] == pytest.approx(logged["train/device/samples_per_sec"] * 2, rel=1e-6)
     # The model's parameter count is the whole model's (the model summary), not this rank's shard.
     ours_summary, ddp_summary = runs[f"throughput-{name}"]["summaries"], runs["throughput-ddp"]["summaries"]
     assert ours_summary[0]["total"] == ddp_summary[0]["total"] > 0
