@@ -15,8 +15,8 @@
 =======================  ==========================================================================================
 
 Its arguments are plain values, nothing that calls back into a strategy: the sharded model
-(:class:`~lightning_fairscale.fsdp.state.saving.ShardedModel`, which ``WrappedModel.for_checkpoints()`` gives once the
-units are settled), states and paths, and :class:`Files`: this rank, the sharded storage, the full files (the
+(:class:`~lightning_fairscale.fsdp.state.saving.ShardedModel`, which ``WrappedModel.settled()`` gives once the units
+are settled), states and paths, and :class:`Files`: this rank, the sharded storage, the full files (the
 CheckpointIO plugin, as :class:`FullFiles`) and the background writer. Every write is atomic (with
 :class:`~lightning_fairscale.ShardedCheckpointIO`: :mod:`lightning_fairscale.checkpoint.files`); before every save the
 background writes that failed so far, and before every load all of them, are settled on every rank together

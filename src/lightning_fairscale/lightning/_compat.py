@@ -1,12 +1,15 @@
 # Generated from lightning_fairscale/_compat.py by `make lightning`: do not edit.
-"""Every private name of Lightning and torch that lightning-fairscale uses, in one place.
+"""The private names of Lightning that lightning-fairscale imports, and the private attributes of Lightning's objects
+that it reads or writes through functions here (:data:`PRIVATE_ATTRIBUTES`), in one place.
 
-Lightning and torch may rename or remove a private name in any release; importing them all here means an upgrade
-breaks this one module, with an error that names what moved, instead of any file of the package. No other module
-of the package imports a private Lightning name, and no other module reads or writes a private attribute of a
-Lightning object: the functions here do (``tests/unit/test_import_graph.py`` checks both). The one exception by
-design is :mod:`lightning_fairscale.callbacks.model_summary`, whose summary subclasses Lightning's ``ModelSummary``
-and overrides its private hooks.
+Lightning may rename or remove a private name in any release; reaching them here means an upgrade breaks this one
+module, with an error that names what moved, instead of any file of the package. No other module of the package
+imports a private Lightning name, and none uses an attribute of :data:`PRIVATE_ATTRIBUTES`
+(``tests/unit/test_import_graph.py`` checks both). That list is fixed: a private attribute of a Lightning object
+outside it is not caught. Those used elsewhere, by design: :mod:`lightning_fairscale.callbacks.model_summary`, whose
+summary subclasses Lightning's ``ModelSummary`` and overrides its private hooks; the strategies' overrides of
+Lightning's private methods (``_setup_model``, ``_configure_launcher``) and Fabric's ``_backward_sync_control``.
+torch's private names are in :mod:`lightning_fairscale.distributed.torch_private`.
 
 Checked against pytorch-lightning / lightning-fabric / lightning 2.6.0 and 2.6.6, and torch 2.13. This module is
 bound to Lightning (see :mod:`lightning_fairscale.lightning`): ``make lightning`` (``tools/generate_lightning.py``)
@@ -67,7 +70,7 @@ __all__ = [
 ]
 
 
-#: The private attributes of Lightning objects that the package uses (all through this module).
+#: The private attributes of Lightning objects that the package uses through this module (no other module uses them).
 PRIVATE_ATTRIBUTES = (
     "_timeout", "_checkpoint_io", "_layer_sync", "_precision_plugin", "_precision", "_trainer",
     "_launcher", "_start_method", "_optimizer", "_compiler_ctx", "_average_model", "_forward_module",
