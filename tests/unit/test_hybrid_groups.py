@@ -1,18 +1,31 @@
 """The lifecycle of the strategies' process groups (``fsdp.patches.hybrid``): made once per layout, reused while they
-live, kept by a root unit that stays sharded, destroyed at teardown or when the root is dropped. On a real one-rank gloo
+live, held by the owner of a model the engine wraps, kept at teardown while a kept root's owner holds them, destroyed
+at teardown otherwise, when the root is unsharded, or at exit. On a real one-rank gloo
 world: with one rank every layout is ``(1, 1)``, and the groups are real groups torch makes and destroys."""
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FairScaleFSDP
+from torch import nn
 
-from lightning_fairscale.distributed import collectives
-from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of, release_groups, sharding_groups
+from lightning_fairscale.distributed import collectives, process_exit
+from lightning_fairscale.fsdp import engine as fsdp_engine
+from lightning_fairscale.fsdp.config import FullyShardedConfig
+from lightning_fairscale.fsdp.model import WrappedModel
+from lightning_fairscale.fsdp.patches import hybrid
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, sharding_groups
+from lightning_fairscale.fsdp.state.optim import ParameterLayout
+from lightning_fairscale.fsdp.unit import unit_state
+from lightning_fairscale.fsdp.unit.instances import fsdp_instances
+from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
+
+from .helpers import Block, Net, fsdp_kwargs
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -37,28 +50,86 @@ def test_each_layout_makes_its_groups_once_and_every_later_set_up_reuses_them() 
     assert tensor.tolist() == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.usefixtures("process_group")
-def test_a_kept_root_owns_its_groups_until_it_is_dropped() -> None:
-    groups = sharding_groups((1, 1), 0, 1, TIMEOUT)
-    collectives.all_reduce(torch.ones(2), group=groups.replica)
-    root = SimpleNamespace(process_group=groups.all_gather)  # a root unit kept sharded for the next stage
-    assert not release_groups(groups.sharding(), [root, torch.nn.Linear(1, 1)])  # the strategy's teardown keeps them
-    assert not any(_destroyed(group) for group in groups.all())
-    assert sharding_groups((1, 1), 0, 1, TIMEOUT) == groups  # the next stage reuses them
-    drop_groups_of(root)  # unshard_module
-    assert all(_destroyed(group) for group in groups.all())
-    assert collectives.all_reduced_bytes(groups.replica) == 0  # forgotten: nothing refers to it any more
-    again = sharding_groups((1, 1), 0, 1, TIMEOUT)
-    assert not set(map(id, again.all())) & set(map(id, groups.all()))  # a later set-up makes new ones
+def _wrap(config: FullyShardedConfig, model: nn.Module) -> tuple[ProcessGroups, WrappedModel]:
+    """``model`` wrapped as a strategy's set-up wraps it, over the groups of the strategy's set-up."""
+    groups = fsdp_engine.make_process_groups(config, rank=0, world_size=1, num_nodes=1, timeout=TIMEOUT)
+    return groups, fsdp_engine.wrap_model(config, model, torch.device("cpu"), groups, "32-true", None, [], None)
 
 
 @pytest.mark.usefixtures("process_group")
-def test_teardown_destroys_the_groups_no_root_holds_and_only_those_made_here() -> None:
-    groups = sharding_groups(None, 0, 1, TIMEOUT)
-    assert release_groups(groups.sharding(), [SimpleNamespace(process_group=None)])
+def test_the_owner_holds_the_groups_its_root_shards_over() -> None:
+    groups, wrapped = _wrap(FullyShardedConfig(auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD"), Net())
+    owner = unit_state.owner_of(wrapped.root)
+    assert owner.groups == groups and groups.replica is not None
+    units = list(fsdp_instances(wrapped.root))
+    assert len(units) == 3 and all(unit_state.peek_owner(unit) is owner for unit in units)
+    # What FairScale's units were given (read here only to check that the owner tells the truth).
+    assert all(unit.process_group is groups.all_gather for unit in units)
+    assert all(unit.process_group_reduce_scatter is groups.reduce_scatter for unit in units)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_teardown_keeps_the_groups_a_kept_roots_owner_holds_until_it_is_unsharded() -> None:
+    config = FullyShardedConfig(auto_wrap_policy={Block})
+    groups, wrapped = _wrap(config, Net())
+    collectives.all_reduce(torch.ones(2), group=groups.all_gather)
+    # The strategy's teardown: its root is kept sharded for the next stage (beside what a front end may pass too).
+    assert not fsdp_engine.release_groups(groups, [None, nn.Linear(1, 1), wrapped.root])
+    assert not any(_destroyed(group) for group in groups.sharding())
+    assert fsdp_engine.make_process_groups(config, 0, 1, 1, TIMEOUT) == groups  # the next stage reuses them
+    assert not fsdp_engine.release_groups(groups, [wrapped.root])  # and its teardown keeps them again
+    wrapped.unshard(keep=True)  # `unshard_module`: the owner's groups go
     assert all(_destroyed(group) for group in groups.sharding())
-    assert not release_groups(groups.sharding(), [])  # twice: nothing left to destroy
-    foreign = dist.new_group()
-    assert not release_groups([foreign], []) and not _destroyed(foreign)
-    drop_groups_of(SimpleNamespace(process_group=foreign))
-    assert not _destroyed(foreign)
+    assert unit_state.owner_of(wrapped.root).groups is None
+    assert collectives.all_reduced_bytes(groups.all_gather) == 0  # forgotten: nothing refers to it any more
+    again = fsdp_engine.make_process_groups(config, 0, 1, 1, TIMEOUT)
+    assert not set(map(id, again.sharding())) & set(map(id, groups.sharding()))  # a later set-up makes new ones
+    assert fsdp_engine.release_groups(again, [wrapped.root])  # the unsharded root holds none
+
+
+@pytest.mark.usefixtures("process_group")
+def test_teardown_destroys_the_groups_held_by_no_owner_even_when_a_unit_shards_over_them() -> None:
+    """Only an owner keeps groups: a root the engine never set up (wrapped by hand, in FairScale's class or ours) holds
+    none, though its units were built over the strategy's groups; a root over other groups does not keep these."""
+    config = FullyShardedConfig()
+    groups, other = _wrap(config, Net())
+    layout = fsdp_engine.make_process_groups(config, 0, 1, 1, timedelta(seconds=31))  # another layout
+    kwargs = fsdp_kwargs(process_group=layout.all_gather, process_group_reduce_scatter=layout.reduce_scatter)
+    by_hand = FairScaleFSDP(Net(), **kwargs)
+    ours_by_hand = FullyShardedDataParallel(Net(), **kwargs)  # never set up: no owner
+    fsdp_engine.finish_wrapping(ours_by_hand, ParameterLayout().after_wrapping(ours_by_hand))  # an owner, no groups
+    assert unit_state.owner_of(ours_by_hand).groups is None
+    assert fsdp_engine.release_groups(layout, [by_hand, ours_by_hand, other.root, None])
+    assert all(_destroyed(group) for group in layout.sharding())
+    assert not any(_destroyed(group) for group in groups.sharding())  # the set-up root's, kept
+
+
+@pytest.mark.usefixtures("process_group")
+def test_only_the_groups_made_here_are_destroyed_and_only_once() -> None:
+    groups = sharding_groups(None, 0, 1, TIMEOUT)
+    assert hybrid.release_groups(groups, [None, ProcessGroups()])
+    assert all(_destroyed(group) for group in groups.sharding())
+    assert not hybrid.release_groups(groups, [])  # twice: nothing left to destroy
+    hybrid.drop_groups(groups)
+    hybrid.drop_groups(None)
+    assert not hybrid.release_groups(ProcessGroups(), [])  # none made (FairScale's default group): nothing to do
+    foreign = ProcessGroups(dist.new_group(), dist.new_group())
+    assert not hybrid.release_groups(foreign, []) and not any(map(_destroyed, foreign.sharding()))
+    hybrid.drop_groups(foreign)
+    assert not any(map(_destroyed, foreign.sharding()))
+
+
+def test_exit_drops_the_owners_reference_to_its_groups(
+    process_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At exit the owner, like the units, lets go of its groups: a model the user keeps to the end (a module-level
+    variable) must not keep gloo's threads alive into the interpreter's finalization (see ``process_exit``)."""
+    for name, value in (("_strategies", weakref.WeakSet()), ("_holders", weakref.WeakSet()), ("_groups", [])):
+        monkeypatch.setattr(process_exit, name, value)  # only this test's records (the handler runs again at exit)
+    monkeypatch.setattr(process_exit, "_default", None)
+    groups, wrapped = _wrap(FullyShardedConfig(), Net())
+    owner = unit_state.owner_of(wrapped.root)
+    assert owner.groups == groups
+    process_exit._close_process_groups()
+    assert owner.groups is None and all(_destroyed(group) for group in groups.sharding())
+    assert dist.is_initialized()  # the default group was there before: it stays

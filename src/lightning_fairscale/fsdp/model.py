@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_fairscale.checkpoint.checks import RELAX_FABRIC, IncompatibleKeys
 from lightning_fairscale.fsdp.patches import cpu_streams
-from lightning_fairscale.fsdp.patches.hybrid import drop_groups_of
+from lightning_fairscale.fsdp.patches.hybrid import drop_groups
 from lightning_fairscale.fsdp.unit import recovery, shard_layout, step_state, unit_state
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.activation_checkpointing import remove_activation_checkpointing
@@ -313,11 +313,12 @@ class WrappedModel:
         root = self.root
         module = unwrapped(root)
         unwrap_module(root, torch.device("cpu"), keep=keep)
-        drop_groups_of(root)  # nothing shards over them any more
+        owner = unit_state.owner_of(root)
+        drop_groups(owner.groups)  # nothing shards over them any more (every rank unshards: a collective call)
+        owner.groups = None
         forget_root(module)
         uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint
         remove_activation_checkpointing(module)
-        owner = unit_state.owner_of(root)
         cpu_streams.release(owner.cpu_hold)  # the sharded model's hold on the CPU workarounds ends with it
         owner.cpu_hold = None
         for step in list(self._record.whole.values()):

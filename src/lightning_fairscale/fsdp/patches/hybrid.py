@@ -2,21 +2,25 @@
 :mod:`lightning_fairscale.fsdp.patches.workarounds`). The names and shapes a user gives, the process groups, and the
 all-reduce of each gradient shard over its replicas.
 
-The process groups of every layout (full sharding too) live here, from the first stage that shards that way to the
-moment nothing shards over them any more:
+The process groups of every layout (full sharding too), from the first stage that shards that way to the moment
+nothing shards over them any more:
 
 * :func:`sharding_groups` makes a layout's groups at a strategy's set-up (a collective call) and gives the same ones
   to every later set-up of that layout (another stage, another Trainer), as long as they live: FairScale's caches
-  keyed by group (its reduce-scatter buckets) stay valid, and a run of many stages makes no new groups.
-* A root unit kept sharded after a stage (``fit`` then ``validate``:
-  :func:`~lightning_fairscale.fsdp.wrapping.unwrapping. remember_root`) shards over its groups in the later stages, so
-  it owns them: :func:`release_groups`, at a strategy's teardown, destroys the strategy's groups only when no kept root
-  shards over them, and :func:`drop_groups_of` destroys a root's groups when the root is unsharded (``unshard_module``).
+  keyed by group (its reduce-scatter buckets) stay valid, and a run of many stages makes no new groups. Its registry
+  is keyed by layout and holds them weakly (torch's own registry holds a group until it is destroyed).
+* A sharded model's owner (:attr:`~lightning_fairscale.fsdp.unit.unit_state.RootState.groups`, set when the engine
+  wraps the model) holds the groups its root shards over; a root kept sharded after a stage (``fit`` then
+  ``validate``) shards over them in the later stages, so its owner owns them: :func:`release_groups`, at a
+  strategy's teardown, destroys the strategy's groups only when no kept root's owner holds them, and
+  :func:`drop_groups` destroys an owner's groups when its root is unsharded (``unshard_module``).
 * Whatever is left (a root the user dropped without unsharding it) is closed with the default group when the process
-  exits (:mod:`lightning_fairscale.distributed.process_exit`). This module keeps only weak references: it never keeps
-  a group alive.
+  exits (:mod:`lightning_fairscale.distributed.process_exit`).
 
-Destroying a group is local (each rank shuts its own end down), so a failed stage may do it too.
+Groups are destroyed only at these points, which every rank reaches alike (a teardown, an unsharding, the exit), never
+from a garbage-collector finalizer of a model or its owner: destroying a group is local, and if the collector freed a
+model on one rank and not yet on another, the next :func:`sharding_groups` (``new_group``, a collective) would make
+new groups on one rank only and hang. Destroying being local, a failed stage may do it too.
 """
 
 from __future__ import annotations
@@ -30,12 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from lightning_fairscale.distributed import collectives
 
 __all__ = [
     "ProcessGroups",
-    "drop_groups_of",
+    "drop_groups",
     "hybrid_groups",
     "mesh_request",
     "release_groups",
@@ -195,22 +198,23 @@ def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, world_size: int,
     return groups
 
 
-def release_groups(groups: Iterable[Any], roots: Iterable[Any]) -> bool:
-    """At a strategy's teardown: destroy ``groups`` (its groups, e.g. ``(all_gather, reduce_scatter)``) unless one
-    of ``roots`` (root units kept sharded for a later stage) shards over them, which then owns them (see
-    :func:`drop_groups_of`). Returns whether they were destroyed. Groups this module did not make are left alone."""
-    groups = list(groups)
-    if not groups or any(getattr(root, "process_group", None) is groups[0] for root in roots):
+def release_groups(groups: ProcessGroups, held: Iterable[Optional[ProcessGroups]]) -> bool:
+    """At a strategy's teardown: destroy ``groups`` (the strategy's) unless one of ``held`` is the same groups: the
+    groups the owners of the roots kept sharded for a later stage hold (``None`` for a root that holds none), which
+    then own them (see :func:`drop_groups`). Returns whether they were destroyed. Groups this module did not make
+    are left alone."""
+    if groups.all_gather is None or any(
+        other is not None and other.all_gather is groups.all_gather for other in held
+    ):
         return False
-    return _destroy(groups[0])
+    return _destroy(groups.all_gather)
 
 
-def drop_groups_of(root: _FairScaleFSDP) -> None:
-    """Destroy the groups that ``root`` (a root unit being unsharded or dropped) shards over, if this module made
-    them. Call it on every rank, when nothing will run a collective on them any more."""
-    group = getattr(root, "process_group", None)
-    if group is not None:
-        _destroy(group)
+def drop_groups(groups: Optional[ProcessGroups]) -> None:
+    """Destroy ``groups`` (those a root being unsharded shards over, held by its owner), if this module made them.
+    Call it on every rank, when nothing will run a collective on them any more."""
+    if groups is not None and groups.all_gather is not None:
+        _destroy(groups.all_gather)
 
 
 def _destroy(all_gather: Any) -> bool:

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
+
 __all__ = [
     "Failure",
     "FlatState",
@@ -165,6 +167,10 @@ class RootState:
     #: The hook on the user's module by which it finds its root while kept sharded
     #: (:func:`~lightning_fairscale.fsdp.wrapping.unwrapping.remember_root`), ``None`` when none is registered.
     keeper: Optional[RemovableHandle] = None
+    #: The process groups its root shards over (:func:`~lightning_fairscale.fsdp.engine.wrap_model`'s), until it is
+    #: unsharded (:mod:`~lightning_fairscale.fsdp.patches.hybrid`: when they are destroyed); ``None`` for a model the
+    #: engine did not wrap.
+    groups: Optional[ProcessGroups] = None
 
 
 @dataclass(eq=False)
