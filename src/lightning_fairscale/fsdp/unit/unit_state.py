@@ -1,11 +1,11 @@
 """What this package knows about a sharded model, its units and its flat parameters, in objects of its own.
 
-FairScale's units, their flat parameters and the user's modules and optimizers are not ours: nothing of ours is
-written into them. One sharded model has one owner, its :class:`RootState`, made when the model is set up
-(:func:`owner_of` its root unit) and held by the root unit's :class:`UnitState`: what is known about the model as a
-whole (the front end's record of it, whether its optimizers hold views, its failed step, its hold on FairScale's CPU
-workarounds, the hook that lets the user's module find its root), and the records of its units of FairScale's own
-class (wrapped by hand: not ours, so their records are held here, by the owner). Dropped with the root unit.
+FairScale's units, their flat parameters and the user's modules and optimizers are not ours: nothing of ours is written
+into them. One sharded model has one owner, its :class:`RootState`, made when the model is set up (:func:`owner_of` its
+root unit) and held by the root unit's :class:`UnitState`: what is known about the model as a whole (the front end's
+record of it, whether its optimizers hold views, its failed step, its hold on FairScale's CPU workarounds, the hook that
+lets the user's module find its root, the process groups it shards over), and the records of its units of FairScale's
+own class (wrapped by hand: not ours, so their records are held here, by the owner). Dropped with the root unit.
 
 What we know about a unit of ours is its :class:`UnitState`, made when the unit is built and held by the unit
 (:class:`~lightning_fairscale.fsdp.unit.units.FullyShardedDataParallel` is our class: an ordinary attribute of it),
