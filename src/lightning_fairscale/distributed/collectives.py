@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import exchanges
 
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-def _device_types(group: Any) -> set[str]:
+def _device_types(group: Optional[ProcessGroup]) -> set[str]:
     """The device types ``group``'s backends take tensors of, e.g. ``{"cuda"}`` for NCCL, ``{"cpu", "cuda"}`` for
     gloo, from its backend configuration (``"cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``, ``"cpu:gloo,cuda:nccl"``)."""
     config = dist.get_backend_config(group)
@@ -67,7 +68,7 @@ def _current_device(device_type: str) -> torch.device:
     return torch.device(device_type, current()) if callable(current) else torch.device(device_type)
 
 
-def group_device(group: Any, device: torch.device) -> torch.device:
+def group_device(group: Optional[ProcessGroup], device: torch.device) -> torch.device:
     """Where a tensor on ``device`` must be for a collective on ``group``: ``device`` itself when the group's backend
     takes tensors there (gloo: any; NCCL: CUDA), else the current device of the type the backend takes (CUDA first).
 
@@ -84,7 +85,7 @@ def group_device(group: Any, device: torch.device) -> torch.device:
     return _current_device("cuda" if "cuda" in types else sorted(types)[0])
 
 
-def _in_place(tensor: Tensor, group: Any, collective: Callable[[Tensor], Any]) -> Tensor:
+def _in_place(tensor: Tensor, group: Optional[ProcessGroup], collective: Callable[[Tensor], Any]) -> Tensor:
     """Run an in-place ``collective`` on ``tensor``, moved to the group's device and back when it must be."""
     device = group_device(group, tensor.device)
     moved = tensor if device == tensor.device else tensor.to(device)
@@ -95,10 +96,10 @@ def _in_place(tensor: Tensor, group: Any, collective: Callable[[Tensor], Any]) -
 
 
 #: The bytes of the tensors :func:`all_reduce` has reduced in this process, by process group (``None``: the world).
-_all_reduced: dict[Any, int] = {}
+_all_reduced: dict[Optional[ProcessGroup], int] = {}
 
 
-def all_reduced_bytes(group: Any = None) -> int:
+def all_reduced_bytes(group: Optional[ProcessGroup] = None) -> int:
     """How many bytes of tensors this process has all-reduced over ``group`` through :func:`all_reduce` so far.
 
     Under hybrid sharding the gradient shards cross the nodes this way only (over the replica group), once per
@@ -107,20 +108,24 @@ def all_reduced_bytes(group: Any = None) -> int:
     return _all_reduced.get(group, 0)
 
 
-def forget_group(group: Any) -> None:
+def forget_group(group: ProcessGroup) -> None:
     """Drop what this module keeps about ``group`` (its :func:`all_reduced_bytes`), which is being destroyed: no
     reference here must keep a destroyed group alive."""
     _all_reduced.pop(group, None)
     _sent_bytes.pop(group, None)
 
 
-def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
+def all_reduce(
+    tensor: Tensor,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+) -> Tensor:
     """``dist.all_reduce`` of ``tensor``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
     _all_reduced[group] = _all_reduced.get(group, 0) + tensor.numel() * tensor.element_size()
     return _in_place(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
 
 
-def all_agree(decision: bool, group: Any = None) -> bool:
+def all_agree(decision: bool, group: Optional[ProcessGroup] = None) -> bool:
     """Whether ``decision`` is true on every rank of ``group`` (the default group: all ranks); ``decision`` itself
     when no process group exists. A collective call, which fails after the group's timeout when a rank is lost.
 
@@ -134,7 +139,7 @@ def all_agree(decision: bool, group: Any = None) -> bool:
     return bool(flag)
 
 
-def all_equal(value: int, group: Any = None) -> bool:
+def all_equal(value: int, group: Optional[ProcessGroup] = None) -> bool:
     """Whether ``value`` (an int64) is the same on every rank of ``group``: one all-reduce of two integers (the
     maximum of the value and of its negation), on every rank alike. Not counted by :func:`all_reduced_bytes`."""
     both = torch.tensor([value, -value], dtype=torch.int64)
@@ -142,12 +147,12 @@ def all_equal(value: int, group: Any = None) -> bool:
     return both.tolist() == [value, -value]
 
 
-def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> Tensor:
+def broadcast(tensor: Tensor, src: int = 0, group: Optional[ProcessGroup] = None) -> Tensor:
     """``dist.broadcast`` of ``tensor`` from rank ``src``, in place, wherever ``tensor`` lives. Returns ``tensor``."""
     return _in_place(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
 
 
-def gather(tensor: Tensor, dst: int = 0, group: Any = None) -> Optional[list[Tensor]]:
+def gather(tensor: Tensor, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[list[Tensor]]:
     """Every rank's ``tensor`` (all of one shape), in rank order, on rank ``dst`` (a global rank); ``None`` on the
     other ranks. The results are on ``tensor``'s device.
 
@@ -187,7 +192,12 @@ def current_name(name: str) -> Callable[..., Any]:
     raise AttributeError(f"torch.distributed has no {name} (nor any newer name of it)")
 
 
-def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
+def reduce_scatter_tensor(
+    output: Tensor,
+    input: Tensor,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Optional[ProcessGroup] = None,
+) -> Tensor:
     """The reduce-scatter of ``input`` into ``output`` (in place), wherever ``output`` and ``input`` live: torch's
     ``reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13)."""
     reduce_scatter = current_name("reduce_scatter_tensor")
@@ -201,14 +211,14 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = dist.ReduceOp
     return output
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+def all_gather_object(obj: Any, group: Optional[ProcessGroup] = None) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order, on every rank. PyTorch picks the device for the group."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, obj, group=group)
     return everyone
 
 
-def gather_object(obj: Any, dst: int = 0, group: Any = None) -> Optional[list[Any]]:
+def gather_object(obj: Any, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[list[Any]]:
     """Every rank's ``obj`` (picklable), in rank order, on rank ``dst`` (a global rank); ``None`` elsewhere."""
     everyone: Optional[list[Any]] = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(obj, everyone, dst=dst, group=group)
@@ -219,7 +229,9 @@ def gather_object(obj: Any, dst: int = 0, group: Any = None) -> Optional[list[An
 POINT_TO_POINT_TAG = 19
 
 
-def point_to_point(sends: list[tuple[int, Tensor]], receives: list[tuple[int, Tensor]], group: Any = None) -> None:
+def point_to_point(
+    sends: list[tuple[int, Tensor]], receives: list[tuple[int, Tensor]], group: Optional[ProcessGroup] = None
+) -> None:
     """Send each ``(peer, tensor)`` of ``sends`` to that rank of ``group`` and receive each of ``receives`` from its
     peer, all at once (``torch.distributed.batch_isend_irecv``), and wait for them; the received tensors are filled
     in place, wherever they live. Two messages between the same pair of ranks match in the order each lists them.
@@ -247,10 +259,10 @@ def point_to_point(sends: list[tuple[int, Tensor]], receives: list[tuple[int, Te
 
 
 #: The bytes :func:`point_to_point` has sent from this process, by process group (``None``: the world).
-_sent_bytes: dict[Any, int] = {}
+_sent_bytes: dict[Optional[ProcessGroup], int] = {}
 
 
-def point_to_point_bytes(group: Any = None, every_group: bool = False) -> int:
+def point_to_point_bytes(group: Optional[ProcessGroup] = None, every_group: bool = False) -> int:
     """How many bytes this process has sent through :func:`point_to_point` over ``group`` (``None``: the world) so
     far, or with ``every_group`` over all groups together (what the optimizers' whole path moves over the shard
     groups: ``benchmarks/whole_optimizers.py`` reports it)."""
@@ -322,13 +334,15 @@ def recording_traffic() -> Iterator[list[Transfer]]:
 
         return call
 
-    exchanged: dict[str, Callable[..., Any]] = {
+    exchanged: dict[str, Callable[..., exchanges.Exchange]] = {
         "all_gather": exchanges.all_gather, "reduce_scatter": exchanges.reduce_scatter
     }
 
-    def exchange(kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def exchange(kind: str, function: Callable[..., exchanges.Exchange]) -> Callable[..., exchanges.Exchange]:
         @functools.wraps(function)
-        def call(output: Tensor, inputs: Any, group: Any = None) -> Any:
+        def call(
+            output: Tensor, inputs: Tensor | list[Tensor], group: Optional[ProcessGroup] = None
+        ) -> exchanges.Exchange:
             payload = _nbytes(output) if kind == "all_gather" else sum(_nbytes(t) for t in inputs)
             transfers.append(Transfer(kind, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), payload))
             return function(output, inputs, group=group)

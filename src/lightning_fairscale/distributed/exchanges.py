@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 __all__ = ["Exchange", "all_gather", "is_gloo", "reduce_scatter", "usable"]
 
@@ -34,7 +35,7 @@ __all__ = ["Exchange", "all_gather", "is_gloo", "reduce_scatter", "usable"]
 GATHER_TAG, REDUCE_TAG = 17, 18
 
 
-def is_gloo(group: Any) -> bool:
+def is_gloo(group: Optional[ProcessGroup]) -> bool:
     """Whether ``group`` is a gloo group that torch knows (``False`` for another backend, or a destroyed group)."""
     try:
         return dist.get_backend(group) == "gloo"
@@ -42,7 +43,7 @@ def is_gloo(group: Any) -> bool:
         return False
 
 
-def usable(group: Any, *tensors: Tensor) -> bool:
+def usable(group: Optional[ProcessGroup], *tensors: Tensor) -> bool:
     """Whether the exchanges here can replace gloo's collectives for ``tensors`` on ``group``: a gloo group of
     more than one rank, dense contiguous CPU tensors."""
     if not is_gloo(group) or dist.get_world_size(group) < 2:
@@ -73,7 +74,7 @@ def _chunk(tensor: Tensor, index: int, size: int) -> Tensor:
     return tensor.narrow(0, index * size, size)
 
 
-def all_gather(output: Tensor, shard: Tensor, group: Any = None) -> Exchange:
+def all_gather(output: Tensor, shard: Tensor, group: Optional[ProcessGroup] = None) -> Exchange:
     """Start gathering every rank's ``shard`` (1-D, one size on every rank) into ``output`` (1-D, their
     concatenation in rank order)."""
     me, size = dist.get_rank(group), shard.numel()
@@ -86,7 +87,7 @@ def all_gather(output: Tensor, shard: Tensor, group: Any = None) -> Exchange:
     return Exchange("all_gather", works)
 
 
-def reduce_scatter(output: Tensor, chunks: list[Tensor], group: Any = None) -> Exchange:
+def reduce_scatter(output: Tensor, chunks: list[Tensor], group: Optional[ProcessGroup] = None) -> Exchange:
     """Start the sum over the ranks of their ``chunks[r]`` into ``output`` on each rank ``r`` (``chunks``: one 1-D
     tensor of ``output``'s size per rank). ``chunks`` must stay unchanged until the exchange is waited for."""
     me, world = dist.get_rank(group), dist.get_world_size(group)

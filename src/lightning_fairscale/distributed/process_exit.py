@@ -90,7 +90,7 @@ def closing_at_exit(holder: object) -> Iterator[None]:
     close_process_group_at_exit(holder, before)
 
 
-def record_groups(*groups: Any) -> None:
+def record_groups(*groups: Optional[dist.ProcessGroup]) -> None:
     """Record process groups a strategy made, to destroy at exit (``None`` and non-member placeholders skipped)."""
     _groups.extend(group for group in groups if isinstance(group, dist.ProcessGroup) and group not in _groups)
     _register()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -160,7 +161,7 @@ class WrappedModel:
                 step.install(optimizer)
                 self._record.whole[optimizer] = step
 
-    def norm_group(self, optimizer: Optimizer) -> Any:
+    def norm_group(self, optimizer: Optimizer) -> Optional[ProcessGroup]:
         """The process group over which the norm of ``optimizer``'s gradients is taken (``None``: the default group,
         for an optimizer not re-pointed here): the group its units shard over, one replica's under hybrid sharding
         (every unit of a model shards over one group), the same on every rank, also one that holds no view."""

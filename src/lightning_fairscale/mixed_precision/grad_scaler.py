@@ -6,9 +6,10 @@ back off the scale (workaround 5 of :mod:`lightning_fairscale.fsdp.patches.worka
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import collectives
 
@@ -22,7 +23,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     and back off the scale: the per-device "found inf" flags are summed over the process group after unscaling.
     """
 
-    def __init__(self, device: str = "cpu", process_group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, device: str = "cpu", process_group: Optional[ProcessGroup] = None, **kwargs: Any) -> None:
         super().__init__(device=device, **kwargs)
         self.process_group = process_group
 
@@ -45,7 +46,7 @@ def fsdp_grad_scaler(device: str) -> ShardedGradScaler:
     return ShardedGradScaler(device=device)
 
 
-def sharded_grad_scaler(device: str) -> Any:
+def sharded_grad_scaler(device: str) -> torch.amp.GradScaler:
     """Sharded DDP's loss scaler for fp16, whose inf/NaN checks are combined across ranks: FairScale's
     ``ShardedGradScaler`` on CUDA (OSS keeps gradients on the GPU), the device-generic one of
     :mod:`lightning_fairscale.fsdp.patches.workarounds` elsewhere."""

@@ -4,7 +4,7 @@ half precision."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 from fairscale.optim.grad_scaler import ShardedGradScaler as _FairScaleShardedGradScaler
@@ -84,7 +84,7 @@ class FullyShardedMixedPrecisionPlugin(_GlobalNormClipping, MixedPrecision):
     """
 
     def __init__(
-        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
+        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[torch.amp.GradScaler] = None
     ) -> None:
         precision = mixed_precision_name(precision, type(self).__name__)
         if scaler is None and precision == "16-mixed":

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import collectives
 from lightning_fairscale.distributed.fairscale_private import reduce_scatter_bucketer as _rs_bucketer
@@ -30,7 +29,7 @@ class ReduceScatterBucketer(_rs_bucketer.ReduceScatterBucketer):
 class GlooReduceScatterBucketer(ReduceScatterBucketer):
     """The reduce-scatter bucketer with gloo-compatible input shapes (workaround 3)."""
 
-    def _get_bucket(self, tensor: Tensor, group: Any) -> _rs_bucketer.Bucket:
+    def _get_bucket(self, tensor: Tensor, group: ProcessGroup) -> _rs_bucketer.Bucket:
         key = (tensor.dtype, tensor.device, group)
         if key not in self.buckets:
             world_size = group.size()

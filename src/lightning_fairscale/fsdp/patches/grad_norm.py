@@ -5,11 +5,12 @@ sharding)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import collectives
 
@@ -20,7 +21,9 @@ __all__ = [
 
 
 @torch.no_grad()
-def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: Any = None) -> Tensor:
+def global_grad_norm(
+    params: list[torch.nn.Parameter], norm_type: float, group: Optional[ProcessGroup] = None
+) -> Tensor:
     """The norm of all ranks' gradient shards together, as if they were one vector. A collective call.
 
     Shards are disjoint (padding gradients are zero), so the p-norm of the whole is the p-th root of the sum of
@@ -46,7 +49,9 @@ def global_grad_norm(params: list[torch.nn.Parameter], norm_type: float, group: 
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, norm_type: float, group: Any = None) -> Tensor:
+def clip_grad_norm_(
+    params: list[torch.nn.Parameter], max_norm: float, norm_type: float, group: Optional[ProcessGroup] = None
+) -> Tensor:
     """Scale every shard's gradients by ``max_norm / global_norm`` when the global norm exceeds ``max_norm``.
 
     Uses the same coefficient as :func:`torch.nn.utils.clip_grad_norm_`: ``max_norm / (norm + 1e-6)``, clamped to 1.

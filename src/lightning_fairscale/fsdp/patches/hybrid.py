@@ -28,11 +28,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import collectives
 
@@ -120,7 +122,9 @@ def resolve_mesh(request: Any, world_size: int, num_nodes: int) -> tuple[int, in
     return replicas, shard_size
 
 
-def hybrid_groups(mesh: tuple[int, int], rank: int, timeout: Any) -> tuple[Any, Any, Any]:
+def hybrid_groups(
+    mesh: tuple[int, int], rank: int, timeout: Optional[timedelta]
+) -> tuple[Optional[ProcessGroup], Optional[ProcessGroup], Optional[ProcessGroup]]:
     """This rank's groups under hybrid sharding: its shard group twice (FSDP's all-gather and reduce-scatter
     groups) and its replica group. Ranks ``r * shard_size ...`` form replica ``r`` (consecutive ranks: a node's,
     under torchrun and SLURM), so a shard group never crosses a node and a replica group joins one rank per node.
@@ -130,7 +134,7 @@ def hybrid_groups(mesh: tuple[int, int], rank: int, timeout: Any) -> tuple[Any, 
     replicas, shard_size = mesh
     shard_groups = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(replicas)]
     replica_groups = [list(range(s, replicas * shard_size, shard_size)) for s in range(shard_size)]
-    mine: list[Any] = [None, None, None]
+    mine: list[Optional[ProcessGroup]] = [None, None, None]
     for slot, layouts in ((0, shard_groups), (1, shard_groups), (2, replica_groups)):
         for ranks in layouts:
             group = torch.distributed.new_group(ranks=ranks, timeout=timeout)
@@ -140,7 +144,7 @@ def hybrid_groups(mesh: tuple[int, int], rank: int, timeout: Any) -> tuple[Any, 
 
 
 @torch.no_grad()
-def replicate_gradient(reduced_grad: Tensor, replica_group: Any) -> None:
+def replicate_gradient(reduced_grad: Tensor, replica_group: ProcessGroup) -> None:
     """Average a gradient shard over the replicas, in place (workaround 14). A collective call on ``replica_group``.
 
     Before this, ``reduced_grad`` is the sum of the shard group's gradients (FairScale divides it by the shard group's
@@ -160,26 +164,30 @@ class ProcessGroups:
     same shard index on every node), over ``mesh`` (``(replicas, shard_size)``).
     """
 
-    all_gather: Any = None
-    reduce_scatter: Any = None
-    replica: Any = None
+    all_gather: Optional[ProcessGroup] = None
+    reduce_scatter: Optional[ProcessGroup] = None
+    replica: Optional[ProcessGroup] = None
     mesh: Optional[tuple[int, int]] = None
 
-    def sharding(self) -> list[Any]:
+    def sharding(self) -> list[ProcessGroup]:
         """The groups FSDP shards over (all-gather, then reduce-scatter), none before they are made."""
         return [group for group in (self.all_gather, self.reduce_scatter) if group is not None]
 
-    def all(self) -> tuple[Any, Any, Any]:
+    def all(self) -> tuple[Optional[ProcessGroup], Optional[ProcessGroup], Optional[ProcessGroup]]:
         """``(all_gather, reduce_scatter, replica)``."""
         return self.all_gather, self.reduce_scatter, self.replica
 
 
 #: Each layout's groups while they live, by (world size, mesh, timeout): weak references (torch's own registry of
 #: groups holds them until they are destroyed).
-_layouts: dict[tuple[Any, ...], tuple[Optional[weakref.ref], ...]] = {}
+_layouts: dict[
+    tuple[int, Optional[tuple[int, int]], Optional[timedelta]], tuple[Optional[weakref.ref[ProcessGroup]], ...]
+] = {}
 
 
-def sharding_groups(mesh: Optional[tuple[int, int]], rank: int, world_size: int, timeout: Any) -> ProcessGroups:
+def sharding_groups(
+    mesh: Optional[tuple[int, int]], rank: int, world_size: int, timeout: Optional[timedelta]
+) -> ProcessGroups:
     """This rank's groups for ``mesh`` (``None``: every rank in one group) in a world of ``world_size`` ranks (the
     strategy's: it knows it before, and without asking, the default group): the groups made for the same layout
     before, while they live, else new ones (:func:`hybrid_groups`, or two groups of every rank).
@@ -217,7 +225,7 @@ def drop_groups(groups: Optional[ProcessGroups]) -> None:
         _destroy(groups.all_gather)
 
 
-def _destroy(all_gather: Any) -> bool:
+def _destroy(all_gather: ProcessGroup) -> bool:
     """Destroy the groups of the layout whose all-gather group is ``all_gather``; whether this module made it."""
     for key, refs in list(_layouts.items()):
         groups = _alive(refs, key[1])
@@ -232,7 +240,9 @@ def _destroy(all_gather: Any) -> bool:
     return False
 
 
-def _alive(refs: tuple[Optional[weakref.ref], ...], mesh: Optional[tuple[int, int]]) -> Optional[ProcessGroups]:
+def _alive(
+    refs: tuple[Optional[weakref.ref[ProcessGroup]], ...], mesh: Optional[tuple[int, int]]
+) -> Optional[ProcessGroups]:
     """The groups behind ``refs`` when they all still exist and none was destroyed, else ``None``."""
     groups = [None if ref is None else ref() for ref in refs]
     if not groups or any(ref is not None and group is None for ref, group in zip(refs, groups)):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import exchanges
 
@@ -58,7 +59,7 @@ class AsyncReduceScatter:
         self.bytes_in_flight = 0
 
     def reduce_scatter_async(
-        self, input_list: list[Tensor], group: Any, callback_fn: Optional[Callable[[Tensor], None]] = None
+        self, input_list: list[Tensor], group: ProcessGroup, callback_fn: Optional[Callable[[Tensor], None]] = None
     ) -> None:
         """Start reducing ``input_list`` (one 1-D chunk per rank) over ``group``; ``callback_fn`` gets this rank's
         reduced chunk."""

@@ -17,11 +17,12 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_fairscale.fsdp.unit import param_views, unit_state
@@ -288,7 +289,7 @@ def repoint_optimizer(optimizer: Optimizer, layout: ParameterLayout) -> GroupOrd
     return orders
 
 
-def norm_group(orders: GroupOrder, layout: ParameterLayout) -> Any:
+def norm_group(orders: GroupOrder, layout: ParameterLayout) -> Optional[ProcessGroup]:
     """The process group over which the norm of the gradients of an optimizer re-pointed to ``orders`` is taken: the
     group its units shard over, one replica's under hybrid sharding (every unit of a model shards over one group),
     the same on every rank, also one that holds no view (``None``, the default group, for an empty optimizer)."""

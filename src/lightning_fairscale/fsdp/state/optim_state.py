@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_fairscale.distributed import collectives
@@ -52,7 +53,7 @@ def _is_elementwise(value: Any, like: Tensor) -> bool:
     return isinstance(value, Tensor) and value.shape == like.shape and value.dim() > 0
 
 
-def _gather_full(shard: Tensor, numel: int, group: Any) -> Tensor | None:
+def _gather_full(shard: Tensor, numel: int, group: ProcessGroup | None) -> Tensor | None:
     """Concatenate every rank's shard on rank 0 and drop the padding; ``None`` on the other ranks.
 
     The shards may be in CPU memory (``cpu_offload``) where the backend takes CUDA tensors only (NCCL):
@@ -282,7 +283,7 @@ def load_view_states(
 
 
 def saved_states_by_piece(
-    full: dict[str, Any], optimizer: Optimizer, orders: Sequence[Any]
+    full: dict[str, Any], optimizer: Optimizer, orders: GroupOrder
 ) -> dict[tuple[int, int], Any]:
     """The saved state of each original parameter of a full optimizer state dict ``full`` (the plain layout), by
     ``(id(managed), piece)``, in ``orders`` (each param group's original parameters, in the optimizer's order).

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_fairscale.fsdp.state.optim import GroupOrder, ParameterLayout, managed_params
@@ -77,7 +78,7 @@ class WholePlan:
 
     rank: int
     world: int
-    group: Any
+    group: Optional[ProcessGroup]
     #: Every original parameter the optimizer holds, ordered by ``(m, piece)``: the same on every rank.
     pieces: list[WholePiece]
     _by_param: dict[int, WholePiece] = field(default_factory=dict)
@@ -149,7 +150,7 @@ def make_plan(optimizer: Optimizer, layout: ParameterLayout, orders: GroupOrder)
     """The whole path of ``optimizer`` (re-pointed to ``layout``'s views, its state saved in ``orders``)."""
     params = managed_params(orders)
     position = {id(param): m for m, param in enumerate(params)}
-    found: dict[tuple[int, int], tuple[ParamView, Any]] = {}
+    found: dict[tuple[int, int], tuple[ParamView, torch.nn.Parameter]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             managed, view = layout.view_of(param)

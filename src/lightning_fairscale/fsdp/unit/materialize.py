@@ -28,12 +28,13 @@ before any collective.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
 from fairscale.nn.data_parallel import FullyShardedDataParallel as _FairScaleFSDP
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_fairscale.distributed import collectives
 
@@ -128,7 +129,10 @@ def _quoted(names: list[str]) -> str:
 
 
 def materialize(
-    module: nn.Module, device: torch.device, param_init_fn: Optional[ParamInitFn] = None, group: Any = None
+    module: nn.Module,
+    device: torch.device,
+    param_init_fn: Optional[ParamInitFn] = None,
+    group: Optional[ProcessGroup] = None,
 ) -> bool:
     """Give ``module``'s meta tensors real, initialised ones on ``device`` (see the module's documentation).
 
@@ -202,12 +206,13 @@ def _check_initialised(
     )
 
 
-def _share_random_state(group: Any, device: torch.device) -> None:
+def _share_random_state(group: Optional[ProcessGroup], device: torch.device) -> None:
     """Every rank of ``group`` takes the random state of its first rank (CPU, and ``device``'s when it is a GPU), so
     that random initialisation gives every rank the same tensors."""
     if not dist.is_available() or not dist.is_initialized():
         return
-    group = group if group is not None else dist.group.WORLD
+    # `dist.group.WORLD` is typed optional (``None`` before the default group exists); it exists here.
+    group = group if group is not None else cast(ProcessGroup, dist.group.WORLD)
     if dist.get_world_size(group) == 1:
         return
     source = dist.get_global_rank(group, 0)

@@ -14,6 +14,7 @@ import itertools
 import os
 import sys
 import threading
+import types
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
@@ -21,6 +22,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_fairscale.distributed.torch_private import default_store, plain_torch_functions, torch_functions_again
 
@@ -55,7 +59,7 @@ class ShardLayout:
     shape: torch.Size
     ranges: tuple[tuple[int, int], ...]
     rank: int
-    group: Any = None
+    group: Optional[ProcessGroup] = None
     #: Whether an empty view (this rank holds none of the parameter) reads as having an empty gradient now: the
     #: ranks holding elements hold their gradients (every rank must make the same reductions).
     empty_grad: Optional[Callable[[], bool]] = None
@@ -98,7 +102,7 @@ _LOCAL_CALLERS = (
 #: Torch's Python entry points between the user's call and ``__torch_function__``: skipped to find the caller.
 _TORCH_ENTRIES = ("torch.overrides", "torch.functional", "torch._tensor", "torch.nn.functional", "torch.nn.parameter")
 #: Code object -> True (a local caller), False (the user's), None (an entry point to look past).
-_CALLERS: dict[Any, Optional[bool]] = {}
+_CALLERS: dict[types.CodeType, Optional[bool]] = {}
 
 
 @contextlib.contextmanager
@@ -111,13 +115,13 @@ def local_reads() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def local_steps(optimizer: Any) -> tuple[Any, Any]:
+def local_steps(optimizer: Optimizer) -> tuple[RemovableHandle, RemovableHandle]:
     """Make ``optimizer``'s steps run with plain local tensors at torch's own speed: ``__torch_function__`` off for
     the step (an element-wise optimizer's dozen operations per parameter would each pay it), on again for the
     closure the step calls (Lightning's closure runs ``training_step`` and the backward, which read as the user's
     code). The handles of the two hooks (they live with the optimizer)."""
 
-    def before(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def before(_: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         end_steps()  # a step that raised never ran its post-hook
         guard = plain_torch_functions()
         guard.__enter__()
@@ -146,7 +150,7 @@ def _closure_with_reads(closure: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def _foreach_as_for_plain_tensors(optimizer: Any) -> list[dict[str, Any]]:
+def _foreach_as_for_plain_tensors(optimizer: Optimizer) -> list[dict[str, Any]]:
     """torch's optimizers choose their ``foreach`` kernels by default (``foreach=None``) on CUDA for plain tensors
     only, not for tensor subclasses: for the step, such a group asks for them explicitly (what it gets for plain
     tensors); :func:`end_steps` gives it its ``None`` back. The groups changed."""
@@ -191,7 +195,7 @@ def reads_locally() -> bool:
 # Collectives with autograd
 
 
-def group_world(group: Any) -> int:
+def group_world(group: Optional[ProcessGroup]) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
@@ -199,7 +203,7 @@ class SumAcrossShards(torch.autograd.Function):
     """The sum of every rank's ``part``; backward: the average of every rank's upstream gradient (DDP's)."""
 
     @staticmethod
-    def forward(ctx: Any, part: Tensor, group: Any) -> Tensor:
+    def forward(ctx: Any, part: Tensor, group: Optional[ProcessGroup]) -> Tensor:
         ctx.group = group
         total = part.detach().clone()
         if group_world(group) > 1:
@@ -211,7 +215,7 @@ class SumAcrossShards(torch.autograd.Function):
         return _averaged(grad, ctx.group), None
 
 
-def _averaged(grad: Tensor, group: Any) -> Tensor:
+def _averaged(grad: Tensor, group: Optional[ProcessGroup]) -> Tensor:
     world = group_world(group)
     grad = grad.detach().clone().contiguous()
     if world > 1:

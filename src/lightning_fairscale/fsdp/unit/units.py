@@ -94,7 +94,7 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
         module: nn.Module,
         *args: Any,
         param_init_fn: Optional[ParamInitFn] = None,
-        replica_group: Any = None,
+        replica_group: Optional[torch.distributed.ProcessGroup] = None,
         backward_prefetch: Optional[str] = "BACKWARD_POST",
         **kwargs: Any,
     ):

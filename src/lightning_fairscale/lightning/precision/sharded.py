@@ -4,9 +4,10 @@ half precision."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from fairscale.optim import OSS
+import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
@@ -72,7 +73,7 @@ class ShardedMixedPrecisionPlugin(_OSSNormClipping, MixedPrecision):
     """
 
     def __init__(
-        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[Any] = None
+        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Optional[torch.amp.GradScaler] = None
     ) -> None:
         precision = mixed_precision_name(precision, type(self).__name__)
         if scaler is None and precision == "16-mixed":
