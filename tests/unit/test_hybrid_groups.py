@@ -1,12 +1,14 @@
 """The lifecycle of the strategies' process groups (``fsdp.patches.hybrid``): made once per layout, reused while they
-live, held by the owner of a model the engine wraps, kept at teardown while a kept root's owner holds them, destroyed
-at teardown otherwise, when the root is unsharded, or at exit. On a real one-rank gloo
-world: with one rank every layout is ``(1, 1)``, and the groups are real groups torch makes and destroys."""
+live, held by the owner of each model the engine wraps over them, kept at teardown while an owner holds them,
+destroyed at teardown otherwise, when the last model holding them is unsharded, or at exit. On a real one-rank gloo
+world (with one rank every layout is ``(1, 1)``, and the groups are real groups torch makes and destroys), and on two
+forked ranks for what another model of the same layout does with them."""
 
 from __future__ import annotations
 
 import weakref
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +20,14 @@ from lightning_fairscale.distributed import collectives, process_exit
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.config import FullyShardedConfig
 from lightning_fairscale.fsdp.model import WrappedModel
-from lightning_fairscale.fsdp.patches import hybrid
+from lightning_fairscale.fsdp.patches import cpu_streams, hybrid
 from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, sharding_groups
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.unit import unit_state
 from lightning_fairscale.fsdp.unit.instances import fsdp_instances
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 
-from .helpers import Block, Net, fsdp_kwargs
+from .helpers import Block, Net, fsdp_kwargs, run_ranks
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -73,24 +75,24 @@ def test_teardown_keeps_the_groups_a_kept_roots_owner_holds_until_it_is_unsharde
     config = FullyShardedConfig(auto_wrap_policy={Block})
     groups, wrapped = _wrap(config, Net())
     collectives.all_reduce(torch.ones(2), group=groups.all_gather)
-    # The strategy's teardown: its root is kept sharded for the next stage (beside what a front end may pass too).
-    assert not fsdp_engine.release_groups(groups, [None, nn.Linear(1, 1), wrapped.root])
+    assert not fsdp_engine.release_groups(groups)  # the strategy's teardown: its root is kept for the next stage
     assert not any(_destroyed(group) for group in groups.sharding())
     assert fsdp_engine.make_process_groups(config, 0, 1, 1, TIMEOUT) == groups  # the next stage reuses them
-    assert not fsdp_engine.release_groups(groups, [wrapped.root])  # and its teardown keeps them again
-    wrapped.unshard(keep=True)  # `unshard_module`: the owner's groups go
+    assert not fsdp_engine.release_groups(groups)  # and its teardown keeps them again
+    wrapped.unshard(keep=True)  # `unshard_module`: the owner lets go, the last one: the groups go
     assert all(_destroyed(group) for group in groups.sharding())
     assert unit_state.owner_of(wrapped.root).groups is None
     assert collectives.all_reduced_bytes(groups.all_gather) == 0  # forgotten: nothing refers to it any more
     again = fsdp_engine.make_process_groups(config, 0, 1, 1, TIMEOUT)
     assert not set(map(id, again.sharding())) & set(map(id, groups.sharding()))  # a later set-up makes new ones
-    assert fsdp_engine.release_groups(again, [wrapped.root])  # the unsharded root holds none
+    assert fsdp_engine.release_groups(again)  # the unsharded root holds none
 
 
 @pytest.mark.usefixtures("process_group")
-def test_teardown_destroys_the_groups_held_by_no_owner_even_when_a_unit_shards_over_them() -> None:
-    """Only an owner keeps groups: a root the engine never set up (wrapped by hand, in FairScale's class or ours) holds
-    none, though its units were built over the strategy's groups; a root over other groups does not keep these."""
+def test_only_the_owners_of_models_the_engine_wrapped_over_the_groups_keep_them() -> None:
+    """A root the engine never set up (wrapped by hand, in FairScale's class or ours) holds none, though its units were
+    built over the strategy's groups; nor does a root of ours wrapped by hand over other groups and given to
+    ``wrap_model`` (it keeps its own)."""
     config = FullyShardedConfig()
     groups, other = _wrap(config, Net())
     layout = fsdp_engine.make_process_groups(config, 0, 1, 1, timedelta(seconds=31))  # another layout
@@ -99,24 +101,63 @@ def test_teardown_destroys_the_groups_held_by_no_owner_even_when_a_unit_shards_o
     ours_by_hand = FullyShardedDataParallel(Net(), **kwargs)  # never set up: no owner
     fsdp_engine.finish_wrapping(ours_by_hand, ParameterLayout().after_wrapping(ours_by_hand))  # an owner, no groups
     assert unit_state.owner_of(ours_by_hand).groups is None
-    assert fsdp_engine.release_groups(layout, [by_hand, ours_by_hand, other.root, None])
+    over_default = FullyShardedDataParallel(Net(), **fsdp_kwargs())  # built over the default group, then set up
+    kept = fsdp_engine.wrap_model(config, over_default, torch.device("cpu"), layout, "32-true", None, [], None)
+    assert kept.root is over_default and unit_state.owner_of(over_default).groups is None
+    assert fsdp_engine.release_groups(layout)
     assert all(_destroyed(group) for group in layout.sharding())
     assert not any(_destroyed(group) for group in groups.sharding())  # the set-up root's, kept
+    assert by_hand is not None and other.root is not None
 
 
 @pytest.mark.usefixtures("process_group")
 def test_only_the_groups_made_here_are_destroyed_and_only_once() -> None:
     groups = sharding_groups(None, 0, 1, TIMEOUT)
-    assert hybrid.release_groups(groups, [None, ProcessGroups()])
+    assert hybrid.release_groups(groups)
     assert all(_destroyed(group) for group in groups.sharding())
-    assert not hybrid.release_groups(groups, [])  # twice: nothing left to destroy
+    assert not hybrid.release_groups(groups)  # twice: nothing left to destroy
     hybrid.drop_groups(groups)
     hybrid.drop_groups(None)
-    assert not hybrid.release_groups(ProcessGroups(), [])  # none made (FairScale's default group): nothing to do
+    assert not hybrid.release_groups(ProcessGroups())  # none made (FairScale's default group): nothing to do
     foreign = ProcessGroups(dist.new_group(), dist.new_group())
-    assert not hybrid.release_groups(foreign, []) and not any(map(_destroyed, foreign.sharding()))
+    hybrid.hold(foreign)
+    assert not hybrid.release_groups(foreign) and not any(map(_destroyed, foreign.sharding()))
     hybrid.drop_groups(foreign)
     assert not any(map(_destroyed, foreign.sharding()))
+
+
+def _two_models(rank: int, world_size: int) -> list[str]:
+    """Two models of one layout (two Trainers, or two ``fabric.setup_module``), over the same groups: a strategy's
+    teardown with no model of its own, then the first model unsharded; the second trains after each."""
+    cpu_streams.install()
+    config = FullyShardedConfig(auto_wrap_policy={Block})
+    models = []
+    for _ in range(2):
+        groups = fsdp_engine.make_process_groups(config, rank, world_size, 1, TIMEOUT)
+        models.append(fsdp_engine.wrap_model(config, Net(), torch.device("cpu"), groups, "32-true", None, [], None))
+    first, second = models
+    assert unit_state.owner_of(first.root).groups == unit_state.owner_of(second.root).groups
+    results = []
+    for event in ("teardown", "unshard"):
+        if event == "teardown":  # a third set-up whose run failed before wrapping (or whose model was dropped)
+            third = fsdp_engine.make_process_groups(config, rank, world_size, 1, TIMEOUT)
+            results.append(f"destroyed: {fsdp_engine.release_groups(third)}")
+        else:
+            first.unshard(keep=True)  # `unshard_module(first)`, on every rank
+        try:
+            second.root(torch.randn(3, 3)).sum().backward()
+            results.append("trains")
+        except Exception as error:  # noqa: BLE001 (what a broken group raises, on both ranks)
+            results.append(repr(error)[:200])
+    groups = unit_state.owner_of(second.root).groups
+    second.unshard(keep=True)  # the last holder: now they go
+    results.append(f"destroyed at last: {groups is not None and all(_destroyed(g) for g in groups.sharding())}")
+    return results
+
+
+def test_another_models_teardown_or_unsharding_leaves_a_model_over_the_same_groups_working(tmp_path: Path) -> None:
+    expected = ["destroyed: False", "trains", "trains", "destroyed at last: True"]
+    assert run_ranks(_two_models, 2, tmp_path, timeout=60) == [expected, expected]
 
 
 def test_exit_drops_the_owners_reference_to_its_groups(

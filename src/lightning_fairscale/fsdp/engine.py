@@ -6,7 +6,7 @@ The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and
 
 * :func:`set_up_run`: the check of the options against the device and the precision, and the process groups of a
   run (:class:`~lightning_fairscale.fsdp.patches.hybrid.ProcessGroups`), made once the default group exists;
-  :func:`release_groups` at the strategy's teardown destroys them unless a model kept sharded holds them;
+  :func:`release_groups` at the strategy's teardown destroys them unless a sharded model's owner holds them;
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing; the
   result is a :class:`~lightning_fairscale.fsdp.model.WrappedModel`, the one object a strategy keeps of a sharded
   model (what it does with it afterwards: :mod:`lightning_fairscale.fsdp.model`);
@@ -87,19 +87,13 @@ def make_process_groups(
     return groups
 
 
-def release_groups(groups: ProcessGroups, roots: Iterable[Optional[Module]]) -> bool:
+def release_groups(groups: ProcessGroups) -> bool:
     """At a strategy's teardown, on every rank: destroy ``groups`` (the strategy's, :func:`set_up_run`'s) unless the
-    owner of one of ``roots`` (the root units it keeps sharded for a later stage) holds them: that model then owns them
-    until it is unsharded (:meth:`~lightning_fairscale.fsdp.model.WrappedModel.unshard`) or the process exits. Returns
-    whether they were destroyed. A root of no model the engine wrapped (wrapped by hand, never set up, not a unit,
-    ``None``) holds none. See :mod:`lightning_fairscale.fsdp.patches.hybrid` for why only these points destroy them."""
-    return hybrid.release_groups(groups, (_groups_of(root) for root in roots))
-
-
-def _groups_of(root: Optional[Module]) -> Optional[ProcessGroups]:
-    """The process groups the owner of ``root``'s model holds, ``None`` when it has no owner (not a unit of ours)."""
-    owner = unit_state.peek_owner(root) if isinstance(root, FullyShardedDataParallel) else None
-    return owner.groups if owner is not None else None
+    owner of a sharded model holds them (a root kept sharded for a later stage, of this strategy or of another set-up
+    of the same layout): they then live until the last such model is unsharded
+    (:meth:`~lightning_fairscale.fsdp.model.WrappedModel.unshard`) or the process exits. Returns whether they were
+    destroyed. See :mod:`lightning_fairscale.fsdp.patches.hybrid` for why only these points and counts decide."""
+    return hybrid.release_groups(groups)
 
 
 @contextlib.contextmanager
@@ -164,7 +158,9 @@ def wrap_model(
         )
     remember_root(module, root)
     owner = unit_state.owner_of(root)
-    owner.groups = groups  # what its units shard over: the model owns them once kept sharded (`release_groups`)
+    if owner.groups is None and groups.all_gather is not None and root.process_group is groups.all_gather:
+        hybrid.hold(groups)  # what its units shard over (not a root built by hand over others): kept while it is
+        owner.groups = groups
     if owner.cpu_hold is None:  # FairScale's CPU workarounds 1-2, for as long as the model is sharded
         owner.cpu_hold = cpu_streams.hold_while_alive(root)
     process_exit.release_at_exit(*fsdp_instances(root), owner)  # their references to process groups dropped at exit

@@ -315,7 +315,7 @@ class WrappedModel:
         module = unwrapped(root)
         unwrap_module(root, torch.device("cpu"), keep=keep)
         owner = unit_state.owner_of(root)
-        drop_groups(owner.groups)  # nothing shards over them any more (every rank unshards: a collective call)
+        drop_groups(owner.groups)  # this model lets go (every rank unshards: a collective call)
         owner.groups = None
         forget_root(module)
         uncompile_regions(module)  # first: a checkpointed layer's compiled forward is inside its checkpoint

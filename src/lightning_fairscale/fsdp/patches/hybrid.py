@@ -10,23 +10,25 @@ nothing shards over them any more:
   keyed by group (its reduce-scatter buckets) stay valid, and a run of many stages makes no new groups. Its registry
   is keyed by layout and holds them weakly (torch's own registry holds a group until it is destroyed).
 * A sharded model's owner (:attr:`~lightning_fairscale.fsdp.unit.unit_state.RootState.groups`, set when the engine
-  wraps the model) holds the groups its root shards over; a root kept sharded after a stage (``fit`` then
-  ``validate``) shards over them in the later stages, so its owner owns them: :func:`release_groups`, at a
-  strategy's teardown, destroys the strategy's groups only when no kept root's owner holds them, and
-  :func:`drop_groups` destroys an owner's groups when its root is unsharded (``unshard_module``).
-* Whatever is left (a root the user dropped without unsharding it) is closed with the default group when the process
-  exits (:mod:`lightning_fairscale.distributed.process_exit`).
+  wraps the model) holds the groups its root shards over (:func:`hold`), and each layout counts its holders: a root
+  kept sharded after a stage (``fit`` then ``validate``) shards over them in the later stages, and another model of
+  the same layout (another Trainer, a second ``fabric.setup_module``) over the same ones. :func:`release_groups`, at a
+  strategy's teardown, destroys the strategy's groups only when no owner holds them, and :func:`drop_groups`, when a
+  root is unsharded (``unshard_module``), when the last holder lets go.
+* Whatever is left (the groups of a root the user dropped without unsharding it, which a later set-up of the same
+  layout reuses) is closed with the default group when the process exits
+  (:mod:`lightning_fairscale.distributed.process_exit`).
 
-Groups are destroyed only at these points, which every rank reaches alike (a teardown, an unsharding, the exit), never
-from a garbage-collector finalizer of a model or its owner: destroying a group is local, and if the collector freed a
-model on one rank and not yet on another, the next :func:`sharding_groups` (``new_group``, a collective) would make
-new groups on one rank only and hang. Destroying being local, a failed stage may do it too.
+Groups are destroyed only at these points, which every rank reaches alike (a teardown, an unsharding, the exit), and
+by counts that change only at points every rank reaches alike (a wrap, an unsharding), never by what the garbage
+collector has freed (whether a dropped model is still alive): destroying a group is local, and if one rank destroyed
+groups another kept, the next :func:`sharding_groups` (``new_group``, a collective) would make new groups on one rank
+only and hang. Destroying being local, a failed stage may do it too.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -41,6 +43,7 @@ from lightning_fairscale.distributed import collectives
 __all__ = [
     "ProcessGroups",
     "drop_groups",
+    "hold",
     "hybrid_groups",
     "mesh_request",
     "release_groups",
@@ -178,11 +181,17 @@ class ProcessGroups:
         return self.all_gather, self.reduce_scatter, self.replica
 
 
-#: Each layout's groups while they live, by (world size, mesh, timeout): weak references (torch's own registry of
-#: groups holds them until they are destroyed).
-_layouts: dict[
-    tuple[int, Optional[tuple[int, int]], Optional[timedelta]], tuple[Optional[weakref.ref[ProcessGroup]], ...]
-] = {}
+@dataclass(eq=False)
+class _Layout:
+    """One layout's groups while they live, weakly (torch's own registry of groups holds them until they are
+    destroyed), and how many sharded models' owners hold them (:func:`hold`, :func:`drop_groups`)."""
+
+    refs: tuple[Optional[weakref.ref[ProcessGroup]], ...]
+    holders: int = 0
+
+
+#: Each layout's groups, by (world size, mesh, timeout).
+_layouts: dict[tuple[int, Optional[tuple[int, int]], Optional[timedelta]], _Layout] = {}
 
 
 def sharding_groups(
@@ -196,48 +205,70 @@ def sharding_groups(
     find the layout's groups alive or none does, since they are made and destroyed at the same points.
     """
     key = (world_size, mesh, timeout)
-    groups = _alive(_layouts.get(key, ()), mesh)
+    layout = _layouts.get(key)
+    groups = _alive(layout.refs, mesh) if layout is not None else None
     if groups is None:
         if mesh is None:  # two, so that all-gathers and reduce-scatters can overlap on GPUs
             groups = ProcessGroups(*(dist.new_group(timeout=timeout) for _ in range(2)))
         else:
             groups = ProcessGroups(*hybrid_groups(mesh, rank, timeout), mesh=mesh)
-        _layouts[key] = tuple(None if group is None else weakref.ref(group) for group in groups.all())
+        _layouts[key] = _Layout(tuple(None if group is None else weakref.ref(group) for group in groups.all()))
     return groups
 
 
-def release_groups(groups: ProcessGroups, held: Iterable[Optional[ProcessGroups]]) -> bool:
-    """At a strategy's teardown: destroy ``groups`` (the strategy's) unless one of ``held`` is the same groups: the
-    groups the owners of the roots kept sharded for a later stage hold (``None`` for a root that holds none), which
-    then own them (see :func:`drop_groups`). Returns whether they were destroyed. Groups this module did not make
-    are left alone."""
-    if groups.all_gather is None or any(
-        other is not None and other.all_gather is groups.all_gather for other in held
-    ):
+def hold(groups: ProcessGroups) -> None:
+    """A sharded model's owner takes ``groups`` (when the engine wraps the model, on every rank): they outlive every
+    strategy's teardown until each owner that took them lets go (:func:`drop_groups`). Groups this module did not
+    make are not counted."""
+    found = _layout_of(groups)
+    if found is not None:
+        found[1].holders += 1
+
+
+def release_groups(groups: ProcessGroups) -> bool:
+    """At a strategy's teardown: destroy ``groups`` (the strategy's) unless a sharded model's owner holds them (a
+    root kept sharded for a later stage, this strategy's or another's: the same layout's set-ups share them). Returns
+    whether they were destroyed. Groups this module did not make are left alone."""
+    found = _layout_of(groups)
+    if found is None or found[1].holders > 0:
         return False
-    return _destroy(groups.all_gather)
+    return _destroy(found[0])
 
 
 def drop_groups(groups: Optional[ProcessGroups]) -> None:
-    """Destroy ``groups`` (those a root being unsharded shards over, held by its owner), if this module made them.
-    Call it on every rank, when nothing will run a collective on them any more."""
-    if groups is not None and groups.all_gather is not None:
-        _destroy(groups.all_gather)
+    """An owner lets go of ``groups`` (its root is unsharded): destroyed once no owner holds them, if this module made
+    them. Call it on every rank, when nothing of that model will run a collective on them any more."""
+    found = _layout_of(groups)
+    if found is not None:
+        found[1].holders -= 1
+        if found[1].holders <= 0:
+            _destroy(found[0])
 
 
-def _destroy(all_gather: ProcessGroup) -> bool:
-    """Destroy the groups of the layout whose all-gather group is ``all_gather``; whether this module made it."""
-    for key, refs in list(_layouts.items()):
-        groups = _alive(refs, key[1])
-        if groups is None or groups.all_gather is not all_gather:
-            continue
-        del _layouts[key]
-        for group in groups.all():
-            if group is not None:
-                collectives.forget_group(group)
-                dist.destroy_process_group(group)
-        return True
-    return False
+def _layout_of(
+    groups: Optional[ProcessGroups],
+) -> Optional[tuple[tuple[int, Optional[tuple[int, int]], Optional[timedelta]], _Layout]]:
+    """The key and record of the layout whose groups ``groups`` are, ``None`` for groups this module did not make
+    (or destroyed)."""
+    if groups is None or groups.all_gather is None:
+        return None
+    for key, layout in _layouts.items():
+        first = layout.refs[0] if layout.refs else None
+        if first is not None and first() is groups.all_gather:
+            return key, layout
+    return None
+
+
+def _destroy(key: tuple[int, Optional[tuple[int, int]], Optional[timedelta]]) -> bool:
+    """Destroy the groups of the layout ``key``; whether they were still alive."""
+    groups = _alive(_layouts.pop(key).refs, key[1])
+    if groups is None:
+        return False
+    for group in groups.all():
+        if group is not None:
+            collectives.forget_group(group)
+            dist.destroy_process_group(group)
+    return True
 
 
 def _alive(

@@ -201,9 +201,9 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
 
     @override
     def teardown(self) -> None:
-        """Lightning's teardown; the process groups are destroyed too, unless a model set up by this strategy is
-        still alive: it shards over them, its owner holds them (see :mod:`lightning_fairscale.fsdp.patches.hybrid`)."""
-        if fsdp_engine.release_groups(self._groups, self._set_up.roots):
+        """Lightning's teardown; the process groups are destroyed too, unless a sharded model's owner holds them (a
+        model set up and not unsharded: see :mod:`lightning_fairscale.fsdp.patches.hybrid`)."""
+        if fsdp_engine.release_groups(self._groups):
             self._groups = ProcessGroups()
         super().teardown()
         finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place

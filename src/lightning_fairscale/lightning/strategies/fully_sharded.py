@@ -400,7 +400,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         """
         finish_background(self.checkpoint_io, self._failed)
         self._failed = False
-        if fsdp_engine.release_groups(self._groups, [self.model]):
+        if fsdp_engine.release_groups(self._groups):
             self._groups = ProcessGroups()
         restore_model_summaries(attached_trainer(self.lightning_module) if self.lightning_module else None)
         if self._sharded is None and not (self.model is not None and has_meta_tensors(self.model)):
