@@ -116,6 +116,9 @@ def test_throughput_and_device_stats_report_what_ddp_reports(runs: Jobs, name: s
     # (A relation, not a ratio to "ddp"'s rate: the two runs' speeds depend on the machine's load.)
     for logged in (ours, ddp):
         assert logged["train/samples_per_sec"] == pytest.approx(logged["train/device/samples_per_sec"] * 2, rel=1e-6)
+    # What the rates divide, counted (not timed): the same batches and samples as "ddp"'s run.
+    assert (ours["train/batches"], ours["train/samples"]) == (ddp["train/batches"], ddp["train/samples"])
+    assert ours["train/samples"] > 0
     # The model's parameter count is the whole model's (the model summary), not this rank's shard.
     ours_summary, ddp_summary = runs[f"throughput-{name}"]["summaries"], runs["throughput-ddp"]["summaries"]
     assert ours_summary[0]["total"] == ddp_summary[0]["total"] > 0

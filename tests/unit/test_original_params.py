@@ -20,6 +20,7 @@ from lightning_fairscale.fsdp.patches import cpu_streams
 from lightning_fairscale.fsdp import engine as fsdp_engine
 from lightning_fairscale.fsdp.state.optim import ParameterLayout
 from lightning_fairscale.fsdp.unit.state_names import clean_path
+from lightning_fairscale.fsdp.unit import original_params
 from lightning_fairscale.fsdp.unit.units import FullyShardedDataParallel
 from lightning_fairscale.fsdp.wrapping.unwrapping import unwrap_module
 
@@ -220,6 +221,31 @@ def test_auto_wrap_keeps_a_tie_in_one_unit(process_group: Any) -> None:
     assert {"blocks.0", "blocks.1"} <= units
     fsdp_engine.finish_wrapping(root, ParameterLayout().after_wrapping(root))  # wrapped by hand: originals installed
     assert model.head.weight is model.embed.weight
+
+
+def test_a_unit_forgotten_inside_fairscales_layout_stays_in_it(process_group: Any) -> None:
+    """``forget`` (before unwrapping) inside a ``fairscale_layout`` context: its end must not put the original
+    parameters back on units that are FairScale's again for good."""
+    root = wrap(TiedLM(), policy={Block}, min_num_params=0)
+    fsdp_engine.finish_wrapping(root, ParameterLayout().after_wrapping(root))
+    assert not any("flat_param" in name for name, _ in root.named_parameters())  # the originals are shown
+    with original_params.fairscale_layout(root):
+        original_params.forget(root)
+    assert any("flat_param" in name for name, _ in root.named_parameters())  # FairScale's layout, as forget left it
+    assert not original_params.is_installed(root)
+
+
+def test_a_walk_skips_a_unit_met_before_with_everything_below_it(process_group: Any) -> None:
+    """``named_modules`` of a unit holding the original parameters, given a ``memo`` that holds it: nothing, as
+    torch's walk skips a module met before (a model that holds one unit under two names)."""
+    root = wrap(TiedLM(), policy={Block}, min_num_params=0)
+    fsdp_engine.finish_wrapping(root, ParameterLayout().after_wrapping(root))
+    unit = next(m for m in root.modules() if isinstance(m, FullyShardedDataParallel) and m is not root)
+    assert list(unit.named_modules(memo={unit})) == []
+    parent = nn.ModuleDict({"a": unit, "b": unit})
+    walked = list(parent.named_modules())
+    assert len({id(module) for _, module in walked}) == len(walked)  # each module once
+    assert walked[1:] == list(unit.named_modules(prefix="a")) and not any(name.startswith("b") for name, _ in walked)
 
 
 def test_only_a_root_the_strategy_set_up_is_a_sharded_model(process_group: Any) -> None:

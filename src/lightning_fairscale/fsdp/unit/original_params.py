@@ -124,7 +124,7 @@ def show(unit: nn.Module, slots: Optional[OriginalSlots]) -> None:
     """The original parameters become ``unit``'s modules' attributes (FairScale's views of the full parameters, if
     any, are dropped: autograd keeps what it needs of them); its flat parameters leave ``parameters()``. ``slots``:
     ``unit``'s (:func:`slots_of`; ``None``: nothing to do)."""
-    if slots is None or slots.shown or slots.depth:
+    if slots is None or slots.shown or slots.depth or slots.forgotten:
         return
     wrapper: Any = unit.module
     for name, _ in slots.flat:
@@ -236,4 +236,5 @@ def forget(root: nn.Module) -> None:
         _hide(unit, register_flat=True, slots=slots)
         if slots.hook is not None:
             slots.hook.remove()
+        slots.forgotten = True
         unit_state.of(unit, model).originals = None

@@ -111,6 +111,9 @@ class OriginalSlots:
     shown: bool = False
     #: How many :func:`fairscale_layout` contexts hold the unit in FairScale's layout (they nest).
     depth: int = 0
+    #: Whether :func:`~lightning_fairscale.fsdp.unit.original_params.forget` put the unit back in FairScale's layout for
+    #: good (a :func:`fairscale_layout` it ran inside must not show the originals again at its end).
+    forgotten: bool = False
     #: FairScale's views of the full parameters from the unit's last forward, ``(id(owner), name) -> view``, until its
     #: backward ends (:func:`release_views`).
     views: dict[tuple[int, str], Tensor] = field(default_factory=dict)

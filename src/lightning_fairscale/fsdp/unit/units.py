@@ -227,10 +227,13 @@ class FullyShardedDataParallel(copying.NotCopyable, _FairScaleFSDP):
 
         Not a generator: the iterator it returns is torch's (each module the walk yields is not a call into this
         file), and this unit's wrappers are entered in ``memo`` when it is called, as torch's walk of a parent does
-        before it iterates a child's."""
+        just before it iterates a child's (a caller that shares one ``memo`` between walks it has not iterated yet
+        would see the difference; torch, Lightning and FairScale make a fresh one for each walk)."""
         if self.unit_state.originals is None:
             return super().named_modules(memo, prefix, remove_duplicate)
         memo = set() if memo is None else memo
+        if self in memo:  # as torch's walk: a module met before is skipped with everything below it
+            return iter(())
         wrapper = self._fsdp_wrapped_module
         head = []
         for module in (self, wrapper):
