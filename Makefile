@@ -62,7 +62,9 @@ demo: $(CORE_STAMP)
 # The test suite: the launched scenarios (tests/, and the docstring examples of src/), the in-process unit tests
 # (`make unit`), the linters (`make lint`) and the docs' examples (`make doctest`). The last three run beside the
 # scenarios, which spend much of their time waiting (for ranks to start, for timeouts they test), each in a session of
-# its own (Ctrl-C on `make test` stops them too), their output printed after the scenarios'; any failure fails it.
+# its own (Ctrl-C on `make test` stops them too), at a lower priority (niceness 10: they take the cores the scenarios
+# leave idle instead of slowing the scenarios down, which set the suite's wall time), their output printed after the
+# scenarios'; any failure fails it.
 CHECKS := $(VENV)/checks
 BESIDE := unit lint doctest
 # The checks' make, named through a variable of our own: GNU make runs every recipe line that names $(MAKE) itself
@@ -71,7 +73,7 @@ SUBMAKE = $(MAKE)
 test: $(STAMP)
 	@rm -rf $(CHECKS) && mkdir -p $(CHECKS)
 	@for check in $(BESIDE); do \
-	  (setsid $(SUBMAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1 & echo $$! > $(CHECKS)/$$check.pid; \
+	  (setsid nice -n 10 $(SUBMAKE) --no-print-directory $$check > $(CHECKS)/$$check.log 2>&1 & echo $$! > $(CHECKS)/$$check.pid; \
 	   wait $$!; echo $$? > $(CHECKS)/$$check.rc) & \
 	done; \
 	trap 'for f in $(CHECKS)/*.pid; do kill -TERM -- -$$(cat $$f) 2>/dev/null; done; exit 130' INT TERM; \

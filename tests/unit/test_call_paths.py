@@ -1,11 +1,11 @@
 """Following a call through the package stays short (issue 55 item 5).
 
-``tools/call_path.py`` and ``tools/wrap_stops.py`` count the *stops* of a phase: how many times the innermost running
-frame of ours changes file (a call into another file of ours, or a return to one). Each runs in a process of its own
-(a gloo group of one rank on the CPU). The bounds are this session's figures with some room (about 15%), far below
-the figures when the issue was filed: a change that makes a walk over the model re-enter the unit class at every
-module (``named_modules`` as a generator of ours: the set-up back to 1,291 stops), or FairScale's attribute writes go
-through another file again (+240), fails here. Raise a bound only for a path that must be longer, and say why.
+``tools/call_path.py`` counts the *stops* of a phase: how many times the innermost running frame of ours changes file (a
+call into another file of ours, or a return to one). It runs in a process of its own (a gloo group of one rank on the
+CPU). The bounds are this session's figures with some room (about 15%), far below the figures when the issue was filed:
+a change that makes a walk over the model re-enter the unit class at every module (``named_modules`` as a generator of
+ours: the set-up back to 1,291 stops), or FairScale's attribute writes go through another file again (+240), fails here.
+Raise a bound only for a path that must be longer, and say why.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +26,6 @@ BOUNDS = {
     "Fabric fsdp_fairscale: fabric.setup (wrapping, optimizer)": (1536, 660),
     "Fabric fsdp_fairscale: one training step": (1112, 850),
     "Fabric fsdp_fairscale: fabric.save (sharded)": (697, 320),
-    "wrap_model": (458, 390),
 }
 
 
@@ -42,8 +39,8 @@ def _run(tool: str) -> dict[str, int]:
     return {match[1]: int(match[2]) for match in re.finditer(r"^(.+?): (\d+) stops", result.stdout, re.MULTILINE)}
 
 
-@pytest.mark.parametrize("tool", ["call_path.py", "wrap_stops.py"])
-def test_set_up_a_step_and_a_save_make_fewer_stops_than_before(tool: str) -> None:
+def test_set_up_a_step_and_a_save_make_fewer_stops_than_before() -> None:
+    tool = "call_path.py"  # (``wrap_stops.py``'s ``wrap_model`` is inside the set-up it measures)
     stops = _run(tool)
     measured = {phase: stops[phase] for phase in BOUNDS if phase in stops}
     assert measured, f"{tool} printed none of the phases: {stops}"
