@@ -75,17 +75,17 @@ def test_teardown_keeps_the_groups_a_kept_roots_owner_holds_until_it_is_unsharde
     config = FullyShardedConfig(auto_wrap_policy={Block})
     groups, wrapped = _wrap(config, Net())
     collectives.all_reduce(torch.ones(2), group=groups.all_gather)
-    assert not fsdp_engine.release_groups(groups)  # the strategy's teardown: its root is kept for the next stage
+    assert not hybrid.release_groups(groups)  # the strategy's teardown: its root is kept for the next stage
     assert not any(_destroyed(group) for group in groups.sharding())
     assert fsdp_engine.make_process_groups(config, 0, 1, 1, TIMEOUT) == groups  # the next stage reuses them
-    assert not fsdp_engine.release_groups(groups)  # and its teardown keeps them again
+    assert not hybrid.release_groups(groups)  # and its teardown keeps them again
     wrapped.unshard(keep=True)  # `unshard_module`: the owner lets go, the last one: the groups go
     assert all(_destroyed(group) for group in groups.sharding())
     assert unit_state.owner_of(wrapped.root).groups is None
     assert collectives.all_reduced_bytes(groups.all_gather) == 0  # forgotten: nothing refers to it any more
     again = fsdp_engine.make_process_groups(config, 0, 1, 1, TIMEOUT)
     assert not set(map(id, again.sharding())) & set(map(id, groups.sharding()))  # a later set-up makes new ones
-    assert fsdp_engine.release_groups(again)  # the unsharded root holds none
+    assert hybrid.release_groups(again)  # the unsharded root holds none
 
 
 @pytest.mark.usefixtures("process_group")
@@ -104,7 +104,7 @@ def test_only_the_owners_of_models_the_engine_wrapped_over_the_groups_keep_them(
     over_default = FullyShardedDataParallel(Net(), **fsdp_kwargs())  # built over the default group, then set up
     kept = fsdp_engine.wrap_model(config, over_default, torch.device("cpu"), layout, "32-true", None, [], None)
     assert kept.root is over_default and unit_state.owner_of(over_default).groups is None
-    assert fsdp_engine.release_groups(layout)
+    assert hybrid.release_groups(layout)
     assert all(_destroyed(group) for group in layout.sharding())
     assert not any(_destroyed(group) for group in groups.sharding())  # the set-up root's, kept
     assert by_hand is not None and other.root is not None
@@ -141,7 +141,7 @@ def _two_models(rank: int, world_size: int) -> list[str]:
     for event in ("teardown", "unshard"):
         if event == "teardown":  # a third set-up whose run failed before wrapping (or whose model was dropped)
             third = fsdp_engine.make_process_groups(config, rank, world_size, 1, TIMEOUT)
-            results.append(f"destroyed: {fsdp_engine.release_groups(third)}")
+            results.append(f"destroyed: {hybrid.release_groups(third)}")
         else:
             first.unshard(keep=True)  # `unshard_module(first)`, on every rank
         try:

@@ -5,8 +5,8 @@ The Trainer's strategy (:mod:`lightning_fairscale.strategies.fully_sharded`) and
 (:mod:`lightning_fairscale.fabric.fully_sharded`) call these functions at their own hooks:
 
 * :func:`set_up_run`: the check of the options against the device and the precision, and the process groups of a
-  run (:class:`~lightning_fairscale.fsdp.patches.hybrid.ProcessGroups`), made once the default group exists;
-  :func:`release_groups` at the strategy's teardown destroys them unless a sharded model's owner holds them;
+  run (:class:`~lightning_fairscale.fsdp.patches.hybrid.ProcessGroups`), made once the default group exists (a
+  strategy's teardown hands them to :func:`~lightning_fairscale.fsdp.patches.hybrid.release_groups`);
 * :func:`wrapping_context` and :func:`wrap_model`: manual and automatic wrapping, activation checkpointing; the
   result is a :class:`~lightning_fairscale.fsdp.model.WrappedModel`, the one object a strategy keeps of a sharded
   model (what it does with it afterwards: :mod:`lightning_fairscale.fsdp.model`);
@@ -52,7 +52,6 @@ __all__ = [
     "finish_wrapping",
     "is_set_up",
     "make_process_groups",
-    "release_groups",
     "set_up_run",
     "wrap_model",
     "wrapped_model",
@@ -85,15 +84,6 @@ def make_process_groups(
     groups = sharding_groups(mesh, rank, world_size, timeout)
     process_exit.record_groups(*groups.all())
     return groups
-
-
-def release_groups(groups: ProcessGroups) -> bool:
-    """At a strategy's teardown, on every rank: destroy ``groups`` (the strategy's, :func:`set_up_run`'s) unless the
-    owner of a sharded model holds them (a root kept sharded for a later stage, of this strategy or of another set-up
-    of the same layout): they then live until the last such model is unsharded
-    (:meth:`~lightning_fairscale.fsdp.model.WrappedModel.unshard`) or the process exits. Returns whether they were
-    destroyed. See :mod:`lightning_fairscale.fsdp.patches.hybrid` for why only these points and counts decide."""
-    return hybrid.release_groups(groups)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from lightning_fairscale.checkpoint.legacy import OptimizerStatePolicy
 from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import engine as fsdp_engine, model as fsdp_model, run as fsdp_run
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.unit.materialize import ParamInitFn, has_meta_tensors, to_device_keeping_meta
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
 from lightning_fairscale.fsdp.unit.state_names import is_wrapped
@@ -399,7 +399,7 @@ class DDPFullyShardedStrategy(DDPStrategy, FullyShardedOptions):
         """
         finish_background(self.checkpoint_io, self._failed)
         self._failed = False
-        if fsdp_engine.release_groups(self._groups):
+        if release_groups(self._groups):
             self._groups = ProcessGroups()
         restore_model_summaries(attached_trainer(self.lightning_module) if self.lightning_module else None)
         if self._sharded is None and not (self.model is not None and has_meta_tensors(self.model)):

@@ -134,12 +134,11 @@ class StepState:
         optimizer changed since: the backward would differentiate the new weights where the forward computed with the
         old ones, which unsharded torch refuses too ("modified by an inplace operation"). ``state``: ``unit``'s."""
         versions = _shard_versions(unit, state)
-        record = state
         if not in_backward():
             if torch.is_grad_enabled():
-                record.shard_versions = versions
+                state.shard_versions = versions
             return
-        noted = record.shard_versions
+        noted = state.shard_versions
         if noted is not None and noted != versions:
             raise RuntimeError(
                 "A backward reaches an FSDP unit whose parameters an optimizer step changed after the forward it"

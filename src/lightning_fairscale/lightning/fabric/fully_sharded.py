@@ -36,7 +36,7 @@ from lightning_fairscale.distributed import process_exit
 from lightning_fairscale.fsdp import engine as fsdp_engine, run as fsdp_run
 from lightning_fairscale.fsdp.wrapping.compile import compiler_from_options, unwrap_compiled
 from lightning_fairscale.fsdp.config import FullyShardedConfig
-from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups
+from lightning_fairscale.fsdp.patches.hybrid import ProcessGroups, release_groups
 from lightning_fairscale.fsdp.wrapping.policies import AutoWrapPolicy
 from lightning_fairscale.lightning.plugins.checkpoint_io import default_checkpoint_io, finish_background
 from lightning_fairscale.lightning.plugins.checkpoint_io import sharded_storage
@@ -203,7 +203,7 @@ class DDPFullyShardedStrategy(DDPStrategy, _Sharded, FullyShardedOptions):
     def teardown(self) -> None:
         """Lightning's teardown; the process groups are destroyed too, unless a sharded model's owner holds them (a
         model set up and not unsharded: see :mod:`lightning_fairscale.fsdp.patches.hybrid`)."""
-        if fsdp_engine.release_groups(self._groups):
+        if release_groups(self._groups):
             self._groups = ProcessGroups()
         super().teardown()
         finish_background(self.checkpoint_io)  # the checkpoints written in the background are in place
